@@ -1,0 +1,178 @@
+"""The `fd` command: plugins | explain | run | save-random | check | bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Callable, Sequence
+
+from fd_core.errors import FdError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, as every other fd error
+        self.exit(EXIT_USAGE, f"fd: error: {message} (see fd {self.prog.split()[-1]} --help)\n")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, sort_keys=False))
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from fd_core.plugins import load_plugins
+
+    plugins = load_plugins()
+    rows = [r.to_dict() for r in plugins.records]
+    if args.json:
+        _print_json({"platform": plugins.platform, "selection": plugins.selection, "plugins": rows})
+        return 0
+    print(f"platform: {plugins.platform} ({plugins.selection})")
+    for kind in ("platform", "model", "extension"):
+        group = [r for r in plugins.records if r.kind == kind]
+        if not group:
+            continue
+        print(f"\n{kind} plugins:")
+        for r in group:
+            origin = f"{r.distribution} {r.version}" if r.distribution else "(not installed: passed in)"
+            print(f"  {r.name:<12} {origin:<24} {r.status}")
+            if r.load_error:
+                print(f"  {'':<12} error: {r.load_error}")
+            if r.hooks:
+                print(f"  {'':<12} hooks: {', '.join(r.hooks)}")
+    if plugins.registry:
+        print("\narchitectures: " + ", ".join(f"{a.name} ({a.package})" for a in plugins.registry))
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from fd_core.backend import load_backend
+    from fd_core.config import ModelConfig, ParallelConfig
+    from fd_core.plugins import load_plugins
+
+    plugins = load_plugins()
+    parallel = ParallelConfig(tp_size=args.tp)
+    backend = load_backend(parallel, plugins=plugins)
+    registry = plugins.registry
+    if args.model in registry:
+        arch = registry.get(args.model)
+        config = ModelConfig.from_dict(arch.name, dict(arch.preset))
+        model_line = f"{arch.name} (registered by {arch.package})"
+    elif len(registry):
+        registry.get(args.model)  # raises, listing the registered architectures
+        raise AssertionError("unreachable")
+    else:
+        config = ModelConfig(architecture=args.model)
+        model_line = f"{args.model} (no model package registers it)"
+    decision = backend.graph_decision(config, requested=args.graph)
+    if args.json:
+        _print_json({**backend.describe(), "model": config.architecture, "graph": decision.to_dict()})
+        return 0
+    det = backend.detection
+    print(f"platform: {backend.platform} ({plugins.selection})")
+    state = "detected" if det.detected else "not detected"
+    print(f"  {state}: {det.reason or '-'}")
+    others = [r for r in plugins.records if r.kind == "platform" and not r.active]
+    for r in others:
+        print(f"  {r.name}: {r.status}")
+    print(f"model: {model_line}, tp={args.tp}")
+    print(f"all-reduce: {backend.all_reduce_binding}")
+    print(f"graph: {decision.summary()}")
+    for vote in decision.votes:
+        print(f"  {vote.line()}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fd_core.launch import run_command
+
+    return run_command(args)
+
+
+def cmd_save_random(args: argparse.Namespace) -> int:
+    from fd_core.runner import save_random_checkpoint
+
+    path = save_random_checkpoint(args.model, args.directory, seed=args.seed)
+    print(f"wrote {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fd", description="Pluggable hardware backends for PaddlePaddle inference.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("plugins", help="list every discovered plugin, its hooks and its detection answer")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_plugins)
+
+    p = sub.add_parser("explain", help="show the chosen platform and the graph decision with every vote")
+    p.add_argument("--model", default="ernie4_5", help="architecture name (default: ernie4_5)")
+    p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size (default: 1)")
+    p.add_argument("--graph", choices=("auto", "off"), default="auto")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("run", help="run a model: load, clean, decide, capture, generate")
+    p.add_argument("--model", default="ernie4_5", help="architecture (default: ernie4_5)")
+    p.add_argument("--tp", type=_positive, default=2, help="tensor-parallel ranks (default: 2)")
+    p.add_argument("--steps", type=_positive, default=16, help="tokens to generate (default: 16)")
+    p.add_argument("--prompt-ids", default="1,2,3,4", help="comma-separated prompt token ids")
+    p.add_argument("--image", default=None, help="image for VL models: a .npy file [C,H,W] (default: synthetic)")
+    p.add_argument("--checkpoint", default=None, help="directory with config.json and *.safetensors")
+    p.add_argument("--graph", choices=("auto", "off"), default="auto")
+    p.add_argument("--reload-cycles", type=_non_negative, default=0, help="weight-update cycles after the first run")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print a machine-readable summary")
+    p.add_argument("--rank-timeout", type=float, default=30.0, help="seconds to wait for the other ranks once one has failed")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("save-random", help="write a seeded random checkpoint (safetensors + config.json)")
+    p.add_argument("--model", default="ernie4_5")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("directory")
+    p.set_defaults(func=cmd_save_random)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except FdError as exc:
+        print(f"fd: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:
+        # `fd plugins --json | head` closed the pipe: not an error of ours.
+        sys.stderr.close()
+        return 0
+    except KeyboardInterrupt:
+        print("fd: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The hook contract: one function per hook. Implementations may take fewer arguments than the spec."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from fd_core.markers import hookspec
+
+if TYPE_CHECKING:
+    from fd_core.config import ModelConfig, ParallelConfig
+    from fd_core.detection import Detection
+    from fd_core.graphs import GraphBackend, GraphVote
+    from fd_core.models import Architecture
+
+
+@hookspec
+def fd_platform_detect() -> Detection | None:
+    """Say whether this platform's hardware is here, how specific the platform is, and what was seen."""
+
+
+@hookspec(firstresult=True)
+def fd_all_reduce(tensor: Any, group: Any) -> Any:
+    """Sum `tensor` over the tensor-parallel `group` and return the result; return None to pass."""
+
+
+@hookspec
+def fd_clean_memory_fragments(state_dict: dict[str, Any] | None) -> None:
+    """Release cached memory blocks after weights are loaded or dropped; `state_dict` may be None."""
+
+
+@hookspec
+def fd_graph_eligibility(
+    model_config: ModelConfig, parallel_config: ParallelConfig, graph_mode: str
+) -> GraphVote | None:
+    """Vote on capturing `graph_mode` graphs for this model and layout; a veto must carry its reason."""
+
+
+@hookspec(firstresult=True)
+def fd_graph_backend(parallel_config: ParallelConfig) -> GraphBackend | None:
+    """Return a new capture / replay / clear object for this device."""
+
+
+@hookspec(firstresult=True)
+def fd_clear_graphs(model: Any) -> bool | None:
+    """Drop `model`'s captured graphs and return True; return None when the model is not yours."""
+
+
+@hookspec
+def fd_register_models(register: Callable[[Architecture], None]) -> None:
+    """Register this package's architectures by calling `register(Architecture(...))` for each."""

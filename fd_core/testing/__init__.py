@@ -1,0 +1,1 @@
+"""The conformance suite for platform plugins, shipped as a pytest plugin."""

@@ -1,0 +1,1 @@
+"""The cuda platform: NCCL all-reduce, caching-allocator cleanup, CUDA graph capture."""

@@ -1,0 +1,67 @@
+"""Hook implementations of the cuda platform (NVIDIA GPUs through paddlepaddle-gpu)."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from fd_core import Detection, GraphVote, ModelConfig, ParallelConfig, hookimpl
+
+GPU_DISTRIBUTION = "paddlepaddle-gpu"
+
+
+@hookimpl
+def fd_platform_detect() -> Detection:
+    """Detected when paddle is a CUDA build and sees at least one device."""
+    try:
+        version(GPU_DISTRIBUTION)
+    except PackageNotFoundError:
+        # Without the GPU build there is nothing to find, and paddle need not be imported to know it.
+        return Detection(detected=False, reason=f"{GPU_DISTRIBUTION} is not installed (pip install 'fd-backends[gpu]')")
+    import paddle
+
+    if not paddle.is_compiled_with_cuda():
+        return Detection(detected=False, reason="paddle is not compiled with CUDA")
+    count = paddle.device.cuda.device_count()
+    if count == 0:
+        return Detection(detected=False, reason="paddle is a CUDA build but sees no CUDA device")
+    return Detection(
+        detected=True,
+        priority=10,
+        reason=f"{count} CUDA device(s): {paddle.device.cuda.get_device_name(0)}",
+        device="gpu",
+        dist_backend="nccl",
+        max_ranks=count,
+    )
+
+
+@hookimpl
+def fd_all_reduce(tensor: Any, group: Any) -> Any:
+    """Sum over NCCL through paddle.distributed."""
+    import paddle.distributed as dist
+
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, sync_op=True)
+    return tensor
+
+
+@hookimpl
+def fd_clean_memory_fragments(state_dict: dict[str, Any] | None) -> None:
+    """Free the loaded state dict's tensors, then empty the caching allocator and synchronize."""
+    from fd_plugins.cuda.memory import empty_device_cache, release_state_dict
+
+    release_state_dict(state_dict)
+    empty_device_cache()
+
+
+@hookimpl
+def fd_graph_eligibility(model_config: ModelConfig, parallel_config: ParallelConfig, graph_mode: str) -> GraphVote:
+    """CUDA graphs capture the decode step, NCCL all-reduce included."""
+    return GraphVote.ok("CUDA graphs capture decode, NCCL all-reduce included")
+
+
+@hookimpl
+def fd_graph_backend(parallel_config: ParallelConfig) -> Any:
+    """A CUDA graph backend."""
+    from fd_plugins.cuda.graphs import CudaGraphBackend
+
+    return CudaGraphBackend()

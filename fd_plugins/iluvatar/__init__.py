@@ -1,0 +1,1 @@
+"""The iluvatar platform: calc-stream all-reduce, device cleanup, and the ERNIE-VL tp>1 graph veto."""
