@@ -133,7 +133,7 @@ class Backend:
 
     @property
     def graph_mode(self) -> str | None:
-        """The kind of graph the platform captures ("static", "cuda_graph", ...), None if none."""
+        """The kind of graph the platform captures (its graph backend's `mode`), None if none."""
         backend = self.hook.fd_graph_backend(parallel_config=self.parallel)
         return getattr(backend, "mode", None) if backend is not None else None
 

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any, Callable, Sequence
 
-from fd_core.errors import FdError
+from fd_core.errors import ConfigError, FdError, RankError
 
 EXIT_USAGE = 2
 
@@ -105,10 +105,45 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from fd_core.launch import run_command
+def _prompt_ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise ConfigError(f"--prompt-ids {text!r}: expected comma-separated integers such as 1,2,3") from None
 
-    return run_command(args)
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fd_core.distributed import launched_rank, spawn_ranks
+    from fd_core.runner import RunConfig, as_json, plan_run, run_rank, spawned_rank, summary_lines
+
+    launched = launched_rank()
+    run = RunConfig(
+        model=args.model,
+        tp=launched[1] if launched else args.tp,
+        steps=args.steps,
+        prompt_ids=_prompt_ids(args.prompt_ids),
+        image_path=args.image,
+        checkpoint=args.checkpoint,
+        graph=args.graph,
+        reload_cycles=args.reload_cycles,
+        seed=args.seed,
+    )
+    if launched:
+        # Started by paddle.distributed.launch: this process is one rank; rank 0 reports.
+        result = spawned_rank(run)
+        results = [result] if launched[0] == 0 else []
+    else:
+        plan = plan_run(run)
+        if run.tp == 1:
+            results = [run_rank(run)]
+        else:
+            results = spawn_ranks(spawned_rank, (run,), run.tp, plan.dist_backend, grace=args.rank_timeout)
+            diverged = [r["rank"] for r in results if r["tokens"] != results[0]["tokens"]]
+            if diverged:
+                raise RankError(f"rank {diverged[0]} generated different tokens than rank 0; the ranks disagree")
+    if results:
+        print(as_json(results[0]) if args.json else "\n".join(summary_lines(results[0])))
+    return 0
 
 
 def cmd_save_random(args: argparse.Namespace) -> int:
@@ -135,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("run", help="run a model: load, clean, decide, capture, generate")
-    p.add_argument("--model", default="ernie4_5", help="architecture (default: ernie4_5)")
+    p.add_argument("--model", default=None, help="architecture (default: the checkpoint's, else ernie4_5)")
     p.add_argument("--tp", type=_positive, default=2, help="tensor-parallel ranks (default: 2)")
     p.add_argument("--steps", type=_positive, default=16, help="tokens to generate (default: 16)")
     p.add_argument("--prompt-ids", default="1,2,3,4", help="comma-separated prompt token ids")

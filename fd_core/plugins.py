@@ -104,8 +104,19 @@ def _impl_function(module: object, hook: str) -> Any:
 
 
 def _nearest(name: str, choices: Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
-    return f"did you mean {close[0]!r}?" if close else f"valid names: {', '.join(sorted(choices))}"
+    """Suggest the closest name; hook names are verb-first, so a matching first word counts most."""
+    choices = list(choices)
+
+    def first_word(text: str) -> str:
+        return text.removeprefix(f"{PROJECT}_").split("_", 1)[0]
+
+    def score(choice: str) -> tuple[bool, float]:
+        return first_word(choice) == first_word(name), difflib.SequenceMatcher(None, name, choice).ratio()
+
+    best = max(choices, key=score, default=None)
+    if best is not None and (score(best)[0] or score(best)[1] >= 0.5):
+        return f"did you mean {best!r}?"
+    return f"valid names: {', '.join(sorted(choices))}"
 
 
 def _hookspec_args(hook: str) -> tuple[str, ...]:
@@ -152,7 +163,14 @@ def new_plugin_manager() -> pluggy.PluginManager:
 def _register(pm: pluggy.PluginManager, name: str, module: object) -> None:
     try:
         pm.register(module, name=name)
-    except (pluggy.PluginValidationError, ValueError) as exc:
+    except pluggy.PluginValidationError as exc:
+        # pluggy's message spans lines: "Plugin .. for hook ..", the definition, then the reason.
+        lines = str(exc).splitlines()
+        hook = next((ln.split("for hook ")[-1].strip("'") for ln in lines if "for hook " in ln), "?")
+        reason = lines[-1][0].lower() + lines[-1][1:] if lines else "invalid"
+        fix = "; make it a generator that yields exactly once" if "generator" in reason else ""
+        raise PluginError(f"plugin {name!r}: hook {hook!r}: {reason}{fix}") from None
+    except ValueError as exc:
         raise PluginError(f"plugin {name!r}: {exc}") from None
 
 

@@ -77,7 +77,8 @@ def random_state_dict(
     }
 
 
-def _checkpoint_files(directory: Path) -> list[Path]:
+def check_checkpoint_dir(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory; raises if it is not a usable checkpoint."""
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint {directory}: not a directory; pass a folder with config.json and *.safetensors")
     if not (directory / "config.json").is_file():
@@ -102,7 +103,7 @@ def load_checkpoint(
     from safetensors import SafetensorError, safe_open
 
     directory = Path(directory)
-    files = _checkpoint_files(directory)
+    files = check_checkpoint_dir(directory)
     where: dict[str, Path] = {}
     handles = []
     try:

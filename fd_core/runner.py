@@ -1,0 +1,326 @@
+"""Model lifecycle on one rank: build, load, clean, decide, capture, generate, and weight reload."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from fd_core.backend import Backend, load_backend
+from fd_core.config import ModelConfig, ParallelConfig
+from fd_core.errors import CheckpointError, ConfigError
+from fd_core.graphs import GraphDecision
+from fd_core.models import Architecture, CausalModel
+from fd_core.plugins import PluginSet, load_plugins
+from fd_core.weights import check_checkpoint_dir, load_checkpoint, random_state_dict, save_checkpoint
+
+BATCH_SIZE = 1
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What `fd run` was asked to do; plain data, so it crosses into spawned ranks."""
+
+    model: str
+    tp: int = 1
+    steps: int = 16
+    prompt_ids: tuple[int, ...] = (1, 2, 3, 4)
+    image_path: str | None = None
+    checkpoint: str | None = None
+    graph: str = "auto"
+    reload_cycles: int = 0
+    seed: int = 0
+    progress: bool = True
+
+
+@dataclass
+class Plan:
+    """A RunConfig checked against the installed plugins, before any rank starts."""
+
+    run: RunConfig
+    arch: Architecture
+    config: ModelConfig
+    platform: str
+    dist_backend: str
+
+
+def resident_bytes() -> int:
+    """This process's resident set size now (not its peak)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _architecture_of(checkpoint: str) -> str | None:
+    data = json.loads((Path(checkpoint) / "config.json").read_text())
+    name = data.get("architecture")
+    if name:
+        return str(name)
+    archs = data.get("architectures") or []
+    return str(archs[0]) if archs else None
+
+
+def model_config_for(arch: Architecture, checkpoint: str | None) -> ModelConfig:
+    if checkpoint is None:
+        return ModelConfig.from_dict(arch.name, dict(arch.preset))
+    return ModelConfig.from_json(arch.name, Path(checkpoint) / "config.json")
+
+
+def plan_run(run: RunConfig, plugins: PluginSet | None = None) -> Plan:
+    """Every check that can fail before a process starts: platform, model, tp, prompt, checkpoint."""
+    plugins = plugins or load_plugins()
+    backend = Backend(plugins)
+    backend.require_hardware()
+    backend.check_ranks(run.tp)
+    if run.steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {run.steps}")
+    model = run.model
+    if run.checkpoint is not None:
+        check_checkpoint_dir(Path(run.checkpoint))
+        found = _architecture_of(run.checkpoint)
+        if found is None:
+            raise CheckpointError(f"checkpoint {run.checkpoint}/config.json names no architecture; add \"architectures\": [\"<name>\"]")
+        if model and plugins.registry.get(model).name != plugins.registry.get(found).name:
+            raise ConfigError(f"--model {model} does not match the checkpoint's architecture {found}; drop --model or pick the right checkpoint")
+        model = found
+    arch = plugins.registry.get(model or "ernie4_5")
+    config = model_config_for(arch, run.checkpoint)
+    config.check_tensor_parallel(run.tp)
+    if not run.prompt_ids:
+        raise ConfigError("--prompt-ids is empty; pass at least one token id")
+    bad = [t for t in run.prompt_ids if not 0 <= t < config.vocab_size]
+    if bad:
+        raise ConfigError(f"prompt token id {bad[0]} is outside the vocabulary 0..{config.vocab_size - 1}")
+    if run.image_path is not None:
+        if not arch.multimodal:
+            raise ConfigError(f"{arch.name} takes no image; drop --image or choose a VL model")
+        if not Path(run.image_path).is_file():
+            raise ConfigError(f"--image {run.image_path}: no such file; pass a .npy array [C, H, W]")
+    return Plan(run, arch, config, backend.platform, backend.detection.dist_backend)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        decoded = len(self.tokens) - 1
+        return decoded / self.decode_s if self.decode_s > 0 and decoded else 0.0
+
+
+@dataclass
+class ModelRunner:
+    """Drives one model through the lifecycle on this rank; the order of steps lives here, not in models."""
+
+    backend: Backend
+    arch: Architecture
+    config: ModelConfig
+    checkpoint: str | None = None
+    seed: int = 0
+    graph: str = "auto"
+    log: Callable[[str], None] = lambda message: None
+    model: CausalModel | None = None
+    decision: GraphDecision | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def _timed(self, phase: str, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        result = fn()
+        self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - start
+        return result
+
+    def read_weights(self) -> dict[str, Any]:
+        """This rank's shards from the checkpoint or the seed, fully read and checked."""
+        assert self.model is not None
+        specs = self.model.weight_specs()
+        p = self.backend.parallel
+        if self.checkpoint is None:
+            return random_state_dict(specs, self.seed, p.tp_rank, p.tp_size)
+        return load_checkpoint(self.checkpoint, specs, p.tp_rank, p.tp_size)
+
+    def load(self) -> None:
+        """Build the model if needed, load weights, then clean memory fragments with the loaded state."""
+        if self.model is None:
+            self.model = self._timed("build", lambda: self.arch.build(self.config, self.backend))
+        shards = self._timed("load", self.read_weights)
+        self._timed("load", lambda: self.model.load_weights(shards))
+        self._timed("cleanup", lambda: self.backend.clean_memory_fragments(shards))
+
+    def decide(self) -> GraphDecision:
+        self.decision = self.backend.graph_decision(self.config, requested=self.graph)
+        return self.decision
+
+    def prepare(self, max_len: int) -> None:
+        """Preallocate the KV cache; capture the decode step when the decision allows it."""
+        assert self.model is not None and self.decision is not None
+        self.model.allocate_cache(BATCH_SIZE, max_len)
+        if self.decision.allowed:
+            graphs = self.backend.graph_backend()
+            self._timed("capture", lambda: self.model.capture(graphs, BATCH_SIZE))
+
+    def generate(self, prompt_ids: list[int], steps: int, image: Any = None) -> GenerationResult:
+        """Greedy decoding: prefill the prompt, then `steps - 1` decode steps."""
+        import numpy as np
+
+        assert self.model is not None
+        ids = np.asarray([prompt_ids], dtype="int64")
+        start = time.perf_counter()
+        logits = self.model.prefill(ids, image)
+        position = int(getattr(self.model, "prefill_length", ids.shape[1]))
+        token = int(logits.argmax(axis=-1).numpy().reshape(-1)[0])
+        prefill_s = time.perf_counter() - start
+        tokens = [token]
+        start = time.perf_counter()
+        last_report = start
+        for step in range(steps - 1):
+            logits = self.model.decode_step(np.asarray([[token]], dtype="int64"), position + step)
+            token = int(logits.argmax(axis=-1).numpy().reshape(-1)[0])
+            tokens.append(token)
+            now = time.perf_counter()
+            if now - last_report > 2.0:
+                self.log(f"decoded {step + 2}/{steps} tokens")
+                last_report = now
+        decode_s = time.perf_counter() - start
+        self.timings["prefill"] = self.timings.get("prefill", 0.0) + prefill_s
+        self.timings["decode"] = self.timings.get("decode", 0.0) + decode_s
+        return GenerationResult(tokens, prefill_s, decode_s)
+
+    def reload(self) -> None:
+        """A weight update: clear graphs, release weights, clean, load, clean (capture is prepare's)."""
+        assert self.model is not None
+        # Graphs first: a captured graph still points at the weights (releasing first hung FastDeploy).
+        self._timed("clear", lambda: self.backend.clear_graphs(self.model))
+        self._timed("release", self.model.release_weights)
+        self._timed("cleanup", lambda: self.backend.clean_memory_fragments(None))
+        self.load()
+
+
+def synthetic_image(config: ModelConfig, seed: int) -> Any:
+    """A deterministic image [1, C, H, W] for VL models when the user gives none."""
+    import numpy as np
+
+    vision = config.extra.get("vision_config", {})
+    channels = int(vision.get("in_channels", 3))
+    size = int(vision.get("image_size", 32))
+    rng = np.random.default_rng(seed + 7)
+    return rng.random((1, channels, size, size), dtype=np.float32)
+
+
+def load_image(path: str, config: ModelConfig) -> Any:
+    import numpy as np
+
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--image {path}: not a numpy .npy array ({exc})") from None
+    expected = synthetic_image(config, 0).shape[1:]
+    if array.ndim == 3:
+        array = array[None]
+    if tuple(array.shape[1:]) != tuple(expected):
+        raise ConfigError(f"--image {path}: shape {list(array.shape[1:])}, expected {list(expected)} [C, H, W]")
+    return array.astype("float32")
+
+
+def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None) -> dict[str, Any]:
+    """The whole job on one rank; rank 0's result carries the summary."""
+    plugins = load_plugins()
+    backend = load_backend(ParallelConfig(tp_size=tp, tp_rank=rank, group=group), plugins=plugins)
+    plan = plan_run(run, plugins)
+
+    def log(message: str) -> None:
+        if rank == 0 and run.progress:
+            print(f"fd: {message}", file=sys.stderr, flush=True)
+
+    runner = ModelRunner(backend, plan.arch, plan.config, run.checkpoint, run.seed, run.graph, log)
+    image = None
+    if plan.arch.multimodal:
+        image = load_image(run.image_path, plan.config) if run.image_path else synthetic_image(plan.config, run.seed)
+    runner.load()
+    log(f"loaded {plan.arch.name} on {backend.platform} (tp={tp}) in {runner.timings['load']:.2f}s")
+    decision = runner.decide()
+    prompt = list(run.prompt_ids)
+    max_len = len(prompt) + run.steps + int(getattr(runner.model, "extra_positions", 0))
+    runner.prepare(max_len)
+    first = runner.generate(prompt, run.steps, image)
+    log(f"generated {len(first.tokens)} tokens at {first.tokens_per_s:.1f} tokens/s")
+    cycles = []
+    for cycle in range(run.reload_cycles):
+        start = time.perf_counter()
+        runner.reload()
+        runner.prepare(max_len)
+        again = runner.generate(prompt, run.steps, image)
+        cycles.append(
+            {
+                "cycle": cycle + 1,
+                "seconds": round(time.perf_counter() - start, 4),
+                "rss_bytes": resident_bytes(),
+                "tokens_match": again.tokens == first.tokens,
+            }
+        )
+        if again.tokens != first.tokens:
+            raise RuntimeError(f"reload cycle {cycle + 1} changed the output: {again.tokens} != {first.tokens}")
+    return {
+        "rank": rank,
+        "platform": backend.platform,
+        "model": plan.arch.name,
+        "tp": tp,
+        "graph": decision.to_dict(),
+        "all_reduce": backend.all_reduce_binding,
+        "tokens": first.tokens,
+        "tokens_per_s": round(first.tokens_per_s, 2),
+        "timings_s": {k: round(v, 4) for k, v in runner.timings.items()},
+        "reload_cycles": cycles,
+        "rss_bytes": resident_bytes(),
+    }
+
+
+def spawned_rank(run: RunConfig) -> dict[str, Any]:
+    """Entry point of a rank started by paddle.distributed.spawn or launch."""
+    from fd_core.distributed import init_rank, quiet_paddle_logs
+
+    quiet_paddle_logs()
+    rank, world = init_rank()
+    return run_rank(run, rank, world)
+
+
+def save_random_checkpoint(model: str, directory: str, seed: int = 0) -> Path:
+    """Write the seeded random weights of `model`'s preset as a safetensors checkpoint."""
+    plugins = load_plugins()
+    arch = plugins.registry.get(model)
+    config = model_config_for(arch, None)
+    backend = load_backend(ParallelConfig(), plugins=plugins)
+    specs = arch.build(config, backend).weight_specs()
+    tensors = random_state_dict(specs, seed)
+    data = config.to_dict()
+    data["architectures"] = [arch.name]
+    return save_checkpoint(directory, data, tensors)
+
+
+def summary_lines(result: Mapping[str, Any]) -> list[str]:
+    """The human-readable report of rank 0's result."""
+    graph = result["graph"]
+    lines = [
+        f"platform: {result['platform']}   model: {result['model']}   tp: {result['tp']}",
+        f"graph: {graph['summary']}",
+    ]
+    lines += [f"  {v['plugin']} {'allows' if v['allow'] else 'vetoes'}: {v['reason']}" for v in graph["votes"]]
+    lines.append(f"tokens: {' '.join(str(t) for t in result['tokens'])}")
+    lines.append(f"speed: {result['tokens_per_s']} tokens/s (decode)")
+    lines.append("phases: " + ", ".join(f"{k} {v:.3f}s" for k, v in result["timings_s"].items()))
+    if result["reload_cycles"]:
+        same = all(c["tokens_match"] for c in result["reload_cycles"])
+        lines.append(f"reload cycles: {len(result['reload_cycles'])}, output unchanged: {same}")
+    return lines
+
+
+def as_json(result: Mapping[str, Any]) -> str:
+    keys = ("platform", "model", "tp", "graph", "all_reduce", "tokens", "tokens_per_s", "timings_s", "reload_cycles", "rss_bytes")
+    return json.dumps({k: result[k] for k in keys}, indent=2)
+
+

@@ -1,0 +1,67 @@
+"""Design principles checked on the source: no platform words in fd_core, lazy paddle, no direct collectives in models."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# Not preceded by a letter, so `is_cuda` and `cuda_graph` match but `inputs` (i-npu-ts) does not.
+PLATFORM_WORDS = re.compile(
+    r"(?<![a-z])(cuda|iluvatar|nccl|gloo|gpu|xpu|npu|dcu|gcu|mlu|hpu|rocm|metax|maca|custom_device|ascend|corex)",
+    re.IGNORECASE,
+)
+
+
+def test_fd_core_names_no_platform_or_device() -> None:
+    hits = []
+    for path in sorted((ROOT / "fd_core").rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if PLATFORM_WORDS.search(line):
+                hits.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not hits, "platform words in fd_core (make it a hook instead):\n" + "\n".join(hits)
+
+
+def test_the_platform_word_check_can_fail() -> None:
+    assert PLATFORM_WORDS.search('if current_platform.is_iluvatar():')
+    assert PLATFORM_WORDS.search('backend="GLOO"')
+    assert PLATFORM_WORDS.search("mode = 'cuda_graph'")
+    assert not PLATFORM_WORDS.search("def prefill(self, input_ids)")
+
+
+def test_fd_models_never_call_collectives_directly() -> None:
+    direct = re.compile(r"paddle\.distributed|import paddle\.distributed|from paddle import distributed|\bdist\.")
+    hits = [
+        f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
+        for p in sorted((ROOT / "fd_models").rglob("*.py"))
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if direct.search(line)
+    ]
+    assert not hits, "fd_models must reduce through the Backend:\n" + "\n".join(hits)
+
+
+def _imports_paddle(code: str) -> tuple[bool, str]:
+    done = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys\nprint('PADDLE' if 'paddle' in sys.modules else 'NO-PADDLE', file=sys.stderr)"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stderr.strip().endswith("PADDLE") and not done.stderr.strip().endswith("NO-PADDLE"), done.stdout
+
+
+def test_import_fd_core_does_not_import_paddle() -> None:
+    imported, _ = _imports_paddle("import fd_core, fd_core.plugins, fd_core.backend, fd_core.hookspecs")
+    assert not imported
+
+
+def test_fd_plugins_command_does_not_import_paddle() -> None:
+    imported, out = _imports_paddle("from fd_core.cli import main\nmain(['plugins'])")
+    assert "platform: cpu" in out
+    assert not imported
+
+
+def test_the_lazy_check_can_fail() -> None:
+    imported, _ = _imports_paddle("import paddle")
+    assert imported

@@ -1,0 +1,75 @@
+"""Loud validation at load: every hook implementation must match a spec, named with the nearest valid name."""
+
+from __future__ import annotations
+
+import pytest
+
+from fd_core.errors import PluginError
+from fd_core.plugins import load_plugins
+from fakedist import run_fd
+
+MISSPELLED = """
+from fd_core import hookimpl
+
+@hookimpl
+def fd_clear_grpah_opt_backend(model):
+    return True
+"""
+
+BAD_ARGUMENT = """
+from fd_core import hookimpl
+
+@hookimpl
+def fd_graph_eligibility(model_config, paralel_config):
+    return None
+"""
+
+NOT_A_GENERATOR = """
+from fd_core import hookimpl
+
+@hookimpl(wrapper=True)
+def fd_all_reduce(tensor, group):
+    return tensor
+"""
+
+UNDECORATED = """
+def fd_clean_memory_fragments(state_dict):
+    pass
+"""
+
+
+def test_misspelled_hook_names_plugin_hook_and_nearest(install_plugin) -> None:
+    install_plugin("typo-models", {"typo_models": MISSPELLED}, {"fd.models": {"typo": "typo_models"}})
+    with pytest.raises(PluginError) as err:
+        load_plugins({})
+    assert str(err.value) == (
+        "plugin 'typo': hook 'fd_clear_grpah_opt_backend' matches no hookspec; did you mean 'fd_clear_graphs'?"
+    )
+
+
+def test_unknown_argument_names_the_nearest_argument(install_plugin) -> None:
+    install_plugin("bad-arg", {"bad_arg": BAD_ARGUMENT}, {"fd.plugins": {"badarg": "bad_arg"}})
+    with pytest.raises(PluginError, match=r"plugin 'badarg': hook 'fd_graph_eligibility' takes argument 'paralel_config'.*did you mean 'parallel_config'\?"):
+        load_plugins({})
+
+
+def test_wrapper_that_is_not_a_generator_fails_at_load(install_plugin) -> None:
+    install_plugin("bad-wrapper", {"bad_wrapper": NOT_A_GENERATOR}, {"fd.plugins": {"badwrap": "bad_wrapper"}})
+    with pytest.raises(PluginError, match=r"^plugin .badwrap.: hook .fd_all_reduce.: declared as wrapper=True or hookwrapper=True but function is not a generator function; make it a generator that yields exactly once$"):
+        load_plugins({})
+
+
+def test_hook_named_function_without_hookimpl_is_an_error(install_plugin) -> None:
+    install_plugin("no-marker", {"no_marker": UNDECORATED}, {"fd.plugins": {"nomarker": "no_marker"}})
+    with pytest.raises(PluginError, match=r"plugin 'nomarker': function 'fd_clean_memory_fragments' is named like a hook but lacks @hookimpl"):
+        load_plugins({})
+
+
+def test_cli_reports_a_misspelled_hook_in_one_line_with_exit_2(install_plugin, tmp_path) -> None:
+    root = install_plugin("typo-models", {"typo_models": MISSPELLED}, {"fd.models": {"typo": "typo_models"}})
+    done = run_fd(["plugins"], path=root)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "fd: error: plugin 'typo': hook 'fd_clear_grpah_opt_backend' matches no hookspec; did you mean 'fd_clear_graphs'?"
+    )
+    assert "Traceback" not in done.stderr
