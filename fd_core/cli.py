@@ -113,9 +113,10 @@ def _prompt_ids(text: str) -> tuple[int, ...]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fd_core.distributed import launched_rank, spawn_ranks
+    from fd_core.distributed import launched_rank, quiet_paddle_logs, spawn_ranks
     from fd_core.runner import RunConfig, as_json, plan_run, run_rank, spawned_rank, summary_lines
 
+    quiet_paddle_logs()
     launched = launched_rank()
     run = RunConfig(
         model=args.model,

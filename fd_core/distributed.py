@@ -21,6 +21,11 @@ def quiet_paddle_logs() -> None:
     """Keep paddle's C++ info logs and import-time warnings off a user's terminal (user settings win)."""
     os.environ.setdefault("GLOG_minloglevel", "2")
     os.environ.setdefault("GLOG_v", "0")
+    # Spawned ranks import paddle before any code of ours runs: filter through the environment.
+    quiet = "ignore:No ccache found"
+    current = os.environ.get("PYTHONWARNINGS", "")
+    if quiet not in current:
+        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [current, quiet]))
     warnings.filterwarnings("ignore", message="No ccache found")
     warnings.filterwarnings("ignore", message=".*CPUONLY mode.*")
 
@@ -109,4 +114,5 @@ def spawn_ranks(
     except KeyboardInterrupt:
         _stop_all(processes, grace)
         raise
-    return [q.get(timeout=grace) for q in context.return_queues]
+    # Every rank exited 0, so every rank has put its result.
+    return [q.get() for q in context.return_queues]

@@ -35,6 +35,9 @@ class CausalModel(Protocol):
     def prefill(self, input_ids: Any, image: Any = None) -> Any:
         """Run the prompt [B, S] (and image, for VL models); return last-position logits [B, vocab]."""
 
+    def prefill_length(self, input_ids: Any, image: Any = None) -> int:
+        """The first decode position after prefilling this prompt (image tokens included)."""
+
     def decode_step(self, token_ids: Any, position: int) -> Any:
         """One token per sequence [B, 1] at `position`; return logits [B, vocab] (full vocab)."""
 

@@ -63,6 +63,12 @@ def _architecture_of(checkpoint: str) -> str | None:
     return str(archs[0]) if archs else None
 
 
+def init_std(config: ModelConfig) -> float | None:
+    """The config's `initializer_range` (Hugging Face's name for the init std), if it sets one."""
+    value = config.extra.get("initializer_range")
+    return None if value is None else float(value)
+
+
 def model_config_for(arch: Architecture, checkpoint: str | None) -> ModelConfig:
     if checkpoint is None:
         return ModelConfig.from_dict(arch.name, dict(arch.preset))
@@ -141,7 +147,7 @@ class ModelRunner:
         specs = self.model.weight_specs()
         p = self.backend.parallel
         if self.checkpoint is None:
-            return random_state_dict(specs, self.seed, p.tp_rank, p.tp_size)
+            return random_state_dict(specs, self.seed, p.tp_rank, p.tp_size, init_std(self.config))
         return load_checkpoint(self.checkpoint, specs, p.tp_rank, p.tp_size)
 
     def load(self) -> None:
@@ -169,10 +175,10 @@ class ModelRunner:
         import numpy as np
 
         assert self.model is not None
-        ids = np.asarray([prompt_ids], dtype="int64")
+        ids = _as_ids(prompt_ids)
         start = time.perf_counter()
         logits = self.model.prefill(ids, image)
-        position = int(getattr(self.model, "prefill_length", ids.shape[1]))
+        position = self.model.prefill_length(ids, image)
         token = int(logits.argmax(axis=-1).numpy().reshape(-1)[0])
         prefill_s = time.perf_counter() - start
         tokens = [token]
@@ -199,6 +205,12 @@ class ModelRunner:
         self._timed("release", self.model.release_weights)
         self._timed("cleanup", lambda: self.backend.clean_memory_fragments(None))
         self.load()
+
+
+def _as_ids(prompt: list[int]) -> Any:
+    import numpy as np
+
+    return np.asarray([prompt], dtype="int64")
 
 
 def synthetic_image(config: ModelConfig, seed: int) -> Any:
@@ -245,7 +257,7 @@ def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None) -> d
     log(f"loaded {plan.arch.name} on {backend.platform} (tp={tp}) in {runner.timings['load']:.2f}s")
     decision = runner.decide()
     prompt = list(run.prompt_ids)
-    max_len = len(prompt) + run.steps + int(getattr(runner.model, "extra_positions", 0))
+    max_len = runner.model.prefill_length(_as_ids(prompt), image) + run.steps
     runner.prepare(max_len)
     first = runner.generate(prompt, run.steps, image)
     log(f"generated {len(first.tokens)} tokens at {first.tokens_per_s:.1f} tokens/s")
@@ -296,7 +308,7 @@ def save_random_checkpoint(model: str, directory: str, seed: int = 0) -> Path:
     config = model_config_for(arch, None)
     backend = load_backend(ParallelConfig(), plugins=plugins)
     specs = arch.build(config, backend).weight_specs()
-    tensors = random_state_dict(specs, seed)
+    tensors = random_state_dict(specs, seed, std=init_std(config))
     data = config.to_dict()
     data["architectures"] = [arch.name]
     return save_checkpoint(directory, data, tensors)

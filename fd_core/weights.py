@@ -53,7 +53,7 @@ def shard(full: np.ndarray, spec: WeightSpec, tp_rank: int, tp_size: int) -> np.
     return full[tuple(index)]
 
 
-def random_full_tensor(name: str, spec: WeightSpec, seed: int) -> np.ndarray:
+def random_full_tensor(name: str, spec: WeightSpec, seed: int, std: float | None = None) -> np.ndarray:
     """The full tensor `name` for `seed`; the same on every rank, so tp shards agree with tp=1."""
     import numpy as np
 
@@ -62,17 +62,17 @@ def random_full_tensor(name: str, spec: WeightSpec, seed: int) -> np.ndarray:
     if spec.init == "zeros":
         return np.zeros(spec.shape, dtype=spec.dtype)
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    return (rng.standard_normal(spec.shape) * spec.std).astype(spec.dtype)
+    return (rng.standard_normal(spec.shape) * (spec.std if std is None else std)).astype(spec.dtype)
 
 
 def random_state_dict(
-    specs: Mapping[str, WeightSpec], seed: int, tp_rank: int = 0, tp_size: int = 1
+    specs: Mapping[str, WeightSpec], seed: int, tp_rank: int = 0, tp_size: int = 1, std: float | None = None
 ) -> dict[str, np.ndarray]:
-    """Seeded random weights, each tensor already sliced to this rank's shard."""
+    """Seeded random weights, each tensor already sliced to this rank's shard; `std` overrides the specs'."""
     import numpy as np
 
     return {
-        name: np.ascontiguousarray(shard(random_full_tensor(name, spec, seed), spec, tp_rank, tp_size))
+        name: np.ascontiguousarray(shard(random_full_tensor(name, spec, seed, std), spec, tp_rank, tp_size))
         for name, spec in specs.items()
     }
 

@@ -1,0 +1,31 @@
+"""Registers the ERNIE-4.5 dense architecture and its graph-clear hook (no paddle import here)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from fd_core import Architecture, hookimpl
+from fd_models._plugin import clear_graphs, lazy_build
+from fd_models.presets import TINY_TEXT
+
+_MODULE = "fd_models.ernie4_5.model"
+TINY_PRESET: dict[str, Any] = dict(TINY_TEXT)
+build = lazy_build(_MODULE)
+
+
+@hookimpl
+def fd_clear_graphs(model: Any) -> bool | None:
+    """Drop an ERNIE-4.5 model's captured decode graphs; None for other models."""
+    return clear_graphs(model, _MODULE, "Ernie4_5ForCausalLM")
+
+
+ARCHITECTURE = Architecture(
+    name="ernie4_5", aliases=("Ernie4_5ForCausalLM",),
+    build=build, preset=TINY_PRESET, graph_capable=True, multimodal=False,
+    description="ERNIE-4.5 dense decoder (as ERNIE-4.5-0.3B): RMSNorm, rope, GQA, SwiGLU, tied embeddings")
+
+
+@hookimpl
+def fd_register_models(register: Callable[[Architecture], None]) -> None:
+    """Provide `ernie4_5` (alias Ernie4_5ForCausalLM)."""
+    register(ARCHITECTURE)

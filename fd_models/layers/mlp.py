@@ -1,0 +1,24 @@
+"""SwiGLU feed-forward: gate/up column-parallel, down row-parallel (one all-reduce per block)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from fd_models.layers.parallel import ColumnParallelLinear, RowParallelLinear
+
+
+class SwiGLUMLP(nn.Layer):
+    """down(silu(gate(x)) * up(x)); each rank holds intermediate_size / tp of the hidden units."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, ctx: Any) -> None:
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, ctx)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, ctx)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, ctx)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

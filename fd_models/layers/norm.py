@@ -1,0 +1,37 @@
+"""Replicated normalisation layers whose weights carry checkpoint specs (weight init "ones")."""
+
+from __future__ import annotations
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from fd_core.weights import WeightSpec
+from fd_models.layers.params import new_param
+
+
+class RMSNorm(nn.Layer):
+    """x / rms(x) * weight over the last axis, computed in float32."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        new_param(self, WeightSpec((size,), init="ones"), 1)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        x32 = x.astype("float32")
+        x32 = x32 * paddle.rsqrt(paddle.mean(x32 * x32, axis=-1, keepdim=True) + self.eps)
+        return x32.astype(x.dtype) * self.weight
+
+
+class LayerNorm(nn.Layer):
+    """Standard LayerNorm with weight ("ones") and bias ("zeros"), as ViT blocks use."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.size, self.eps = size, eps
+        new_param(self, WeightSpec((size,), init="ones"), 1)
+        new_param(self, WeightSpec((size,), init="zeros"), 1, attr="bias")
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return F.layer_norm(x, [self.size], self.weight, self.bias, self.eps)

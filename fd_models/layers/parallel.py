@@ -1,0 +1,113 @@
+"""Tensor-parallel embedding, linear layers and the vocab-parallel LM head.
+
+`ctx` is what an architecture's `build` receives: `ctx.parallel` (tp_size, tp_rank) and
+`ctx.all_reduce(tensor) -> tensor`, whose return value is used (it may not reduce in place).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from fd_core.weights import WeightSpec
+from fd_models.layers.params import new_param
+
+
+def all_reduce(ctx: Any, tensor: paddle.Tensor) -> paddle.Tensor:
+    """Sum `tensor` over the tp ranks; with one rank there is nothing to reduce."""
+    return tensor if ctx.parallel.tp_size == 1 else ctx.all_reduce(tensor)
+
+
+class _Linear(nn.Layer):
+    """y = x @ W (+ b) where W [in, out] is sharded on `split_axis` (None: replicated)."""
+
+    split_axis: int | None = None
+
+    def __init__(self, in_features: int, out_features: int, ctx: Any, bias: bool = False) -> None:
+        super().__init__()
+        self.ctx = ctx
+        tp = ctx.parallel.tp_size if self.split_axis is not None else 1
+        new_param(self, WeightSpec((in_features, out_features), self.split_axis), tp)
+        # A column-parallel bias is split with the outputs; a row-parallel one is whole, added once after the sum.
+        bias_axis = 0 if self.split_axis == 1 else None
+        self.bias = new_param(self, WeightSpec((out_features,), bias_axis, init="zeros"), tp, attr="bias") if bias else None
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(_Linear):
+    """A linear layer every rank holds whole (vision towers, projectors)."""
+
+
+class ColumnParallelLinear(_Linear):
+    """Output features split across ranks; each rank returns its slice of the outputs, no communication."""
+
+    split_axis = 1
+
+
+class RowParallelLinear(_Linear):
+    """Input features split across ranks; partial products are all-reduced, then the bias is added."""
+
+    split_axis = 0
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        out = all_reduce(self.ctx, paddle.matmul(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Layer):
+    """Vocabulary rows split across ranks: a rank embeds the ids it owns, zeros elsewhere, then all-reduce."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: Any) -> None:
+        super().__init__()
+        self.ctx = ctx
+        tp, rank = ctx.parallel.tp_size, ctx.parallel.tp_rank
+        self.local_vocab = vocab_size // tp
+        self.start = rank * self.local_vocab
+        new_param(self, WeightSpec((vocab_size, hidden_size), 0), tp)
+
+    def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
+        if self.ctx.parallel.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        owned = paddle.logical_and(local >= 0, local < self.local_vocab)
+        # Clip so foreign ids index a valid row; the mask zeroes their contribution before the sum.
+        rows = F.embedding(paddle.clip(local, 0, self.local_vocab - 1), self.weight)
+        return all_reduce(self.ctx, rows * owned.astype(rows.dtype).unsqueeze(-1))
+
+
+class ParallelLMHead(nn.Layer):
+    """Vocab-parallel logits, tied to the embedding or its own column-parallel [hidden, vocab] weight.
+
+    Full-vocab logits come from an all-reduce, not an all-gather (the contract has only all-reduce):
+    each rank writes its shard at its vocab offset into zeros, and the sum assembles the whole row.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, ctx: Any, tied: VocabParallelEmbedding | None) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.vocab_size = vocab_size
+        self.tied = [tied]  # a list, so the embedding is not registered (and named) twice
+        if tied is None:  # checkpoint name `lm_head.weight`, [hidden, vocab] split on the vocab axis
+            new_param(self, WeightSpec((hidden_size, vocab_size), 1), ctx.parallel.tp_size)
+
+    def forward(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        """hidden [B, H] -> float32 logits [B, vocab] on every rank."""
+        embedding = self.tied[0]
+        if embedding is not None:
+            local = paddle.matmul(hidden, embedding.weight, transpose_y=True)
+        else:
+            local = paddle.matmul(hidden, self.weight)
+        local = local.astype("float32")
+        tp = self.ctx.parallel.tp_size
+        if tp == 1:
+            return local
+        width = self.vocab_size // tp
+        start = self.ctx.parallel.tp_rank * width
+        # pad on a 2-D tensor takes [dim0 before, dim0 after, dim1 before, dim1 after].
+        padded = F.pad(local, [0, 0, start, self.vocab_size - start - width], mode="constant", value=0.0)
+        return all_reduce(self.ctx, padded)

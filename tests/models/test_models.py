@@ -1,0 +1,134 @@
+"""Every built-in architecture: prefill + greedy decode, tp=2 == tp=1, captured == eager, weight reload, graph clear."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+TOL = 1e-4
+
+
+def _captured(arch, kit, batch_size: int | None = None, ctx=None):
+    """A loaded model with a cache and a to_static capture for `batch_size` (default: the prompt's)."""
+    model = kit.build_loaded(arch, ctx)
+    ids, image = kit.prompt(arch)
+    graphs = kit.ToStaticGraphs()
+    model.allocate_cache(ids.shape[0], 40)
+    model.capture(graphs, batch_size or ids.shape[0])
+    return model, ids, image, graphs
+
+
+def test_prefill_then_greedy_decode(arch, kit) -> None:
+    model = kit.build_loaded(arch)
+    ids, image = kit.prompt(arch)
+    history, tokens = kit.greedy(model, ids, image)
+    vocab = arch.preset["vocab_size"]
+    assert all(step.shape == (ids.shape[0], vocab) and step.dtype == np.float32 for step in history)
+    assert all(np.isfinite(step).all() for step in history)
+    assert tokens.shape == (ids.shape[0], 4) and tokens.min() >= 0 and tokens.max() < vocab
+
+
+def test_tp2_shards_match_tp1(arch, kit) -> None:
+    """Two rank models in threads, summing through a barrier all-reduce, reproduce the tp=1 logits."""
+    ids, image = kit.prompt(arch)
+    ref_logits, ref_tokens = kit.greedy(kit.build_loaded(arch), ids, image)
+    ranks = kit.run_ranks(2, lambda ctx: kit.greedy(kit.build_loaded(arch, ctx), ids, image))
+    for logits, tokens in ranks:
+        for got, want in zip(logits, ref_logits):
+            np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+        np.testing.assert_array_equal(tokens, ref_tokens)
+
+
+def test_captured_decode_matches_eager(arch, kit, monkeypatch) -> None:
+    ids, image = kit.prompt(arch)
+    eager_logits, eager_tokens = kit.greedy(kit.build_loaded(arch), ids, image)
+    model, ids, image, graphs = _captured(arch, kit)
+    # After capture, decode must replay the static program, never re-run the Python layers.
+    text_model = getattr(model, "language_model", model).model
+    monkeypatch.setattr(type(text_model), "forward", _forbidden_after_capture(type(text_model).forward))
+    captured_logits, captured_tokens = kit.greedy(model, ids, image)
+    assert graphs.replays == 4
+    np.testing.assert_array_equal(captured_tokens, eager_tokens)
+    for got, want in zip(captured_logits, eager_logits):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_rank_of_two_decode_traces_like_eager(arch, kit) -> None:
+    """The tp>1 paths (masked vocab lookup, padded logits, reductions) trace under to_static too."""
+    ctx = kit.make_ctx(2, 1)  # identity all-reduce: one rank's partial sums, compared graph vs eager
+    ids, image = kit.prompt(arch)
+    eager_logits, _ = kit.greedy(kit.build_loaded(arch, ctx), ids, image)
+    model, _, _, graphs = _captured(arch, kit, ctx=ctx)
+    captured_logits, _ = kit.greedy(model, ids, image)
+    assert graphs.replays == 4
+    for got, want in zip(captured_logits, eager_logits):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def _forbidden_after_capture(forward):
+    """Wrap TextModel.forward: allowed for prefill (S > 1), an error for an eager decode step."""
+
+    def guarded(self, embeds, positions, caches):
+        if embeds.shape[1] == 1:
+            raise AssertionError("decode ran eagerly although a graph was captured for this batch size")
+        return forward(self, embeds, positions, caches)
+
+    return guarded
+
+
+def test_release_then_load_gives_same_output(arch, kit) -> None:
+    from fd_core.weights import random_state_dict
+
+    model = kit.build_loaded(arch)
+    ids, image = kit.prompt(arch)
+    before, _ = kit.greedy(model, ids, image, steps=2)
+    model.release_weights()
+    assert not any(p._is_initialized() for p in model.parameters())
+    model.load_weights(random_state_dict(model.weight_specs(), kit.seed))
+    after, _ = kit.greedy(model, ids, image, steps=2)
+    for got, want in zip(after, before):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_clear_graphs_hook_drops_graphs_and_recapture_works(arch, kit) -> None:
+    import importlib
+
+    plugin = importlib.import_module(f"fd_models.{arch.name}.plugin")
+    model, ids, image, graphs = _captured(arch, kit)
+    kit.greedy(model, ids, image, steps=1)
+    assert graphs.replays == 1
+
+    assert plugin.fd_clear_graphs(model) is True
+    assert graphs.clears == 1 and not graphs.graphs
+    lm = getattr(model, "language_model", model)
+    assert lm._graphs is None
+    eager, _ = kit.greedy(model, ids, image, steps=2)
+    assert graphs.replays == 1  # ran eagerly
+
+    model.capture(graphs, ids.shape[0])
+    replayed, _ = kit.greedy(model, ids, image, steps=2)
+    assert graphs.replays == 3
+    for got, want in zip(replayed, eager):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_other_packages_clear_hooks_ignore_the_model(arch, kit) -> None:
+    import importlib
+
+    model = kit.build_loaded(arch)
+    for other in kit.architectures():
+        if other.name != arch.name:
+            assert importlib.import_module(f"fd_models.{other.name}.plugin").fd_clear_graphs(model) is None
+
+
+def test_decode_without_capture_for_this_batch_runs_eager(arch, kit) -> None:
+    model, ids, image, graphs = _captured(arch, kit, batch_size=1)  # not the prompt's batch size
+    kit.greedy(model, ids, image, steps=1)
+    assert graphs.replays == 0
+
+
+def test_prefill_requires_a_cache(arch, kit) -> None:
+    model = kit.build_loaded(arch)
+    ids, image = kit.prompt(arch)
+    with pytest.raises(RuntimeError, match="allocate_cache"):
+        model.prefill(ids, image)

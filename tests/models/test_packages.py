@@ -1,0 +1,92 @@
+"""Package-level rules: registration, Hugging-Face weight names and split axes, no paddle at plugin import, no direct comm."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fd_core.config import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+EXPECTED = {
+    "ernie4_5": ("Ernie4_5ForCausalLM", False),
+    "ernie4_5_vl": ("Ernie4_5_VLMoeForConditionalGeneration", True),
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", True),
+}
+
+
+def test_each_package_registers_its_architecture(kit) -> None:
+    archs = {a.name: a for a in kit.architectures()}
+    assert set(archs) == set(EXPECTED)
+    for name, (alias, multimodal) in EXPECTED.items():
+        arch = archs[name]
+        assert arch.aliases == (alias,) and arch.multimodal is multimodal and arch.graph_capable
+        ModelConfig.from_dict(name, dict(arch.preset)).check_tensor_parallel(2)
+
+
+def test_presets_put_vision_keys_in_extra(vl_arch) -> None:
+    config = ModelConfig.from_dict(vl_arch.name, dict(vl_arch.preset))
+    assert {"vision_config", "image_token_id"} <= set(config.extra)
+
+
+@pytest.mark.parametrize(
+    "name, tensor, split",
+    [
+        ("ernie4_5", "model.embed_tokens.weight", 0),
+        ("ernie4_5", "model.layers.0.self_attn.q_proj.weight", 1),
+        ("ernie4_5", "model.layers.1.self_attn.o_proj.weight", 0),
+        ("ernie4_5", "model.layers.0.mlp.down_proj.weight", 0),
+        ("ernie4_5", "model.layers.0.mlp.gate_proj.weight", 1),
+        ("ernie4_5", "model.norm.weight", None),
+        ("ernie4_5_vl", "model.layers.0.self_attn.k_proj.weight", 1),
+        ("ernie4_5_vl", "vision_model.patch_embed.proj.weight", None),
+        ("ernie4_5_vl", "vision_model.blocks.1.attn.qkv.weight", None),
+        ("ernie4_5_vl", "model.resampler_model.fc1.weight", None),
+        ("qwen3_vl", "model.language_model.layers.0.self_attn.q_norm.weight", None),
+        ("qwen3_vl", "model.language_model.embed_tokens.weight", 0),
+        ("qwen3_vl", "lm_head.weight", 1),
+        ("qwen3_vl", "model.visual.pos_embed", None),
+        ("qwen3_vl", "model.visual.merger.fc2.weight", None),
+    ],
+)
+def test_weight_names_and_split_axes(kit, name: str, tensor: str, split: int | None) -> None:
+    arch = next(a for a in kit.architectures() if a.name == name)
+    specs = kit.build_loaded(arch).weight_specs()
+    assert specs[tensor].split_axis == split
+
+
+def test_specs_are_full_paddle_layout_shapes_with_ones_for_norms(arch, kit) -> None:
+    specs = kit.build_loaded(arch, kit.make_ctx(2, 1)).weight_specs()
+    hidden, vocab = arch.preset["hidden_size"], arch.preset["vocab_size"]
+    heads_dim = arch.preset["num_attention_heads"] * arch.preset["head_dim"]
+    q_proj = next(s for n, s in specs.items() if n.endswith("layers.0.self_attn.q_proj.weight"))
+    assert q_proj.shape == (hidden, heads_dim)  # [in, out], unsharded even on rank 1 of 2
+    assert next(s for n, s in specs.items() if n.endswith("embed_tokens.weight")).shape == (vocab, hidden)
+    norms = [s for n, s in specs.items() if re.search(r"(norm\d?|layernorm)\.weight$", n)]
+    assert norms and all(s.init == "ones" for s in norms)
+    assert ("lm_head.weight" in specs) is (not arch.preset["tie_word_embeddings"])
+
+
+def test_plugin_modules_do_not_import_paddle() -> None:
+    code = (
+        "import sys\n"
+        "import fd_models.ernie4_5.plugin, fd_models.ernie4_5_vl.plugin, fd_models.qwen3_vl.plugin\n"
+        "assert 'paddle' not in sys.modules, 'a plugin module imported paddle'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT)})
+
+
+def test_fd_models_never_communicates_directly() -> None:
+    """All reductions go through ctx.all_reduce (the Backend's hook), never a paddle.distributed call."""
+    pattern = re.compile(r"paddle\.distributed|dist\.all_reduce|import\s+paddle\.distributed|from\s+paddle\s+import\s+distributed")
+    offenders = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in sorted((ROOT / "fd_models").rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not offenders, f"direct communication in fd_models: {offenders}"
