@@ -1,5 +1,6 @@
 """fd-backends core: the hook contract, plugin selection and the Backend (no paddle import here)."""
 
+from fd_core.capabilities import Capabilities
 from fd_core.config import GraphConfig, ModelConfig, ParallelConfig
 from fd_core.detection import Detection
 from fd_core.errors import CheckpointError, ConfigError, FdError, PlatformError, PluginError, RankError
@@ -10,6 +11,7 @@ from fd_core.weights import WeightSpec
 
 __all__ = [
     "Architecture",
+    "Capabilities",
     "CausalModel",
     "CheckpointError",
     "ConfigError",

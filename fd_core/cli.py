@@ -155,6 +155,38 @@ def cmd_save_random(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    import pytest
+
+    from fd_core.plugins import load_plugins
+    from fd_core.testing import check_module
+    from fd_core.testing.pytest_plugin import ResultTable
+
+    platform = args.platform or load_plugins().platform
+    load_plugins({**os.environ, "FD_PLATFORM": platform})  # an unknown or broken platform fails here, in one line
+    table = ResultTable()
+    module = Path(check_module.__file__)
+    extra = ["-k", args.k] if args.k else []
+    code = pytest.main(
+        ["-qq", "--tb=no", "--no-header", "--disable-warnings", "-p", "no:cacheprovider", f"--rootdir={module.parent}", "--fd-platform", platform, *extra, str(module)],
+        plugins=[table],
+    )
+    print(f"\nconformance of platform {platform!r}:")
+    names = [r.check.rsplit("::", 1)[-1] for r in table.rows]
+    width = max(map(len, names), default=10)
+    for name, row in sorted(zip(names, table.rows), key=lambda pair: pair[0]):
+        print(f"  {row.outcome:<8} {name:<{width}}  {row.detail}".rstrip())
+    counts = table.counts()
+    print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
+    if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) and not table.rows:
+        print(f"fd: error: the conformance suite did not run (pytest exit code {int(code)})", file=sys.stderr)
+        return 1
+    return 1 if counts["failed"] or code == pytest.ExitCode.TESTS_FAILED else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fd", description="Pluggable hardware backends for PaddlePaddle inference.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -183,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print a machine-readable summary")
     p.add_argument("--rank-timeout", type=float, default=30.0, help="seconds to wait for the other ranks once one has failed")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("check", help="run the conformance suite against an installed platform")
+    p.add_argument("platform", nargs="?", default=None, help="platform name (default: the active one)")
+    p.add_argument("-k", default=None, help="only checks matching this pytest -k expression")
+    p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("save-random", help="write a seeded random checkpoint (safetensors + config.json)")
     p.add_argument("--model", default="ernie4_5")

@@ -6,7 +6,9 @@ import contextlib
 import io
 import multiprocessing.connection
 import os
+import pickle
 import signal
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -88,6 +90,16 @@ def _stop_all(processes: Sequence[Any], grace: float) -> None:
             p.join(5)
 
 
+def _call_and_save(fn: Callable[..., Any], out_dir: str, *args: Any) -> None:
+    """Run `fn` on a spawned rank and leave its result in a file: a large result through the return
+    queue's pipe would block the rank's exit while the parent waits for that exit."""
+    result = fn(*args)
+    path = os.path.join(out_dir, f"rank{os.environ.get('PADDLE_TRAINER_ID', '0')}.pickle")
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(result, f)
+    os.replace(path + ".tmp", path)
+
+
 def spawn_ranks(
     fn: Callable[..., Any], args: Sequence[Any], nprocs: int, dist_backend: str, grace: float = 10.0
 ) -> list[Any]:
@@ -99,7 +111,18 @@ def spawn_ranks(
     import paddle.distributed as dist
 
     quiet_paddle_logs()
-    context = dist.spawn(fn, args=tuple(args), nprocs=nprocs, join=False, backend=dist_backend, ips=LOOPBACK)
+    with tempfile.TemporaryDirectory(prefix="fd-ranks-") as out_dir:
+        context = dist.spawn(_call_and_save, args=(fn, out_dir, *args), nprocs=nprocs, join=False, backend=dist_backend, ips=LOOPBACK)
+        _watch(context, grace)
+        results = []
+        for rank in range(nprocs):
+            with open(os.path.join(out_dir, f"rank{rank}.pickle"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+
+def _watch(context: Any, grace: float) -> None:
+    """Wait for every rank; on the first failure stop the rest and raise RankError naming it."""
     processes = list(context.processes)
     pending = {p.sentinel: i for i, p in enumerate(processes)}
     try:
@@ -114,5 +137,3 @@ def spawn_ranks(
     except KeyboardInterrupt:
         _stop_all(processes, grace)
         raise
-    # Every rank exited 0, so every rank has put its result.
-    return [q.get() for q in context.return_queues]

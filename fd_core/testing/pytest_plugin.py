@@ -1,1 +1,48 @@
-"""pytest entry point of the conformance suite."""
+"""The suite's pytest plugin (entry point `pytest11`): the --fd-platform option and a result table for `fd check`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("fd", "fd-backends conformance suite")
+    group.addoption("--fd-platform", default=None, help="platform the generic conformance module checks (fd check)")
+
+
+@dataclass
+class Row:
+    check: str
+    outcome: str
+    detail: str = ""
+
+
+@dataclass
+class ResultTable:
+    """Collects one row per check: passed, skipped with its reason, or failed with its message."""
+
+    rows: list[Row] = field(default_factory=list)
+
+    @pytest.hookimpl
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        name = report.nodeid.split("::", 1)[-1]
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            if report.skipped:
+                reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+                self.rows.append(Row(name, "skipped", reason.removeprefix("Skipped: ")))
+            elif report.failed:
+                self.rows.append(Row(name, "failed", _first_line(report)))
+            else:
+                self.rows.append(Row(name, "passed"))
+
+    def counts(self) -> dict[str, int]:
+        return {o: sum(r.outcome == o for r in self.rows) for o in ("passed", "skipped", "failed")}
+
+
+def _first_line(report: pytest.TestReport) -> str:
+    crash: Any = getattr(report.longrepr, "reprcrash", None)
+    message = crash.message if crash is not None else str(report.longrepr)
+    return message.strip().splitlines()[0] if message.strip() else "failed"

@@ -6,8 +6,15 @@ import gc
 import os
 from typing import Any
 
-from fd_core import Detection, GraphVote, ModelConfig, ParallelConfig, hookimpl
+from fd_core import Capabilities, Detection, GraphVote, ModelConfig, ParallelConfig, hookimpl
 
+# What the conformance suite checks; float16 is summed in float32 (see fd_all_reduce).
+FD_CAPABILITIES = Capabilities(
+    world_sizes=(1, 2),
+    dtypes=("float32", "float64", "float16", "bfloat16", "int32", "int64"),
+    graphs=True,
+    in_place=True,
+)
 # gloo's float16 sum overflows to inf (seen with paddle 3.3.1), so half floats are summed in float32.
 _UPCAST = ("float16",)
 
