@@ -75,7 +75,8 @@ class ContractTests(_Base):
         assert isinstance(answer, Detection), f"{platform_name}: fd_platform_detect must return fd_core.Detection, got {type(answer).__name__}"
         assert isinstance(answer.priority, int), f"{platform_name}: Detection.priority must be an int"
         assert answer.reason.strip(), f"{platform_name}: Detection.reason must say what was (or was not) seen"
-        assert answer.dist_backend, f"{platform_name}: Detection.dist_backend must name the paddle.distributed backend"
+        if answer.detected:
+            assert answer.dist_backend, f"{platform_name}: a detected platform's Detection.dist_backend must name its paddle.distributed backend"
 
     def test_hooks_match_the_specs(self, platform_module: Any, platform_name: str) -> None:
         validate_module(platform_name, platform_module)

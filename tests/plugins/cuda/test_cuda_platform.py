@@ -1,0 +1,116 @@
+"""The cuda platform on a machine without CUDA: checked against the installed Paddle's real API, and with
+its device calls substituted and recorded. None of these tests runs on a GPU."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+import pytest
+
+from fd_core import ParallelConfig
+from fd_core.testing import Capabilities, PlatformSuite
+from fd_plugins.cuda import graphs as cuda_graphs
+from fd_plugins.cuda import platform as cuda
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from recording import FakeCUDAGraph, Recorder  # noqa: E402
+
+
+class TestCudaPlatform(PlatformSuite):
+    """The conformance suite: contract checks run here; device checks skip (no CUDA device). Not on hardware."""
+
+    @pytest.fixture
+    def platform_name(self) -> str:
+        return "cuda"
+
+    @pytest.fixture
+    def capabilities(self) -> Capabilities:
+        return Capabilities(dtypes=("float32", "float16", "bfloat16"))
+
+
+def test_paddle_api_the_plugin_calls_exists_with_these_signatures() -> None:
+    """The installed Paddle's real signatures; does not run on a GPU."""
+    params = inspect.signature(dist.all_reduce).parameters
+    assert {"tensor", "op", "group", "sync_op"} <= set(params)
+    assert hasattr(dist.ReduceOp, "SUM")
+    from paddle.device.cuda.graphs import CUDAGraph
+
+    for method in ("capture_begin", "capture_end", "replay", "reset"):
+        assert callable(getattr(CUDAGraph, method))
+    assert callable(paddle.device.cuda.empty_cache) and callable(paddle.device.synchronize)
+    assert callable(paddle.device.cuda.device_count) and callable(paddle.device.cuda.get_device_name)
+
+
+def test_all_reduce_calls_paddle_all_reduce_with_sum_and_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Substituted paddle.distributed.all_reduce, recorded; does not run on a GPU."""
+    log: list = []
+    monkeypatch.setattr(dist, "all_reduce", Recorder("all_reduce", log))
+    tensor, group = paddle.ones([4]), object()
+    assert cuda.fd_all_reduce(tensor, group) is tensor
+    assert log == [("all_reduce", (tensor,), {"op": dist.ReduceOp.SUM, "group": group, "sync_op": True})]
+
+
+def test_cleanup_frees_the_state_dict_then_empties_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real tensors are cleared; empty_cache and synchronize are substituted and recorded. Not on a GPU."""
+    log: list = []
+    monkeypatch.setattr(paddle.device.cuda, "empty_cache", Recorder("empty_cache", log, None))
+    monkeypatch.setattr(paddle.device, "synchronize", Recorder("synchronize", log, None))
+    weight = paddle.ones([16, 16])
+    state = {"w": weight}
+    cuda.fd_clean_memory_fragments(state)
+    assert state == {} and not weight._is_initialized()
+    assert [name for name, _, _ in log] == ["empty_cache", "synchronize"]
+    cuda.fd_clean_memory_fragments(None)  # safe without a state dict
+    assert [name for name, _, _ in log] == ["empty_cache", "synchronize"] * 2
+
+
+def test_graph_backend_captures_replays_and_resets_through_cudagraph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDAGraph substituted by a recorder; the eager function runs on the CPU. Not on a GPU."""
+    import paddle.device.cuda.graphs as paddle_graphs
+
+    monkeypatch.setattr(paddle_graphs, "CUDAGraph", FakeCUDAGraph)
+    FakeCUDAGraph.log = []
+    calls: list = []
+
+    def fn(x):
+        calls.append(x)
+        FakeCUDAGraph.log.append("fn")
+        return x * 2
+
+    backend = cuda.fd_graph_backend(ParallelConfig())
+    assert isinstance(backend, cuda_graphs.CudaGraphBackend) and backend.mode == "cuda_graph"
+    backend.capture(1, fn, [paddle.ones([2])])
+    # One eager warm-up, then the captured run between begin and end.
+    assert FakeCUDAGraph.log == ["fn", "init", "capture_begin", "fn", "capture_end"]
+    static_input = calls[-1]
+    backend.replay(1, [paddle.to_tensor([3.0, 4.0])])
+    assert FakeCUDAGraph.log[-1] == "replay"
+    np.testing.assert_array_equal(static_input.numpy(), [3.0, 4.0])  # new input copied into the captured buffer
+    assert backend.has(1)
+    backend.clear()
+    assert FakeCUDAGraph.log[-1] == "reset" and not backend.has(1)
+
+
+def test_detection_without_the_gpu_build_does_not_import_paddle_and_says_why() -> None:
+    answer = cuda.fd_platform_detect()
+    assert not answer.detected
+    assert answer.reason == "paddlepaddle-gpu is not installed (pip install 'fd-backends[gpu]')"
+
+
+def test_detection_with_a_cuda_build_and_two_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU build and its device queries are substituted; does not run on a GPU."""
+    monkeypatch.setattr(cuda, "version", lambda name: "3.3.1")
+    monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
+    monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(paddle.device.cuda, "get_device_name", lambda index=0: "Fake H100")
+    answer = cuda.fd_platform_detect()
+    assert answer.detected and answer.priority == 10 and answer.max_ranks == 2
+    assert answer.device == "gpu" and answer.dist_backend == "nccl"
+    assert answer.reason == "2 CUDA device(s): Fake H100"
+    monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: 0)
+    assert cuda.fd_platform_detect().reason == "paddle is a CUDA build but sees no CUDA device"

@@ -1,0 +1,100 @@
+"""The iluvatar platform on a machine without Iluvatar GPUs: checked against the installed Paddle's real API,
+and with its device calls substituted and recorded. None of these tests runs on Iluvatar hardware."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+
+import paddle
+import paddle.distributed as dist
+import pytest
+
+from fd_core import ModelConfig, ParallelConfig
+from fd_core.backend import load_backend
+from fd_core.testing import Capabilities, PlatformSuite
+from fd_plugins.iluvatar import platform as iluvatar
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from fakedist import run_fd  # noqa: E402
+from recording import Recorder  # noqa: E402
+
+
+class TestIluvatarPlatform(PlatformSuite):
+    """The conformance suite: contract checks run; device checks skip (no Iluvatar device). Not on hardware."""
+
+    @pytest.fixture
+    def platform_name(self) -> str:
+        return "iluvatar"
+
+    @pytest.fixture
+    def capabilities(self) -> Capabilities:
+        return Capabilities(dtypes=("float32", "float16", "bfloat16"))
+
+
+def test_stream_all_reduce_takes_use_calc_stream_and_sync_op() -> None:
+    """The installed Paddle's real signature; does not run on Iluvatar hardware."""
+    params = inspect.signature(dist.stream.all_reduce).parameters
+    assert {"tensor", "op", "group", "sync_op", "use_calc_stream"} <= set(params)
+    assert callable(paddle.is_compiled_with_custom_device) and callable(paddle.device.get_available_custom_device)
+
+
+def test_all_reduce_runs_on_the_calc_stream_synchronously(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Substituted paddle.distributed.stream.all_reduce, recorded; does not run on Iluvatar hardware."""
+    log: list = []
+    monkeypatch.setattr(dist.stream, "all_reduce", Recorder("stream.all_reduce", log))
+    tensor, group = paddle.ones([8]), object()
+    assert iluvatar.fd_all_reduce(tensor, group) is tensor
+    (name, args, kwargs), = log
+    assert args == (tensor,)
+    assert kwargs == {"op": dist.ReduceOp.SUM, "group": group, "sync_op": True, "use_calc_stream": True}
+
+
+@pytest.mark.parametrize(
+    ("architecture", "tp", "allowed"),
+    [("ernie4_5_vl", 2, False), ("ernie4_5_vl", 4, False), ("ernie4_5_vl", 1, True), ("ernie4_5", 2, True), ("qwen3_vl", 2, True)],
+)
+def test_veto_fires_for_ernie_vl_only_above_one_rank(architecture: str, tp: int, allowed: bool) -> None:
+    vote = iluvatar.fd_graph_eligibility(ModelConfig(architecture=architecture), ParallelConfig(tp_size=tp), "cuda_graph")
+    assert vote.allow is allowed
+    if not allowed:
+        assert vote.reason == f"ERNIE-VL with tp={tp} fails under CUDA graph capture on Iluvatar"
+
+
+def test_the_backend_decision_carries_the_veto_and_its_reason() -> None:
+    """Forced platform without its hardware: the decision is computed, nothing runs on a device."""
+    backend = load_backend(ParallelConfig(tp_size=2), env={"FD_PLATFORM": "iluvatar"})
+    decision = backend.graph_decision(ModelConfig(architecture="ernie4_5_vl"))
+    assert not decision.allowed
+    assert decision.summary() == "cuda_graph off: iluvatar vetoed: ERNIE-VL with tp=2 fails under CUDA graph capture on Iluvatar"
+    assert backend.all_reduce_binding == "direct: iluvatar.fd_all_reduce"
+
+
+def test_fd_explain_shows_the_veto_for_the_registered_architecture() -> None:
+    done = run_fd(["explain", "--model", "ernie4_5_vl", "--tp", "2"], env={"FD_PLATFORM": "iluvatar"})
+    assert done.returncode == 0, done.stderr
+    assert "platform: iluvatar (forced by FD_PLATFORM=iluvatar)" in done.stdout
+    assert "model: ernie4_5_vl (registered by ernie4_5_vl), tp=2" in done.stdout
+    assert "graph: cuda_graph off: iluvatar vetoed: ERNIE-VL with tp=2 fails under CUDA graph capture on Iluvatar" in done.stdout
+
+
+def test_cleanup_frees_the_state_dict_then_empties_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Device cache calls substituted and recorded; does not run on Iluvatar hardware."""
+    log: list = []
+    monkeypatch.setattr(paddle.device.cuda, "empty_cache", Recorder("empty_cache", log, None))
+    monkeypatch.setattr(paddle.device, "synchronize", Recorder("synchronize", log, None))
+    state = {"w": paddle.ones([4])}
+    iluvatar.fd_clean_memory_fragments(state)
+    iluvatar.fd_clean_memory_fragments(None)
+    assert state == {} and [n for n, _, _ in log] == ["empty_cache", "synchronize"] * 2
+
+
+def test_detection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The custom-device queries are substituted; does not run on Iluvatar hardware."""
+    assert iluvatar.fd_platform_detect().reason == "paddle-iluvatar-gpu is not installed"
+    monkeypatch.setattr(iluvatar, "version", lambda name: "3.3.0")
+    monkeypatch.setattr(paddle, "is_compiled_with_custom_device", lambda kind: kind == "iluvatar_gpu")
+    monkeypatch.setattr(paddle.device, "get_available_custom_device", lambda: ["iluvatar_gpu:0", "iluvatar_gpu:1"])
+    answer = iluvatar.fd_platform_detect()
+    assert answer.detected and answer.priority == 20 and answer.max_ranks == 2 and answer.device == "iluvatar_gpu"
