@@ -187,6 +187,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if counts["failed"] or code == pytest.ExitCode.TESTS_FAILED else 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from fd_bench import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fd", description="Pluggable hardware backends for PaddlePaddle inference.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -220,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("platform", nargs="?", default=None, help="platform name (default: the active one)")
     p.add_argument("-k", default=None, help="only checks matching this pytest -k expression")
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("bench", help="benchmarks of the plugin layer (see benchmarks/README.md)", add_help=False)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark runner (--smoke, --json PATH, --rows ...)")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("save-random", help="write a seeded random checkpoint (safetensors + config.json)")
     p.add_argument("--model", default="ernie4_5")
