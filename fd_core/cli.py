@@ -171,10 +171,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     module = Path(check_module.__file__)
     extra = ["-k", args.k] if args.k else []
     code = pytest.main(
-        ["-qq", "--tb=no", "--no-header", "--disable-warnings", "-p", "no:cacheprovider", f"--rootdir={module.parent}", "--fd-platform", platform, *extra, str(module)],
+        ["-p", "no:terminal", "-p", "no:cacheprovider", f"--rootdir={module.parent}", "--fd-platform", platform, *extra, str(module)],
         plugins=[table],
     )
-    print(f"\nconformance of platform {platform!r}:")
+    print(f"conformance of platform {platform!r}:")
     names = [r.check.rsplit("::", 1)[-1] for r in table.rows]
     width = max(map(len, names), default=10)
     for name, row in sorted(zip(names, table.rows), key=lambda pair: pair[0]):

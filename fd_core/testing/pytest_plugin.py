@@ -38,11 +38,16 @@ class ResultTable:
             else:
                 self.rows.append(Row(name, "passed"))
 
+    @pytest.hookimpl
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            self.rows.append(Row(f"collecting {report.nodeid or 'the suite'}", "failed", _first_line(report)))
+
     def counts(self) -> dict[str, int]:
         return {o: sum(r.outcome == o for r in self.rows) for o in ("passed", "skipped", "failed")}
 
 
-def _first_line(report: pytest.TestReport) -> str:
+def _first_line(report: pytest.TestReport | pytest.CollectReport) -> str:
     crash: Any = getattr(report.longrepr, "reprcrash", None)
     message = crash.message if crash is not None else str(report.longrepr)
     return message.strip().splitlines()[0] if message.strip() else "failed"

@@ -1,0 +1,55 @@
+"""Executes every code block of docs/writing-a-plugin.md in order, in an empty directory.
+
+Files are written where their `# file:` line says; shell blocks run line by line with bash, in this test
+environment (its `bin` first on PATH). The plugin is really installed with pip, then uninstalled, so the
+environment is left as it was (its priority is below cpu's, so it never changes selection meanwhile).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "writing-a-plugin.md"
+
+
+def blocks() -> list[tuple[str, str]]:
+    return re.findall(r"```(\w+)\n(.*?)```", DOC.read_text(), re.S)
+
+
+def test_the_walkthrough_runs_as_written(tmp_path: Path) -> None:
+    bin_dir = os.path.dirname(sys.executable)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FD_")}
+    env.update(PIP_NO_DEPS="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PATH=os.pathsep.join([bin_dir, env.get("PATH", "")]))
+    try:
+        _walk(tmp_path, env)
+    finally:
+        subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "fd-mychip"], capture_output=True, timeout=120)
+
+
+def _walk(tmp_path: Path, env: dict[str, str]) -> None:
+    ran = {"files": 0, "commands": 0}
+    for lang, body in blocks():
+        if lang in ("python", "toml"):
+            first, _, rest = body.partition("\n")
+            assert first.startswith("# file: "), f"a {lang} block without a '# file:' line: {first!r}"
+            path = tmp_path / first.removeprefix("# file: ").strip()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(rest if lang == "toml" else body)
+            ran["files"] += 1
+        elif lang == "sh":
+            for command in filter(None, (line.strip() for line in body.splitlines())):
+                done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                assert done.returncode == 0, f"$ {command}\n{done.stdout}\n{done.stderr}"
+                ran["commands"] += 1
+                if command.startswith("fd plugins"):
+                    assert "fd-mychip 0.1.0" in done.stdout and "not active" in done.stdout
+                if command.startswith("FD_PLATFORM=mychip fd explain"):
+                    assert "mychip vetoed: mychip has no graph backend yet" in done.stdout or "no graph backend" in done.stdout
+                if command.startswith("fd check"):
+                    assert re.search(r"^\d+ passed, 0 failed, \d+ skipped$", done.stdout, re.M), done.stdout
+                    assert re.search(r"skipped\s+test_replay_equals_eager_and_clear_recaptures\s+mychip: capabilities.graphs is False", done.stdout)
+    assert ran["files"] == 4 and ran["commands"] >= 7
