@@ -1,0 +1,449 @@
+"""The shared-memory all-reduce: one segment per process group, numpy sums, no collective on the hot path.
+
+Layout of a group's segment (W ranks, S bytes a slot, every offset 64-byte aligned):
+
+    header    line 0: creator's nonce (int64); line 1 + r: rank r's sequence counter (int64)
+    set 0     W slots of S bytes: rank r copies its tensor into slot r
+    set 1     the same again; call number `seq` uses set `seq % 2`
+
+One call on rank r: copy the tensor into slot r of set seq % 2, publish counter[r] = seq, wait until
+every counter is >= seq, sum the W slots of that set with numpy straight into the tensor's memory.
+
+Why one wait per call is enough with two sets: a rank may run ahead to call seq + 1 while a peer still
+reads set seq % 2; it writes set (seq + 1) % 2, which nobody is reading. It cannot get further: call
+seq + 2 (which reuses set seq % 2) starts only after its wait in call seq + 1 returned, i.e. after every
+rank published seq + 1, and a rank publishes seq + 1 only after it finished summing call seq. A single
+set would need a second wait ("everyone finished reading") before anyone could write again.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import math
+import mmap
+import os
+import platform as _machine
+import socket
+import sys
+import threading
+import time
+import warnings
+from multiprocessing import shared_memory
+from typing import Any, Callable
+
+import numpy as np
+
+DEFAULT_BUFFER_BYTES = 1 << 20
+DEFAULT_TIMEOUT = 60.0
+BUFFER_ENV = "FD_SHM_BUFFER_BYTES"
+TIMEOUT_ENV = "FD_SHM_TIMEOUT"
+
+_LINE = 64  # one counter per cache line, so ranks never write the same line
+_PAGE = 4096
+# Checks of the counters before the wait starts yielding the core, then before it starts sleeping.
+_BUSY_CHECKS = 256
+_YIELD_SECONDS = 0.01
+_SLEEP_SECONDS = 50e-6
+
+AllReduce = Callable[[Any, Any], Any]
+
+# A sum that overflows to inf is the IEEE answer and gloo gives it silently; numpy would warn from
+# inside the decode loop. Filtering this module's RuntimeWarnings costs nothing per call, where
+# `with np.errstate(...)` costs ~1 us.
+warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"fd_shm_allreduce\.shm")
+
+# x86 keeps stores in program order as seen by other cores (TSO) and loads likewise, so the counter
+# store cannot overtake the data copy before it. Weakly ordered CPUs (aarch64, ppc64le) may reorder
+# them; there, an uncontended lock release + acquire (atomic release / acquire operations in the C
+# library) serves as the fence Python otherwise lacks.
+_NEEDS_FENCE = _machine.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86")
+_fence_lock = threading.Lock()
+
+_yield: Callable[[], Any] = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
+
+
+def _fence() -> None:
+    _fence_lock.acquire()
+    _fence_lock.release()
+
+
+def _host_id() -> str:
+    """Two ranks can share memory only on the same machine: same host name and same boot."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _shm_free_bytes() -> int | None:
+    """Free bytes of the tmpfs POSIX shared memory lives on, None where that is not /dev/shm."""
+    try:
+        stats = os.statvfs("/dev/shm")
+    except (OSError, AttributeError):
+        return None
+    return stats.f_bavail * stats.f_frsize
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer number of bytes") from None
+    if value < 0:
+        raise ValueError(f"{name}={raw!r} must be >= 0 (0 turns the shared-memory path off)")
+    return value
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be a positive number of seconds")
+    return value
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+# --- dtypes -------------------------------------------------------------------------------------
+
+
+def _sum_plain(parts: np.ndarray, out: np.ndarray) -> None:
+    if len(parts) == 2:
+        np.add(parts[0], parts[1], out=out)
+    else:
+        np.add.reduce(parts, axis=0, out=out)
+
+
+def _sum_half(parts: np.ndarray, out: np.ndarray) -> None:
+    # float16 in float32: a float16 partial sum overflows (or loses bits) long before the result does.
+    acc = parts[0].astype(np.float32)
+    for part in parts[1:]:
+        np.add(acc, part, out=acc)
+    np.copyto(out, acc, casting="same_kind")
+
+
+def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    # bfloat16 is the high half of a float32.
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _sum_bf16(parts: np.ndarray, out: np.ndarray) -> None:
+    # numpy has no bfloat16: the slots hold its bits as uint16; sum in float32, round to nearest even.
+    acc = _bf16_to_f32(parts[0])
+    for part in parts[1:]:
+        np.add(acc, _bf16_to_f32(part), out=acc)
+    bits = acc.view(np.uint32)
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+    nan = np.isnan(acc)
+    if nan.any():
+        # Rounding could carry a NaN's payload into the exponent (-> inf); keep a quiet NaN instead.
+        rounded[nan] = ((bits[nan] >> 16) | 0x0040).astype(np.uint16)
+    np.copyto(out, rounded)
+
+
+def _dtype_table() -> dict[Any, tuple[np.dtype, Callable[[np.ndarray, np.ndarray], None]]]:
+    import paddle
+
+    return {
+        paddle.float32: (np.dtype(np.float32), _sum_plain),
+        paddle.float64: (np.dtype(np.float64), _sum_plain),
+        paddle.int32: (np.dtype(np.int32), _sum_plain),
+        paddle.int64: (np.dtype(np.int64), _sum_plain),
+        paddle.float16: (np.dtype(np.float16), _sum_half),
+        paddle.bfloat16: (np.dtype(np.uint16), _sum_bf16),
+    }
+
+
+def _eager_tensor_type() -> type:
+    import paddle
+
+    return paddle.Tensor
+
+
+# --- the segment ----------------------------------------------------------------------------------
+
+
+class _Segment:
+    """A mapped shared-memory segment; only its creator ever unlinks the name."""
+
+    def __init__(self, size: int = 0, name: str | None = None) -> None:
+        self.creator = name is None
+        self._shm: shared_memory.SharedMemory | None = None
+        self._map: mmap.mmap | None = None
+        if self.creator:
+            # Registered with multiprocessing's resource tracker: if this process dies before the
+            # name is unlinked, the tracker removes the segment.
+            self._shm = shared_memory.SharedMemory(create=True, size=size)
+            self.name = self._shm.name
+            self.buf: Any = self._shm.buf
+        else:
+            self.name = name
+            self.buf = self._attach(name)
+        self.size = len(self.buf)
+
+    def _attach(self, name: str) -> Any:
+        # Python < 3.13 registers attaching processes with the resource tracker too, which then
+        # unlinks the segment (and warns of a "leak") when that process exits, or, when the tracker
+        # is shared with the creator (multiprocessing spawn), makes the creator's unlink report a
+        # KeyError. Unregistering afterwards has the second problem, so never register: 3.13's
+        # track=False, else map the POSIX segment directly, as SharedMemory itself does.
+        if sys.version_info >= (3, 13):
+            self._shm = shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg]
+            return self._shm.buf
+        try:
+            import _posixshmem
+        except ImportError:  # Windows: named mappings, never tracked
+            self._shm = shared_memory.SharedMemory(name=name)
+            return self._shm.buf
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+        try:
+            self._map = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        return self._map
+
+    def unlink(self) -> None:
+        """Remove the name (mappings stay valid); once every rank has mapped it, nothing can leak."""
+        if self.creator and self._shm is not None:
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+            self.creator = False
+
+    def close(self) -> None:
+        """Unmap; every numpy view of `buf` must be gone first."""
+        self.buf = None
+        try:
+            if self._shm is not None:
+                self._shm.close()
+            if self._map is not None:
+                self._map.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the mapping goes with the process
+
+
+# --- one process group ----------------------------------------------------------------------------
+
+
+class ShmGroup:
+    """One process group's shared-memory all-reduce on this rank; `all_reduce` is the hot path."""
+
+    def __init__(self, group: Any, rank: int, world: int, fallback: AllReduce) -> None:
+        self.group = group
+        self.rank = rank
+        self.world = world
+        self._fallback = fallback
+        self.usable = False
+        self.reason = "not set up"
+        self.slot_bytes = 0
+        self.timeout = DEFAULT_TIMEOUT
+        self.seq = 0
+        self.calls = {"shm": 0, "fallback": 0}
+        self._segment: _Segment | None = None
+        self._broken: str | None = None
+        self._dtypes: dict[Any, Any] = {}
+
+    # -- setup, once, on every rank together --
+
+    def setup(self) -> "ShmGroup":
+        """Create (group rank 0) or attach the segment; all ranks agree whether it is usable."""
+        import paddle.distributed as dist
+
+        if self.world <= 1 or self.rank < 0:
+            self.reason = "one rank" if self.world == 1 else "this process is not in the group"
+            return self
+        # A bad setting raises on every rank after the first gather, never on one rank before it
+        # (its peers would wait in the collective).
+        error = None
+        slot = 0
+        try:
+            self.timeout = _env_float(TIMEOUT_ENV, DEFAULT_TIMEOUT)
+            if self.rank == 0:
+                slot = _round_up(_env_int(BUFFER_ENV, DEFAULT_BUFFER_BYTES), _LINE)
+        except ValueError as exc:
+            error = str(exc)
+        header = _round_up((1 + self.world) * _LINE, _PAGE)
+        size = header + 2 * self.world * slot
+        offer = None
+        if self.rank == 0 and error is None:
+            if slot == 0:
+                self.reason = f"{BUFFER_ENV}=0 turns the shared-memory path off"
+            elif (free := _shm_free_bytes()) is not None and free < size:
+                # tmpfs lets the segment be created larger than it can hold, then kills the process
+                # with SIGBUS on first touch of a missing page: refuse up front instead.
+                self.reason = f"/dev/shm has {free} bytes free, the segment needs {size}; enlarge /dev/shm (docker --shm-size) or lower {BUFFER_ENV}"
+            else:
+                try:
+                    self._segment = _Segment(size=size)
+                    atexit.register(self.close)
+                    nonce = int.from_bytes(os.urandom(7), "little")
+                    memoryview(self._segment.buf).cast("q")[0] = nonce
+                    offer = (self._segment.name, slot, nonce)
+                except OSError as exc:
+                    self.reason = f"could not create a {size}-byte segment: {exc}"
+        # One-time gloo cost: every rank's host and settings error; rank 0's segment name, slot size and nonce.
+        seen: list[Any] = []
+        dist.all_gather_object(seen, (_host_id(), error, offer), group=self.group)
+        errors = [f"rank {r}: {e}" for r, (_, e, _) in enumerate(seen) if e]
+        if errors:
+            self.close()
+            raise ValueError("cpu_shm: bad settings: " + "; ".join(errors))
+        hosts = [h for h, _, _ in seen]
+        offer = seen[0][2]
+        ok, why = True, ""
+        if offer is None:
+            ok, why = False, (self.reason if self.rank == 0 else "rank 0 offered no segment")
+        elif len(set(hosts)) != 1:
+            ok, why = False, "ranks are on different hosts: " + ", ".join(f"{r}={h.split('/')[0]}" for r, h in enumerate(hosts))
+        elif self.rank != 0:
+            name, slot, nonce = offer
+            try:
+                self._segment = _Segment(name=name)
+                atexit.register(self.close)
+                if memoryview(self._segment.buf).cast("q")[0] != nonce:
+                    ok, why = False, f"segment {name} is not rank 0's (same host name, different machine?)"
+            except OSError as exc:
+                ok, why = False, f"could not attach segment {name}: {exc}"
+        # Every rank must take the same path on every call, so one rank's failure turns it off for all.
+        verdicts: list[Any] = []
+        dist.all_gather_object(verdicts, (ok, why), group=self.group)
+        if self._segment is not None and self._segment.creator:
+            # Every rank that could map the segment has: remove the name now rather than at exit.
+            self._segment.unlink()
+        failed = [(r, w) for r, (good, w) in enumerate(verdicts) if not good]
+        if failed:
+            self.reason = "gloo fallback: " + "; ".join(f"rank {r}: {w}" for r, w in failed)
+            self.close()
+            return self
+        self.slot_bytes = offer[1]
+        self._map_views(header)
+        self._dtypes = _dtype_table()
+        self._eager = _eager_tensor_type()
+        self.usable = True
+        self.reason = f"shared memory ({self.world} ranks, {self.slot_bytes} bytes a slot)"
+        return self
+
+    def _map_views(self, header: int) -> None:
+        buf = self._segment.buf  # type: ignore[union-attr]
+        words = memoryview(buf).cast("q")
+        step = _LINE // 8
+        self._words = words
+        self._mine = (1 + self.rank) * step
+        # A strided memoryview of the W counters: min() over it is ~0.2 us, numpy's is ~1.5 us.
+        self._counters = words[step : (1 + self.world) * step : step]
+        w, s = self.world, self.slot_bytes
+        self._sets = [np.ndarray((w, s), np.uint8, buffer=buf, offset=header + k * w * s) for k in (0, 1)]
+
+    def close(self) -> None:
+        """Drop every view of the segment, then unmap it (and unlink it if this rank still owns the name)."""
+        self.usable = False
+        self._sets = []
+        for attr in ("_counters", "_words"):
+            view = self.__dict__.pop(attr, None)
+            if view is not None:
+                view.release()
+        if self._segment is not None:
+            self._segment.unlink()
+            self._segment.close()
+            self._segment = None
+
+    def reducer(self) -> Callable[[Any], Any]:
+        """The per-call function: the identity over one rank, else `all_reduce`."""
+        return _identity if self.world == 1 else self.all_reduce
+
+    # -- the hot path --
+
+    def all_reduce(self, tensor: Any) -> Any:
+        """Sum `tensor` over the group in place and return it."""
+        if self._broken:
+            raise RuntimeError(self._broken)
+        shape = tensor.shape
+        if 0 in shape:
+            return tensor
+        spec = self._dtypes.get(tensor.dtype) if self.usable else None
+        # Not an eager tensor (traced into a static program): only the gloo path can be traced.
+        if spec is None or not isinstance(tensor, self._eager):
+            return self._gloo(tensor)
+        dtype, summer = spec
+        nbytes = math.prod(shape) * dtype.itemsize
+        # Every rank decides alike: the same dtype, shape and layout reach each rank in tensor parallelism.
+        if nbytes > self.slot_bytes or not tensor.is_contiguous() or not tensor.place.is_cpu_place():
+            return self._gloo(tensor)
+        # The tensor's own memory as numpy: read the input from it, write the sum into it (~0.7 us, no copy).
+        own = np.frombuffer((ctypes.c_char * nbytes).from_address(tensor.data_ptr()), dtype)
+        seq = self.seq = self.seq + 1
+        parts = self._sets[seq & 1][:, :nbytes].view(dtype)
+        np.copyto(parts[self.rank], own)
+        if _NEEDS_FENCE:
+            _fence()
+        self._words[self._mine] = seq
+        if min(self._counters) < seq:
+            self._wait(seq)
+        if _NEEDS_FENCE:
+            _fence()
+        summer(parts, own)
+        self.calls["shm"] += 1
+        return tensor
+
+    def _gloo(self, tensor: Any) -> Any:
+        self.calls["fallback"] += 1
+        return self._fallback(tensor, self.group)
+
+    def _wait(self, seq: int) -> None:
+        """Spin, then yield the core, then sleep briefly, until every rank published `seq`; bounded."""
+        counters = self._counters
+        for _ in range(_BUSY_CHECKS):
+            if min(counters) >= seq:
+                return
+        start = time.monotonic()
+        deadline = start + self.timeout
+        while min(counters) < seq:
+            now = time.monotonic()
+            if now > deadline:
+                late = [r for r, c in enumerate(counters) if c < seq]
+                self._broken = (
+                    f"cpu_shm all-reduce: rank(s) {', '.join(map(str, late))} of the group did not arrive at "
+                    f"call {seq} within {self.timeout:g} s ({TIMEOUT_ENV}); they crashed, hang, or took another "
+                    f"code path. The group's ranks are out of step; restart them."
+                )
+                raise RuntimeError(self._broken)
+            # Yielding keeps latency low while peers run; sleeping stops burning a core when they are
+            # busy for long (prefill on one rank) or when there are more ranks than cores.
+            if now - start < _YIELD_SECONDS:
+                _yield()
+            else:
+                time.sleep(_SLEEP_SECONDS)
+
+
+def _identity(tensor: Any) -> Any:
+    return tensor
+
+
+# Every group set up in this process, by group object (None: the default group), for inspection.
+GROUPS: dict[Any, ShmGroup] = {}
+
+
+def setup_group(group: Any, fallback: AllReduce) -> ShmGroup:
+    """Set up `group`'s shared-memory all-reduce; collective: every rank of `group` calls it together."""
+    import paddle.distributed as dist
+
+    if group is None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = group.rank, group.nranks
+    state = GROUPS[group] = ShmGroup(group, rank, world, fallback).setup()
+    return state

@@ -1,0 +1,193 @@
+"""cpu_shm on two real ranks (paddle.distributed spawn over gloo, nothing mocked), plus the conformance suite."""
+
+from __future__ import annotations
+
+import sys
+from importlib.metadata import entry_points
+from typing import Any
+
+import pytest
+
+import shm_workers
+from fd_core import Capabilities, Detection, GraphVote, ModelConfig, ParallelConfig
+from fd_core.testing import PlatformSuite
+from fd_shm_allreduce import platform
+
+INSTALLED = any(ep.name == "cpu_shm" for ep in entry_points(group="fd.platforms"))
+needs_install = pytest.mark.skipif(not INSTALLED, reason="fd-shm-allreduce is not installed: pip install ./examples/fd-shm-allreduce")
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    """Both ranks' results of `shm_workers.battery`, from one spawn shared by every test here."""
+    from fd_core.distributed import spawn_ranks
+
+    return spawn_ranks(shm_workers.battery, (), 2, "gloo")
+
+
+# --- without ranks ----------------------------------------------------------------------------------
+
+
+def test_detection_is_opt_in_and_does_not_import_paddle() -> None:
+    answer = platform.fd_platform_detect()
+    assert isinstance(answer, Detection)
+    assert answer.detected and answer.priority == -1
+    assert answer.reason.startswith("opt-in: set FD_PLATFORM=cpu_shm")
+    assert (answer.device, answer.dist_backend) == ("cpu", "gloo")
+    assert answer.max_ranks is not None and answer.max_ranks >= 1
+    # Importing and detecting must stay cheap: a subprocess sees whether paddle came along.
+    import subprocess
+
+    probe = "import sys; from fd_shm_allreduce import platform as p; p.fd_platform_detect(); print('paddle' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env={"PYTHONPATH": ":".join(sys.path)})
+    assert out.stdout.strip() == "False"
+
+
+def test_graph_vote_vetoes_tensor_parallel_and_allows_one_rank() -> None:
+    config = ModelConfig(architecture="probe")
+    veto = platform.fd_graph_eligibility(config, ParallelConfig(tp_size=2, tp_rank=0), "static")
+    assert isinstance(veto, GraphVote) and not veto.allow
+    assert "shared-memory all-reduce" in veto.reason and "static graph" in veto.reason
+    one = platform.fd_graph_eligibility(config, ParallelConfig(tp_size=1), "static")
+    assert one is None or one.allow
+
+
+def test_supported_dtypes_are_declared() -> None:
+    assert platform.SUPPORTED_DTYPES == ("float32", "float64", "int32", "int64", "float16", "bfloat16")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_sums_round_like_paddle(dtype: str) -> None:
+    """The float32 sum is rounded to the half type exactly as paddle casts it, special values included."""
+    import numpy as np
+    import paddle
+
+    from fd_shm_allreduce import shm
+
+    rng = np.random.default_rng(7)
+    special = np.array([0.0, -0.0, 1.0, 1.00390625, 1.01171875, 65504.0, 65520.0, 1e-8, 3.0e38, np.inf, -np.inf, np.nan], dtype=np.float32)
+    a = np.concatenate([rng.standard_normal(4000).astype(np.float32) * 1000, special])
+    b = np.concatenate([rng.standard_normal(4000).astype(np.float32) * 1000, np.zeros_like(special)])
+    halves = [paddle.to_tensor(x).astype(dtype) for x in (a, b)]
+    want = (halves[0].astype("float32") + halves[1].astype("float32")).astype(dtype).numpy()
+    bits = np.stack([h.numpy() for h in halves])  # bfloat16 comes out as its uint16 bits
+    if dtype == "float16":
+        out = np.empty(len(a), np.float16)
+        shm._sum_half(bits, out)
+        got, ref = out.astype(np.float32), want.astype(np.float32)
+    else:
+        out = np.empty(len(a), np.uint16)
+        shm._sum_bf16(bits, out)
+        got, ref = shm._bf16_to_f32(out), shm._bf16_to_f32(want)
+    assert np.array_equal(np.isnan(got), np.isnan(ref))
+    keep = ~np.isnan(ref)
+    assert np.array_equal(got[keep], ref[keep]), np.flatnonzero(got[keep] != ref[keep])[:5]
+
+
+@needs_install
+def test_selected_by_fd_platform_and_not_by_default() -> None:
+    from fd_core.plugins import load_plugins
+
+    assert load_plugins({"FD_PLATFORM": "cpu_shm"}).platform == "cpu_shm"
+    # Priority -1: with the built-in cpu platform installed, it stays the default.
+    assert load_plugins({}).platform != "cpu_shm"
+
+
+# --- two ranks ----------------------------------------------------------------------------------------
+
+
+def test_through_fd_core_backend(ranks: list[dict[str, Any]]) -> None:
+    for run in ranks:
+        b = run["backend"]
+        assert b["platform"] == "cpu_shm"
+        assert b["binding"].startswith("direct:"), b["binding"]
+        assert b["sum"] == [3.0] * 8
+        assert not b["graph_allowed"] and "cpu_shm vetoed: the shared-memory" in b["graph_summary"], b["graph_summary"]
+        assert run["world_group"]["usable"], run["world_group"]["reason"]
+        assert run["world_group"]["slot_bytes"] == 1 << 20
+
+
+@pytest.mark.parametrize("dtype", platform.SUPPORTED_DTYPES)
+def test_sums_every_shape_identical_to_gloo(ranks: list[dict[str, Any]], dtype: str) -> None:
+    tolerance = {"float16": 1e-3, "bfloat16": 1e-2}.get(dtype, 1e-6)
+    for run in ranks:
+        cases = [c for c in run["sums"] if c["dtype"] == dtype]
+        assert [c["shape"] for c in cases] == [list(s) for s in shm_workers.SHAPES]
+        for c in cases:
+            where = f"rank {run['rank']}: {dtype}{c['shape']}"
+            assert c["out_shape"] == c["shape"] and c["out_dtype"] == dtype, where
+            assert c["same_object"], f"{where}: not summed in place"
+            assert c["identical_to_gloo"], f"{where}: differs from the gloo path"
+            assert c["max_rel_err"] <= tolerance, f"{where}: relative error {c['max_rel_err']}"
+
+
+def test_above_the_slot_falls_back_to_gloo(ranks: list[dict[str, Any]]) -> None:
+    for run in ranks:
+        f = run["fallback"]
+        assert f == {"big_ok": True, "fits_ok": True, "big_path": "fallback", "fits_path": "shm"}, f
+        small = run["small_group"]
+        # Rank 1 asked for a 1-byte slot; rank 0's 4096 is the group's.
+        assert small["slot_bytes"] == shm_workers.SMALL_SLOT
+        assert small["calls"] == {"shm": 1, "fallback": 1}
+        assert small["at_slot_ok"] and small["over_slot_ok"]
+
+
+def test_a_thousand_calls_stay_correct(ranks: list[dict[str, Any]]) -> None:
+    for run in ranks:
+        r = run["repeat"]
+        assert r["calls"] == shm_workers.REPEATS
+        assert r["wrong_count"] == 0, r["wrong"]
+
+
+def test_ranks_on_different_hosts_always_use_gloo(ranks: list[dict[str, Any]]) -> None:
+    for run in ranks:
+        d = run["different_hosts"]
+        assert not d["usable"] and "different hosts" in d["reason"], d["reason"]
+        assert d["calls"] == {"shm": 0, "fallback": 1}
+        assert d["sum_ok"]
+
+
+def test_settings_are_checked_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    for run in ranks:
+        off = run["buffer_off"]
+        assert not off["usable"] and "FD_SHM_BUFFER_BYTES=0" in off["reason"] and off["sum_ok"], off
+        assert "rank 1: FD_SHM_TIMEOUT='soon'" in run["bad_setting"], run["bad_setting"]
+
+
+def test_a_missing_peer_times_out_naming_it(ranks: list[dict[str, Any]]) -> None:
+    t = ranks[0]["timeout"]
+    assert len(t["errors"]) == 2
+    for message in t["errors"]:
+        assert "rank(s) 1 " in message and "FD_SHM_TIMEOUT" in message, message
+    first, second = t["waits_s"]
+    assert 0.25 <= first < 5, first
+    assert second < 0.1, "after a timeout the group must fail at once, not wait again"
+
+
+def test_latency_against_gloo(ranks: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]) -> None:
+    """Printed, not asserted: timings depend on the machine and its load."""
+    lines = ["", "all-reduce latency, 2 ranks, medians (cpu_shm vs paddle.distributed.all_reduce over gloo, interleaved):"]
+    for run in ranks:
+        for nbytes, m in run["latency"].items():
+            size = int(nbytes)
+            label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+            path = "shared memory" if size <= run["world_group"]["slot_bytes"] else "gloo fallback"
+            lines.append(
+                f"  rank {run['rank']} {label:>7}: cpu_shm {m['cpu_shm_us']:8.1f} us   gloo {m['gloo_us']:8.1f} us   "
+                f"x{m['gloo_us'] / m['cpu_shm_us']:5.1f}   ({path}, {m['calls']} calls)"
+            )
+    with capsys.disabled():
+        print("\n".join(lines))
+
+
+# --- the conformance suite shipped with fd-backends: every check, on two real ranks ------------------------
+
+@needs_install
+class TestCpuShmConformance(PlatformSuite):
+    @pytest.fixture
+    def platform_name(self) -> str:
+        return "cpu_shm"
+
+    @pytest.fixture
+    def capabilities(self) -> Capabilities:
+        return platform.FD_CAPABILITIES

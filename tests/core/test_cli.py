@@ -1,0 +1,94 @@
+"""The `fd` command as a user runs it: listing, explaining, usage errors, and the console script itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from fakedist import run_fd
+
+
+def test_plugins_lists_cpu_active_and_the_others_not_detected_with_the_reason() -> None:
+    done = run_fd(["plugins"])
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("platform: cpu (")
+    row = {line.split()[0]: line for line in lines if line.startswith("  ") and not line.strip().startswith(("hooks:", "error:"))}
+    assert "active: " in row["cpu"] and "fd-backends 0.1.0" in row["cpu"]
+    assert "not active: not detected: paddlepaddle-gpu is not installed" in row["cuda"]
+    assert "not active: not detected: paddle-iluvatar-gpu is not installed" in row["iluvatar"]
+    assert "hooks: fd_all_reduce, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility, fd_platform_detect" in done.stdout
+    assert "architectures: ernie4_5 (ernie4_5), ernie4_5_vl (ernie4_5_vl), qwen3_vl (qwen3_vl)" in done.stdout
+
+
+def test_plugins_json_has_every_field() -> None:
+    done = run_fd(["plugins", "--json"])
+    data = json.loads(done.stdout)
+    assert data["platform"] == "cpu"
+    by_name = {p["name"]: p for p in data["plugins"]}
+    assert {"cpu", "cuda", "iluvatar", "ernie4_5", "ernie4_5_vl", "qwen3_vl"} <= set(by_name)
+    cuda = by_name["cuda"]
+    assert set(cuda) == {"name", "kind", "module", "distribution", "version", "builtin", "allowed", "hooks", "detection", "error", "active", "status"}
+    assert cuda["kind"] == "platform" and cuda["builtin"] and not cuda["active"] and cuda["detection"]["detected"] is False
+    assert by_name["qwen3_vl"]["hooks"] == ["fd_clear_graphs", "fd_register_models"]
+
+
+def test_explain_prints_platform_binding_and_votes() -> None:
+    done = run_fd(["explain", "--model", "qwen3_vl", "--tp", "2"])
+    assert done.returncode == 0, done.stderr
+    assert "platform: cpu (" in done.stdout
+    assert "model: qwen3_vl (registered by qwen3_vl), tp=2" in done.stdout
+    assert "all-reduce: direct: cpu.fd_all_reduce" in done.stdout
+    assert "graph: static on (cpu allows: " in done.stdout
+    off = run_fd(["explain", "--graph", "off"])
+    assert "graph: static off: disabled by request (--graph off)" in off.stdout
+
+
+def test_explain_json() -> None:
+    data = json.loads(run_fd(["explain", "--json", "--tp", "2"]).stdout)
+    assert data["platform"] == "cpu" and data["tp"] == 2 and data["graph"]["allowed"] is True
+    assert data["graph"]["votes"][0]["plugin"] == "cpu"
+
+
+def test_usage_errors_are_one_line_with_exit_2() -> None:
+    for args, message in [
+        (["run", "--tp", "0"], "fd: error: argument --tp: must be >= 1, got 0 (see fd run --help)"),
+        (["run", "--steps", "x"], "fd: error: argument --steps: 'x' is not an integer (see fd run --help)"),
+        (["explain", "--model", "llama"], "fd: error: unknown architecture 'llama'; registered: ernie4_5, ernie4_5_vl, qwen3_vl"),
+        (["frobnicate"], None),
+    ]:
+        done = run_fd(args)
+        assert done.returncode == 2, (args, done.stderr)
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+        if message:
+            assert done.stderr.strip() == message
+
+
+def test_the_console_script_is_installed() -> None:
+    script = Path(sys.executable).with_name("fd")
+    assert script.exists(), "pip install should put an `fd` script beside python"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FD_")}
+    done = subprocess.run([str(script), "plugins", "--json"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and json.loads(done.stdout)["platform"] == "cpu"
+
+
+def test_run_json_for_each_model_and_a_checkpoint_round_trip(tmp_path: Path) -> None:
+    """`fd run` at tp=2 as the README runs it; then the same weights written and read back as safetensors."""
+    first = run_fd(["run", "--steps", "6", "--json"])
+    assert first.returncode == 0, first.stderr
+    summary = json.loads(first.stdout)
+    assert summary["platform"] == "cpu" and summary["tp"] == 2 and summary["graph"]["allowed"]
+    assert len(summary["tokens"]) == 6 and set(summary["timings_s"]) >= {"load", "cleanup", "capture", "prefill", "decode"}
+    saved = run_fd(["save-random", "--model", "ernie4_5", str(tmp_path / "ckpt")])
+    assert saved.returncode == 0, saved.stderr
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
+    loaded = run_fd(["run", "--steps", "6", "--json", "--checkpoint", str(tmp_path / "ckpt")])
+    assert loaded.returncode == 0, loaded.stderr
+    assert json.loads(loaded.stdout)["tokens"] == summary["tokens"]
+    for model in ("ernie4_5_vl", "qwen3_vl"):
+        done = run_fd(["run", "--model", model, "--steps", "4", "--tp", "1", "--json"])
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["model"] == model
