@@ -36,6 +36,12 @@ def _two_rank_results(platform: str, cases: tuple[Any, ...], with_graph: bool) -
     return _RANK_RUNS[key]
 
 
+def _head(array: Any) -> str:
+    """The first few values of an array, for a one-line failure message."""
+    flat = list(array.reshape(-1)[:4])
+    return "[" + ", ".join(f"{v:g}" for v in flat) + (", ...]" if array.size > 4 else "]")
+
+
 class _Base:
     @pytest.fixture
     def platform_name(self) -> str:
@@ -126,9 +132,12 @@ class AllReduceTests(_Base):
             assert "error" not in got, f"{where} failed: {got.get('error')}"
             assert got["shape"] == list(shape), f"{where} returned shape {got['shape']}, expected {list(shape)}"
             assert got["dtype"] == dtype, f"{where} returned dtype {got['dtype']}, expected {dtype}"
-            np.testing.assert_allclose(np.asarray(got["value"]).reshape(shape), want, rtol=1e-2 if dtype in ("float16", "bfloat16") else 1e-6, err_msg=f"{where} returned a wrong sum")
+            value = np.asarray(got["value"]).reshape(shape)
+            rtol = 1e-2 if dtype in ("float16", "bfloat16") else 1e-6
+            assert np.allclose(value, want, rtol=rtol), f"{where} returned a wrong sum: {_head(value)}, expected {_head(want)}"
             if capabilities.in_place or got["same_object"]:
-                np.testing.assert_allclose(np.asarray(got["input_after"]).reshape(shape), want, rtol=1e-2, err_msg=f"{where}: the result is declared in place but the input tensor does not hold it")
+                after = np.asarray(got["input_after"]).reshape(shape)
+                assert np.allclose(after, want, rtol=rtol), f"{where}: the result is declared in place but the input tensor holds {_head(after)}, expected {_head(want)}"
 
     def test_all_reduce_inside_a_captured_graph(self, two_ranks: list[dict[str, Any]], capabilities: Capabilities, platform_name: str) -> None:
         import numpy as np
@@ -140,7 +149,7 @@ class AllReduceTests(_Base):
             if not graph["allowed"]:
                 pytest.skip(f"{platform_name} does not capture graphs at tp=2: {graph['summary']}")
             assert graph["replay"] is not None, f"{platform_name}: graph backend has(key) is False right after capture"
-            np.testing.assert_allclose(graph["replay"], graph["eager"], rtol=1e-5, err_msg=f"{platform_name}: replaying a captured all-reduce differs from eager on rank {run['rank']}")
+            assert np.allclose(graph["replay"], graph["eager"], rtol=1e-5), f"{platform_name}: replaying a captured all-reduce differs from eager on rank {run['rank']}"
 
 
 class CleanupTests(_Base):
@@ -203,7 +212,7 @@ class GraphBackendTests(_Base):
         probe = paddle.to_tensor(np.arange(12, dtype="float32").reshape(3, 4) / 10)
         traced = len(calls)
         replayed = graphs.replay(3, [probe])
-        np.testing.assert_allclose(replayed.numpy(), fn(probe).numpy(), rtol=1e-5, err_msg=f"{platform_name}: replay differs from eager")
+        assert np.allclose(replayed.numpy(), fn(probe).numpy(), rtol=1e-5), f"{platform_name}: replay differs from eager"
         assert len(calls) == traced + 1, f"{platform_name}: replay ran the Python function again instead of the captured graph"
         graphs.clear()
         assert not graphs.has(3), f"{platform_name}: has(key) is still True after clear()"
