@@ -43,14 +43,18 @@ class WeightSpec:
         return tuple(shape)
 
 
+def shard_index(spec: WeightSpec, tp_rank: int, tp_size: int) -> tuple[slice, ...]:
+    """The index of rank `tp_rank`'s slice of a full tensor of `spec`."""
+    index = [slice(None)] * len(spec.shape)
+    if spec.split_axis is not None and tp_size > 1:
+        size = spec.shape[spec.split_axis] // tp_size
+        index[spec.split_axis] = slice(tp_rank * size, (tp_rank + 1) * size)
+    return tuple(index)
+
+
 def shard(full: np.ndarray, spec: WeightSpec, tp_rank: int, tp_size: int) -> np.ndarray:
     """The slice of `full` that rank `tp_rank` of `tp_size` holds."""
-    if spec.split_axis is None or tp_size == 1:
-        return full
-    size = full.shape[spec.split_axis] // tp_size
-    index = [slice(None)] * full.ndim
-    index[spec.split_axis] = slice(tp_rank * size, (tp_rank + 1) * size)
-    return full[tuple(index)]
+    return full[shard_index(spec, tp_rank, tp_size)]
 
 
 def random_full_tensor(name: str, spec: WeightSpec, seed: int, std: float | None = None) -> np.ndarray:
@@ -95,6 +99,11 @@ def check_checkpoint_dir(directory: Path) -> list[Path]:
     return files
 
 
+def _mismatch(first: str, names: list[str]) -> str:
+    more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+    return f"{first}{more}; the checkpoint does not match this architecture's config"
+
+
 def load_checkpoint(
     directory: str | Path, specs: Mapping[str, WeightSpec], tp_rank: int = 0, tp_size: int = 1
 ) -> dict[str, np.ndarray]:
@@ -119,18 +128,10 @@ def load_checkpoint(
                 where[name] = path
         missing = sorted(set(specs) - set(where))
         if missing:
-            raise CheckpointError(
-                f"checkpoint {directory}: tensor {missing[0]!r} is missing"
-                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                + "; the checkpoint does not match this architecture's config"
-            )
+            raise CheckpointError(_mismatch(f"checkpoint {directory}: tensor {missing[0]!r} is missing", missing))
         unexpected = sorted(set(where) - set(specs))
         if unexpected:
-            raise CheckpointError(
-                f"checkpoint {where[unexpected[0]]}: unexpected tensor {unexpected[0]!r}"
-                + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
-                + "; the checkpoint does not match this architecture's config"
-            )
+            raise CheckpointError(_mismatch(f"checkpoint {where[unexpected[0]]}: unexpected tensor {unexpected[0]!r}", unexpected))
         by_path = dict(handles)
         out: dict[str, np.ndarray] = {}
         for name, spec in specs.items():
@@ -143,13 +144,7 @@ def load_checkpoint(
             if dtype != _ST_DTYPES.get(spec.dtype, spec.dtype):
                 raise CheckpointError(f"checkpoint {path}: tensor {name!r} has dtype {dtype}, expected {_ST_DTYPES.get(spec.dtype)}")
             try:
-                if spec.split_axis is None or tp_size == 1:
-                    array = piece[:]
-                else:
-                    size = spec.shape[spec.split_axis] // tp_size
-                    index = [slice(None)] * len(shape)
-                    index[spec.split_axis] = slice(tp_rank * size, (tp_rank + 1) * size)
-                    array = piece[tuple(index)]
+                array = piece[shard_index(spec, tp_rank, tp_size)]
             except (SafetensorError, OSError, ValueError) as exc:
                 raise CheckpointError(f"checkpoint {path}: tensor {name!r} cannot be read ({exc}); the file may be truncated") from None
             out[name] = np.ascontiguousarray(array)

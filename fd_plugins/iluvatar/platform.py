@@ -7,6 +7,11 @@ from typing import Any
 
 from fd_core import Detection, GraphVote, ModelConfig, ParallelConfig, hookimpl
 
+# The Iluvatar build serves paddle's CUDA allocator and CUDAGraph APIs, so cleanup and capture are cuda's.
+from fd_plugins.cuda.platform import fd_clean_memory_fragments, fd_graph_backend
+
+__all__ = ["fd_all_reduce", "fd_clean_memory_fragments", "fd_graph_backend", "fd_graph_eligibility", "fd_platform_detect"]
+
 DEVICE_TYPE = "iluvatar_gpu"
 DISTRIBUTION = "paddle-iluvatar-gpu"
 # Architectures whose decode fails under CUDA graph capture on Iluvatar when tp > 1.
@@ -48,25 +53,8 @@ def fd_all_reduce(tensor: Any, group: Any) -> Any:
 
 
 @hookimpl
-def fd_clean_memory_fragments(state_dict: dict[str, Any] | None) -> None:
-    """Free the loaded state dict's tensors, then empty the device cache and synchronize."""
-    from fd_plugins.cuda.memory import empty_device_cache, release_state_dict
-
-    release_state_dict(state_dict)
-    empty_device_cache()
-
-
-@hookimpl
 def fd_graph_eligibility(model_config: ModelConfig, parallel_config: ParallelConfig, graph_mode: str) -> GraphVote:
     """Veto CUDA graphs for ERNIE-VL at tp > 1, which fails under capture on Iluvatar."""
     if model_config.architecture in _VL_GRAPH_UNSAFE and parallel_config.tp_size > 1:
         return GraphVote.veto(f"ERNIE-VL with tp={parallel_config.tp_size} fails under CUDA graph capture on Iluvatar")
     return GraphVote.ok("Iluvatar captures this model's decode")
-
-
-@hookimpl
-def fd_graph_backend(parallel_config: ParallelConfig) -> Any:
-    """The CUDA graph backend, which the Iluvatar build provides through the same API."""
-    from fd_plugins.cuda.graphs import CudaGraphBackend
-
-    return CudaGraphBackend()
