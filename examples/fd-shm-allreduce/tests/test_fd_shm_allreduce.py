@@ -191,3 +191,25 @@ class TestCpuShmConformance(PlatformSuite):
     @pytest.fixture
     def capabilities(self) -> Capabilities:
         return platform.FD_CAPABILITIES
+
+
+# --- the main job, end to end --------------------------------------------------------------------------
+
+@needs_install
+def test_fd_run_gives_the_same_tokens_as_the_cpu_platform() -> None:
+    """`fd run` at tp=2 with cpu_shm active (eager: it vetoes static graphs) vs cpu (static graph)."""
+    import json
+    import os
+    import subprocess
+
+    def run(platform: str) -> dict[str, Any]:
+        env = {**os.environ, "FD_PLATFORM": platform}
+        done = subprocess.run([sys.executable, "-m", "fd_core.cli", "run", "--steps", "8", "--json"], capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    shm, cpu = run("cpu_shm"), run("cpu")
+    assert shm["platform"] == "cpu_shm" and shm["all_reduce"] == "direct: cpu_shm.fd_all_reduce"
+    assert not shm["graph"]["allowed"] and "cpu_shm vetoed: " in shm["graph"]["summary"]
+    assert cpu["graph"]["allowed"]
+    assert shm["tokens"] == cpu["tokens"]
