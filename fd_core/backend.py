@@ -82,9 +82,12 @@ class Backend:
         wrappers = [i.plugin_name for i in impls if i.hookwrapper or i.wrapper]
         group = self.parallel.group
         if wrappers:
+            # pluggy's own call path, with what HookCaller.__call__ redoes on every call (argument
+            # checks, copying the implementation list) done once here: wrappers still see every call.
+            hookexec, name, frozen = self.plugins.pm._hookexec, caller.name, tuple(impls)
 
             def through_hook(tensor: Any) -> Any:
-                return caller(tensor=tensor, group=group)
+                return hookexec(name, frozen, {"tensor": tensor, "group": group}, True)
 
             return through_hook, f"hook call (wrapped by {', '.join(wrappers)})"
         # pluggy calls the last of get_hookimpls() first.

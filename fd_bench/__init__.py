@@ -1,0 +1,157 @@
+"""Benchmarks of the plugin layer: hot-path dispatch, start-up, decode at tp=2, all-reduce by plugin, reloads.
+
+Run `fd bench` (or `python -m fd_bench`); `--smoke` is the short CI mode. Every comparison runs its two
+sides interleaved in one process or one run, after a warm-up, and reports medians and their ratio.
+Importing this package imports neither paddle nor fd_core's plugins; each row imports what it needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+__all__ = ["ROWS", "main"]
+
+# Row name -> what it compares (the order of the table).
+ROWS: dict[str, str] = {
+    "dispatch": "Backend all-reduce bound at build time vs a direct call of the same implementation",
+    "dispatch_vs_hook": "the bound all-reduce vs the plain pluggy hook call",
+    "dispatch_wrapper": "Backend with a tracing wrapper vs the plain hook call with the same wrapper",
+    "tp1": "Backend all-reduce at one rank vs a function returning the tensor",
+    "decode": "ERNIE-4.5 tiny decode step at tp=2 (gloo): through fd_core vs all-reduce wired to paddle.distributed",
+    "startup": "python -c 'import fd_core' and fd plugins vs python -c pass, whole processes",
+    "allreduce": "cpu (gloo) vs cpu_shm all-reduce at tp=2 through the Backend: 1 KiB, 64 KiB, 1 MiB, 16 MiB",
+    "graph": "tiny ERNIE decode step, static graph vs eager, cpu platform, tp=1",
+    "reload": "time and RSS across weight-reload cycles of ModelRunner",
+}
+DEFAULT_JSON = Path("benchmarks/results/latest.json")
+# A smoke run (CI) must not overwrite the recorded full run.
+DEFAULT_SMOKE_JSON = Path("benchmarks/results/latest-smoke.json")
+
+
+def _repo_root(start: Path) -> Path | None:
+    """The fd-backends checkout containing `start`, if any (a pyproject.toml naming the project)."""
+    for d in (start, *start.parents):
+        pyproject = d / "pyproject.toml"
+        if pyproject.is_file() and 'name = "fd-backends"' in pyproject.read_text(errors="replace"):
+            return d
+    return None
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="fd bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="short CI mode (< 60 s): proves every row runs; its numbers are not the record")
+    parser.add_argument("--json", metavar="PATH", default=None,
+                        help=f"write the results as JSON (default inside the repository: {DEFAULT_JSON}, or {DEFAULT_SMOKE_JSON} with --smoke; outside it: none; '-' prints the JSON to stdout)")
+    parser.add_argument("--rows", default=None, help=f"comma-separated rows to run (default: all): {','.join(ROWS)}")
+    args = parser.parse_args(argv)
+    if args.rows is None:
+        args.selected = list(ROWS)
+    else:
+        wanted = [r.strip() for r in args.rows.split(",") if r.strip()]
+        unknown = [r for r in wanted if r not in ROWS]
+        if unknown or not wanted:
+            parser.error(f"unknown row(s) {', '.join(unknown) or '(none given)'}; choose from {','.join(ROWS)}")
+        args.selected = [r for r in ROWS if r in wanted]
+    return args
+
+
+def _runners(selected: list[str], smoke: bool) -> list[tuple[tuple[str, ...], Callable[[], list[Any]]]]:
+    """(rows covered, a function producing their lines), grouped so that each spawn or process serves several rows."""
+    from fd_bench import graph, micro, reload, startup, tp2
+
+    chosen = set(selected)
+    jobs: list[tuple[tuple[str, ...], Callable[[], list[Any]]]] = []
+    micro_rows = tuple(r for r in ("dispatch", "dispatch_vs_hook", "dispatch_wrapper", "tp1") if r in chosen)
+    if micro_rows:
+        jobs.append((micro_rows, lambda: micro.dispatch_rows(chosen, smoke)))
+    if "startup" in chosen:
+        jobs.append((("startup",), lambda: startup.startup_rows(smoke)))
+    tasks = tuple(t for t in ("decode", "allreduce") if t in chosen)
+    if tasks:
+
+        def ranks() -> list[Any]:
+            results = tp2.run(tasks, smoke)
+            lines = tp2.decode_lines(results) if "decode" in tasks else []
+            return lines + (tp2.allreduce_lines(results) if "allreduce" in tasks else [])
+
+        jobs.append((tasks, ranks))
+    if "graph" in chosen:
+        jobs.append((("graph",), lambda: graph.graph_rows(smoke)))
+    if "reload" in chosen:
+        jobs.append((("reload",), lambda: reload.reload_rows(smoke)))
+    return jobs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the selected rows, print the table, write JSON; 0 when every row ran (missed targets do not fail)."""
+    args = _parse(argv)
+    from fd_core.distributed import quiet_paddle_logs
+
+    quiet_paddle_logs()  # before any row imports paddle
+    from fd_bench.report import Line, machine, table
+
+    prog = "python -m fd_bench" if sys.argv and sys.argv[0].endswith("__main__.py") else "fd bench"
+    command = " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
+    info = machine()
+    print(f"fd bench ({'smoke' if args.smoke else 'full'}): {info['nproc']} cpus, {info['cpu_model']}, "
+          f"Python {info['python']}, paddle {info['paddlepaddle']}", flush=True)
+    lines: list[Line] = []
+    errors: dict[str, str] = {}
+    timings: dict[str, float] = {}
+    started = time.perf_counter()
+    started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    for rows, job in _runners(args.selected, args.smoke):
+        t0 = time.perf_counter()
+        print(f"  running {', '.join(rows)} ...", file=sys.stderr, flush=True)
+        try:
+            lines.extend(job())
+        except Exception as exc:  # noqa: BLE001 - one broken row must not hide the others
+            errors.update({r: f"{type(exc).__name__}: {exc}" for r in rows})
+            traceback.print_exc()
+            lines.extend(Line(row=r, case="failed", a="-", b="-", a_value=None, b_value=None, unit="", ratio=None,
+                              ratio_label="", target="", met=False, note=f"error: {type(exc).__name__}: {exc}") for r in rows)
+        timings[",".join(rows)] = time.perf_counter() - t0
+    order = {r: i for i, r in enumerate(ROWS)}
+    lines.sort(key=lambda ln: order[ln.row])
+    print()
+    print(table(lines, args.smoke))
+    total = time.perf_counter() - started
+    checked = [ln for ln in lines if ln.met is not None]
+    summary = {
+        "met": sorted({ln.row for ln in checked if ln.met} - {ln.row for ln in checked if not ln.met}, key=order.get),
+        "missed": sorted({ln.row for ln in checked if not ln.met}, key=order.get),
+        "reported": sorted({ln.row for ln in lines if ln.met is None}, key=order.get),
+    }
+    print(f"\n{'smoke run: numbers are not the record; ' if args.smoke else ''}targets met: {', '.join(summary['met']) or 'none'}; "
+          f"missed: {', '.join(summary['missed']) or 'none'}; total {total:.1f} s")
+    doc = {
+        "mode": "smoke" if args.smoke else "full",
+        "command": command,
+        "machine": info,
+        "started": started_at,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "seconds": round(total, 2),
+        "seconds_by_job": {k: round(v, 2) for k, v in timings.items()},
+        "rows": list(args.selected),
+        "summary": summary,
+        "errors": errors,
+        "lines": [ln.to_dict() for ln in lines],
+    }
+    target = args.json
+    if target is None:
+        root = _repo_root(Path.cwd())
+        target = str(root / (DEFAULT_SMOKE_JSON if args.smoke else DEFAULT_JSON)) if root is not None else None
+    if target == "-":
+        print(json.dumps(doc, indent=2))
+    elif target is not None:
+        path = Path(target)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"results: {path}")
+    return 1 if errors else 0

@@ -1,0 +1,197 @@
+"""What each of two real gloo ranks runs for the tp=2 rows (importable: spawned ranks import it by name).
+
+`run_rank(tasks, smoke)` joins the process group once and runs every requested task in order; all ranks
+make the same calls in the same order, as collectives require. Each task returns plain data.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+perf_counter_ns = time.perf_counter_ns
+
+SIZES = (1 << 10, 64 << 10, 1 << 20, 16 << 20)
+CALLS_FULL = {1 << 10: 400, 64 << 10: 400, 1 << 20: 300, 16 << 20: 100}
+CALLS_SMOKE = {1 << 10: 40, 64 << 10: 40, 1 << 20: 10, 16 << 20: 4}
+# From this size on, gloo is also timed against itself (an A/A control): the noise band of the run.
+CONTROL_FROM = 1 << 20
+
+
+class DirectCtx:
+    """The benchmark-only copy of the model's context: all-reduce wired straight to paddle.distributed."""
+
+    def __init__(self, parallel: Any) -> None:
+        import paddle.distributed as dist
+
+        self.parallel = parallel
+        group = parallel.group
+        dist_all_reduce = dist.all_reduce
+
+        def all_reduce(tensor: Any) -> Any:
+            dist_all_reduce(tensor, group=group)
+            return tensor
+
+        self.all_reduce = all_reduce
+
+
+def _backend(platform: str, rank: int, world: int) -> Any:
+    from fd_core import ParallelConfig
+    from fd_core.backend import load_backend
+
+    env = dict(os.environ)
+    env["FD_PLATFORM"] = platform
+    return load_backend(ParallelConfig(tp_size=world, tp_rank=rank), env=env)
+
+
+def _model(arch: Any, config: Any, ctx: Any, rank: int, world: int, max_len: int) -> Any:
+    from fd_core.runner import init_std
+    from fd_core.weights import random_state_dict
+
+    model = arch.build(config, ctx)
+    model.load_weights(random_state_dict(model.weight_specs(), 0, rank, world, init_std(config)))
+    model.allocate_cache(1, max_len)
+    return model
+
+
+def decode(rank: int, world: int, smoke: bool, modes: tuple[str, ...] = ("eager", "static")) -> dict[str, Any]:
+    """ERNIE-4.5 tiny decode step: fd_core's Backend (cpu platform) vs the DirectCtx copy, alternating step by step.
+
+    One model instance serves both sides: between steps its layers' `ctx` is switched between the
+    Backend and DirectCtx (static mode: between the two captured graphs), so both sides run on the
+    same weights, caches and memory. Two separate instances differed by up to 15% from each other
+    with identical wiring on this machine, which would drown a 2% target.
+    """
+    import numpy as np
+
+    from fd_core.runner import model_config_for
+
+    backend = _backend("cpu", rank, world)
+    arch = backend.plugins.registry.get("ernie4_5")
+    config = model_config_for(arch, None)
+    prompt = np.asarray([[1, 2, 3, 4]], dtype="int64")
+    steps = 20  # positions cycle through the cache's 20 decode slots
+    samples, warm = (40, 6) if smoke else (800, 20)
+    max_len = prompt.shape[1] + steps
+    direct = DirectCtx(backend.parallel)
+    out: dict[str, Any] = {"binding": backend.all_reduce_binding, "steps_per_side": samples}
+    for mode in modes:
+        model = _model(arch, config, backend, rank, world, max_len)
+        holders = [layer for layer in (model, *model.sublayers()) if getattr(layer, "ctx", None) is backend]
+        # fd_control is the fd wiring again (its own graph in static mode): an A/A control whose gap
+        # to fd is the noise band of this run.
+        ctxs = {"fd": backend, "direct": direct, "fd_control": backend}
+        graphs: dict[str, Any] = {}
+
+        def wire(name: str) -> None:
+            for layer in holders:
+                layer.ctx = ctxs[name]
+            if name in graphs:
+                model._graphs = graphs[name]
+
+        try:
+            if mode == "static":
+                for name in ctxs:
+                    wire(name)
+                    model.capture(backend.graph_backend(), 1)
+                    graphs[name] = model._graphs
+        except Exception as exc:  # noqa: BLE001 - reported in the row, the eager numbers stand
+            out[mode] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        wire("fd")
+        first = model.prefill(prompt).numpy()
+        token = np.asarray([[int(first.argmax())]], dtype="int64")
+        # Step by step: the sides take turns every decode step (the order rotates and flips), so the noise of
+        # a shared machine (a peer rank descheduled for a time slice) falls on both sides alike.
+        times: dict[str, list[int]] = {n: [] for n in ctxs}
+        names = list(ctxs)
+        for i in range(warm + samples):
+            for name in names[i % 3:] + names[: i % 3] if i % 2 == 0 else (names[i % 3:] + names[: i % 3])[::-1]:
+                wire(name)
+                start = perf_counter_ns()
+                model.decode_step(token, prompt.shape[1] + i % steps).numpy()  # the logits are used, as a sampler would
+                if i >= warm:
+                    times[name].append(perf_counter_ns() - start)
+        # Both wirings compute the same step: the same position and token on the same cache.
+        check = {}
+        for name in ("fd", "direct"):
+            wire(name)
+            check[name] = model.decode_step(token, prompt.shape[1]).numpy()
+        out[mode] = {
+            "fd_step_ns": statistics.median(times["fd"]),
+            "direct_step_ns": statistics.median(times["direct"]),
+            "fd_control_step_ns": statistics.median(times["fd_control"]),
+            "fd_p10_ns": statistics.quantiles(times["fd"], n=10)[0],
+            "direct_p10_ns": statistics.quantiles(times["direct"], n=10)[0],
+            "same_logits": bool(np.array_equal(check["fd"], check["direct"])),
+            "rewired_layers": len(holders),
+            "captured": bool(graphs),
+        }
+    return out
+
+
+def allreduce(rank: int, world: int, smoke: bool) -> dict[str, Any]:
+    """cpu (gloo) vs cpu_shm through each platform's Backend, call by call, ranks lined up before each call."""
+    import paddle
+
+    from fd_core.errors import PlatformError
+
+    gloo = _backend("cpu", rank, world)
+    try:
+        shm = _backend("cpu_shm", rank, world)
+    except PlatformError as exc:
+        shm = None
+        missing = str(exc)
+    sides = {"gloo": gloo.all_reduce}
+    if shm is not None:
+        sides["shm"] = shm.all_reduce
+    # Lining the ranks up before each timed call keeps the skew one call leaves from being charged to the next.
+    align_t = paddle.zeros([1], dtype="float32")
+    align = (shm or gloo).all_reduce
+    calls = CALLS_SMOKE if smoke else CALLS_FULL
+    out: dict[str, Any] = {
+        "bindings": {"gloo": gloo.all_reduce_binding, "shm": shm.all_reduce_binding if shm else None},
+        "shm_missing": None if shm is not None else missing,
+        "sizes": {},
+    }
+    for nbytes in SIZES:
+        tensor = paddle.zeros([nbytes // 4], dtype="float32")
+        for fn in sides.values():
+            for _ in range(3):
+                fn(tensor)
+        timed = dict(sides)
+        if nbytes >= CONTROL_FROM:
+            timed["gloo_control"] = gloo.all_reduce
+        times: dict[str, list[int]] = {n: [] for n in timed}
+        order = list(timed)
+        for i in range(calls[nbytes]):
+            for name in order if i % 2 == 0 else reversed(order):
+                align(align_t)
+                fn = timed[name]
+                start = perf_counter_ns()
+                fn(tensor)
+                times[name].append(perf_counter_ns() - start)
+        out["sizes"][nbytes] = {n: statistics.median(v) for n, v in times.items()} | {"calls": calls[nbytes]}
+    if shm is not None:
+        try:
+            from fd_shm_allreduce import shm as shm_mod
+
+            state = shm_mod.GROUPS.get(None)
+            out["shm_state"] = {"usable": state.usable, "slot_bytes": state.slot_bytes, "calls": dict(state.calls)} if state else None
+        except Exception as exc:  # noqa: BLE001 - diagnostics only
+            out["shm_state"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+TASKS: dict[str, Callable[..., dict[str, Any]]] = {"decode": decode, "allreduce": allreduce}
+
+
+def run_rank(tasks: tuple[str, ...], smoke: bool) -> dict[str, Any]:
+    """Entry point of a spawned rank."""
+    from fd_core.distributed import init_rank, quiet_paddle_logs
+
+    quiet_paddle_logs()
+    rank, world = init_rank()
+    return {"rank": rank, **{t: TASKS[t](rank, world, smoke) for t in tasks}}
