@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 from fd_core.errors import ConfigError, FdError, RankError
 
 EXIT_USAGE = 2
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
 
 
 class _Parser(argparse.ArgumentParser):
@@ -112,7 +113,7 @@ def _prompt_ids(text: str) -> tuple[int, ...]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fd_core.distributed import launched_rank, quiet_paddle_logs, spawn_ranks
+    from fd_core.distributed import Terminated, launched_rank, quiet_paddle_logs, spawn_ranks
     from fd_core.runner import RunConfig, as_json, plan_run, run_rank, spawned_rank, summary_lines
 
     quiet_paddle_logs()
@@ -137,7 +138,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         if run.tp == 1:
             results = [run_rank(run)]
         else:
-            results = spawn_ranks(spawned_rank, (run,), run.tp, plan.dist_backend, grace=args.rank_timeout)
+            try:
+                results = spawn_ranks(spawned_rank, (run,), run.tp, plan.dist_backend, grace=args.rank_timeout)
+            except Terminated:
+                print("fd: terminated; every rank was stopped", file=sys.stderr)
+                return EXIT_TERMINATED
             diverged = [r["rank"] for r in results if r["tokens"] != results[0]["tokens"]]
             if diverged:
                 raise RankError(f"rank {diverged[0]} generated different tokens than rank 0; the ranks disagree")
@@ -239,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # The benchmark runner parses its own options (argparse.REMAINDER drops a leading --option).
+        return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
+import json
+import logging
 import multiprocessing.connection
 import os
 import pickle
 import signal
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from fd_core.errors import RankError
 
@@ -50,10 +54,22 @@ def init_rank() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+class Terminated(BaseException):
+    """SIGTERM reached `fd run` while its ranks ran; they have been stopped (exit code 143)."""
+
+
+# After the first rank fails, how long to let the failures it causes land before naming a culprit.
+SETTLE_S = 0.5
+_PR_SET_PDEATHSIG = 1
+
+
 @dataclass
 class RankFailure:
     rank: int
     message: str
+    # Ranks killed by a signal sort first (a peer's failure reaches a rank as an error, never as a
+    # signal), then by the time the rank recorded its error.
+    order: tuple[int, float] = (1, float("inf"))
 
 
 def _last_line(trace: str) -> str:
@@ -66,14 +82,34 @@ def _last_line(trace: str) -> str:
     return f"{head.rsplit('.', 1)[-1]}{sep}{tail}"
 
 
-def _failure(context: Any, index: int) -> RankFailure:
+def _failure(context: Any, out_dir: str, index: int) -> RankFailure:
+    code = context.processes[index].exitcode
+    if code is not None and code < 0:
+        return RankFailure(index, f"killed by {signal.Signals(-code).name}", (0, 0.0))
+    record = os.path.join(out_dir, f"rank{index}.failed")
+    if os.path.exists(record):
+        with open(record) as f:
+            data = json.load(f)
+        return RankFailure(index, data["message"], (1, data["time"]))
     queue = context.error_queues[index]
     if not queue.empty():
         return RankFailure(index, _last_line(queue.get()))
-    code = context.processes[index].exitcode
-    if code is not None and code < 0:
-        return RankFailure(index, f"killed by {signal.Signals(-code).name}")
     return RankFailure(index, f"exited with code {code}")
+
+
+def _describe(failures: list[RankFailure]) -> str:
+    """One line: the rank that failed first, then any peer that failed after it."""
+    first, *then = sorted(failures, key=lambda f: f.order)
+    line = f"rank {first.rank} failed: {first.message}"
+    if then:
+        # A bad checkpoint or config fails every rank alike: say so instead of repeating it.
+        notes = [f"rank {f.rank} failed the same way" if f.message == first.message else f"then rank {f.rank}: {_shorten(f.message)}" for f in then]
+        line += f" ({'; '.join(notes)})"
+    return line
+
+
+def _shorten(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _stop_all(processes: Sequence[Any], grace: float) -> None:
@@ -90,14 +126,72 @@ def _stop_all(processes: Sequence[Any], grace: float) -> None:
             p.join(5)
 
 
-def _call_and_save(fn: Callable[..., Any], out_dir: str, *args: Any) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this rank when `fd run` dies, even by SIGKILL (Linux; elsewhere a no-op).
+
+    The kernel ties this to the thread that spawned the rank; spawn_ranks waits in that thread
+    until every rank has ended."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _call_and_save(fn: Callable[..., Any], out_dir: str, parent: int, *args: Any) -> None:
     """Run `fn` on a spawned rank and leave its result in a file: a large result through the return
     queue's pipe would block the rank's exit while the parent waits for that exit."""
-    result = fn(*args)
-    path = os.path.join(out_dir, f"rank{os.environ.get('PADDLE_TRAINER_ID', '0')}.pickle")
+    _die_with_parent(parent)
+    # The parent coordinates every stop: a terminal's Ctrl-C reaches it (and it stops the ranks),
+    # and its SIGTERM ends a rank at once, without the crash report Paddle's handler would print.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    rank = os.environ.get("PADDLE_TRAINER_ID", "0")
+    try:
+        result = fn(*args)
+    except Exception as exc:
+        # When and why, so the parent can tell the rank that failed first from the peers it took down.
+        record = os.path.join(out_dir, f"rank{rank}.failed")
+        with contextlib.suppress(OSError):  # without it the parent falls back to Paddle's error queue
+            with open(record + ".tmp", "w") as f:
+                json.dump({"time": time.time(), "message": f"{type(exc).__name__}: {exc}".splitlines()[0]}, f)
+            os.replace(record + ".tmp", record)
+        raise
+    path = os.path.join(out_dir, f"rank{rank}.pickle")
     with open(path + ".tmp", "wb") as f:
         pickle.dump(result, f)
     os.replace(path + ".tmp", path)
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """Turn SIGTERM into `Terminated` while ranks run, so they are stopped rather than orphaned."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _quiet_root_logger() -> Iterator[None]:
+    """Paddle gives the root logger an INFO handler at import; spawn would log its port choice there."""
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        root.setLevel(level)
 
 
 def spawn_ranks(
@@ -106,34 +200,56 @@ def spawn_ranks(
     """Run `fn(*args)` on `nprocs` local ranks; return each rank's result in rank order.
 
     When a rank fails, the others are stopped at once (they would otherwise wait in a collective
-    until its timeout) and RankError names the first rank that failed.
+    until its timeout) and RankError names the rank that failed first. Ctrl-C (KeyboardInterrupt)
+    and SIGTERM (Terminated) stop every rank before they propagate; a rank also dies with this
+    process if it is killed outright.
     """
     import paddle.distributed as dist
 
     quiet_paddle_logs()
-    with tempfile.TemporaryDirectory(prefix="fd-ranks-") as out_dir:
-        context = dist.spawn(_call_and_save, args=(fn, out_dir, *args), nprocs=nprocs, join=False, backend=dist_backend, ips=LOOPBACK)
-        _watch(context, grace)
+    with tempfile.TemporaryDirectory(prefix="fd-ranks-") as out_dir, _sigterm_raises():
+        with _quiet_root_logger():
+            context = dist.spawn(
+                _call_and_save, args=(fn, out_dir, os.getpid(), *args), nprocs=nprocs, join=False, backend=dist_backend, ips=LOOPBACK
+            )
+        _watch(context, out_dir, grace)
         results = []
         for rank in range(nprocs):
-            with open(os.path.join(out_dir, f"rank{rank}.pickle"), "rb") as f:
-                results.append(pickle.load(f))
+            try:
+                with open(os.path.join(out_dir, f"rank{rank}.pickle"), "rb") as f:
+                    results.append(pickle.load(f))
+            except FileNotFoundError:
+                raise RankError(f"rank {rank} exited without a result (exit code 0); was it stopped from outside?") from None
         return results
 
 
-def _watch(context: Any, grace: float) -> None:
-    """Wait for every rank; on the first failure stop the rest and raise RankError naming it."""
+def _watch(context: Any, out_dir: str, grace: float) -> None:
+    """Wait for every rank; on a failure stop the rest and raise RankError naming the first to fail."""
     processes = list(context.processes)
     pending = {p.sentinel: i for i, p in enumerate(processes)}
+
+    def reap(ready: list[Any]) -> list[int]:
+        failed = []
+        for sentinel in ready:
+            index = pending.pop(sentinel)
+            processes[index].join()
+            if processes[index].exitcode != 0:
+                failed.append(index)
+        return failed
+
     try:
         while pending:
-            for sentinel in multiprocessing.connection.wait(list(pending), timeout=1.0):
-                index = pending.pop(sentinel)
-                processes[index].join()
-                if processes[index].exitcode != 0:
-                    failure = _failure(context, index)
-                    _stop_all(processes, grace)
-                    raise RankError(f"rank {failure.rank} failed: {failure.message}")
-    except KeyboardInterrupt:
+            failed = reap(multiprocessing.connection.wait(list(pending), timeout=1.0))
+            if not failed:
+                continue
+            # A dead rank makes its peers fail in their next collective; let those failures land
+            # (briefly), so that the rank named is the one that failed first, not a bystander.
+            deadline = time.monotonic() + SETTLE_S
+            while pending and time.monotonic() < deadline:
+                failed += reap(multiprocessing.connection.wait(list(pending), timeout=max(0.0, deadline - time.monotonic())))
+            failures = [_failure(context, out_dir, i) for i in failed]
+            _stop_all(processes, grace)
+            raise RankError(_describe(failures))
+    except (KeyboardInterrupt, Terminated):
         _stop_all(processes, grace)
         raise

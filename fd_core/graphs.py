@@ -65,7 +65,7 @@ class GraphDecision:
     def summary(self) -> str:
         mode = self.mode or "graph capture"
         if self.allowed:
-            return f"{mode} on" + (f" ({'; '.join(v.line() for v in self.votes)})" if self.votes else "")
+            return f"{mode} on: no plugin vetoed ({len(self.votes)} vote{'s' if len(self.votes) != 1 else ''})"
         if self.requested == "off":
             return f"{mode} off: disabled by request (--graph off)"
         if not self.mode:

@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping
 
 from fd_core.backend import Backend, load_backend
 from fd_core.config import ModelConfig, ParallelConfig
-from fd_core.errors import CheckpointError, ConfigError
+from fd_core.errors import CheckpointError, ConfigError, FdError
 from fd_core.graphs import GraphDecision
 from fd_core.models import Architecture, CausalModel
 from fd_core.plugins import PluginSet, load_plugins
@@ -55,7 +55,13 @@ def resident_bytes() -> int:
 
 
 def _architecture_of(checkpoint: str) -> str | None:
-    data = json.loads((Path(checkpoint) / "config.json").read_text())
+    path = Path(checkpoint) / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: not readable JSON ({exc}); fix or regenerate config.json") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"checkpoint {path}: expected a JSON object of model settings")
     name = data.get("architecture")
     if name:
         return str(name)
@@ -75,12 +81,26 @@ def model_config_for(arch: Architecture, checkpoint: str | None) -> ModelConfig:
     return ModelConfig.from_json(arch.name, Path(checkpoint) / "config.json")
 
 
+def _check_tp(tp: int, config: ModelConfig, backend: Backend) -> None:
+    """The model's divisibility and the platform's rank limit, both in one line when both fail:
+    fixing one at a time would cost the user a second failed start."""
+    problems: list[FdError] = []
+    for check in (lambda: config.check_tensor_parallel(tp), lambda: backend.check_ranks(tp)):
+        try:
+            check()
+        except FdError as exc:
+            problems.append(exc)
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise ConfigError("; also ".join(str(p) for p in problems))
+
+
 def plan_run(run: RunConfig, plugins: PluginSet | None = None) -> Plan:
     """Every check that can fail before a process starts: platform, model, tp, prompt, checkpoint."""
     plugins = plugins or load_plugins()
     backend = Backend(plugins)
     backend.require_hardware()
-    backend.check_ranks(run.tp)
     if run.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {run.steps}")
     model = run.model
@@ -94,7 +114,7 @@ def plan_run(run: RunConfig, plugins: PluginSet | None = None) -> Plan:
         model = found
     arch = plugins.registry.get(model or "ernie4_5")
     config = model_config_for(arch, run.checkpoint)
-    config.check_tensor_parallel(run.tp)
+    _check_tp(run.tp, config, backend)
     if not run.prompt_ids:
         raise ConfigError("--prompt-ids is empty; pass at least one token id")
     bad = [t for t in run.prompt_ids if not 0 <= t < config.vocab_size]

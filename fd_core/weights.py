@@ -104,6 +104,22 @@ def _mismatch(first: str, names: list[str]) -> str:
     return f"{first}{more}; the checkpoint does not match this architecture's config"
 
 
+def _truncated_tensor(path: Path) -> tuple[str, int, int] | None:
+    """(name, end, data size) of the first tensor cut off by a truncated safetensors file, if that is what is wrong."""
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length))
+        data = path.stat().st_size - 8 - length
+        ends = sorted((info["data_offsets"][1], name) for name, info in header.items() if name != "__metadata__")
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None  # not even the header is whole: the generic message has to do
+    for end, name in ends:
+        if end > data:
+            return name, end, data
+    return None
+
+
 def load_checkpoint(
     directory: str | Path, specs: Mapping[str, WeightSpec], tp_rank: int = 0, tp_size: int = 1
 ) -> dict[str, np.ndarray]:
@@ -120,6 +136,12 @@ def load_checkpoint(
             try:
                 handle = safe_open(str(path), framework="numpy")
             except (SafetensorError, OSError) as exc:
+                cut = _truncated_tensor(path)
+                if cut is not None:
+                    raise CheckpointError(
+                        f"checkpoint {path}: truncated: tensor {cut[0]!r} ends at byte {cut[1]} of the data, "
+                        f"but the file holds {cut[2]}; re-save or re-download it"
+                    ) from None
                 raise CheckpointError(f"checkpoint {path}: unreadable safetensors file ({exc}); re-save or re-download it") from None
             handles.append((path, handle))
             for name in handle.keys():

@@ -42,7 +42,7 @@ def test_explain_prints_platform_binding_and_votes() -> None:
     assert "platform: cpu (" in done.stdout
     assert "model: qwen3_vl (registered by qwen3_vl), tp=2" in done.stdout
     assert "all-reduce: direct: cpu.fd_all_reduce" in done.stdout
-    assert "graph: static on (cpu allows: " in done.stdout
+    assert "graph: static on: no plugin vetoed (1 vote)\n  cpu allows: paddle static graph traces" in done.stdout
     off = run_fd(["explain", "--graph", "off"])
     assert "graph: static off: disabled by request (--graph off)" in off.stdout
 
