@@ -216,7 +216,7 @@ def discover(env: Mapping[str, str] | None = None, extra: Iterable[tuple[Kind, s
         )
         if not _allowed(record, allow):
             record.allowed = False
-            record.status = "left out: not in FD_PLUGINS"
+            record.status = f"left out: not in FD_PLUGINS (add {record.name} to it to load this plugin)"
             records.append(record)
             continue
         try:

@@ -83,7 +83,7 @@ def test_allow_list_leaves_out_other_distributions_but_never_builtins(install_pl
     plugins = load_plugins({"FD_PLUGINS": ""})
     assert plugins.platform == "cpu"
     left_out = plugins.record("fakechip")
-    assert not left_out.allowed and left_out.status == "left out: not in FD_PLUGINS" and left_out.module is None
+    assert not left_out.allowed and left_out.status == "left out: not in FD_PLUGINS (add fakechip to it to load this plugin)" and left_out.module is None
     assert {r.name for r in plugins.records if r.builtin and r.module is not None} >= {"cpu", "cuda", "iluvatar"}
     assert load_plugins({"FD_PLUGINS": "fake-chip"}).platform == "fakechip"  # by distribution name
     assert load_plugins({"FD_PLUGINS": "fakechip"}).platform == "fakechip"  # by entry-point name

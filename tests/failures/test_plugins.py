@@ -186,11 +186,11 @@ def test_empty_allow_list_loads_no_third_party_plugin_and_says_so(distribution) 
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("platform: cpu (")
     row = next(line for line in done.stdout.splitlines() if line.split()[:1] == ["fakechip"])
-    assert row.split(None, 3)[1:] == ["fake-chip", "0.1.0", "left out: not in FD_PLUGINS"]
+    assert row.split(None, 3)[1:] == ["fake-chip", "0.1.0", "left out: not in FD_PLUGINS (add fakechip to it to load this plugin)"]
     listed = json.loads(run_fd(["plugins", "--json"], path=site, env={"FD_PLUGINS": ""}).stdout)["plugins"]
     third_party = [p for p in listed if not p["builtin"]]
     assert third_party and all(not p["allowed"] and not p["active"] and p["hooks"] == [] for p in third_party)
-    assert all(p["status"] == "left out: not in FD_PLUGINS" for p in third_party)
+    assert all(p["status"] == f"left out: not in FD_PLUGINS (add {p['name']} to it to load this plugin)" for p in third_party)
     # This distribution's built-ins remain.
     builtins = {p["name"] for p in listed if p["builtin"] and p["allowed"]}
     assert {"cpu", "cuda", "iluvatar", "ernie4_5", "ernie4_5_vl", "qwen3_vl"} <= builtins
