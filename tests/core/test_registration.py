@@ -6,14 +6,7 @@ import pytest
 
 from fd_core.errors import PluginError
 from fd_core.plugins import load_plugins
-
-NO_CLEAR_HOOK = """
-from fd_core import Architecture, hookimpl
-
-@hookimpl
-def fd_register_models(register):
-    register(Architecture(name="mini_vl", build=lambda config, backend: None, preset={}, graph_capable=True))
-"""
+from plugin_sources import NO_CLEAR_HOOK
 
 NOT_GRAPH_CAPABLE = """
 from fd_core import Architecture, hookimpl

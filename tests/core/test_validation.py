@@ -7,30 +7,7 @@ import pytest
 from fd_core.errors import PluginError
 from fd_core.plugins import load_plugins
 from fakedist import run_fd
-
-MISSPELLED = """
-from fd_core import hookimpl
-
-@hookimpl
-def fd_clear_grpah_opt_backend(model):
-    return True
-"""
-
-BAD_ARGUMENT = """
-from fd_core import hookimpl
-
-@hookimpl
-def fd_graph_eligibility(model_config, paralel_config):
-    return None
-"""
-
-NOT_A_GENERATOR = """
-from fd_core import hookimpl
-
-@hookimpl(wrapper=True)
-def fd_all_reduce(tensor, group):
-    return tensor
-"""
+from plugin_sources import MISSPELLED_HOOK as MISSPELLED, NOT_A_GENERATOR, UNKNOWN_ARGUMENT as BAD_ARGUMENT
 
 UNDECORATED = """
 def fd_clean_memory_fragments(state_dict):

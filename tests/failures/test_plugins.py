@@ -13,6 +13,7 @@ import json
 import pytest
 
 from conftest import assert_one_line_error, run_fd
+from plugin_sources import MISSPELLED_HOOK, NO_CLEAR_HOOK, NOT_A_GENERATOR, UNKNOWN_ARGUMENT
 
 BROKEN_IMPORT = "raise ImportError('libchip.so: cannot open shared object file')\n"
 
@@ -34,38 +35,6 @@ def fd_platform_detect():
 @hookimpl
 def fd_all_reduce(tensor, group):
     return tensor
-"""
-
-MISSPELLED_HOOK = """
-from fd_core import hookimpl
-
-@hookimpl
-def fd_clear_grpah_opt_backend(model):
-    return True
-"""
-
-UNKNOWN_ARGUMENT = """
-from fd_core import hookimpl
-
-@hookimpl
-def fd_graph_eligibility(model_config, paralel_config):
-    return None
-"""
-
-NOT_A_GENERATOR = """
-from fd_core import hookimpl
-
-@hookimpl(wrapper=True)
-def fd_all_reduce(tensor, group):
-    return tensor
-"""
-
-NO_CLEAR_HOOK = """
-from fd_core import Architecture, hookimpl
-
-@hookimpl
-def fd_register_models(register):
-    register(Architecture(name="mini_vl", build=lambda config, backend: None, preset={}, graph_capable=True))
 """
 
 
