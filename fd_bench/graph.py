@@ -12,20 +12,14 @@ from fd_bench.report import Line
 def graph_rows(smoke: bool) -> list[Line]:
     import numpy as np
 
-    from fd_bench.ranks import _model
+    from fd_bench.ranks import _model, decode_setup
     from fd_core import ParallelConfig
     from fd_core.backend import load_backend
-    from fd_core.runner import model_config_for
 
     env = dict(os.environ)
     env["FD_PLATFORM"] = "cpu"
     backend = load_backend(ParallelConfig(), env=env)
-    arch = backend.plugins.registry.get("ernie4_5")
-    config = model_config_for(arch, None)
-    prompt = np.asarray([[1, 2, 3, 4]], dtype="int64")
-    steps = 20  # positions cycle through the cache's 20 decode slots
-    samples, warm = (40, 6) if smoke else (800, 20)
-    max_len = prompt.shape[1] + steps
+    arch, config, prompt, steps, samples, warm, max_len = decode_setup(backend, smoke)
     models = {"static": _model(arch, config, backend, 0, 1, max_len), "eager": _model(arch, config, backend, 0, 1, max_len)}
     start = time.perf_counter()
     models["static"].capture(backend.graph_backend(), 1)

@@ -56,6 +56,20 @@ def _model(arch: Any, config: Any, ctx: Any, rank: int, world: int, max_len: int
     return model
 
 
+def decode_setup(backend: Any, smoke: bool) -> tuple[Any, Any, Any, int, int, int, int]:
+    """The tiny ERNIE-4.5 decode benchmark's setting: architecture, config, prompt, steps, samples, warm-up, cache length."""
+    import numpy as np
+
+    from fd_core.runner import model_config_for
+
+    arch = backend.plugins.registry.get("ernie4_5")
+    config = model_config_for(arch, None)
+    prompt = np.asarray([[1, 2, 3, 4]], dtype="int64")
+    steps = 20  # positions cycle through the cache's 20 decode slots
+    samples, warm = (40, 6) if smoke else (800, 20)
+    return arch, config, prompt, steps, samples, warm, prompt.shape[1] + steps
+
+
 def decode(rank: int, world: int, smoke: bool, modes: tuple[str, ...] = ("eager", "static")) -> dict[str, Any]:
     """ERNIE-4.5 tiny decode step: fd_core's Backend (cpu platform) vs the DirectCtx copy, alternating step by step.
 
@@ -66,15 +80,8 @@ def decode(rank: int, world: int, smoke: bool, modes: tuple[str, ...] = ("eager"
     """
     import numpy as np
 
-    from fd_core.runner import model_config_for
-
     backend = _backend("cpu", rank, world)
-    arch = backend.plugins.registry.get("ernie4_5")
-    config = model_config_for(arch, None)
-    prompt = np.asarray([[1, 2, 3, 4]], dtype="int64")
-    steps = 20  # positions cycle through the cache's 20 decode slots
-    samples, warm = (40, 6) if smoke else (800, 20)
-    max_len = prompt.shape[1] + steps
+    arch, config, prompt, steps, samples, warm, max_len = decode_setup(backend, smoke)
     direct = DirectCtx(backend.parallel)
     out: dict[str, Any] = {"binding": backend.all_reduce_binding, "steps_per_side": samples}
     for mode in modes:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from fd_core.capabilities import Capabilities, capabilities_of
+from fd_core.capabilities import Capabilities
 from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.detection import Detection
 from fd_core.plugins import PluginSet, _impl_function, load_plugins, new_plugin_manager, validate_module
