@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from fd_core.errors import ConfigError, FdError, RankError
 
@@ -14,7 +14,7 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2, as every other fd error
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, as every other fd error
         self.exit(EXIT_USAGE, f"fd: error: {message} (see fd {self.prog.split()[-1]} --help)\n")
 
 

@@ -210,7 +210,8 @@ def spawn_ranks(
     with tempfile.TemporaryDirectory(prefix="fd-ranks-") as out_dir, _sigterm_raises():
         with _quiet_root_logger():
             context = dist.spawn(
-                _call_and_save, args=(fn, out_dir, os.getpid(), *args), nprocs=nprocs, join=False, backend=dist_backend, ips=LOOPBACK
+                # paddle's typed options omit `backend`, which spawn reads at run time.
+                _call_and_save, args=(fn, out_dir, os.getpid(), *args), nprocs=nprocs, join=False, backend=dist_backend, ips=LOOPBACK,  # type: ignore[call-arg]
             )
         _watch(context, out_dir, grace)
         results = []

@@ -174,8 +174,9 @@ class ModelRunner:
         """Build the model if needed, load weights, then clean memory fragments with the loaded state."""
         if self.model is None:
             self.model = self._timed("build", lambda: self.arch.build(self.config, self.backend))
+        model = self.model
         shards = self._timed("load", self.read_weights)
-        self._timed("load", lambda: self.model.load_weights(shards))
+        self._timed("load", lambda: model.load_weights(shards))
         self._timed("cleanup", lambda: self.backend.clean_memory_fragments(shards))
 
     def decide(self) -> GraphDecision:
@@ -184,11 +185,12 @@ class ModelRunner:
 
     def prepare(self, max_len: int) -> None:
         """Preallocate the KV cache; capture the decode step when the decision allows it."""
-        assert self.model is not None and self.decision is not None
-        self.model.allocate_cache(BATCH_SIZE, max_len)
-        if self.decision.allowed:
+        model, decision = self.model, self.decision
+        assert model is not None and decision is not None, "load() and decide() come before prepare()"
+        model.allocate_cache(BATCH_SIZE, max_len)
+        if decision.allowed:
             graphs = self.backend.graph_backend()
-            self._timed("capture", lambda: self.model.capture(graphs, BATCH_SIZE))
+            self._timed("capture", lambda: model.capture(graphs, BATCH_SIZE))
 
     def generate(self, prompt_ids: list[int], steps: int, image: Any = None) -> GenerationResult:
         """Greedy decoding: prefill the prompt, then `steps - 1` decode steps."""
@@ -277,6 +279,7 @@ def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None) -> d
     log(f"loaded {plan.arch.name} on {backend.platform} (tp={tp}) in {runner.timings['load']:.2f}s")
     decision = runner.decide()
     prompt = list(run.prompt_ids)
+    assert runner.model is not None
     max_len = runner.model.prefill_length(_as_ids(prompt), image) + run.steps
     runner.prepare(max_len)
     first = runner.generate(prompt, run.steps, image)

@@ -44,9 +44,9 @@ def all_reduce_on_rank(platform: str, cases: Sequence[Case], with_graph: bool) -
     import paddle
 
     backend = load_backend(ParallelConfig(tp_size=world, tp_rank=rank))
-    results = []
+    results: list[dict[str, Any]] = []
     for shape, dtype in cases:
-        tensor = paddle.to_tensor(rank_value(shape, dtype, rank)).astype(dtype)
+        tensor = paddle.to_tensor(rank_value(shape, dtype, rank)).astype(dtype)  # type: ignore[arg-type]
         try:
             out = backend.all_reduce(tensor)
         except Exception as exc:  # noqa: BLE001 - reported per case to the test

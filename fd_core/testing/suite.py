@@ -240,8 +240,10 @@ class ModelTests(_Base):
             runner.decide()
             runner.prepare(max_len=24)
             before = runner.generate([1, 2, 3], steps=4).tokens
-            backend.clear_graphs(runner.model)  # raises PluginError when no hook handles the model
-            runner.model.allocate_cache(1, 24)
+            model = runner.model
+            assert model is not None
+            backend.clear_graphs(model)  # raises PluginError when no hook handles the model
+            model.allocate_cache(1, 24)
             after = runner.generate([1, 2, 3], steps=4).tokens
             assert after == before, f"{arch.name}: decoding after fd_clear_graphs gives {after}, with graphs {before}"
 

@@ -29,7 +29,7 @@ def fd_platform_detect() -> Detection:
 
     if not paddle.is_compiled_with_custom_device(DEVICE_TYPE):
         return Detection(detected=False, reason=f"paddle has no {DEVICE_TYPE} custom device")
-    devices = [d for d in paddle.device.get_available_custom_device() if d.startswith(DEVICE_TYPE)]
+    devices = [d for d in paddle.device.get_available_custom_device() or [] if d.startswith(DEVICE_TYPE)]
     if not devices:
         return Detection(detected=False, reason=f"paddle has the {DEVICE_TYPE} device type but sees no device")
     return Detection(
