@@ -112,6 +112,15 @@ def _prompt_ids(text: str) -> tuple[int, ...]:
         raise ConfigError(f"--prompt-ids {text!r}: expected comma-separated integers such as 1,2,3") from None
 
 
+def _run_tp(requested: int | None, launched: tuple[int, int] | None) -> int:
+    """--tp, or the launcher's world size when paddle.distributed.launch started this process."""
+    if launched is None:
+        return 2 if requested is None else requested
+    if requested not in (None, launched[1]):
+        raise ConfigError(f"--tp {requested} does not match the launcher's {launched[1]} processes; drop --tp under a launcher")
+    return launched[1]
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from fd_core.distributed import Terminated, launched_rank, quiet_paddle_logs, spawn_ranks
     from fd_core.runner import RunConfig, as_json, plan_run, run_rank, spawned_rank, summary_lines
@@ -120,7 +129,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     launched = launched_rank()
     run = RunConfig(
         model=args.model,
-        tp=launched[1] if launched else args.tp,
+        tp=_run_tp(args.tp, launched),
         steps=args.steps,
         prompt_ids=_prompt_ids(args.prompt_ids),
         image_path=args.image,
@@ -214,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run a model: load, clean, decide, capture, generate")
     p.add_argument("--model", default=None, help="architecture (default: the checkpoint's, else ernie4_5)")
-    p.add_argument("--tp", type=_positive, default=2, help="tensor-parallel ranks (default: 2)")
+    p.add_argument("--tp", type=_positive, default=None, help="tensor-parallel ranks (default: 2; under a launcher, its world size)")
     p.add_argument("--steps", type=_positive, default=16, help="tokens to generate (default: 16)")
     p.add_argument("--prompt-ids", default="1,2,3,4", help="comma-separated prompt token ids")
     p.add_argument("--image", default=None, help="image for VL models: a .npy file [C,H,W] (default: synthetic)")

@@ -92,3 +92,9 @@ def test_run_json_for_each_model_and_a_checkpoint_round_trip(tmp_path: Path) -> 
         done = run_fd(["run", "--model", model, "--steps", "4", "--tp", "1", "--json"])
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["model"] == model
+
+
+def test_tp_that_contradicts_the_launcher_is_refused() -> None:
+    done = run_fd(["run", "--tp", "4"], env={"PADDLE_TRAINER_ID": "0", "PADDLE_TRAINERS_NUM": "2"})
+    assert done.returncode == 2
+    assert done.stderr.strip() == "fd: error: --tp 4 does not match the launcher's 2 processes; drop --tp under a launcher"
