@@ -145,11 +145,13 @@ def test_fd_run_with_a_broken_checkpoint_names_file_and_tensor_and_stops_every_r
     tp2_runs: dict[str, FdRun], checkpoints: dict[str, Path], case: str
 ) -> None:
     run = tp2_runs[case]
-    # Every rank finds the same problem; the line names the first, then says the other agreed.
-    assert_one_line_error(run, f"failed: CheckpointError: {expected_message(case, checkpoints[case])} (rank ", exact=False)
+    # Every rank finds the same problem; the line names the first, then says the other agreed if its
+    # failure landed within the settle window (on a loaded machine the other rank may still be reading).
+    assert_one_line_error(run, f"failed: CheckpointError: {expected_message(case, checkpoints[case])}", exact=False)
     line = run.error_lines[0]
     first, other = (0, 1) if line.startswith("fd: error: rank 0 failed") else (1, 0)
-    assert line == f"fd: error: rank {first} failed: CheckpointError: {expected_message(case, checkpoints[case])} (rank {other} failed the same way)"
+    named = f"fd: error: rank {first} failed: CheckpointError: {expected_message(case, checkpoints[case])}"
+    assert line in (named, f"{named} (rank {other} failed the same way)")
     assert "FatalError" not in run.stderr and "C++ Traceback" not in run.stderr
     assert left_over(run.marker) == []
 
