@@ -6,7 +6,7 @@ import difflib
 import inspect
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import EntryPoint, entry_points
 from types import ModuleType
 from typing import Any, Iterable, Literal, Mapping
@@ -287,15 +287,9 @@ def _register_models(pm: pluggy.PluginManager, registry: ModelRegistry) -> None:
         def register(arch: Architecture, _owner: str = owner, _has_clear: bool = has_clear) -> None:
             if not isinstance(arch, Architecture):
                 raise PluginError(f"plugin {_owner!r}: fd_register_models passed {type(arch).__name__} to register(); pass fd_core.Architecture")
-            registry.add(_with_package(arch, _owner), has_clear_hook=_has_clear)
+            registry.add(replace(arch, package=_owner), has_clear_hook=_has_clear)
 
         impl.function(*[{"register": register}[a] for a in impl.argnames])
-
-
-def _with_package(arch: Architecture, package: str) -> Architecture:
-    from dataclasses import replace
-
-    return replace(arch, package=package)
 
 
 def load_plugins(env: Mapping[str, str] | None = None, extra: Iterable[tuple[Kind, str, object]] = ()) -> PluginSet:
