@@ -1,5 +1,7 @@
 """fd-backends core: the hook contract, plugin selection and the Backend (no paddle import here)."""
 
+from typing import TYPE_CHECKING, Any
+
 from fd_core.capabilities import Capabilities
 from fd_core.config import GraphConfig, ModelConfig, ParallelConfig
 from fd_core.detection import Detection
@@ -9,8 +11,22 @@ from fd_core.graphs import GraphBackend, GraphDecision, GraphVote
 from fd_core.models import Architecture, CausalModel
 from fd_core.weights import WeightSpec
 
+if TYPE_CHECKING:
+    from fd_core.backend import Backend, load_backend
+
+
+def __getattr__(name: str) -> Any:
+    # The Backend pulls in entry-point discovery (importlib.metadata): loaded on first use, so that
+    # `import fd_core` stays light for plugin modules.
+    if name in ("Backend", "load_backend"):
+        from fd_core import backend
+
+        return getattr(backend, name)
+    raise AttributeError(f"module 'fd_core' has no attribute {name!r}")
+
 __all__ = [
     "Architecture",
+    "Backend",
     "Capabilities",
     "CausalModel",
     "CheckpointError",
@@ -28,4 +44,5 @@ __all__ = [
     "RankError",
     "WeightSpec",
     "hookimpl",
+    "load_backend",
 ]
