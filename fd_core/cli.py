@@ -172,7 +172,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
-    import pytest
+    try:
+        import pytest
+    except ImportError:
+        raise FdError("fd check runs the conformance suite with pytest, which is not installed; pip install 'fd-backends[test]'") from None
 
     from fd_core.plugins import load_plugins
     from fd_core.testing import check_module
