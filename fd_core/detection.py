@@ -13,8 +13,8 @@ class Detection:
     detected: bool
     priority: int = 0
     reason: str = ""
-    # The paddle device type ops run on ("cpu", or a device type paddle.set_device accepts).
-    device: str = "cpu"
+    # The paddle device type ops run on ("cpu", or the type a device platform names); "" when not detected.
+    device: str = ""
     # The paddle.distributed backend its ranks rendezvous with.
     dist_backend: str = ""
     # How many tensor-parallel ranks this host can serve; None means no stated limit.
