@@ -76,13 +76,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
     parallel = ParallelConfig(tp_size=args.tp)
     backend = load_backend(parallel, plugins=plugins)
     registry = plugins.registry
-    if args.model in registry:
-        arch = registry.get(args.model)
-        config = ModelConfig.from_dict(arch.name, dict(arch.preset))
+    if len(registry):
+        arch = registry.get(args.model)  # an unknown name raises, listing the registered architectures
+        config = arch.preset_config()
         model_line = f"{arch.name} (registered by {arch.package})"
-    elif len(registry):
-        registry.get(args.model)  # raises, listing the registered architectures
-        raise AssertionError("unreachable")
     else:
         config = ModelConfig(architecture=args.model)
         model_line = f"{args.model} (no model package registers it)"

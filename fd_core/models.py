@@ -58,6 +58,12 @@ class Architecture:
     aliases: tuple[str, ...] = ()
     description: str = ""
 
+    def preset_config(self) -> "ModelConfig":
+        """The tiny preset as a ModelConfig."""
+        from fd_core.config import ModelConfig
+
+        return ModelConfig.from_dict(self.name, dict(self.preset))
+
 
 @dataclass
 class ModelRegistry:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping
 from fd_core.backend import Backend, load_backend
 from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.errors import CheckpointError, ConfigError, FdError
-from fd_core.graphs import GraphDecision
+from fd_core.graphs import CastVote, GraphDecision
 from fd_core.models import Architecture, CausalModel
 from fd_core.plugins import PluginSet, load_plugins
 from fd_core.weights import check_checkpoint_dir, load_checkpoint, random_state_dict, save_checkpoint
@@ -77,7 +77,7 @@ def init_std(config: ModelConfig) -> float | None:
 
 def model_config_for(arch: Architecture, checkpoint: str | None) -> ModelConfig:
     if checkpoint is None:
-        return ModelConfig.from_dict(arch.name, dict(arch.preset))
+        return arch.preset_config()
     return ModelConfig.from_json(arch.name, Path(checkpoint) / "config.json")
 
 
@@ -155,10 +155,13 @@ class ModelRunner:
     decision: GraphDecision | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
+    def _add_time(self, phase: str, seconds: float) -> None:
+        self.timings[phase] = self.timings.get(phase, 0.0) + seconds
+
     def _timed(self, phase: str, fn: Callable[[], Any]) -> Any:
         start = time.perf_counter()
         result = fn()
-        self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - start
+        self._add_time(phase, time.perf_counter() - start)
         return result
 
     def read_weights(self) -> dict[str, Any]:
@@ -215,8 +218,8 @@ class ModelRunner:
                 self.log(f"decoded {step + 2}/{steps} tokens")
                 last_report = now
         decode_s = time.perf_counter() - start
-        self.timings["prefill"] = self.timings.get("prefill", 0.0) + prefill_s
-        self.timings["decode"] = self.timings.get("decode", 0.0) + decode_s
+        self._add_time("prefill", prefill_s)
+        self._add_time("decode", decode_s)
         return GenerationResult(tokens, prefill_s, decode_s)
 
     def reload(self) -> None:
@@ -350,7 +353,7 @@ def summary_lines(result: Mapping[str, Any]) -> list[str]:
         f"platform: {result['platform']}   model: {result['model']}   tp: {result['tp']}",
         f"graph: {graph['summary']}",
     ]
-    lines += [f"  {v['plugin']} {'allows' if v['allow'] else 'vetoes'}: {v['reason']}" for v in graph["votes"]]
+    lines += [f"  {CastVote(**v).line()}" for v in graph["votes"]]
     lines.append(f"tokens: {' '.join(str(t) for t in result['tokens'])}")
     lines.append(f"speed: {result['tokens_per_s']} tokens/s (decode)")
     lines.append("phases: " + ", ".join(f"{k} {v:.3f}s" for k, v in result["timings_s"].items()))

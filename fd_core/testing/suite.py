@@ -170,7 +170,7 @@ class EligibilityTests(_Base):
         from fd_core.backend import Backend
 
         backend = Backend(plugins)
-        configs = [ModelConfig(architecture=PROBE)] + [ModelConfig.from_dict(a.name, dict(a.preset)) for a in plugins.registry]
+        configs = [ModelConfig(architecture=PROBE)] + [a.preset_config() for a in plugins.registry]
         for config in configs:
             for tp in (1, 2):
                 decision = backend.graph_decision(config, ParallelConfig(tp_size=tp))
