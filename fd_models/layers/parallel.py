@@ -16,11 +16,6 @@ from fd_core.weights import WeightSpec
 from fd_models.layers.params import new_param
 
 
-def all_reduce(ctx: Any, tensor: paddle.Tensor) -> paddle.Tensor:
-    """Sum `tensor` over the tp ranks; with one rank there is nothing to reduce."""
-    return tensor if ctx.parallel.tp_size == 1 else ctx.all_reduce(tensor)
-
-
 class _Linear(nn.Layer):
     """y = x @ W (+ b) where W [in, out] is sharded on `split_axis` (None: replicated)."""
 
@@ -55,7 +50,7 @@ class RowParallelLinear(_Linear):
     split_axis = 0
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        out = all_reduce(self.ctx, paddle.matmul(x, self.weight))
+        out = self.ctx.all_reduce(paddle.matmul(x, self.weight))
         return out if self.bias is None else out + self.bias
 
 
@@ -77,7 +72,7 @@ class VocabParallelEmbedding(nn.Layer):
         owned = paddle.logical_and(local >= 0, local < self.local_vocab)
         # Clip so foreign ids index a valid row; the mask zeroes their contribution before the sum.
         rows = F.embedding(paddle.clip(local, 0, self.local_vocab - 1), self.weight)
-        return all_reduce(self.ctx, rows * owned.astype(rows.dtype).unsqueeze(-1))
+        return self.ctx.all_reduce(rows * owned.astype(rows.dtype).unsqueeze(-1))
 
 
 class ParallelLMHead(nn.Layer):
@@ -110,4 +105,4 @@ class ParallelLMHead(nn.Layer):
         start = self.ctx.parallel.tp_rank * width
         # pad on a 2-D tensor takes [dim0 before, dim0 after, dim1 before, dim1 after].
         padded = F.pad(local, [0, 0, start, self.vocab_size - start - width], mode="constant", value=0.0)
-        return all_reduce(self.ctx, padded)
+        return self.ctx.all_reduce(padded)
