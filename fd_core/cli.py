@@ -131,6 +131,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         prompt_ids=_prompt_ids(args.prompt_ids),
         image_path=args.image,
         checkpoint=args.checkpoint,
+        dtype=args.dtype,
         graph=args.graph,
         reload_cycles=args.reload_cycles,
         seed=args.seed,
@@ -160,7 +161,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_save_random(args: argparse.Namespace) -> int:
     from fd_core.runner import save_random_checkpoint
 
-    path = save_random_checkpoint(args.model, args.directory, seed=args.seed)
+    path = save_random_checkpoint(args.model, args.directory, seed=args.seed, config_path=args.config, dtype=args.dtype)
     print(f"wrote {path}")
     return 0
 
@@ -227,7 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive, default=16, help="tokens to generate (default: 16)")
     p.add_argument("--prompt-ids", default="1,2,3,4", help="comma-separated prompt token ids")
     p.add_argument("--image", default=None, help="image for VL models: a .npy file [C,H,W] (default: synthetic)")
-    p.add_argument("--checkpoint", default=None, help="directory with config.json and *.safetensors")
+    p.add_argument("--checkpoint", default=None, help="a checkpoint directory as transformers saves it (config.json, *.safetensors)")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16", "float64"),
+                   help="compute dtype (default: the platform's preferred one; float32 on cpu)")
     p.add_argument("--graph", choices=("auto", "off"), default="auto")
     p.add_argument("--reload-cycles", type=_non_negative, default=0, help="weight-update cycles after the first run")
     p.add_argument("--seed", type=int, default=0)
@@ -244,8 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark runner (--smoke, --json PATH, --rows ...)")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("save-random", help="write a seeded random checkpoint (safetensors + config.json)")
-    p.add_argument("--model", default="ernie4_5")
+    p = sub.add_parser("save-random", help="write a seeded random checkpoint in the published layout (safetensors + config.json)")
+    p.add_argument("--model", default="ernie4_5", help="architecture whose tiny preset to use (default: ernie4_5)")
+    p.add_argument("--config", default=None, help="a config.json to use instead of the preset (e.g. a published model's)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="dtype the tensors are stored in")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("directory")
     p.set_defaults(func=cmd_save_random)

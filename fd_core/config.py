@@ -3,18 +3,38 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 from fd_core.errors import ConfigError
 
 GraphMode = Literal["auto", "off"]
 
+# Floating-point dtypes a model may compute in (the platform says which of them it can).
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
+# Rope types the decoders implement; "mrope" is the multimodal name older Qwen-VL configs use.
+_ROPE_TYPES = ("default", "mrope")
+# Settings that live at the top level of a multimodal config.json even when a `text_config` is nested.
+_TOP_LEVEL = ("tie_word_embeddings",)
+# Sizes with no sensible default: a config.json without them is refused rather than filled in.
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+_POSITIVE_INTS = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size", "vocab_size", "max_position_embeddings",
+)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The fields the core reasons about; everything else of `config.json` stays in `extra`."""
+    """The decoder settings the core and the shared layers use; everything else of `config.json` stays in `extra`.
+
+    Built from a Hugging Face `config.json` by `from_dict`: a nested `text_config` (the VL models)
+    is read for the decoder, `rope_theta` comes from the top level or from `rope_parameters` /
+    `rope_scaling`, and `use_bias` (ERNIE) / `attention_bias` (Qwen) set the projection biases.
+    `dtype` is the compute dtype the runner chose, not the checkpoint's storage dtype.
+    """
 
     architecture: str
     hidden_size: int = 64
@@ -28,6 +48,10 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 256
     tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    dtype: str = "float32"
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -35,28 +59,74 @@ class ModelConfig:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_dict(cls, architecture: str, data: dict[str, Any]) -> "ModelConfig":
-        """Build from a Hugging Face style `config.json` mapping; unknown keys go to `extra`."""
-        known = {f.name for f in fields(cls)} - {"architecture", "extra"}
-        kwargs = {k: v for k, v in data.items() if k in known}
-        extra = {k: v for k, v in data.items() if k not in known and k != "architecture"}
+    def from_dict(
+        cls, architecture: str, data: Mapping[str, Any], defaults: Mapping[str, Any] | None = None, source: str = "config"
+    ) -> "ModelConfig":
+        """Build from a Hugging Face style `config.json` mapping, then check it; unknown keys go to `extra`."""
+        text = data.get("text_config")
+        if text is not None and not isinstance(text, dict):
+            raise ConfigError(f"{source}: text_config must be a JSON object, got {type(text).__name__}")
+        settings: dict[str, Any] = {**(defaults or {}), **(text if text is not None else data)}
+        if text is not None:
+            settings.update({k: data[k] for k in _TOP_LEVEL if k in data})
+        absent = [k for k in _REQUIRED if k not in settings]
+        if absent:
+            where = "text_config" if text is not None else "config.json"
+            raise ConfigError(f"{source}: {where} does not set {', '.join(absent)}; a model config must give its sizes")
+        known = {f.name for f in fields(cls)} - {"architecture", "extra", "dtype"}
+        kwargs = {k: v for k, v in settings.items() if k in known}
+        kwargs["rope_theta"] = _rope_theta(settings, source)
+        if "use_bias" in settings:
+            kwargs.setdefault("attention_bias", settings["use_bias"])
+            kwargs.setdefault("mlp_bias", settings["use_bias"])
+        if settings.get("num_key_value_heads") is None and "num_attention_heads" in settings:
+            kwargs["num_key_value_heads"] = settings["num_attention_heads"]
+        extra = {k: v for k, v in settings.items() if k not in known and k != "architecture"}
+        if text is not None:
+            extra.update({k: v for k, v in data.items() if k != "text_config"})
         try:
-            return cls(architecture=architecture, extra=extra, **kwargs)
+            config = cls(architecture=architecture, extra=extra, **kwargs)
         except TypeError as exc:
-            raise ConfigError(f"config for {architecture!r} is malformed: {exc}") from None
+            raise ConfigError(f"{source}: malformed config for {architecture!r}: {exc}") from None
+        config.check(source)
+        return config
 
     @classmethod
-    def from_json(cls, architecture: str, path: str | Path) -> "ModelConfig":
+    def from_json(
+        cls, architecture: str, path: str | Path, defaults: Mapping[str, Any] | None = None
+    ) -> "ModelConfig":
         path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no such file; a checkpoint directory needs a config.json") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}: not valid JSON ({exc}); fix or regenerate config.json") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: expected a JSON object of model settings")
-        return cls.from_dict(architecture, data)
+        return cls.from_dict(architecture, read_config_json(path), defaults, source=str(path))
+
+    def check(self, source: str = "config") -> None:
+        """Raise ConfigError naming the first setting that is of the wrong type, out of range or inconsistent."""
+        for name in _POSITIVE_INTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{source}: {name} must be a positive integer, got {value!r}")
+        if self.head_dim is not None and (isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 1):
+            raise ConfigError(f"{source}: head_dim must be a positive integer, got {self.head_dim!r}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"{source}: {name} must be a positive number, got {value!r}")
+        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{source}: {name} must be true or false, got {getattr(self, name)!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"{source}: num_key_value_heads={self.num_key_value_heads} does not divide "
+                f"num_attention_heads={self.num_attention_heads}; fix config.json"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"{source}: hidden_size={self.hidden_size} is not a multiple of num_attention_heads="
+                f"{self.num_attention_heads} and no head_dim is given; set head_dim or fix the sizes"
+            )
+        if self.hidden_act != "silu":
+            raise ConfigError(f"{source}: hidden_act {self.hidden_act!r} is not supported; the decoders implement silu (SwiGLU)")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} is not a compute dtype; choose one of {', '.join(COMPUTE_DTYPES)}")
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("extra", "architecture")}
@@ -83,6 +153,42 @@ class ModelConfig:
                 f"tp={tp} does not divide {', '.join(bad)} of {self.architecture}; "
                 f"choose a tp that divides each of them"
             )
+
+
+def _rope_theta(settings: Mapping[str, Any], source: str) -> Any:
+    """rope_theta from the top level or from `rope_parameters` / `rope_scaling` (current transformers writes the former)."""
+    theta = settings.get("rope_theta", 10000.0)
+    for key in ("rope_parameters", "rope_scaling"):
+        params = settings.get(key)
+        if params is None:
+            continue
+        if not isinstance(params, dict):
+            raise ConfigError(f"{source}: {key} must be a JSON object, got {type(params).__name__}")
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in _ROPE_TYPES:
+            raise ConfigError(
+                f"{source}: {key} asks for rope type {rope_type!r}, which is not supported (only default rope); "
+                f"remove the scaling or use a checkpoint without it"
+            )
+        theta = params.get("rope_theta", theta)
+    return theta
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, or a one-line ConfigError saying what is wrong with the file."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file; a checkpoint directory needs a config.json") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc.__class__.__name__}: {exc}); check the file and its permissions") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc}); fix or regenerate config.json") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: JSON nested too deeply to be a model config; fix or regenerate config.json") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object of model settings")
+    return data
 
 
 @dataclass(frozen=True)

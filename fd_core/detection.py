@@ -19,6 +19,22 @@ class Detection:
     dist_backend: str = ""
     # How many tensor-parallel ranks this host can serve; None means no stated limit.
     max_ranks: int | None = None
+    # The dtypes its kernels run models in, preferred first (the default of `fd run --dtype`).
+    dtypes: tuple[str, ...] = ("float32",)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def problem(self) -> str | None:
+        """What is wrong with this answer's fields (a third party filled them in), or None."""
+        from fd_core.config import COMPUTE_DTYPES
+
+        if not isinstance(self.detected, bool):
+            return f"detected={self.detected!r}, expected True or False"
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            return f"priority={self.priority!r}, expected an integer"
+        if self.max_ranks is not None and (isinstance(self.max_ranks, bool) or not isinstance(self.max_ranks, int) or self.max_ranks < 1):
+            return f"max_ranks={self.max_ranks!r}, expected None or a positive integer"
+        if not isinstance(self.dtypes, (tuple, list)) or not self.dtypes or any(d not in COMPUTE_DTYPES for d in self.dtypes):
+            return f"dtypes={self.dtypes!r}, expected a non-empty tuple of {', '.join(COMPUTE_DTYPES)}"
+        return None

@@ -47,7 +47,11 @@ class CausalModel(Protocol):
 
 @dataclass(frozen=True)
 class Architecture:
-    """A registered architecture: how to build it, its tiny preset, and its graph-clear hook's owner."""
+    """A registered architecture: how to build it, its tiny preset, and its graph-clear hook's owner.
+
+    `preset` is a tiny `config.json` in the published layout (what `fd save-random` writes);
+    `config_defaults` are the published config class's defaults for keys a `config.json` may omit.
+    """
 
     name: str
     build: Callable[["ModelConfig", Any], CausalModel]
@@ -57,12 +61,22 @@ class Architecture:
     multimodal: bool = False
     aliases: tuple[str, ...] = ()
     description: str = ""
+    config_defaults: Mapping[str, Any] = field(default_factory=dict)
+    # Architecture-specific checks of a parsed config (raise ConfigError); must not import paddle.
+    check_config: Callable[["ModelConfig", str], None] | None = None
 
     def preset_config(self) -> "ModelConfig":
         """The tiny preset as a ModelConfig."""
+        return self.config_from(self.preset, source=f"preset of {self.name}")
+
+    def config_from(self, data: Mapping[str, Any], source: str = "config") -> "ModelConfig":
+        """A `config.json` mapping of this architecture as a checked ModelConfig."""
         from fd_core.config import ModelConfig
 
-        return ModelConfig.from_dict(self.name, dict(self.preset))
+        config = ModelConfig.from_dict(self.name, data, self.config_defaults, source=source)
+        if self.check_config is not None:
+            self.check_config(config, source)
+        return config
 
 
 @dataclass
@@ -93,9 +107,15 @@ class ModelRegistry:
     def get(self, name: str) -> Architecture:
         key = self._aliases.get(name)
         if key is None:
-            known = ", ".join(sorted(self._by_name)) or "none (no model package is installed)"
-            raise ConfigError(f"unknown architecture {name!r}; registered: {known}")
+            raise ConfigError(f"unknown architecture {name!r}; {self.listing()}")
         return self._by_name[key]
+
+    def listing(self) -> str:
+        """'registered: name (aliases), ...' for error messages."""
+        if not self._by_name:
+            return "registered: none (no model package is installed)"
+        names = [f"{a.name} ({', '.join(a.aliases)})" if a.aliases else a.name for a in self]
+        return "registered: " + ", ".join(names)
 
     def __contains__(self, name: object) -> bool:
         return name in self._aliases

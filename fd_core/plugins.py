@@ -251,6 +251,10 @@ def _detect(record: PluginRecord) -> None:
     if not isinstance(answer, Detection):
         record.detect_error = f"fd_platform_detect returned {type(answer).__name__}, expected fd_core.Detection"
         return
+    problem = answer.problem()
+    if problem is not None:
+        record.detect_error = f"fd_platform_detect returned a Detection with {problem}; fix the plugin"
+        return
     record.detection = answer
 
 

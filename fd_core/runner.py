@@ -16,7 +16,8 @@ from fd_core.errors import CheckpointError, ConfigError, FdError
 from fd_core.graphs import CastVote, GraphDecision
 from fd_core.models import Architecture, CausalModel
 from fd_core.plugins import PluginSet, load_plugins
-from fd_core.weights import check_checkpoint_dir, load_checkpoint, random_state_dict, save_checkpoint
+from fd_core.config import read_config_json
+from fd_core.weights import CheckpointShards, check_checkpoint_dir, load_checkpoint, random_state_dict, save_checkpoint
 
 BATCH_SIZE = 1
 
@@ -31,6 +32,8 @@ class RunConfig:
     prompt_ids: tuple[int, ...] = (1, 2, 3, 4)
     image_path: str | None = None
     checkpoint: str | None = None
+    # Compute dtype; None means the platform's preferred one (the first of its Detection.dtypes).
+    dtype: str | None = None
     graph: str = "auto"
     reload_cycles: int = 0
     seed: int = 0
@@ -54,19 +57,21 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _architecture_of(checkpoint: str) -> str | None:
+def _read_checkpoint_config(checkpoint: str) -> dict[str, Any]:
     path = Path(checkpoint) / "config.json"
     try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {path}: not readable JSON ({exc}); fix or regenerate config.json") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"checkpoint {path}: expected a JSON object of model settings")
+        return read_config_json(path)
+    except ConfigError as exc:
+        raise CheckpointError(f"checkpoint {exc}") from None
+
+
+def _architecture_of(data: Mapping[str, Any]) -> str | None:
+    """The architecture a config.json names: `architectures[0]` as transformers writes it."""
+    archs = data.get("architectures")
+    if isinstance(archs, list) and archs and isinstance(archs[0], str):
+        return archs[0]
     name = data.get("architecture")
-    if name:
-        return str(name)
-    archs = data.get("architectures") or []
-    return str(archs[0]) if archs else None
+    return name if isinstance(name, str) and name else None
 
 
 def init_std(config: ModelConfig) -> float | None:
@@ -75,10 +80,26 @@ def init_std(config: ModelConfig) -> float | None:
     return None if value is None else float(value)
 
 
-def model_config_for(arch: Architecture, checkpoint: str | None) -> ModelConfig:
+def model_config_for(arch: Architecture, checkpoint: str | None, dtype: str = "float32") -> ModelConfig:
+    """The checkpoint's config.json (or the tiny preset) parsed and checked for `arch`, computing in `dtype`."""
     if checkpoint is None:
-        return arch.preset_config()
-    return ModelConfig.from_json(arch.name, Path(checkpoint) / "config.json")
+        config = arch.preset_config()
+    else:
+        config = arch.config_from(_read_checkpoint_config(checkpoint), source=str(Path(checkpoint) / "config.json"))
+    return config.with_overrides(dtype=dtype)
+
+
+def compute_dtype(requested: str | None, backend: Backend) -> str:
+    """`requested`, or the platform's preferred dtype; an error if the platform cannot compute in it."""
+    offered = backend.detection.dtypes
+    if requested is None:
+        return offered[0]
+    if requested not in offered:
+        raise ConfigError(
+            f"platform {backend.platform} cannot compute in {requested} (it offers {', '.join(offered)}); "
+            f"pass --dtype {offered[0]}"
+        )
+    return requested
 
 
 def _check_tp(tp: int, config: ModelConfig, backend: Backend) -> None:
@@ -106,25 +127,33 @@ def plan_run(run: RunConfig, plugins: PluginSet | None = None) -> Plan:
     model = run.model
     if run.checkpoint is not None:
         check_checkpoint_dir(Path(run.checkpoint))
-        found = _architecture_of(run.checkpoint)
+        found = _architecture_of(_read_checkpoint_config(run.checkpoint))
         if found is None:
             raise CheckpointError(f"checkpoint {run.checkpoint}/config.json names no architecture; add \"architectures\": [\"<name>\"]")
+        if found not in plugins.registry:
+            raise CheckpointError(f"checkpoint {run.checkpoint}: architecture {found!r} is not registered; {plugins.registry.listing()}")
         if model and plugins.registry.get(model).name != plugins.registry.get(found).name:
             raise ConfigError(f"--model {model} does not match the checkpoint's architecture {found}; drop --model or pick the right checkpoint")
         model = found
     arch = plugins.registry.get(model or "ernie4_5")
-    config = model_config_for(arch, run.checkpoint)
+    config = model_config_for(arch, run.checkpoint, compute_dtype(run.dtype, backend))
     _check_tp(run.tp, config, backend)
     if not run.prompt_ids:
         raise ConfigError("--prompt-ids is empty; pass at least one token id")
     bad = [t for t in run.prompt_ids if not 0 <= t < config.vocab_size]
     if bad:
         raise ConfigError(f"prompt token id {bad[0]} is outside the vocabulary 0..{config.vocab_size - 1}")
+    if len(run.prompt_ids) + run.steps > config.max_position_embeddings:
+        raise ConfigError(
+            f"{len(run.prompt_ids)} prompt tokens + {run.steps} steps exceed max_position_embeddings="
+            f"{config.max_position_embeddings} of {arch.name}; generate fewer tokens"
+        )
     if run.image_path is not None:
         if not arch.multimodal:
             raise ConfigError(f"{arch.name} takes no image; drop --image or choose a VL model")
         if not Path(run.image_path).is_file():
             raise ConfigError(f"--image {run.image_path}: no such file; pass a .npy array [C, H, W]")
+        load_image(run.image_path)  # a malformed image fails here, before any rank starts
     return Plan(run, arch, config, backend.platform, backend.detection.dist_backend)
 
 
@@ -164,23 +193,29 @@ class ModelRunner:
         self._add_time(phase, time.perf_counter() - start)
         return result
 
-    def read_weights(self) -> dict[str, Any]:
-        """This rank's shards from the checkpoint or the seed, fully read and checked."""
+    def read_weights(self) -> Mapping[str, Any]:
+        """This rank's shards from the seed (in memory), or from the checkpoint (checked whole, read on access)."""
         assert self.model is not None
         specs = self.model.weight_specs()
         p = self.backend.parallel
         if self.checkpoint is None:
             return random_state_dict(specs, self.seed, p.tp_rank, p.tp_size, init_std(self.config))
-        return load_checkpoint(self.checkpoint, specs, p.tp_rank, p.tp_size)
+        ignored = getattr(self.model, "ignored_tensors", lambda: set())()
+        return load_checkpoint(self.checkpoint, specs, p.tp_rank, p.tp_size, ignored)
 
     def load(self) -> None:
-        """Build the model if needed, load weights, then clean memory fragments with the loaded state."""
+        """Build the model if needed, load weights, then clean memory fragments with what loading left behind."""
         if self.model is None:
             self.model = self._timed("build", lambda: self.arch.build(self.config, self.backend))
         model = self.model
         shards = self._timed("load", self.read_weights)
         self._timed("load", lambda: model.load_weights(shards))
-        self._timed("cleanup", lambda: self.backend.clean_memory_fragments(shards))
+        # A checkpoint streams into the parameters one tensor at a time and leaves nothing staged;
+        # seeded weights were staged whole, and the cleanup hooks may free them.
+        left = shards if isinstance(shards, dict) else {}
+        if isinstance(shards, CheckpointShards):
+            shards.close()
+        self._timed("cleanup", lambda: self.backend.clean_memory_fragments(left))
 
     def decide(self) -> GraphDecision:
         self.decision = self.backend.graph_decision(self.config, requested=self.graph)
@@ -238,30 +273,22 @@ def _as_ids(prompt: list[int]) -> Any:
     return np.asarray([prompt], dtype="int64")
 
 
-def synthetic_image(config: ModelConfig, seed: int) -> Any:
-    """A deterministic image [1, C, H, W] for VL models when the user gives none."""
-    import numpy as np
-
-    vision = config.extra.get("vision_config", {})
-    channels = int(vision.get("in_channels", 3))
-    size = int(vision.get("image_size", 32))
-    rng = np.random.default_rng(seed + 7)
-    return rng.random((1, channels, size, size), dtype=np.float32)
-
-
-def load_image(path: str, config: ModelConfig) -> Any:
+def load_image(path: str) -> Any:
+    """The image in a .npy file as float32 [1, C, H, W] with values in [0, 1]; a one-line error otherwise."""
     import numpy as np
 
     try:
         array = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--image {path}: not a numpy .npy array ({exc})") from None
-    expected = synthetic_image(config, 0).shape[1:]
-    if array.ndim == 3:
-        array = array[None]
-    if tuple(array.shape[1:]) != tuple(expected):
-        raise ConfigError(f"--image {path}: shape {list(array.shape[1:])}, expected {list(expected)} [C, H, W]")
-    return array.astype("float32")
+    except (OSError, ValueError, EOFError) as exc:
+        raise ConfigError(f"--image {path}: not a numpy .npy array ({exc or 'empty file'}); save one with numpy.save") from None
+    if not isinstance(array, np.ndarray) or array.ndim not in (3, 4) or (array.ndim == 4 and array.shape[0] != 1):
+        raise ConfigError(f"--image {path}: expected an array [C, H, W], got shape {list(getattr(array, 'shape', []))}")
+    if array.size == 0 or not np.issubdtype(array.dtype, np.number):
+        raise ConfigError(f"--image {path}: expected a non-empty numeric array [C, H, W]")
+    array = array.reshape((1, *array.shape[-3:])).astype("float32")
+    if not np.isfinite(array).all() or array.min() < 0.0 or array.max() > 1.0:
+        raise ConfigError(f"--image {path}: pixel values must be finite and within [0, 1] (divide 8-bit pixels by 255)")
+    return array
 
 
 def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None) -> dict[str, Any]:
@@ -281,9 +308,8 @@ def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None) -> d
             print(f"fd: {message}", file=sys.stderr, flush=True)
 
     runner = ModelRunner(backend, plan.arch, plan.config, run.checkpoint, run.seed, run.graph, log)
-    image = None
-    if plan.arch.multimodal:
-        image = load_image(run.image_path, plan.config) if run.image_path else synthetic_image(plan.config, run.seed)
+    # A VL model given no image sees the text alone.
+    image = load_image(run.image_path) if run.image_path else None
     runner.load()
     log(f"loaded {plan.arch.name} on {backend.platform} (tp={tp}) in {runner.timings['load']:.2f}s")
     decision = runner.decide()
@@ -333,17 +359,31 @@ def spawned_rank(run: RunConfig) -> dict[str, Any]:
     return run_rank(run, rank, world)
 
 
-def save_random_checkpoint(model: str, directory: str, seed: int = 0) -> Path:
-    """Write the seeded random weights of `model`'s preset as a safetensors checkpoint."""
+def save_random_checkpoint(
+    model: str, directory: str, seed: int = 0, config_path: str | None = None, dtype: str = "float32"
+) -> Path:
+    """Write seeded random weights in the published layout (config.json + model.safetensors, tensors as `dtype`).
+
+    The config is `model`'s tiny preset, or the config.json at `config_path` (a published model's
+    own, say), which then names the architecture.
+    """
     plugins = load_plugins()
-    arch = plugins.registry.get(model)
-    config = model_config_for(arch, None)
+    if config_path is None:
+        arch = plugins.registry.get(model)
+        data = dict(arch.preset)
+    else:
+        data = read_config_json(Path(config_path))
+        found = _architecture_of(data)
+        if found is None:
+            raise ConfigError(f"{config_path} names no architecture; add \"architectures\": [\"<name>\"]")
+        arch = plugins.registry.get(found)
+    config = arch.config_from(data, source=config_path or f"preset of {arch.name}")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"--dtype {dtype}: checkpoints are written as float32, bfloat16 or float16")
     backend = load_backend(ParallelConfig(), plugins=plugins)
     specs = arch.build(config, backend).weight_specs()
     tensors = random_state_dict(specs, seed, std=init_std(config))
-    data = config.to_dict()
-    data["architectures"] = [arch.name]
-    return save_checkpoint(directory, data, tensors)
+    return save_checkpoint(directory, {**data, "architectures": data.get("architectures") or [arch.name]}, tensors, dtype)
 
 
 def summary_lines(result: Mapping[str, Any]) -> list[str]:

@@ -1,7 +1,9 @@
 """Weight specs, seeded random weights and safetensors checkpoints, sharded per tensor-parallel rank.
 
-Everything here works on numpy arrays, so a checkpoint is fully read and checked before
-any model parameter is touched: a bad file never leaves a model half loaded.
+A checkpoint is checked whole from its metadata (the files an index names, every tensor's name,
+shape, dtype and extent in its file) before any data is read; then each tensor is read on demand,
+only this rank's slice of it, and converted to the compute dtype. So a bad checkpoint never
+leaves a model half loaded, and loading holds one tensor at a time beside the parameters.
 """
 
 from __future__ import annotations
@@ -9,11 +11,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Collection, Iterator, Literal, Mapping
 
 if TYPE_CHECKING:
     import numpy as np
@@ -22,12 +25,14 @@ from fd_core.errors import CheckpointError
 
 # Files that unpickle when loaded: refused, since loading them can run arbitrary code.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".pdparams")
-_ST_DTYPES = {"float32": "F32", "float64": "F64", "float16": "F16", "int64": "I64", "int32": "I32"}
+INDEX_NAME = "model.safetensors.index.json"
+# safetensors dtype codes of the float types a checkpoint may store weights in; each converts to the compute dtype.
+FLOAT_CODES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
 @dataclass(frozen=True)
 class WeightSpec:
-    """One checkpoint tensor: its full (unsharded) shape, the axis split across tp ranks, its init."""
+    """One checkpoint tensor: its full (unsharded) shape, the axis split across tp ranks, its dtype and init."""
 
     shape: tuple[int, ...]
     split_axis: int | None = None
@@ -58,21 +63,21 @@ def shard(full: np.ndarray, spec: WeightSpec, tp_rank: int, tp_size: int) -> np.
 
 
 def random_full_tensor(name: str, spec: WeightSpec, seed: int, std: float | None = None) -> np.ndarray:
-    """The full tensor `name` for `seed`; the same on every rank, so tp shards agree with tp=1."""
+    """The full float32 tensor `name` for `seed`; the same on every rank, so tp shards agree with tp=1."""
     import numpy as np
 
     if spec.init == "ones":
-        return np.ones(spec.shape, dtype=spec.dtype)
+        return np.ones(spec.shape, dtype=np.float32)
     if spec.init == "zeros":
-        return np.zeros(spec.shape, dtype=spec.dtype)
+        return np.zeros(spec.shape, dtype=np.float32)
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    return (rng.standard_normal(spec.shape) * (spec.std if std is None else std)).astype(spec.dtype)
+    return (rng.standard_normal(spec.shape, dtype=np.float32) * (spec.std if std is None else std)).astype(np.float32)
 
 
 def random_state_dict(
     specs: Mapping[str, WeightSpec], seed: int, tp_rank: int = 0, tp_size: int = 1, std: float | None = None
 ) -> dict[str, np.ndarray]:
-    """Seeded random weights, each tensor already sliced to this rank's shard; `std` overrides the specs'."""
+    """Seeded random float32 weights, each tensor already sliced to this rank's shard; `std` overrides the specs'."""
     import numpy as np
 
     return {
@@ -81,21 +86,68 @@ def random_state_dict(
     }
 
 
+def _regular_file(path: Path, what: str) -> None:
+    """Refuse a FIFO, device or directory where a file is expected: reading one can block forever."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {path}: {what} cannot be read ({exc.strerror}); check the file") from None
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(f"checkpoint {path}: {what} is not a regular file; replace it with the real file")
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The weight map of a shard index (tensor name -> file name), checked for form."""
+    _regular_file(index, "the shard index")
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"checkpoint {index}: not a readable shard index ({exc}); re-save or re-download it") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"checkpoint {index}: has no \"weight_map\" of tensor names to file names; re-save or re-download it")
+    for file_name in set(weight_map.values()):
+        if Path(file_name).name != file_name:
+            raise CheckpointError(f"checkpoint {index}: names {file_name!r}, which is not a file in the checkpoint directory")
+    return weight_map
+
+
 def check_checkpoint_dir(directory: Path) -> list[Path]:
-    """The safetensors files of a checkpoint directory; raises if it is not a usable checkpoint."""
+    """The safetensors files of a checkpoint directory (those its index names, if it has one); raises if unusable.
+
+    Needs no paddle, so `fd run` calls it before any rank starts.
+    """
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint {directory}: not a directory; pass a folder with config.json and *.safetensors")
-    if not (directory / "config.json").is_file():
+    if not (directory / "config.json").exists():
         raise CheckpointError(f"checkpoint {directory}: config.json is missing; add the model's config.json beside the weights")
-    pickles = sorted(p for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    _regular_file(directory / "config.json", "config.json")
+    try:
+        entries = sorted(directory.iterdir())
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {directory}: cannot be listed ({exc.strerror}); check its permissions") from None
+    pickles = [p for p in entries if p.suffix in PICKLE_SUFFIXES]
     if pickles:
         raise CheckpointError(
             f"checkpoint {pickles[0]}: pickle-based weight files are refused (loading them can run code); "
             f"convert it to safetensors"
         )
-    files = sorted(directory.glob("*.safetensors"))
+    index = directory / INDEX_NAME
+    if index.exists():
+        named = sorted(set(_read_index(index).values()))
+        missing = [name for name in named if not (directory / name).exists()]
+        if missing:
+            raise CheckpointError(
+                f"checkpoint {index}: names {missing[0]}, which is missing"
+                f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; re-download the checkpoint"
+            )
+        files = [directory / name for name in named]
+    else:
+        files = [p for p in entries if p.name.endswith(".safetensors")]
     if not files:
         raise CheckpointError(f"checkpoint {directory}: no *.safetensors files found")
+    for path in files:
+        _regular_file(path, "weight file")
     return files
 
 
@@ -107,12 +159,15 @@ def _mismatch(first: str, names: list[str]) -> str:
 def _truncated_tensor(path: Path) -> tuple[str, int, int] | None:
     """(name, end, data size) of the first tensor cut off by a truncated safetensors file, if that is what is wrong."""
     try:
+        size = path.stat().st_size
         with open(path, "rb") as f:
             length = int.from_bytes(f.read(8), "little")
+            if length > size:
+                return None
             header = json.loads(f.read(length))
-        data = path.stat().st_size - 8 - length
+        data = size - 8 - length
         ends = sorted((info["data_offsets"][1], name) for name, info in header.items() if name != "__metadata__")
-    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
         return None  # not even the header is whole: the generic message has to do
     for end, name in ends:
         if end > data:
@@ -120,76 +175,130 @@ def _truncated_tensor(path: Path) -> tuple[str, int, int] | None:
     return None
 
 
-def load_checkpoint(
-    directory: str | Path, specs: Mapping[str, WeightSpec], tp_rank: int = 0, tp_size: int = 1
-) -> dict[str, np.ndarray]:
-    """Read this rank's shard of every tensor in `specs` from a safetensors directory, checking all first."""
-    import numpy as np
+def _open(path: Path) -> Any:
     from safetensors import SafetensorError, safe_open
 
-    directory = Path(directory)
-    files = check_checkpoint_dir(directory)
-    where: dict[str, Path] = {}
-    handles = []
     try:
+        return safe_open(str(path), framework="paddle")
+    except (SafetensorError, OSError, MemoryError) as exc:
+        cut = _truncated_tensor(path)
+        if cut is not None:
+            raise CheckpointError(
+                f"checkpoint {path}: truncated: tensor {cut[0]!r} ends at byte {cut[1]} of the data, "
+                f"but the file holds {cut[2]}; re-save or re-download it"
+            ) from None
+        reason = "its header is too large to be real" if isinstance(exc, MemoryError) else str(exc)
+        raise CheckpointError(f"checkpoint {path}: unreadable safetensors file ({reason}); re-save or re-download it") from None
+
+
+class CheckpointShards(Mapping[str, Any]):
+    """This rank's slice of every tensor in `specs`, checked on construction and read on access.
+
+    A value is a paddle tensor in its spec's dtype, converted from whatever float type the file
+    stores (bfloat16, float16, float32, float64). Tensors named in `ignore` may be present and
+    are skipped (a tied `lm_head.weight`, say); any other tensor the specs do not name is an error.
+    """
+
+    def __init__(
+        self, directory: str | Path, specs: Mapping[str, WeightSpec], tp_rank: int = 0, tp_size: int = 1,
+        ignore: Collection[str] = (),
+    ) -> None:
+        self.directory = Path(directory)
+        self.specs = dict(specs)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        files = check_checkpoint_dir(self.directory)
+        index = self.directory / INDEX_NAME
+        expected = _read_index(index) if index.exists() else None
+        self._handles: dict[Path, Any] = {}
+        self._where: dict[str, Path] = {}
         for path in files:
-            try:
-                handle = safe_open(str(path), framework="numpy")
-            except (SafetensorError, OSError) as exc:
-                cut = _truncated_tensor(path)
-                if cut is not None:
-                    raise CheckpointError(
-                        f"checkpoint {path}: truncated: tensor {cut[0]!r} ends at byte {cut[1]} of the data, "
-                        f"but the file holds {cut[2]}; re-save or re-download it"
-                    ) from None
-                raise CheckpointError(f"checkpoint {path}: unreadable safetensors file ({exc}); re-save or re-download it") from None
-            handles.append((path, handle))
+            handle = self._handles[path] = _open(path)
             for name in handle.keys():
-                if name in where:
-                    raise CheckpointError(f"checkpoint {path}: tensor {name!r} is also in {where[name].name}; keep one copy")
-                where[name] = path
-        missing = sorted(set(specs) - set(where))
+                if name in self._where:
+                    raise CheckpointError(f"checkpoint {path}: tensor {name!r} is also in {self._where[name].name}; keep one copy")
+                self._where[name] = path
+        if expected is not None:
+            for name, file_name in sorted(expected.items()):
+                if name not in self._where:
+                    raise CheckpointError(f"checkpoint {index}: says {name!r} is in {file_name}, which does not hold it; re-download the checkpoint")
+        self._check(ignore)
+
+    def _check(self, ignore: Collection[str]) -> None:
+        missing = sorted(set(self.specs) - set(self._where))
         if missing:
-            raise CheckpointError(_mismatch(f"checkpoint {directory}: tensor {missing[0]!r} is missing", missing))
-        unexpected = sorted(set(where) - set(specs))
+            raise CheckpointError(_mismatch(f"checkpoint {self.directory}: tensor {missing[0]!r} is missing", missing))
+        unexpected = sorted(set(self._where) - set(self.specs) - set(ignore))
         if unexpected:
-            raise CheckpointError(_mismatch(f"checkpoint {where[unexpected[0]]}: unexpected tensor {unexpected[0]!r}", unexpected))
-        by_path = dict(handles)
-        out: dict[str, np.ndarray] = {}
-        for name, spec in specs.items():
-            path = where[name]
-            piece = by_path[path].get_slice(name)
+            raise CheckpointError(_mismatch(f"checkpoint {self._where[unexpected[0]]}: unexpected tensor {unexpected[0]!r}", unexpected))
+        for name, spec in self.specs.items():
+            path = self._where[name]
+            piece = self._handles[path].get_slice(name)
             shape = tuple(piece.get_shape())
             if shape != spec.shape:
                 raise CheckpointError(f"checkpoint {path}: tensor {name!r} has shape {list(shape)}, expected {list(spec.shape)}")
-            dtype = piece.get_dtype()
-            if dtype != _ST_DTYPES.get(spec.dtype, spec.dtype):
-                raise CheckpointError(f"checkpoint {path}: tensor {name!r} has dtype {dtype}, expected {_ST_DTYPES.get(spec.dtype)}")
-            try:
-                array = piece[shard_index(spec, tp_rank, tp_size)]
-            except (SafetensorError, OSError, ValueError) as exc:
-                raise CheckpointError(f"checkpoint {path}: tensor {name!r} cannot be read ({exc}); the file may be truncated") from None
-            out[name] = np.ascontiguousarray(array)
-        return out
-    finally:
-        handles.clear()
+            code = piece.get_dtype()
+            if code not in FLOAT_CODES:
+                raise CheckpointError(
+                    f"checkpoint {path}: tensor {name!r} has dtype {code}, expected a float type ({', '.join(FLOAT_CODES)})"
+                )
+
+    def stored_dtypes(self) -> dict[str, str]:
+        """The dtype each tensor has in the files, by name (e.g. "bfloat16")."""
+        return {name: FLOAT_CODES[self._handles[self._where[name]].get_slice(name).get_dtype()] for name in self.specs}
+
+    def __getitem__(self, name: str) -> Any:
+        from safetensors import SafetensorError
+
+        spec = self.specs[name]
+        path = self._where[name]
+        try:
+            tensor = self._handles[path].get_slice(name)[shard_index(spec, self.tp_rank, self.tp_size)]
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {path}: tensor {name!r} cannot be read ({exc}); the file may be damaged") from None
+        return tensor if tensor.dtype == _paddle_dtype(spec.dtype) else tensor.astype(spec.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def _paddle_dtype(name: str) -> Any:
+    import paddle
+
+    return getattr(paddle, name)
+
+
+def load_checkpoint(
+    directory: str | Path, specs: Mapping[str, WeightSpec], tp_rank: int = 0, tp_size: int = 1, ignore: Collection[str] = ()
+) -> CheckpointShards:
+    """This rank's shards of every tensor in `specs` from a safetensors directory, all checked before any is read."""
+    return CheckpointShards(directory, specs, tp_rank, tp_size, ignore)
 
 
 def save_checkpoint(
-    directory: str | Path, config: dict, tensors: Mapping[str, np.ndarray]
+    directory: str | Path, config: Mapping[str, Any], tensors: Mapping[str, np.ndarray], dtype: str = "float32"
 ) -> Path:
-    """Write config.json and model.safetensors atomically: the directory appears whole or not at all."""
+    """Write config.json and model.safetensors (tensors stored as `dtype`) atomically: the directory appears whole or not at all."""
     import numpy as np
-    from safetensors.numpy import save_file
+    import paddle
+    import safetensors.paddle
 
     directory = Path(directory)
-    if directory.exists() and any(directory.iterdir()):
-        raise CheckpointError(f"{directory}: exists and is not empty; choose a new directory")
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise CheckpointError(f"{directory}: exists and is not an empty directory; choose a new directory")
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
-        save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(staging / "model.safetensors"))
-        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        stored = {k: paddle.to_tensor(np.ascontiguousarray(v)).astype(dtype) for k, v in tensors.items()}
+        # "format": "pt" is what transformers looks for before it loads a safetensors file.
+        safetensors.paddle.save_file(stored, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        del stored
+        (staging / "config.json").write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
         if directory.exists():
             directory.rmdir()
         os.replace(staging, directory)

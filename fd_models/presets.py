@@ -1,10 +1,14 @@
-"""Tiny Hugging-Face-style presets (plain dicts, no paddle): seconds on 2 CPU cores, divisible by tp=2."""
+"""Tiny presets as published `config.json` files (plain dicts, no paddle): seconds on 2 CPU cores, divisible by tp=2.
+
+Each is what `fd save-random --model NAME` writes and what transformers' config class reads.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-TINY_TEXT: dict[str, Any] = {
+# Sizes shared by the tiny decoders.
+_TINY_DECODER: dict[str, Any] = {
     "hidden_size": 64,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
@@ -12,12 +16,23 @@ TINY_TEXT: dict[str, Any] = {
     "head_dim": 16,
     "intermediate_size": 128,
     "vocab_size": 512,
-    "rope_theta": 500000.0,
     "rms_norm_eps": 1e-5,
     "max_position_embeddings": 256,
-    "tie_word_embeddings": True,
+    "hidden_act": "silu",
     # Wider than the usual 0.02 so that a random tiny model's greedy tokens vary from step to step.
     "initializer_range": 0.2,
+}
+
+TINY_TEXT: dict[str, Any] = {
+    "architectures": ["Ernie4_5ForCausalLM"],
+    "model_type": "ernie4_5",
+    **_TINY_DECODER,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+    "tie_word_embeddings": True,
+    "use_bias": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
 }
 
 # A 3x32x32 image in 8x8 patches: 16 patch embeddings, i.e. 16 image tokens in the prompt.
@@ -33,5 +48,41 @@ TINY_VISION: dict[str, Any] = {
 
 
 def vl_preset(image_token_id: int, **overrides: Any) -> dict[str, Any]:
-    """The tiny text preset plus a vision tower and the prompt's image placeholder token id."""
+    """The tiny text preset (flat) plus a stand-in vision tower and the prompt's image placeholder token id."""
     return {**TINY_TEXT, "vision_config": dict(TINY_VISION), "image_token_id": image_token_id, **overrides}
+
+
+# Qwen3-VL: a nested text_config and vision_config, as transformers writes them. A 32x32 image
+# gives a 4x4 grid of 8x8 patches, merged 2x2 into 4 image tokens.
+TINY_QWEN3_VL: dict[str, Any] = {
+    "architectures": ["Qwen3VLForConditionalGeneration"],
+    "model_type": "qwen3_vl",
+    "image_token_id": 510,
+    "video_token_id": 511,
+    "vision_start_token_id": 508,
+    "vision_end_token_id": 509,
+    "tie_word_embeddings": False,
+    "text_config": {
+        "model_type": "qwen3_vl_text",
+        **_TINY_DECODER,
+        "rms_norm_eps": 1e-6,
+        "attention_bias": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+    },
+    "vision_config": {
+        "model_type": "qwen3_vl_vision",
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "in_channels": 3,
+        "patch_size": 8,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+        "out_hidden_size": 64,
+        "num_position_embeddings": 16,
+        "deepstack_visual_indexes": [0],
+        "hidden_act": "gelu_pytorch_tanh",
+        "initializer_range": 0.2,
+    },
+}

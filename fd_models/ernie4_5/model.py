@@ -1,4 +1,4 @@
-"""ERNIE-4.5 dense causal LM: the shared decoder with RMSNorm, rope, GQA, SwiGLU, tied embeddings."""
+"""ERNIE-4.5 dense causal LM as published: RMSNorm, interleaved rope, GQA, SwiGLU, tied embeddings, optional biases."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ class Ernie4_5ForCausalLM(CausalLM):  # noqa: N801 - the Hugging Face class name
     """ERNIE-4.5 text model; word embeddings are tied to the LM head when the config says so."""
 
     def __init__(self, config: ModelConfig, ctx: Any) -> None:
-        super().__init__(config, ctx, DecoderOptions(qk_norm=False))
+        super().__init__(config, ctx, DecoderOptions(qk_norm=False, rope_layout="interleaved"))
 
 
 def build(config: ModelConfig, ctx: Any) -> Ernie4_5ForCausalLM:

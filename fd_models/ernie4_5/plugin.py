@@ -10,6 +10,11 @@ from fd_models.presets import TINY_TEXT
 
 _MODULE = "fd_models.ernie4_5.model"
 TINY_PRESET: dict[str, Any] = dict(TINY_TEXT)
+# transformers' Ernie4_5Config defaults, for keys a config.json may omit.
+CONFIG_DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": 2, "head_dim": 128, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072, "tie_word_embeddings": True, "use_bias": False, "hidden_act": "silu",
+}
 build = lazy_build(_MODULE)
 
 
@@ -21,8 +26,8 @@ def fd_clear_graphs(model: Any) -> bool | None:
 
 ARCHITECTURE = Architecture(
     name="ernie4_5", aliases=("Ernie4_5ForCausalLM",),
-    build=build, preset=TINY_PRESET, graph_capable=True, multimodal=False,
-    description="ERNIE-4.5 dense decoder (as ERNIE-4.5-0.3B): RMSNorm, rope, GQA, SwiGLU, tied embeddings")
+    build=build, preset=TINY_PRESET, graph_capable=True, multimodal=False, config_defaults=CONFIG_DEFAULTS,
+    description="ERNIE-4.5 dense decoder as published (ERNIE-4.5-0.3B): interleaved rope, GQA, SwiGLU, tied embeddings")
 
 
 @hookimpl

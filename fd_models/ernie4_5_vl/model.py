@@ -16,7 +16,7 @@ class Ernie4_5_VLMoeForConditionalGeneration(VisionLanguageModel):  # noqa: N801
     renames = (("language_model.", ""), ("vision.", "vision_model."), ("projector.", "model.resampler_model."))
 
     def __init__(self, config: ModelConfig, ctx: Any) -> None:
-        super().__init__(config, ctx, VisionOptions(act="quick_gelu"), DecoderOptions(qk_norm=False))
+        super().__init__(config, ctx, VisionOptions(act="quick_gelu"), DecoderOptions(qk_norm=False, rope_layout="interleaved"))
 
 
 def build(config: ModelConfig, ctx: Any) -> Ernie4_5_VLMoeForConditionalGeneration:

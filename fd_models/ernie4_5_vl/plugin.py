@@ -9,7 +9,9 @@ from fd_models._plugin import clear_graphs, lazy_build
 from fd_models.presets import vl_preset
 
 _MODULE = "fd_models.ernie4_5_vl.model"
-TINY_PRESET: dict[str, Any] = vl_preset(image_token_id=500)
+TINY_PRESET: dict[str, Any] = vl_preset(
+    image_token_id=500, architectures=["Ernie4_5_VLMoeForConditionalGeneration"], model_type="ernie4_5_vl_stand_in"
+)
 build = lazy_build(_MODULE)
 
 

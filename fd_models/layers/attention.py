@@ -51,17 +51,21 @@ def merge_heads(x: paddle.Tensor) -> paddle.Tensor:
 class Attention(nn.Layer):
     """GQA with q/k/v column-parallel by heads and o_proj row-parallel; optional per-head q/k RMSNorm."""
 
-    def __init__(self, hidden_size: int, heads: int, kv_heads: int, head_dim: int, ctx: Any, qk_norm_eps: float | None) -> None:
+    def __init__(
+        self, hidden_size: int, heads: int, kv_heads: int, head_dim: int, ctx: Any, qk_norm_eps: float | None,
+        *, bias: bool = False, rope_layout: str = "half", dtype: str = "float32",
+    ) -> None:
         super().__init__()
         tp = ctx.parallel.tp_size
         self.heads, self.kv_heads, self.head_dim = heads // tp, kv_heads // tp, head_dim
-        self.q_proj = ColumnParallelLinear(hidden_size, heads * head_dim, ctx)
-        self.k_proj = ColumnParallelLinear(hidden_size, kv_heads * head_dim, ctx)
-        self.v_proj = ColumnParallelLinear(hidden_size, kv_heads * head_dim, ctx)
-        self.o_proj = RowParallelLinear(heads * head_dim, hidden_size, ctx)
+        self.rope_layout = rope_layout
+        self.q_proj = ColumnParallelLinear(hidden_size, heads * head_dim, ctx, bias, dtype)
+        self.k_proj = ColumnParallelLinear(hidden_size, kv_heads * head_dim, ctx, bias, dtype)
+        self.v_proj = ColumnParallelLinear(hidden_size, kv_heads * head_dim, ctx, bias, dtype)
+        self.o_proj = RowParallelLinear(heads * head_dim, hidden_size, ctx, bias, dtype)
         # Qwen3 normalises each head's q and k before rope; the weights are per head_dim, replicated.
-        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype) if qk_norm_eps is not None else None
 
     def forward(
         self, x: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor], place: paddle.Tensor,
@@ -72,8 +76,8 @@ class Attention(nn.Layer):
         k = self.k_proj(x).reshape([0, 0, self.kv_heads, self.head_dim])
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose([0, 2, 1, 3]), *rope)
-        k = apply_rope(k.transpose([0, 2, 1, 3]), *rope)
+        q = apply_rope(q.transpose([0, 2, 1, 3]), *rope, layout=self.rope_layout)
+        k = apply_rope(k.transpose([0, 2, 1, 3]), *rope, layout=self.rope_layout)
         v = split_heads(self.v_proj(x), self.kv_heads, self.head_dim)
         cache_k, cache_v = write_cache(cache_k, k, place), write_cache(cache_v, v, place)
         out = attend(q, cache_k, cache_v, mask)

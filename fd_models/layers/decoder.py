@@ -30,9 +30,10 @@ _MASKED = -1e9  # additive mask for keys after the query's position (float32 sof
 
 @dataclass(frozen=True)
 class DecoderOptions:
-    """What differs between the decoders of the supported architectures."""
+    """What differs between the decoders of the supported architectures (the rest comes from the config)."""
 
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rope
+    rope_layout: str = "half"  # "interleaved" for ERNIE-4.5 (pairs 2i, 2i+1); see fd_models.layers.rotary
 
 
 def _with_positional_signature(fn: Any, names: Sequence[str]) -> Any:
@@ -59,14 +60,15 @@ class DecoderLayer(nn.Layer):
 
     def __init__(self, config: ModelConfig, ctx: Any, options: DecoderOptions) -> None:
         super().__init__()
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        eps, dtype = config.rms_norm_eps, config.dtype
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.self_attn = Attention(
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
             config.resolved_head_dim, ctx, eps if options.qk_norm else None,
+            bias=config.attention_bias, rope_layout=options.rope_layout, dtype=dtype,
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, ctx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, ctx, config.mlp_bias, dtype)
 
     def forward(self, x, rope, place, mask, cache_k, cache_v):  # noqa: ANN001, ANN201 - see Attention.forward
         attn, cache_k, cache_v = self.self_attn(self.input_layernorm(x), rope, place, mask, cache_k, cache_v)
@@ -80,22 +82,35 @@ class TextModel(nn.Layer):
     def __init__(self, config: ModelConfig, ctx: Any, options: DecoderOptions) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx, config.dtype)
         self.layers = nn.LayerList([DecoderLayer(config, ctx, options) for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        rope = config.extra.get("rope_parameters") or config.extra.get("rope_scaling") or {}
+        # M-RoPE sections (Qwen-VL): how many rope frequencies the t, h and w positions drive.
+        self.mrope_section: list[int] | None = rope.get("mrope_section")
 
     def forward(
-        self, embeds: paddle.Tensor, positions: paddle.Tensor, caches: Sequence[paddle.Tensor]
+        self, embeds: paddle.Tensor, positions: paddle.Tensor, caches: Sequence[paddle.Tensor],
+        rope_positions: paddle.Tensor | None = None, deepstack: Sequence[paddle.Tensor] = (),
     ) -> tuple[paddle.Tensor, list[paddle.Tensor]]:
-        """embeds [B, S, H] at int64 positions [S], caches [k0, v0, k1, v1, ...] -> (hidden [B, S, H], new caches)."""
+        """embeds [B, S, H] into cache slots `positions` [S] -> (hidden [B, S, H], new caches [k0, v0, k1, v1, ...]).
+
+        `rope_positions` are the rotary positions when they differ from the slots: [S] (text after
+        an image) or [3, S] (M-RoPE over an image). `deepstack[i]` [B, S, H] is added to the hidden
+        states after layer i (Qwen3-VL's DeepStack visual features, zero outside image tokens).
+        """
         slots = paddle.arange(caches[0].shape[2], dtype="int64").unsqueeze(0)
         where = positions.unsqueeze(-1)
         place = (slots == where).astype(embeds.dtype)
         mask = ((slots <= where).astype("float32") - 1.0) * -_MASKED
-        rope = rope_tables(positions, self.config.resolved_head_dim, self.config.rope_theta)
+        rope_at = positions if rope_positions is None else rope_positions
+        section = self.mrope_section if len(rope_at.shape) == 2 else None
+        rope = rope_tables(rope_at, self.config.resolved_head_dim, self.config.rope_theta, section)
         x, new_caches = embeds, []
         for i, layer in enumerate(self.layers):
             x, cache_k, cache_v = layer(x, rope, place, mask, caches[2 * i], caches[2 * i + 1])
+            if i < len(deepstack):
+                x = x + deepstack[i]
             new_caches += [cache_k, cache_v]
         return self.norm(x), new_caches
 
@@ -112,17 +127,24 @@ class CausalLM(nn.Layer):
         self.ctx = ctx
         self.model = TextModel(config, ctx, options)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, ctx, tied)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, ctx, tied, config.dtype)
         self._caches: list[paddle.Tensor] | None = None
         self._graphs: GraphBackend | None = None
+        # Rotary position minus cache slot during decode: nonzero after an M-RoPE image, whose
+        # tokens take fewer rotary positions than cache slots (set by the VL model at prefill).
+        self.rope_delta = 0
         cache_names = [f"cache_{i}_{kv}" for i in range(config.num_hidden_layers) for kv in "kv"]
-        # The pure step handed to graph backends: (token_ids, position, cache_0_k, cache_0_v, ...).
-        self.decode_fn = _with_positional_signature(self._decode, ["token_ids", "position", *cache_names])
+        # The pure step handed to graph backends: (token_ids, position, rope_position, cache_0_k, cache_0_v, ...).
+        self.decode_fn = _with_positional_signature(self._decode, ["token_ids", "position", "rope_position", *cache_names])
 
     # -- weights -------------------------------------------------------------------------
     def weight_specs(self) -> dict[str, WeightSpec]:
         """Every checkpoint tensor with its full shape and tp split axis."""
         return params.weight_specs(self)
+
+    def ignored_tensors(self) -> set[str]:
+        """Checkpoint tensors that may be present and are not loaded: a tied head's copy of the embedding."""
+        return {"lm_head.weight"} if self.config.tie_word_embeddings else set()
 
     def load_weights(self, shards: Mapping[str, np.ndarray]) -> None:
         """Assign this rank's shards to the parameters (restoring released storage)."""
@@ -141,7 +163,7 @@ class CausalLM(nn.Layer):
     def allocate_cache(self, batch_size: int, max_len: int) -> None:
         """Preallocate zeroed k/v caches for every layer with fixed shapes."""
         shape = self.cache_shape(batch_size, max_len)
-        self._caches = [paddle.zeros(shape, dtype="float32") for _ in range(2 * self.config.num_hidden_layers)]
+        self._caches = [paddle.zeros(shape, dtype=self.config.dtype) for _ in range(2 * self.config.num_hidden_layers)]
 
     def _require_cache(self, batch_size: int, length: int = 1) -> list[paddle.Tensor]:
         if self._caches is None:
@@ -151,16 +173,26 @@ class CausalLM(nn.Layer):
             raise ValueError(f"input batch {batch_size} x {length} tokens does not fit the cache [{cached_batch}, max_len={max_len}]")
         return self._caches
 
-    def _decode(self, token_ids: paddle.Tensor, position: paddle.Tensor, *caches: paddle.Tensor) -> tuple[paddle.Tensor, ...]:
-        """Pure decode step: (token_ids [B, 1] int64, position [1] int64, *caches) -> (logits [B, vocab], *new caches)."""
-        hidden, new_caches = self.model(self.model.embed_tokens(token_ids), position, caches)
+    def _decode(
+        self, token_ids: paddle.Tensor, position: paddle.Tensor, rope_position: paddle.Tensor, *caches: paddle.Tensor
+    ) -> tuple[paddle.Tensor, ...]:
+        """Pure decode step: (token_ids [B, 1], cache slot [1], rotary position [1], *caches) -> (logits [B, vocab], *new caches)."""
+        hidden, new_caches = self.model(self.model.embed_tokens(token_ids), position, caches, rope_position)
         return (self.lm_head(hidden[:, -1]), *new_caches)
 
-    def prefill_embeds(self, embeds: paddle.Tensor) -> paddle.Tensor:
-        """Run embeds [B, S, H] causally, filling cache positions [0, S); return last-position logits [B, vocab]."""
+    def prefill_embeds(
+        self, embeds: paddle.Tensor, rope_positions: Any = None, deepstack: Sequence[paddle.Tensor] = (), rope_delta: int = 0
+    ) -> paddle.Tensor:
+        """Run embeds [B, S, H] causally into cache slots [0, S); return last-position logits [B, vocab].
+
+        `rope_positions` [3, S] and `deepstack` come with an image (see TextModel.forward); `rope_delta`
+        is what decode adds to each slot to get its rotary position.
+        """
         caches = self._require_cache(embeds.shape[0], embeds.shape[1])
         positions = paddle.arange(embeds.shape[1], dtype="int64")
-        hidden, self._caches = self.model(embeds, positions, caches)
+        rope = None if rope_positions is None else as_int64(rope_positions)
+        hidden, self._caches = self.model(embeds, positions, caches, rope, deepstack)
+        self.rope_delta = rope_delta
         return self.lm_head(hidden[:, -1])
 
     def prefill_length(self, input_ids: Any, image: Any = None) -> int:
@@ -176,7 +208,8 @@ class CausalLM(nn.Layer):
     def decode_step(self, token_ids: Any, position: int) -> paddle.Tensor:
         """One token per sequence [B, 1] at `position`; replays the captured graph for this batch size if any."""
         ids = as_int64(token_ids).reshape([-1, 1])
-        inputs = [ids, paddle.to_tensor([position], dtype="int64"), *self._require_cache(ids.shape[0], position + 1)]
+        slot, rope = paddle.to_tensor([position], dtype="int64"), paddle.to_tensor([position + self.rope_delta], dtype="int64")
+        inputs = [ids, slot, rope, *self._require_cache(ids.shape[0], position + 1)]
         if self._graphs is not None and self._graphs.has(ids.shape[0]):
             outputs = self._graphs.replay(ids.shape[0], inputs)
         else:
@@ -191,8 +224,9 @@ class CausalLM(nn.Layer):
             raise RuntimeError("allocate_cache(batch_size, max_len) must be called before capture")
         max_len = self._caches[0].shape[2]
         # Fresh zero caches: capturing must not disturb the live cache (or need its batch size).
-        caches = [paddle.zeros(self.cache_shape(batch_size, max_len), dtype="float32") for _ in self._caches]
-        example = [paddle.zeros([batch_size, 1], dtype="int64"), paddle.zeros([1], dtype="int64"), *caches]
+        caches = [paddle.zeros(self.cache_shape(batch_size, max_len), dtype=self.config.dtype) for _ in self._caches]
+        position = paddle.zeros([1], dtype="int64")
+        example = [paddle.zeros([batch_size, 1], dtype="int64"), position, position, *caches]
         graph_backend.capture(batch_size, self.decode_fn, example)
         self._graphs = graph_backend
 

@@ -37,13 +37,17 @@ class VisionLanguageModel(nn.Layer):
         self.config = config
         vision_config = config.extra["vision_config"]
         self.image_token_id: int | None = config.extra.get("image_token_id")
-        self.vision = VisionEncoder(vision_config, vision, ctx)
-        self.projector = Projector(vision_config["hidden_size"], config.hidden_size, vision.act, ctx)
+        self.vision = VisionEncoder(vision_config, vision, ctx, config.dtype)
+        self.projector = Projector(vision_config["hidden_size"], config.hidden_size, vision.act, ctx, config.dtype)
         self.language_model = CausalLM(config, ctx, decoder)
 
     def weight_specs(self) -> dict[str, WeightSpec]:
         """Every checkpoint tensor (vision ones replicated) with its full shape and tp split axis."""
         return params.weight_specs(self, self.renames)
+
+    def ignored_tensors(self) -> set[str]:
+        """A tied head's copy of the embedding may be present and is not loaded."""
+        return self.language_model.ignored_tensors()
 
     def load_weights(self, shards: Mapping[str, np.ndarray]) -> None:
         """Assign this rank's shards to the parameters (restoring released storage)."""

@@ -11,12 +11,12 @@ from fd_models.layers.params import new_param
 
 
 class RMSNorm(nn.Layer):
-    """x / rms(x) * weight over the last axis, computed in float32."""
+    """weight * (x / rms(x)), the normalisation in float32 and cast back before the weight, as the references do."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, dtype: str = "float32") -> None:
         super().__init__()
         self.eps = eps
-        new_param(self, WeightSpec((size,), init="ones"), 1)
+        new_param(self, WeightSpec((size,), None, dtype, init="ones"), 1)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         x32 = x.astype("float32")
@@ -27,11 +27,11 @@ class RMSNorm(nn.Layer):
 class LayerNorm(nn.Layer):
     """Standard LayerNorm with weight ("ones") and bias ("zeros"), as ViT blocks use."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, dtype: str = "float32") -> None:
         super().__init__()
         self.size, self.eps = size, eps
-        new_param(self, WeightSpec((size,), init="ones"), 1)
-        new_param(self, WeightSpec((size,), init="zeros"), 1, attr="bias")
+        new_param(self, WeightSpec((size,), None, dtype, init="ones"), 1)
+        new_param(self, WeightSpec((size,), None, dtype, init="zeros"), 1, attr="bias")
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return F.layer_norm(x, [self.size], self.weight, self.bias, self.eps)

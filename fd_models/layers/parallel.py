@@ -17,21 +17,22 @@ from fd_models.layers.params import new_param
 
 
 class _Linear(nn.Layer):
-    """y = x @ W (+ b) where W [in, out] is sharded on `split_axis` (None: replicated)."""
+    """y = x W^T (+ b) with W [out, in] as PyTorch and published checkpoints store it, sharded on `split_axis`."""
 
     split_axis: int | None = None
 
-    def __init__(self, in_features: int, out_features: int, ctx: Any, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, ctx: Any, bias: bool = False, dtype: str = "float32") -> None:
         super().__init__()
         self.ctx = ctx
         tp = ctx.parallel.tp_size if self.split_axis is not None else 1
-        new_param(self, WeightSpec((in_features, out_features), self.split_axis), tp)
+        new_param(self, WeightSpec((out_features, in_features), self.split_axis, dtype), tp)
         # A column-parallel bias is split with the outputs; a row-parallel one is whole, added once after the sum.
-        bias_axis = 0 if self.split_axis == 1 else None
-        self.bias = new_param(self, WeightSpec((out_features,), bias_axis, init="zeros"), tp, attr="bias") if bias else None
+        bias_axis = 0 if self.split_axis == 0 else None
+        self.bias = new_param(self, WeightSpec((out_features,), bias_axis, dtype, init="zeros"), tp, attr="bias") if bias else None
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        out = paddle.matmul(x, self.weight, transpose_y=True)
+        return out if self.bias is None else out + self.bias
 
 
 class ReplicatedLinear(_Linear):
@@ -39,31 +40,31 @@ class ReplicatedLinear(_Linear):
 
 
 class ColumnParallelLinear(_Linear):
-    """Output features split across ranks; each rank returns its slice of the outputs, no communication."""
-
-    split_axis = 1
-
-
-class RowParallelLinear(_Linear):
-    """Input features split across ranks; partial products are all-reduced, then the bias is added."""
+    """Output features (rows of W) split across ranks; each rank returns its slice of the outputs, no communication."""
 
     split_axis = 0
 
+
+class RowParallelLinear(_Linear):
+    """Input features (columns of W) split across ranks; partial products are all-reduced, then the bias is added."""
+
+    split_axis = 1
+
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        out = self.ctx.all_reduce(paddle.matmul(x, self.weight))
+        out = self.ctx.all_reduce(paddle.matmul(x, self.weight, transpose_y=True))
         return out if self.bias is None else out + self.bias
 
 
 class VocabParallelEmbedding(nn.Layer):
     """Vocabulary rows split across ranks: a rank embeds the ids it owns, zeros elsewhere, then all-reduce."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, ctx: Any) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: Any, dtype: str = "float32") -> None:
         super().__init__()
         self.ctx = ctx
         tp, rank = ctx.parallel.tp_size, ctx.parallel.tp_rank
         self.local_vocab = vocab_size // tp
         self.start = rank * self.local_vocab
-        new_param(self, WeightSpec((vocab_size, hidden_size), 0), tp)
+        new_param(self, WeightSpec((vocab_size, hidden_size), 0, dtype), tp)
 
     def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
         if self.ctx.parallel.tp_size == 1:
@@ -76,28 +77,26 @@ class VocabParallelEmbedding(nn.Layer):
 
 
 class ParallelLMHead(nn.Layer):
-    """Vocab-parallel logits, tied to the embedding or its own column-parallel [hidden, vocab] weight.
+    """Vocab-parallel logits, tied to the embedding or its own `lm_head.weight` [vocab, hidden] split by vocab rows.
 
     Full-vocab logits come from an all-reduce, not an all-gather (the contract has only all-reduce):
     each rank writes its shard at its vocab offset into zeros, and the sum assembles the whole row.
     """
 
-    def __init__(self, hidden_size: int, vocab_size: int, ctx: Any, tied: VocabParallelEmbedding | None) -> None:
+    def __init__(
+        self, hidden_size: int, vocab_size: int, ctx: Any, tied: VocabParallelEmbedding | None, dtype: str = "float32"
+    ) -> None:
         super().__init__()
         self.ctx = ctx
         self.vocab_size = vocab_size
         self.tied = [tied]  # a list, so the embedding is not registered (and named) twice
-        if tied is None:  # checkpoint name `lm_head.weight`, [hidden, vocab] split on the vocab axis
-            new_param(self, WeightSpec((hidden_size, vocab_size), 1), ctx.parallel.tp_size)
+        if tied is None:
+            new_param(self, WeightSpec((vocab_size, hidden_size), 0, dtype), ctx.parallel.tp_size)
 
     def forward(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """hidden [B, H] -> float32 logits [B, vocab] on every rank."""
-        embedding = self.tied[0]
-        if embedding is not None:
-            local = paddle.matmul(hidden, embedding.weight, transpose_y=True)
-        else:
-            local = paddle.matmul(hidden, self.weight)
-        local = local.astype("float32")
+        weight = self.weight if self.tied[0] is None else self.tied[0].weight
+        local = paddle.matmul(hidden, weight, transpose_y=True).astype("float32")
         tp = self.ctx.parallel.tp_size
         if tp == 1:
             return local

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import paddle
@@ -45,18 +45,26 @@ def weight_specs(layer: nn.Layer, renames: Renames = ()) -> dict[str, WeightSpec
     return {name: p.fd_spec for name, p in named_params(layer, renames).items()}
 
 
-def load_weights(layer: nn.Layer, shards: Mapping[str, np.ndarray], renames: Renames = ()) -> None:
-    """Assign this rank's shards to the parameters; every parameter must be present."""
+def load_weights(layer: nn.Layer, shards: Mapping[str, Any], renames: Renames = ()) -> None:
+    """Assign this rank's shards (numpy arrays or paddle tensors) to the parameters; every parameter must be present.
+
+    Each shard is fetched, converted to its parameter's dtype and assigned in turn, so a lazy
+    mapping (a checkpoint read on access) holds one tensor at a time.
+    """
     params = named_params(layer, renames)
     missing = sorted(set(params) - set(shards))
     if missing:
         raise KeyError(f"load_weights: no shard for {missing[0]!r} ({len(missing)} missing)")
     for name, param in params.items():
-        array = np.asarray(shards[name], dtype=param.fd_spec.dtype)
-        if tuple(array.shape) != tuple(param.shape):
-            raise ValueError(f"load_weights: {name!r} has shape {list(array.shape)}, expected {list(param.shape)}")
+        value = shards[name]
+        if not isinstance(value, paddle.Tensor):
+            value = paddle.to_tensor(np.ascontiguousarray(value))
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"load_weights: {name!r} has shape {list(value.shape)}, expected {list(param.shape)}")
+        if value.dtype != param.dtype:
+            value = value.astype(param.dtype)
         # set_value also re-creates storage that release_weights cleared.
-        param.set_value(array)
+        param.set_value(value)
 
 
 def release_weights(layer: nn.Layer) -> None:

@@ -45,11 +45,11 @@ def _activate(x: paddle.Tensor, act: str) -> paddle.Tensor:
 class FeedForward(nn.Layer):
     """fc2(act(fc1(x))), replicated."""
 
-    def __init__(self, in_size: int, hidden: int, out_size: int, act: str, ctx: Any) -> None:
+    def __init__(self, in_size: int, hidden: int, out_size: int, act: str, ctx: Any, dtype: str = "float32") -> None:
         super().__init__()
         self.act = act
-        self.fc1 = ReplicatedLinear(in_size, hidden, ctx, bias=True)
-        self.fc2 = ReplicatedLinear(hidden, out_size, ctx, bias=True)
+        self.fc1 = ReplicatedLinear(in_size, hidden, ctx, True, dtype)
+        self.fc2 = ReplicatedLinear(hidden, out_size, ctx, True, dtype)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return self.fc2(_activate(self.fc1(x), self.act))
@@ -58,9 +58,9 @@ class FeedForward(nn.Layer):
 class Projector(FeedForward):
     """LayerNorm then a two-layer MLP from the vision width to the text hidden size."""
 
-    def __init__(self, vision_size: int, text_size: int, act: str, ctx: Any) -> None:
-        super().__init__(vision_size, text_size, text_size, act, ctx)
-        self.norm = LayerNorm(vision_size, _EPS)
+    def __init__(self, vision_size: int, text_size: int, act: str, ctx: Any, dtype: str = "float32") -> None:
+        super().__init__(vision_size, text_size, text_size, act, ctx, dtype)
+        self.norm = LayerNorm(vision_size, _EPS, dtype)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return super().forward(self.norm(x))
@@ -69,11 +69,11 @@ class Projector(FeedForward):
 class VisionAttention(nn.Layer):
     """Bidirectional multi-head self-attention over the patches, with a fused qkv projection."""
 
-    def __init__(self, size: int, heads: int, ctx: Any) -> None:
+    def __init__(self, size: int, heads: int, ctx: Any, dtype: str = "float32") -> None:
         super().__init__()
         self.heads, self.head_dim = heads, size // heads
-        self.qkv = ReplicatedLinear(size, 3 * size, ctx, bias=True)
-        self.proj = ReplicatedLinear(size, size, ctx, bias=True)
+        self.qkv = ReplicatedLinear(size, 3 * size, ctx, True, dtype)
+        self.proj = ReplicatedLinear(size, size, ctx, True, dtype)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         qkv = self.qkv(x).reshape([0, 0, 3, self.heads, self.head_dim]).transpose([2, 0, 3, 1, 4])
@@ -83,12 +83,12 @@ class VisionAttention(nn.Layer):
 class VisionBlock(nn.Layer):
     """Pre-norm ViT block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
 
-    def __init__(self, size: int, heads: int, intermediate: int, act: str, ctx: Any) -> None:
+    def __init__(self, size: int, heads: int, intermediate: int, act: str, ctx: Any, dtype: str = "float32") -> None:
         super().__init__()
-        self.norm1 = LayerNorm(size, _EPS)
-        self.attn = VisionAttention(size, heads, ctx)
-        self.norm2 = LayerNorm(size, _EPS)
-        self.mlp = FeedForward(size, intermediate, size, act, ctx)
+        self.norm1 = LayerNorm(size, _EPS, dtype)
+        self.attn = VisionAttention(size, heads, ctx, dtype)
+        self.norm2 = LayerNorm(size, _EPS, dtype)
+        self.mlp = FeedForward(size, intermediate, size, act, ctx, dtype)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -98,10 +98,10 @@ class VisionBlock(nn.Layer):
 class PatchEmbed(nn.Layer):
     """Non-overlapping p x p patches, flattened (C, p, p) and projected by a Linear (a Conv2D in matrix form)."""
 
-    def __init__(self, in_channels: int, patch_size: int, size: int, ctx: Any) -> None:
+    def __init__(self, in_channels: int, patch_size: int, size: int, ctx: Any, dtype: str = "float32") -> None:
         super().__init__()
         self.patch_size = patch_size
-        self.proj = ReplicatedLinear(in_channels * patch_size * patch_size, size, ctx, bias=True)
+        self.proj = ReplicatedLinear(in_channels * patch_size * patch_size, size, ctx, True, dtype)
 
     def forward(self, image: paddle.Tensor) -> paddle.Tensor:
         """image [B, C, H, W] -> [B, (H/p) * (W/p), size], patches in row-major order."""
@@ -116,17 +116,17 @@ class PatchEmbed(nn.Layer):
 class VisionEncoder(nn.Layer):
     """Patch embedding, optional learned positions and ViT blocks; replicated on every rank."""
 
-    def __init__(self, vision_config: Mapping[str, Any], options: VisionOptions, ctx: Any) -> None:
+    def __init__(self, vision_config: Mapping[str, Any], options: VisionOptions, ctx: Any, dtype: str = "float32") -> None:
         super().__init__()
         size, patch = vision_config["hidden_size"], vision_config["patch_size"]
         self.num_patches = (vision_config["image_size"] // patch) ** 2
-        self.patch_embed = PatchEmbed(vision_config.get("in_channels", 3), patch, size, ctx)
+        self.patch_embed = PatchEmbed(vision_config.get("in_channels", 3), patch, size, ctx, dtype)
         self.pos_embed = None
         if options.pos_embed:
-            new_param(self, WeightSpec((self.num_patches, size)), 1, attr="pos_embed")
+            new_param(self, WeightSpec((self.num_patches, size), None, dtype), 1, attr="pos_embed")
         intermediate = vision_config.get("intermediate_size", 4 * size)
         self.blocks = nn.LayerList(
-            [VisionBlock(size, vision_config["num_heads"], intermediate, options.act, ctx) for _ in range(vision_config["num_layers"])]
+            [VisionBlock(size, vision_config["num_heads"], intermediate, options.act, ctx, dtype) for _ in range(vision_config["num_layers"])]
         )
 
     def forward(self, image: paddle.Tensor) -> paddle.Tensor:

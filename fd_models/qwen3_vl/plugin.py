@@ -6,11 +6,17 @@ from typing import Any, Callable
 
 from fd_core import Architecture, hookimpl
 from fd_models._plugin import clear_graphs, lazy_build
-from fd_models.presets import vl_preset
+from fd_models.presets import TINY_QWEN3_VL
+from fd_models.qwen3_vl.config import check_config
 
 _MODULE = "fd_models.qwen3_vl.model"
-# Untied LM head (its own column-parallel `lm_head.weight`), unlike ERNIE.
-TINY_PRESET: dict[str, Any] = vl_preset(image_token_id=510, tie_word_embeddings=False, rope_theta=1000000.0)
+# Untied LM head (its own vocab-parallel `lm_head.weight`) in the tiny preset, unlike ERNIE.
+TINY_PRESET: dict[str, Any] = TINY_QWEN3_VL
+# transformers' Qwen3VLTextConfig / Qwen3VLConfig defaults, for keys a config.json may omit.
+CONFIG_DEFAULTS: dict[str, Any] = {
+    "head_dim": 128, "num_key_value_heads": 32, "rope_theta": 500000.0, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 128000, "attention_bias": False, "hidden_act": "silu", "tie_word_embeddings": False,
+}
 build = lazy_build(_MODULE)
 
 
@@ -23,7 +29,8 @@ def fd_clear_graphs(model: Any) -> bool | None:
 ARCHITECTURE = Architecture(
     name="qwen3_vl", aliases=("Qwen3VLForConditionalGeneration",),
     build=build, preset=TINY_PRESET, graph_capable=True, multimodal=True,
-    description="Qwen3-VL: replicated ViT + merger + decoder with per-head q/k RMSNorm")
+    config_defaults=CONFIG_DEFAULTS, check_config=check_config,
+    description="Qwen3-VL as published: ViT with 2-D rope, 2x2 merger, DeepStack, interleaved M-RoPE, decoder with q/k norm")
 
 
 @hookimpl

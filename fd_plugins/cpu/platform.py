@@ -30,6 +30,8 @@ def fd_platform_detect() -> Detection:
         device="cpu",
         dist_backend="gloo",
         max_ranks=cores,
+        # Paddle's CPU kernels have no bfloat16 or float16 matmul.
+        dtypes=("float32",),
     )
 
 

@@ -32,6 +32,7 @@ def fd_platform_detect() -> Detection:
         device="gpu",
         dist_backend="nccl",
         max_ranks=count,
+        dtypes=("bfloat16", "float16", "float32"),
     )
 
 

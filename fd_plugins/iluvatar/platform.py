@@ -40,6 +40,7 @@ def fd_platform_detect() -> Detection:
         device=DEVICE_TYPE,
         dist_backend="xccl",
         max_ranks=len(devices),
+        dtypes=("bfloat16", "float16", "float32"),
     )
 
 
