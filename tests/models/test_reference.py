@@ -1,0 +1,225 @@
+"""The independent oracle: checkpoints written by Hugging Face transformers, run by `fd`, give the reference's output.
+
+Each case builds a tiny random model with the reference implementation (transformers on a CPU build
+of torch, from the `test` extra), saves it with `save_pretrained` exactly as published checkpoints
+are saved, and compares greedy tokens and first-step logits with what fd produces from that
+directory: in-process at tp=1 (`run_rank`, what `fd run --tp 1` calls) and through `fd run --tp 2`
+over two gloo ranks. The seeds are checked to keep every step's top-2 logits apart, so a token
+match is not luck of a near-tie.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the reference oracle needs torch's CPU build: pip install -e '.[test]'")
+transformers = pytest.importorskip("transformers", reason="the reference oracle needs transformers: pip install -e '.[test]'")
+
+from fd_models.presets import TINY_QWEN3_VL, TINY_TEXT  # noqa: E402
+
+STEPS = 20
+# float32 on both sides; the kernels differ, so logits agree to rounding, not bit for bit.
+LOGIT_TOL = 2e-4
+# The smallest gap between a step's best and second-best logit that makes a greedy match meaningful.
+MIN_MARGIN = 20 * LOGIT_TOL
+PROMPT = [5, 17, 42, 99, 7, 300]
+IMAGE_TOKEN = TINY_QWEN3_VL["image_token_id"]
+# A 32x48 image: a 4x6 grid of 8x8 patches, merged 2x2 into 2x3 = 6 image tokens (non-square on purpose,
+# so that the M-RoPE decode offset is not zero).
+IMAGE_PROMPT = [5, 17, TINY_QWEN3_VL["vision_start_token_id"], *[IMAGE_TOKEN] * 6, TINY_QWEN3_VL["vision_end_token_id"], 42, 99]
+
+
+@dataclass
+class Case:
+    """A saved reference checkpoint and what the reference generated from it."""
+
+    name: str
+    directory: Path
+    prompt: list[int]
+    tokens: list[int]
+    first_logits: np.ndarray
+    margin: float
+    image: Path | None = None
+
+
+def _hf_config(preset: dict[str, Any]) -> Any:
+    data = {k: v for k, v in preset.items() if k not in ("architectures", "model_type")}
+    if preset["model_type"] == "qwen3_vl":
+        return transformers.Qwen3VLConfig(**data)
+    return transformers.Ernie4_5Config(**data)
+
+
+def _hf_model(preset: dict[str, Any], seed: int) -> Any:
+    torch.manual_seed(seed)
+    config = _hf_config(preset)
+    cls = transformers.Qwen3VLForConditionalGeneration if preset["model_type"] == "qwen3_vl" else transformers.Ernie4_5ForCausalLM
+    return cls(config).eval()
+
+
+def _image_inputs(model: Any, image: np.ndarray) -> dict[str, Any]:
+    """pixel_values and grid as the published image processor makes them (its PIL path, which needs no torchvision)."""
+    vision = model.config.vision_config
+    processor = transformers.Qwen2VLImageProcessorPil(
+        patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size, merge_size=vision.spatial_merge_size,
+        image_mean=[0.5] * 3, image_std=[0.5] * 3, min_pixels=1, max_pixels=1 << 24,
+    )
+    # 8-bit pixels in, rescaled by 1/255 inside: the same values fd reads from [0, 1] floats.
+    pixels = processor(images=[np.round(image * 255).astype(np.uint8).transpose(1, 2, 0)], return_tensors="pt")
+    return {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
+
+
+def _reference(model: Any, prompt: list[int], image: np.ndarray | None) -> tuple[list[int], np.ndarray, float]:
+    """Greedy tokens, first-step logits and the smallest top-2 margin over every step.
+
+    Each step runs the whole sequence again (no cache, no stop at end-of-sequence): the reference's
+    plainest path, independent of how either side caches.
+    """
+    extra = _image_inputs(model, image) if image is not None else {}
+    ids, steps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(STEPS):
+            tensor = torch.tensor([ids])
+            if image is not None:
+                extra["mm_token_type_ids"] = (tensor == IMAGE_TOKEN).int()
+            logits = model(tensor, **extra).logits[0, -1].float().numpy()
+            steps.append(logits)
+            ids.append(int(logits.argmax()))
+    top2 = np.sort(np.stack(steps), axis=-1)[:, -2:]
+    return ids[len(prompt):], steps[0], float((top2[:, 1] - top2[:, 0]).min())
+
+
+def _save(model: Any, directory: Path, **kwargs: Any) -> Path:
+    model.save_pretrained(str(directory), **kwargs)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
+    """Reference checkpoints: ERNIE-4.5 (float32, bfloat16, sharded) and Qwen3-VL (text only, with an image)."""
+    root = tmp_path_factory.mktemp("reference")
+    torch.set_num_threads(1)
+    out: dict[str, Case] = {}
+
+    ernie = _hf_model(TINY_TEXT, seed=0)
+    tokens, logits, margin = _reference(ernie, PROMPT, None)
+    out["ernie"] = Case("ernie", _save(ernie, root / "ernie"), PROMPT, tokens, logits, margin)
+    out["ernie-sharded"] = Case("ernie-sharded", _save(ernie, root / "ernie-sharded", max_shard_size="40KB"), PROMPT, tokens, logits, margin)
+
+    # bfloat16 as published: the reference runs the bf16 weights widened to float32, as fd computes on cpu.
+    bf16_dir = _save(ernie.to(torch.bfloat16), root / "ernie-bf16")
+    widened = transformers.Ernie4_5ForCausalLM.from_pretrained(str(bf16_dir), dtype=torch.float32).eval()
+    out["ernie-bf16"] = Case("ernie-bf16", bf16_dir, PROMPT, *_reference(widened, PROMPT, None))
+
+    qwen = _hf_model(TINY_QWEN3_VL, seed=5)
+    qwen_dir = _save(qwen, root / "qwen3_vl")
+    out["qwen3_vl-text"] = Case("qwen3_vl-text", qwen_dir, PROMPT, *_reference(qwen, PROMPT, None))
+    image = np.random.default_rng(5).integers(0, 256, (3, 32, 48)).astype(np.float32) / 255.0
+    np.save(root / "image.npy", image)
+    out["qwen3_vl-image"] = Case("qwen3_vl-image", qwen_dir, IMAGE_PROMPT, *_reference(qwen, IMAGE_PROMPT, image), image=root / "image.npy")
+    return out
+
+
+ALL = ["ernie", "ernie-sharded", "ernie-bf16", "qwen3_vl-text", "qwen3_vl-image"]
+# Through two gloo ranks: one per model and path (the sharded and bf16 files differ only in how they are read).
+TP2 = ["ernie", "ernie-bf16", "qwen3_vl-text", "qwen3_vl-image"]
+
+
+def test_reference_cases_are_saved_as_published(cases: dict[str, Case]) -> None:
+    """The fixtures are what the tests claim: transformers' layout, a shard index, bfloat16 storage."""
+    from safetensors import safe_open
+
+    ernie = cases["ernie"].directory
+    with safe_open(str(ernie / "model.safetensors"), framework="np") as f:
+        assert f.get_slice("model.layers.0.self_attn.k_proj.weight").get_shape() == [32, 64]  # [out, in]
+        assert "lm_head.weight" not in f.keys()  # tied
+    index = json.loads((cases["ernie-sharded"].directory / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    with safe_open(str(cases["ernie-bf16"].directory / "model.safetensors"), framework="np") as f:
+        assert f.get_slice("model.norm.weight").get_dtype() == "BF16"
+    qwen = json.loads((cases["qwen3_vl-text"].directory / "config.json").read_text())
+    assert "text_config" in qwen and "rope_theta" in qwen["text_config"]["rope_parameters"]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_seed_keeps_every_step_clear_of_a_tie(cases: dict[str, Case], name: str) -> None:
+    assert cases[name].margin > MIN_MARGIN, f"{name}: top-2 logits {cases[name].margin:.2e} apart; choose another seed"
+
+
+def _fd_rank_result(case: Case) -> tuple[list[int], np.ndarray]:
+    """What `fd run --tp 1` computes (run_rank in this process), with the first-step logits."""
+    from fd_core.runner import ModelRunner, RunConfig, load_image, plan_run
+    from fd_core.backend import load_backend
+    from fd_core.config import ParallelConfig
+    from fd_core.plugins import load_plugins
+
+    run = RunConfig(model=None, tp=1, steps=STEPS, prompt_ids=tuple(case.prompt), checkpoint=str(case.directory),
+                    image_path=str(case.image) if case.image else None, graph="off", progress=False)
+    plugins = load_plugins({})
+    plan = plan_run(run, plugins)
+    runner = ModelRunner(load_backend(ParallelConfig(), plugins=plugins), plan.arch, plan.config, run.checkpoint, graph="off")
+    runner.load()
+    runner.decide()
+    image = load_image(run.image_path) if run.image_path else None
+    runner.prepare(len(case.prompt) + STEPS)
+    logits = runner.model.prefill(np.asarray([case.prompt]), image).numpy()[0]
+    runner.prepare(len(case.prompt) + STEPS)
+    return runner.generate(case.prompt, STEPS, image).tokens, logits
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_tp1_matches_the_reference(cases: dict[str, Case], name: str) -> None:
+    case = cases[name]
+    tokens, logits = _fd_rank_result(case)
+    scale = max(1.0, float(np.abs(case.first_logits).max()))
+    assert np.abs(logits - case.first_logits).max() <= LOGIT_TOL * scale
+    assert tokens == case.tokens
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(cases: dict[str, Case]) -> dict[str, subprocess.CompletedProcess[str]]:
+    """`fd run --tp 2 --json` on each TP2 case, two at a time (four ranks on a 2-core machine is enough)."""
+    procs: dict[str, subprocess.Popen[str]] = {}
+    done: dict[str, subprocess.CompletedProcess[str]] = {}
+    for batch in (TP2[:2], TP2[2:]):
+        for name in batch:
+            case = cases[name]
+            args = [sys.executable, "-m", "fd_core.cli", "run", "--tp", "2", "--checkpoint", str(case.directory),
+                    "--steps", str(STEPS), "--prompt-ids", ",".join(map(str, case.prompt)), "--json"]
+            if case.image:
+                args += ["--image", str(case.image)]
+            procs[name] = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name in batch:
+            out, err = procs[name].communicate(timeout=300)
+            done[name] = subprocess.CompletedProcess(procs[name].args, procs[name].returncode, out, err)
+    return done
+
+
+@pytest.mark.parametrize("name", TP2)
+def test_fd_run_tp2_matches_the_reference(cases: dict[str, Case], tp2_runs: dict[str, Any], name: str) -> None:
+    run = tp2_runs[name]
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result["tp"] == 2
+    assert result["tokens"] == cases[name].tokens
+
+
+@pytest.mark.parametrize(("model", "seed"), [("ernie4_5", 4), ("qwen3_vl", 1)])
+def test_save_random_writes_what_transformers_loads(tmp_path: Path, model: str, seed: int) -> None:
+    """`fd save-random` writes the published layout: transformers reads it and generates fd's tokens."""
+    from fd_core.runner import RunConfig, run_rank, save_random_checkpoint
+
+    directory = save_random_checkpoint(model, str(tmp_path / model), seed=seed, dtype="bfloat16")
+    config = json.loads((directory / "config.json").read_text())
+    reference = getattr(transformers, config["architectures"][0]).from_pretrained(str(directory), dtype=torch.float32).eval()
+    tokens, _, margin = _reference(reference, PROMPT, None)
+    assert margin > MIN_MARGIN, f"{model}: top-2 logits {margin:.2e} apart; choose another seed"
+    ours = run_rank(RunConfig(model=None, tp=1, steps=STEPS, prompt_ids=tuple(PROMPT), checkpoint=str(directory), progress=False))
+    assert ours["tokens"] == tokens
