@@ -159,8 +159,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_save_random(args: argparse.Namespace) -> int:
+    from fd_core.distributed import quiet_paddle_logs
     from fd_core.runner import save_random_checkpoint
 
+    quiet_paddle_logs()
     path = save_random_checkpoint(args.model, args.directory, seed=args.seed, config_path=args.config, dtype=args.dtype)
     print(f"wrote {path}")
     return 0

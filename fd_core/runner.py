@@ -17,7 +17,7 @@ from fd_core.graphs import CastVote, GraphDecision
 from fd_core.models import Architecture, CausalModel
 from fd_core.plugins import PluginSet, load_plugins
 from fd_core.config import read_config_json
-from fd_core.weights import CheckpointShards, check_checkpoint_dir, load_checkpoint, random_state_dict, save_checkpoint
+from fd_core.weights import CheckpointShards, check_checkpoint_dir, check_new_directory, load_checkpoint, random_state_dict, save_checkpoint
 
 BATCH_SIZE = 1
 
@@ -367,6 +367,7 @@ def save_random_checkpoint(
     The config is `model`'s tiny preset, or the config.json at `config_path` (a published model's
     own, say), which then names the architecture.
     """
+    check_new_directory(Path(directory))  # before paddle is imported or a tensor drawn
     plugins = load_plugins()
     if config_path is None:
         arch = plugins.registry.get(model)

@@ -219,7 +219,7 @@ class CheckpointShards(Mapping[str, Any]):
                 self._where[name] = path
         if expected is not None:
             for name, file_name in sorted(expected.items()):
-                if name not in self._where:
+                if name not in self._where or self._where[name].name != file_name:
                     raise CheckpointError(f"checkpoint {index}: says {name!r} is in {file_name}, which does not hold it; re-download the checkpoint")
         self._check(ignore)
 
@@ -280,6 +280,12 @@ def load_checkpoint(
     return CheckpointShards(directory, specs, tp_rank, tp_size, ignore)
 
 
+def check_new_directory(directory: Path) -> None:
+    """Raise unless `directory` is absent or an empty directory (a checkpoint is never written over anything)."""
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise CheckpointError(f"{directory}: exists and is not empty; choose a new directory")
+
+
 def save_checkpoint(
     directory: str | Path, config: Mapping[str, Any], tensors: Mapping[str, np.ndarray], dtype: str = "float32"
 ) -> Path:
@@ -289,8 +295,7 @@ def save_checkpoint(
     import safetensors.paddle
 
     directory = Path(directory)
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        raise CheckpointError(f"{directory}: exists and is not an empty directory; choose a new directory")
+    check_new_directory(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:

@@ -17,7 +17,7 @@ _TINY_DECODER: dict[str, Any] = {
     "intermediate_size": 128,
     "vocab_size": 512,
     "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 256,
+    "max_position_embeddings": 4096,
     "hidden_act": "silu",
     # Wider than the usual 0.02 so that a random tiny model's greedy tokens vary from step to step.
     "initializer_range": 0.2,

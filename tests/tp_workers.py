@@ -8,10 +8,25 @@ PROMPT = [3, 14, 15, 92, 65]
 STEPS = 6
 
 
-def image_for(arch: Any, config: Any, seed: int) -> Any:
-    from fd_core.runner import synthetic_image
+def image_for(arch: Any, seed: int) -> Any:
+    """A random image [1, C, H, W] in [0, 1] for a VL preset (None for a text model)."""
+    import numpy as np
 
-    return synthetic_image(config, seed) if arch.multimodal else None
+    if not arch.multimodal:
+        return None
+    vision = arch.preset["vision_config"]
+    size = vision.get("image_size", 32)
+    return np.random.default_rng(seed + 7).random((1, vision["in_channels"], size, size), dtype=np.float32)
+
+
+def prompt_for(arch: Any) -> list[int]:
+    """PROMPT, with the image's placeholder tokens after its second token for a VL preset."""
+    if not arch.multimodal:
+        return list(PROMPT)
+    vision = arch.preset["vision_config"]
+    unit = vision["patch_size"] * vision.get("spatial_merge_size", 1)
+    count = (vision.get("image_size", 32) // unit) ** 2
+    return PROMPT[:2] + [arch.preset["image_token_id"]] * count + PROMPT[2:]
 
 
 def generate(backend: Any, arch_name: str, graph: str, image_seed: int = 0) -> dict[str, Any]:
@@ -25,11 +40,12 @@ def generate(backend: Any, arch_name: str, graph: str, image_seed: int = 0) -> d
     runner = ModelRunner(backend, arch, config, graph=graph)
     runner.load()
     decision = runner.decide()
-    image = image_for(arch, config, image_seed)
-    ids = np.asarray([PROMPT], dtype="int64")
+    image = image_for(arch, image_seed)
+    prompt = prompt_for(arch)
+    ids = np.asarray([prompt], dtype="int64")
     runner.prepare(runner.model.prefill_length(ids, image) + STEPS)
     logits = runner.model.prefill(ids, image).numpy()
-    tokens = runner.generate(PROMPT, STEPS, image).tokens
+    tokens = runner.generate(prompt, STEPS, image).tokens
     return {"logits": logits, "tokens": tokens, "graph": decision.allowed}
 
 

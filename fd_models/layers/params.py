@@ -63,8 +63,8 @@ def load_weights(layer: nn.Layer, shards: Mapping[str, Any], renames: Renames = 
             raise ValueError(f"load_weights: {name!r} has shape {list(value.shape)}, expected {list(param.shape)}")
         if value.dtype != param.dtype:
             value = value.astype(param.dtype)
-        # set_value also re-creates storage that release_weights cleared.
-        param.set_value(value)
+        # assign (unlike set_value from a tensor) also re-creates storage that release_weights cleared.
+        paddle.assign(value, output=param)
 
 
 def release_weights(layer: nn.Layer) -> None:

@@ -50,7 +50,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out["missing"] = _variant(root, good, "missing", {k: v for k, v in tensors.items() if k != TENSOR})
     out["extra"] = _variant(root, good, "extra", {**tensors, EXTRA: np.zeros((2, 2), np.float32)})
     out["shape"] = _variant(root, good, "shape", {**tensors, TENSOR: np.zeros((3, 3), np.float32)})
-    out["dtype"] = _variant(root, good, "dtype", {**tensors, TENSOR: tensors[TENSOR].astype(np.float16)})
+    out["dtype"] = _variant(root, good, "dtype", {**tensors, TENSOR: tensors[TENSOR].astype(np.int32)})
     out["truncated"] = _variant(root, good, "truncated", None)
     data = (good / "model.safetensors").read_bytes()
     (out["truncated"] / "model.safetensors").write_bytes(data[:-1000])
@@ -70,8 +70,8 @@ def expected_message(case: str, directory: Path) -> str:
     return {
         "missing": f"checkpoint {directory}: tensor {TENSOR!r} is missing; {mismatch}",
         "extra": f"checkpoint {weights}: unexpected tensor {EXTRA!r}; {mismatch}",
-        "shape": f"checkpoint {weights}: tensor {TENSOR!r} has shape [3, 3], expected [128, 64]",
-        "dtype": f"checkpoint {weights}: tensor {TENSOR!r} has dtype F16, expected F32",
+        "shape": f"checkpoint {weights}: tensor {TENSOR!r} has shape [3, 3], expected [64, 128]",
+        "dtype": f"checkpoint {weights}: tensor {TENSOR!r} has dtype I32, expected a float type (F32, BF16, F16, F64)",
         "truncated": (
             f"checkpoint {weights}: truncated: tensor 'model.layers.1.self_attn.v_proj.weight' ends at byte 427008 "
             f"of the data, but the file holds 426264; re-save or re-download it"
@@ -161,7 +161,7 @@ def test_fd_run_with_a_broken_checkpoint_names_file_and_tensor_and_stops_every_r
     [
         ("no-config", "checkpoint {d}: config.json is missing; add the model's config.json beside the weights"),
         ("pickle", "checkpoint {d}/pytorch_model.bin: pickle-based weight files are refused (loading them can run code); convert it to safetensors"),
-        ("bad-json", "checkpoint {d}/config.json: not readable JSON (Expecting property name enclosed in double quotes: line 1 column 32 (char 31)); fix or regenerate config.json"),
+        ("bad-json", "checkpoint {d}/config.json: not valid JSON (Expecting property name enclosed in double quotes: line 1 column 32 (char 31)); fix or regenerate config.json"),
     ],
 )
 def test_directory_problem_fails_before_any_rank_starts(checkpoints: dict[str, Path], case: str, message: str) -> None:
@@ -183,15 +183,15 @@ def test_save_random_refuses_a_non_empty_directory_and_leaves_it_alone(checkpoin
 
 def test_save_that_fails_midway_leaves_no_file_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """save_checkpoint writes into a staging directory and renames it whole: a failure leaves nothing."""
-    import safetensors.numpy
+    import safetensors.paddle
 
     from fd_core.weights import save_checkpoint
 
-    def write_half_then_fail(tensors: dict, filename: str) -> None:
+    def write_half_then_fail(tensors: dict, filename: str, metadata: dict | None = None) -> None:
         Path(filename).write_bytes(b"\x00" * 100)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(safetensors.numpy, "save_file", write_half_then_fail)
+    monkeypatch.setattr(safetensors.paddle, "save_file", write_half_then_fail)
     with pytest.raises(OSError, match="No space left on device"):
         save_checkpoint(tmp_path / "ckpt", {"architectures": ["ernie4_5"]}, {"w": np.zeros(4, np.float32)})
     assert list(tmp_path.iterdir()) == []

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from fd_core.config import ModelConfig, ParallelConfig
+from fd_core.config import ParallelConfig
 from fd_core.models import Architecture
 from fd_core.weights import random_state_dict
 
@@ -34,22 +34,36 @@ def make_ctx(tp_size: int = 1, tp_rank: int = 0, all_reduce: Callable[[Any], Any
 def build_loaded(arch: Architecture, ctx: Any = None) -> Any:
     """Build `arch` from its preset for ctx's rank and load that rank's shard of the seeded weights."""
     ctx = ctx or make_ctx()
-    model = arch.build(ModelConfig.from_dict(arch.name, dict(arch.preset)), ctx)
+    model = arch.build(arch.preset_config(), ctx)
     model.load_weights(random_state_dict(model.weight_specs(), SEED, ctx.parallel.tp_rank, ctx.parallel.tp_size))
     return model
 
 
+def image_shape(arch: Architecture) -> tuple[int, int, int]:
+    """[C, H, W] of a test image for a VL architecture's preset."""
+    vision = arch.preset["vision_config"]
+    size = vision.get("image_size", 32)
+    return (vision["in_channels"], size, size)
+
+
+def image_tokens(arch: Architecture) -> int:
+    """How many placeholder tokens a test image takes in the prompt."""
+    vision = arch.preset["vision_config"]
+    _, height, width = image_shape(arch)
+    unit = vision["patch_size"] * vision.get("spatial_merge_size", 1)
+    return (height // unit) * (width // unit)
+
+
 def prompt(arch: Architecture, with_placeholders: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
-    """Token ids [BATCH, S] and, for VL models, an image [BATCH, 3, 32, 32] whose placeholders are in the prompt."""
+    """Token ids [BATCH, S] and, for VL models, an image [BATCH, C, H, W] (values in [0, 1]) whose placeholders are in the prompt."""
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 400, (BATCH, PROMPT)).astype(np.int64)
     if not arch.multimodal:
         return ids, None
-    vision = arch.preset["vision_config"]
-    patches = (vision["image_size"] // vision["patch_size"]) ** 2
     if with_placeholders:
-        ids = np.concatenate([ids[:, :2], np.full((BATCH, patches), arch.preset["image_token_id"]), ids[:, 2:]], axis=1)
-    image = rng.standard_normal((BATCH, vision["in_channels"], vision["image_size"], vision["image_size"])).astype(np.float32)
+        slots = np.full((BATCH, image_tokens(arch)), arch.preset["image_token_id"])
+        ids = np.concatenate([ids[:, :2], slots, ids[:, 2:]], axis=1)
+    image = rng.random((BATCH, *image_shape(arch)), dtype=np.float32)
     return ids, image
 
 
@@ -155,6 +169,6 @@ def vl_arch(request: pytest.FixtureRequest) -> Architecture:
 def kit() -> types.SimpleNamespace:
     """The helpers above, for test modules (importing conftest by name is fragile across test dirs)."""
     return types.SimpleNamespace(
-        build_loaded=build_loaded, make_ctx=make_ctx, prompt=prompt, greedy=greedy,
+        build_loaded=build_loaded, make_ctx=make_ctx, prompt=prompt, greedy=greedy, image_tokens=image_tokens,
         run_ranks=run_ranks, ToStaticGraphs=ToStaticGraphs, architectures=architectures, seed=SEED,
     )

@@ -22,7 +22,7 @@ def test_prefill_then_greedy_decode(arch, kit) -> None:
     model = kit.build_loaded(arch)
     ids, image = kit.prompt(arch)
     history, tokens = kit.greedy(model, ids, image)
-    vocab = arch.preset["vocab_size"]
+    vocab = arch.preset_config().vocab_size
     assert all(step.shape == (ids.shape[0], vocab) and step.dtype == np.float32 for step in history)
     assert all(np.isfinite(step).all() for step in history)
     assert tokens.shape == (ids.shape[0], 4) and tokens.min() >= 0 and tokens.max() < vocab
@@ -68,10 +68,10 @@ def test_rank_of_two_decode_traces_like_eager(arch, kit) -> None:
 def _forbidden_after_capture(forward):
     """Wrap TextModel.forward: allowed for prefill (S > 1), an error for an eager decode step."""
 
-    def guarded(self, embeds, positions, caches):
+    def guarded(self, embeds, *args):
         if embeds.shape[1] == 1:
             raise AssertionError("decode ran eagerly although a graph was captured for this batch size")
-        return forward(self, embeds, positions, caches)
+        return forward(self, embeds, *args)
 
     return guarded
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from fd_core.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPECTED = {
@@ -25,32 +24,36 @@ def test_each_package_registers_its_architecture(kit) -> None:
     for name, (alias, multimodal) in EXPECTED.items():
         arch = archs[name]
         assert arch.aliases == (alias,) and arch.multimodal is multimodal and arch.graph_capable
-        ModelConfig.from_dict(name, dict(arch.preset)).check_tensor_parallel(2)
+        assert arch.preset["architectures"] == [alias]  # the published class name, as transformers writes it
+        arch.preset_config().check_tensor_parallel(2)
 
 
 def test_presets_put_vision_keys_in_extra(vl_arch) -> None:
-    config = ModelConfig.from_dict(vl_arch.name, dict(vl_arch.preset))
+    config = vl_arch.preset_config()
     assert {"vision_config", "image_token_id"} <= set(config.extra)
 
 
 @pytest.mark.parametrize(
     "name, tensor, split",
     [
+        # [out, in] as published: column-parallel splits rows (axis 0), row-parallel splits columns (axis 1).
         ("ernie4_5", "model.embed_tokens.weight", 0),
-        ("ernie4_5", "model.layers.0.self_attn.q_proj.weight", 1),
-        ("ernie4_5", "model.layers.1.self_attn.o_proj.weight", 0),
-        ("ernie4_5", "model.layers.0.mlp.down_proj.weight", 0),
-        ("ernie4_5", "model.layers.0.mlp.gate_proj.weight", 1),
+        ("ernie4_5", "model.layers.0.self_attn.q_proj.weight", 0),
+        ("ernie4_5", "model.layers.1.self_attn.o_proj.weight", 1),
+        ("ernie4_5", "model.layers.0.mlp.down_proj.weight", 1),
+        ("ernie4_5", "model.layers.0.mlp.gate_proj.weight", 0),
         ("ernie4_5", "model.norm.weight", None),
-        ("ernie4_5_vl", "model.layers.0.self_attn.k_proj.weight", 1),
+        ("ernie4_5_vl", "model.layers.0.self_attn.k_proj.weight", 0),
         ("ernie4_5_vl", "vision_model.patch_embed.proj.weight", None),
         ("ernie4_5_vl", "vision_model.blocks.1.attn.qkv.weight", None),
         ("ernie4_5_vl", "model.resampler_model.fc1.weight", None),
         ("qwen3_vl", "model.language_model.layers.0.self_attn.q_norm.weight", None),
         ("qwen3_vl", "model.language_model.embed_tokens.weight", 0),
-        ("qwen3_vl", "lm_head.weight", 1),
-        ("qwen3_vl", "model.visual.pos_embed", None),
-        ("qwen3_vl", "model.visual.merger.fc2.weight", None),
+        ("qwen3_vl", "lm_head.weight", 0),
+        ("qwen3_vl", "model.visual.pos_embed.weight", None),
+        ("qwen3_vl", "model.visual.patch_embed.proj.weight", None),
+        ("qwen3_vl", "model.visual.merger.linear_fc2.weight", None),
+        ("qwen3_vl", "model.visual.deepstack_merger_list.0.norm.weight", None),
     ],
 )
 def test_weight_names_and_split_axes(kit, name: str, tensor: str, split: int | None) -> None:
@@ -59,16 +62,17 @@ def test_weight_names_and_split_axes(kit, name: str, tensor: str, split: int | N
     assert specs[tensor].split_axis == split
 
 
-def test_specs_are_full_paddle_layout_shapes_with_ones_for_norms(arch, kit) -> None:
+def test_specs_are_full_published_layout_shapes_with_ones_for_norms(arch, kit) -> None:
     specs = kit.build_loaded(arch, kit.make_ctx(2, 1)).weight_specs()
-    hidden, vocab = arch.preset["hidden_size"], arch.preset["vocab_size"]
-    heads_dim = arch.preset["num_attention_heads"] * arch.preset["head_dim"]
+    config = arch.preset_config()
+    hidden, vocab = config.hidden_size, config.vocab_size
+    heads_dim = config.num_attention_heads * config.resolved_head_dim
     q_proj = next(s for n, s in specs.items() if n.endswith("layers.0.self_attn.q_proj.weight"))
-    assert q_proj.shape == (hidden, heads_dim)  # [in, out], unsharded even on rank 1 of 2
+    assert q_proj.shape == (heads_dim, hidden)  # [out, in], unsharded even on rank 1 of 2
     assert next(s for n, s in specs.items() if n.endswith("embed_tokens.weight")).shape == (vocab, hidden)
     norms = [s for n, s in specs.items() if re.search(r"(norm\d?|layernorm)\.weight$", n)]
     assert norms and all(s.init == "ones" for s in norms)
-    assert ("lm_head.weight" in specs) is (not arch.preset["tie_word_embeddings"])
+    assert ("lm_head.weight" in specs) is (not config.tie_word_embeddings)
 
 
 def test_plugin_modules_do_not_import_paddle() -> None:

@@ -103,7 +103,7 @@ def test_reload_clears_graphs_before_releasing_weights_and_keeps_the_output(arch
 def test_unknown_architecture_lists_the_registered_ones() -> None:
     from fd_core.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"unknown architecture 'llama'; registered: ernie4_5, ernie4_5_vl, qwen3_vl"):
+    with pytest.raises(ConfigError, match=r"unknown architecture 'llama'; registered: ernie4_5 \(Ernie4_5ForCausalLM\), ernie4_5_vl \(Ernie4_5_VLMoeForConditionalGeneration\), qwen3_vl \(Qwen3VLForConditionalGeneration\)"):
         load_plugins({}).registry.get("llama")
 
 
