@@ -154,7 +154,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             if diverged:
                 raise RankError(f"rank {diverged[0]} generated different tokens than rank 0; the ranks disagree")
     if results:
-        print(as_json(results[0]) if args.json else "\n".join(summary_lines(results[0])))
+        print(as_json(results) if args.json else "\n".join(summary_lines(results)))
     return 0
 
 

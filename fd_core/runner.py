@@ -8,7 +8,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from fd_core.backend import Backend, load_backend
 from fd_core.config import ModelConfig, ParallelConfig
@@ -49,6 +49,13 @@ class Plan:
     config: ModelConfig
     platform: str
     dist_backend: str
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident set size so far."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def resident_bytes() -> int:
@@ -347,6 +354,7 @@ def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None) -> d
         "timings_s": {k: round(v, 4) for k, v in runner.timings.items()},
         "reload_cycles": cycles,
         "rss_bytes": resident_bytes(),
+        "peak_rss_bytes": peak_resident_bytes(),
     }
 
 
@@ -387,8 +395,9 @@ def save_random_checkpoint(
     return save_checkpoint(directory, {**data, "architectures": data.get("architectures") or [arch.name]}, tensors, dtype)
 
 
-def summary_lines(result: Mapping[str, Any]) -> list[str]:
-    """The human-readable report of rank 0's result."""
+def summary_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The human-readable report: rank 0's result, and every reporting rank's peak memory."""
+    result = results[0]
     graph = result["graph"]
     lines = [
         f"platform: {result['platform']}   model: {result['model']}   tp: {result['tp']}",
@@ -398,14 +407,18 @@ def summary_lines(result: Mapping[str, Any]) -> list[str]:
     lines.append(f"tokens: {' '.join(str(t) for t in result['tokens'])}")
     lines.append(f"speed: {result['tokens_per_s']} tokens/s (decode)")
     lines.append("phases: " + ", ".join(f"{k} {v:.3f}s" for k, v in result["timings_s"].items()))
+    lines.append("peak memory: " + ", ".join(f"rank {r['rank']} {r['peak_rss_bytes'] / 2**30:.2f} GiB" for r in results))
     if result["reload_cycles"]:
         same = all(c["tokens_match"] for c in result["reload_cycles"])
         lines.append(f"reload cycles: {len(result['reload_cycles'])}, output unchanged: {same}")
     return lines
 
 
-def as_json(result: Mapping[str, Any]) -> str:
-    keys = ("platform", "model", "tp", "graph", "all_reduce", "tokens", "tokens_per_s", "timings_s", "reload_cycles", "rss_bytes")
-    return json.dumps({k: result[k] for k in keys}, indent=2)
+def as_json(results: Sequence[Mapping[str, Any]]) -> str:
+    """Rank 0's result as JSON, with every reporting rank's peak RSS."""
+    keys = ("platform", "model", "tp", "graph", "all_reduce", "tokens", "tokens_per_s", "timings_s", "reload_cycles", "rss_bytes", "peak_rss_bytes")
+    data = {k: results[0][k] for k in keys}
+    data["peak_rss_bytes_by_rank"] = [r["peak_rss_bytes"] for r in results]
+    return json.dumps(data, indent=2)
 
 

@@ -192,3 +192,35 @@ def test_a_fifo_named_like_the_weights_is_refused_without_hanging(saved: Path, t
     done = run_fd(["run", "--checkpoint", str(directory)], traced=True, timeout=60)
     assert_one_line_error(done, f"checkpoint {directory}/model.safetensors: weight file is not a regular file; replace it with the real file")
     assert_nothing_started(done)
+
+
+def test_stored_float_types_widen_exactly(tmp_path: Path) -> None:
+    """bfloat16 and float16 tensors read as float32 equal a conversion computed another way (bit shift, numpy)."""
+    from fd_core.weights import WeightSpec, load_checkpoint
+
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 1 << 16, (6, 4), dtype=np.uint16)
+    bits[(bits & 0x7F80) == 0x7F80] = 0x3F80  # no inf / NaN patterns
+    half = rng.standard_normal((6, 4)).astype(np.float16)
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    (directory / "config.json").write_text("{}")
+    save_file({"b": half, "h": half}, str(directory / "model.safetensors"))
+    # Rewrite tensor "b" as BF16 holding `bits`: same byte size as F16, so only the header changes.
+    raw = bytearray((directory / "model.safetensors").read_bytes())
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    header["b"]["dtype"] = "BF16"
+    start, end = header["b"]["data_offsets"]
+    body = raw[8 + length :]
+    body[start:end] = bits.tobytes()
+    text = json.dumps(header).encode().ljust(length)
+    (directory / "model.safetensors").write_bytes(len(text).to_bytes(8, "little") + text + bytes(body))
+
+    specs = {"b": WeightSpec((6, 4), 1), "h": WeightSpec((6, 4), 0)}
+    for rank in (0, 1):
+        shards = load_checkpoint(directory, specs, tp_rank=rank, tp_size=2)
+        widened = (bits.astype(np.uint32) << 16).view(np.float32)
+        np.testing.assert_array_equal(np.asarray(shards["b"]), widened[:, 2 * rank : 2 * rank + 2])
+        np.testing.assert_array_equal(np.asarray(shards["h"]), half.astype(np.float32)[3 * rank : 3 * rank + 3])
+        assert np.asarray(shards["b"]).dtype == np.float32

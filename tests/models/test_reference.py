@@ -103,7 +103,7 @@ def _save(model: Any, directory: Path, **kwargs: Any) -> Path:
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
-    """Reference checkpoints: ERNIE-4.5 (float32, bfloat16, sharded) and Qwen3-VL (text only, with an image)."""
+    """Reference checkpoints: ERNIE-4.5 (float32, bfloat16, sharded, with biases) and Qwen3-VL (text only, tied, with an image)."""
     root = tmp_path_factory.mktemp("reference")
     torch.set_num_threads(1)
     out: dict[str, Case] = {}
@@ -118,6 +118,12 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     widened = transformers.Ernie4_5ForCausalLM.from_pretrained(str(bf16_dir), dtype=torch.float32).eval()
     out["ernie-bf16"] = Case("ernie-bf16", bf16_dir, PROMPT, *_reference(widened, PROMPT, None))
 
+    biased = _hf_model({**TINY_TEXT, "use_bias": True}, seed=0)
+    out["ernie-bias"] = Case("ernie-bias", _save(biased, root / "ernie-bias"), PROMPT, *_reference(biased, PROMPT, None))
+
+    tied = _hf_model({**TINY_QWEN3_VL, "tie_word_embeddings": True}, seed=5)
+    out["qwen3_vl-tied"] = Case("qwen3_vl-tied", _save(tied, root / "qwen3_vl-tied"), PROMPT, *_reference(tied, PROMPT, None))
+
     qwen = _hf_model(TINY_QWEN3_VL, seed=5)
     qwen_dir = _save(qwen, root / "qwen3_vl")
     out["qwen3_vl-text"] = Case("qwen3_vl-text", qwen_dir, PROMPT, *_reference(qwen, PROMPT, None))
@@ -127,7 +133,7 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     return out
 
 
-ALL = ["ernie", "ernie-sharded", "ernie-bf16", "qwen3_vl-text", "qwen3_vl-image"]
+ALL = ["ernie", "ernie-sharded", "ernie-bf16", "ernie-bias", "qwen3_vl-text", "qwen3_vl-tied", "qwen3_vl-image"]
 # Through two gloo ranks: one per model and path (the sharded and bf16 files differ only in how they are read).
 TP2 = ["ernie", "ernie-bf16", "qwen3_vl-text", "qwen3_vl-image"]
 
@@ -146,6 +152,9 @@ def test_reference_cases_are_saved_as_published(cases: dict[str, Case]) -> None:
         assert f.get_slice("model.norm.weight").get_dtype() == "BF16"
     qwen = json.loads((cases["qwen3_vl-text"].directory / "config.json").read_text())
     assert "text_config" in qwen and "rope_theta" in qwen["text_config"]["rope_parameters"]
+    with safe_open(str(cases["ernie-bias"].directory / "model.safetensors"), framework="np") as f:
+        assert "model.layers.0.mlp.down_proj.bias" in f.keys()
+    assert json.loads((cases["qwen3_vl-tied"].directory / "config.json").read_text())["tie_word_embeddings"] is True
 
 
 @pytest.mark.parametrize("name", ALL)
