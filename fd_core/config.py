@@ -137,8 +137,8 @@ class ModelConfig:
     def with_overrides(self, **changes: Any) -> "ModelConfig":
         return replace(self, **changes)
 
-    def check_tensor_parallel(self, tp: int) -> None:
-        """Raise ConfigError unless every sharded dimension divides by `tp`."""
+    def check_tensor_parallel(self, tp: int, more: Mapping[str, int] | None = None) -> None:
+        """Raise ConfigError unless every sharded dimension (the decoder's, and `more` an architecture adds) divides by `tp`."""
         if tp < 1:
             raise ConfigError(f"--tp must be a positive integer, got {tp}")
         dims = {
@@ -146,6 +146,7 @@ class ModelConfig:
             "num_key_value_heads": self.num_key_value_heads,
             "intermediate_size": self.intermediate_size,
             "vocab_size": self.vocab_size,
+            **(more or {}),
         }
         bad = [f"{name}={value}" for name, value in dims.items() if value % tp]
         if bad:

@@ -64,6 +64,8 @@ class Architecture:
     config_defaults: Mapping[str, Any] = field(default_factory=dict)
     # Architecture-specific checks of a parsed config (raise ConfigError); must not import paddle.
     check_config: Callable[["ModelConfig", str], None] | None = None
+    # Sizes tensor parallel splits beyond the decoder's own (expert widths, say), by name; tp must divide each.
+    sharded_sizes: Callable[["ModelConfig"], Mapping[str, int]] | None = None
 
     def preset_config(self) -> "ModelConfig":
         """The tiny preset as a ModelConfig."""

@@ -109,11 +109,12 @@ def compute_dtype(requested: str | None, backend: Backend) -> str:
     return requested
 
 
-def _check_tp(tp: int, config: ModelConfig, backend: Backend) -> None:
+def _check_tp(tp: int, config: ModelConfig, arch: Architecture, backend: Backend) -> None:
     """The model's divisibility and the platform's rank limit, both in one line when both fail:
     fixing one at a time would cost the user a second failed start."""
     problems: list[FdError] = []
-    for check in (lambda: config.check_tensor_parallel(tp), lambda: backend.check_ranks(tp)):
+    more = arch.sharded_sizes(config) if arch.sharded_sizes is not None else None
+    for check in (lambda: config.check_tensor_parallel(tp, more), lambda: backend.check_ranks(tp)):
         try:
             check()
         except FdError as exc:
@@ -144,7 +145,7 @@ def plan_run(run: RunConfig, plugins: PluginSet | None = None) -> Plan:
         model = found
     arch = plugins.registry.get(model or "ernie4_5")
     config = model_config_for(arch, run.checkpoint, compute_dtype(run.dtype, backend))
-    _check_tp(run.tp, config, backend)
+    _check_tp(run.tp, config, arch, backend)
     if not run.prompt_ids:
         raise ConfigError("--prompt-ids is empty; pass at least one token id")
     bad = [t for t in run.prompt_ids if not 0 <= t < config.vocab_size]

@@ -35,22 +35,45 @@ TINY_TEXT: dict[str, Any] = {
     "pad_token_id": 0,
 }
 
-# A 3x32x32 image in 8x8 patches: 16 patch embeddings, i.e. 16 image tokens in the prompt.
-TINY_VISION: dict[str, Any] = {
-    "hidden_size": 32,
-    "num_layers": 2,
-    "num_heads": 2,
-    "intermediate_size": 64,
-    "patch_size": 8,
-    "image_size": 32,
-    "in_channels": 3,
+# ERNIE-4.5-VL: a dense first layer, then two mixture-of-experts layers (4 text and 4 vision experts,
+# top-2, one shared expert). A 32x32 image gives a 4x4 grid of 8x8 patches, merged 2x2 into 4 tokens.
+TINY_ERNIE_VL: dict[str, Any] = {
+    "architectures": ["Ernie4_5_VLMoeForConditionalGeneration"],
+    "model_type": "ernie4_5_vl_moe",
+    "image_token_id": 500,
+    "image_start_token_id": 501,
+    "image_end_token_id": 502,
+    "video_token_id": 503,
+    "video_start_token_id": 504,
+    "video_end_token_id": 505,
+    "tie_word_embeddings": True,
+    "text_config": {
+        "model_type": "ernie4_5_vl_moe_text",
+        **{k: v for k, v in _TINY_DECODER.items() if k != "head_dim"},
+        "num_hidden_layers": 3,
+        "use_bias": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [3, 3, 2]},
+        "mlp_layer_types": ["dense", "sparse", "sparse"],
+        "moe_num_experts": 4,
+        "moe_k": 2,
+        "moe_intermediate_size": [32, 16],
+        "moe_num_shared_experts": 1,
+        "moe_norm_min": 1e-12,
+    },
+    "vision_config": {
+        "model_type": "ernie4_5_vl_moe_vision",
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "in_channels": 3,
+        "patch_size": 8,
+        "spatial_merge_size": 2,
+        "temporal_merge_size": 2,
+        "hidden_act": "quick_gelu",
+        "rms_norm_eps": 1e-6,
+    },
 }
-
-
-def vl_preset(image_token_id: int, **overrides: Any) -> dict[str, Any]:
-    """The tiny text preset (flat) plus a stand-in vision tower and the prompt's image placeholder token id."""
-    return {**TINY_TEXT, "vision_config": dict(TINY_VISION), "image_token_id": image_token_id, **overrides}
-
 
 # Qwen3-VL: a nested text_config and vision_config, as transformers writes them. A 32x32 image
 # gives a 4x4 grid of 8x8 patches, merged 2x2 into 4 image tokens.
@@ -81,7 +104,7 @@ TINY_QWEN3_VL: dict[str, Any] = {
         "spatial_merge_size": 2,
         "out_hidden_size": 64,
         "num_position_embeddings": 16,
-        "deepstack_visual_indexes": [0],
+        "deepstack_visual_indexes": [0, 1],
         "hidden_act": "gelu_pytorch_tanh",
         "initializer_range": 0.2,
     },

@@ -1,22 +1,115 @@
-"""ERNIE-4.5-VL: quick-GELU ViT, projector (`model.resampler_model`) and the dense ERNIE-4.5 decoder."""
+"""ERNIE-4.5-VL as published: vision tower, resampler, and the ERNIE-4.5 decoder whose sparse layers are
+modality-isolated mixtures of experts, with 3-D rotary positions.
+
+A prompt without an image is the text alone (1-D interleaved rope, which the 3-D rope reduces to,
+and every token through the text experts). With an image, its placeholder tokens take the
+resampler's embeddings, those tokens and the image start/end tokens go to the vision experts, and
+the rotary positions follow the reference's `get_rope_index`; decode then continues at slot + delta.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
+
+import numpy as np
+import paddle
+from paddle import nn
 
 from fd_core.config import ModelConfig
-from fd_models.layers.decoder import DecoderOptions
-from fd_models.layers.multimodal import VisionLanguageModel
-from fd_models.layers.vision import VisionOptions
+from fd_core.models import GraphBackend
+from fd_core.weights import WeightSpec
+from fd_models.ernie4_5_vl.config import MoEConfig, VisionConfig
+from fd_models.ernie4_5_vl.vision import Resampler, VisionTransformer, patchify
+from fd_models.layers import params
+from fd_models.layers.decoder import CausalLM, DecoderOptions, as_int64
+from fd_models.layers.mlp import SwiGLUMLP
+from fd_models.layers.moe import MoEBlock
+from fd_models.layers.multimodal import batch_images, batch_positions, scatter_rows
 
 
-class Ernie4_5_VLMoeForConditionalGeneration(VisionLanguageModel):  # noqa: N801 - the Hugging Face class name
-    """ERNIE-4.5-VL with a dense decoder standing in for the MoE one; `image=None` means text only."""
+def _mlp(moe: MoEConfig) -> Any:
+    """The feed-forward of decoder layer i: dense SwiGLU or the mixture of experts, as `mlp_layer_types` says."""
 
-    renames = (("language_model.", ""), ("vision.", "vision_model."), ("projector.", "model.resampler_model."))
+    def make(config: ModelConfig, ctx: Any, index: int) -> nn.Layer:
+        if moe.layer_types[index] == "dense":
+            return SwiGLUMLP(config.hidden_size, config.intermediate_size, ctx, config.mlp_bias, config.dtype)
+        return MoEBlock(
+            config.hidden_size, moe.intermediate, moe.experts, moe.top_k, moe.shared, moe.norm_min, ctx, config.dtype, config.mlp_bias
+        )
+
+    return make
+
+
+class Ernie4_5_VLMoeForConditionalGeneration(nn.Layer):  # noqa: N801 - the Hugging Face class name
+    """ERNIE-4.5-VL (mixture of experts); `image=None` means a text-only prompt."""
+
+    # (internal prefix, checkpoint prefix): the published names.
+    renames = (
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("vision_model.", "model.vision_model."),
+        ("resampler_model.", "model.resampler_model."),
+    )
 
     def __init__(self, config: ModelConfig, ctx: Any) -> None:
-        super().__init__(config, ctx, VisionOptions(act="quick_gelu"), DecoderOptions(qk_norm=False, rope_layout="interleaved"))
+        super().__init__()
+        self.config = config
+        self.vision_config = VisionConfig.from_dict(config.extra["vision_config"])
+        self.image_token_id: int = config.extra["image_token_id"]
+        # Tokens the reference routes to the vision experts: the placeholders and the image's start and end.
+        self.vision_tokens = [config.extra[k] for k in ("image_token_id", "image_start_token_id", "image_end_token_id")]
+        self.vision_model = VisionTransformer(self.vision_config, ctx, config.dtype)
+        self.resampler_model = Resampler(self.vision_config, config.hidden_size, config.rms_norm_eps, ctx, config.dtype)
+        options = DecoderOptions(qk_norm=False, rope_layout="interleaved", mrope_style="ernie", mlp=_mlp(MoEConfig.from_config(config)))
+        self.language_model = CausalLM(config, ctx, options)
+
+    # -- weights -------------------------------------------------------------------------
+    def weight_specs(self) -> dict[str, WeightSpec]:
+        """Every checkpoint tensor (vision and routers replicated, experts split by their intermediate size)."""
+        return params.weight_specs(self, self.renames)
+
+    def ignored_tensors(self) -> set[str]:
+        """A tied head's copy of the embedding may be present and is not loaded."""
+        return self.language_model.ignored_tensors()
+
+    def load_weights(self, shards: Mapping[str, Any]) -> None:
+        params.load_weights(self, shards, self.renames)
+
+    def release_weights(self) -> None:
+        params.release_weights(self)
+
+    # -- prefill and decode --------------------------------------------------------------
+    def prefill_length(self, input_ids: Any, image: Any = None) -> int:
+        """The prompt length: image tokens are placeholders in the prompt, nothing is prepended."""
+        return int(np.asarray(input_ids).shape[1])
+
+    def prefill(self, input_ids: Any, image: Any = None) -> paddle.Tensor:
+        """Run the prompt [B, S], with `image` [B or 1, C, H, W] (values in [0, 1]) at its placeholders; last-position logits [B, vocab]."""
+        ids = as_int64(input_ids)
+        embeds = self.language_model.model.embed_tokens(ids)
+        if image is None:
+            return self.language_model.prefill_embeds(embeds)
+        host_ids = ids.numpy()
+        merged, grid = [], None
+        for picture in batch_images(image, host_ids.shape[0]):
+            patches, grid = patchify(picture, self.vision_config)
+            merged.append(self.resampler_model(self.vision_model(paddle.to_tensor(patches), grid)))
+        positions, delta = batch_positions(host_ids, self.image_token_id, grid, self.vision_config.spatial_merge_size)
+        slots = np.flatnonzero(host_ids[0] == self.image_token_id)
+        embeds = scatter_rows(embeds, paddle.stack(merged), slots)
+        vision_mask = np.isin(host_ids, self.vision_tokens)
+        return self.language_model.prefill_embeds(embeds, positions, (), delta, vision_mask)
+
+    def allocate_cache(self, batch_size: int, max_len: int) -> None:
+        self.language_model.allocate_cache(batch_size, max_len)
+
+    def decode_step(self, token_ids: Any, position: int) -> paddle.Tensor:
+        """One text token per sequence at cache slot `position` (text experts; rotary position offset by the image's delta)."""
+        return self.language_model.decode_step(token_ids, position)
+
+    def capture(self, graph_backend: GraphBackend, batch_size: int) -> None:
+        """Capture the language model's decode step (graphs live on `self.language_model`)."""
+        self.language_model.capture(graph_backend, batch_size)
 
 
 def build(config: ModelConfig, ctx: Any) -> Ernie4_5_VLMoeForConditionalGeneration:

@@ -6,12 +6,16 @@ from typing import Any, Callable
 
 from fd_core import Architecture, hookimpl
 from fd_models._plugin import clear_graphs, lazy_build
-from fd_models.presets import vl_preset
+from fd_models.ernie4_5_vl.config import check_config, sharded_sizes
+from fd_models.presets import TINY_ERNIE_VL
 
 _MODULE = "fd_models.ernie4_5_vl.model"
-TINY_PRESET: dict[str, Any] = vl_preset(
-    image_token_id=500, architectures=["Ernie4_5_VLMoeForConditionalGeneration"], model_type="ernie4_5_vl_stand_in"
-)
+TINY_PRESET: dict[str, Any] = TINY_ERNIE_VL
+# transformers' Ernie4_5_VLMoeTextConfig / Ernie4_5_VLMoeConfig defaults, for keys a config.json may omit.
+CONFIG_DEFAULTS: dict[str, Any] = {
+    "num_key_value_heads": 4, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+    "tie_word_embeddings": True, "use_bias": False, "hidden_act": "silu",
+}
 build = lazy_build(_MODULE)
 
 
@@ -24,7 +28,8 @@ def fd_clear_graphs(model: Any) -> bool | None:
 ARCHITECTURE = Architecture(
     name="ernie4_5_vl", aliases=("Ernie4_5_VLMoeForConditionalGeneration",),
     build=build, preset=TINY_PRESET, graph_capable=True, multimodal=True,
-    description="ERNIE-4.5-VL: replicated ViT + projector + dense ERNIE-4.5 decoder")
+    config_defaults=CONFIG_DEFAULTS, check_config=check_config, sharded_sizes=sharded_sizes,
+    description="ERNIE-4.5-VL as published: ViT with 2-D rope, resampler, 3-D rope, text and vision experts with shared experts")
 
 
 @hookimpl

@@ -7,7 +7,7 @@ follow Hugging Face checkpoints (`model.layers.0.self_attn.q_proj.weight`, `mode
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import inspect
 
@@ -34,6 +34,10 @@ class DecoderOptions:
 
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rope
     rope_layout: str = "half"  # "interleaved" for ERNIE-4.5 (pairs 2i, 2i+1); see fd_models.layers.rotary
+    mrope_style: str = "qwen3"  # how M-RoPE sections map to frequencies ("ernie" for ERNIE-4.5-VL)
+    # The feed-forward of layer i, when not the dense SwiGLU (a mixture of experts, say). A layer whose
+    # `takes_vision_mask` is true also receives which tokens are image tokens.
+    mlp: Callable[[ModelConfig, Any, int], nn.Layer] | None = None
 
 
 def _with_positional_signature(fn: Any, names: Sequence[str]) -> Any:
@@ -58,7 +62,7 @@ def as_int64(value: Any) -> paddle.Tensor:
 class DecoderLayer(nn.Layer):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: ModelConfig, ctx: Any, options: DecoderOptions) -> None:
+    def __init__(self, config: ModelConfig, ctx: Any, options: DecoderOptions, index: int = 0) -> None:
         super().__init__()
         eps, dtype = config.rms_norm_eps, config.dtype
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
@@ -68,12 +72,17 @@ class DecoderLayer(nn.Layer):
             bias=config.attention_bias, rope_layout=options.rope_layout, dtype=dtype,
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, ctx, config.mlp_bias, dtype)
+        if options.mlp is not None:
+            self.mlp = options.mlp(config, ctx, index)
+        else:
+            self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, ctx, config.mlp_bias, dtype)
+        self.mlp_takes_vision_mask = getattr(self.mlp, "takes_vision_mask", False)
 
-    def forward(self, x, rope, place, mask, cache_k, cache_v):  # noqa: ANN001, ANN201 - see Attention.forward
+    def forward(self, x, rope, place, mask, cache_k, cache_v, vision_mask=None):  # noqa: ANN001, ANN201 - see Attention.forward
         attn, cache_k, cache_v = self.self_attn(self.input_layernorm(x), rope, place, mask, cache_k, cache_v)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), cache_k, cache_v
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, vision_mask) if self.mlp_takes_vision_mask else self.mlp(h)), cache_k, cache_v
 
 
 class TextModel(nn.Layer):
@@ -83,7 +92,8 @@ class TextModel(nn.Layer):
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx, config.dtype)
-        self.layers = nn.LayerList([DecoderLayer(config, ctx, options) for _ in range(config.num_hidden_layers)])
+        self.layers = nn.LayerList([DecoderLayer(config, ctx, options, i) for i in range(config.num_hidden_layers)])
+        self.mrope_style = options.mrope_style
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
         rope = config.extra.get("rope_parameters") or config.extra.get("rope_scaling") or {}
         # M-RoPE sections (Qwen-VL): how many rope frequencies the t, h and w positions drive.
@@ -92,12 +102,14 @@ class TextModel(nn.Layer):
     def forward(
         self, embeds: paddle.Tensor, positions: paddle.Tensor, caches: Sequence[paddle.Tensor],
         rope_positions: paddle.Tensor | None = None, deepstack: Sequence[paddle.Tensor] = (),
+        vision_mask: paddle.Tensor | None = None,
     ) -> tuple[paddle.Tensor, list[paddle.Tensor]]:
         """embeds [B, S, H] into cache slots `positions` [S] -> (hidden [B, S, H], new caches [k0, v0, k1, v1, ...]).
 
         `rope_positions` are the rotary positions when they differ from the slots: [S] (text after
         an image) or [3, S] (M-RoPE over an image). `deepstack[i]` [B, S, H] is added to the hidden
-        states after layer i (Qwen3-VL's DeepStack visual features, zero outside image tokens).
+        states after layer i (Qwen3-VL's DeepStack visual features, zero outside image tokens);
+        `vision_mask` [B, S] marks image tokens for mixture-of-experts layers that route by modality.
         """
         slots = paddle.arange(caches[0].shape[2], dtype="int64").unsqueeze(0)
         where = positions.unsqueeze(-1)
@@ -105,10 +117,10 @@ class TextModel(nn.Layer):
         mask = ((slots <= where).astype("float32") - 1.0) * -_MASKED
         rope_at = positions if rope_positions is None else rope_positions
         section = self.mrope_section if len(rope_at.shape) == 2 else None
-        rope = rope_tables(rope_at, self.config.resolved_head_dim, self.config.rope_theta, section)
+        rope = rope_tables(rope_at, self.config.resolved_head_dim, self.config.rope_theta, section, self.mrope_style)
         x, new_caches = embeds, []
         for i, layer in enumerate(self.layers):
-            x, cache_k, cache_v = layer(x, rope, place, mask, caches[2 * i], caches[2 * i + 1])
+            x, cache_k, cache_v = layer(x, rope, place, mask, caches[2 * i], caches[2 * i + 1], vision_mask)
             if i < len(deepstack):
                 x = x + deepstack[i]
             new_caches += [cache_k, cache_v]
@@ -181,17 +193,19 @@ class CausalLM(nn.Layer):
         return (self.lm_head(hidden[:, -1]), *new_caches)
 
     def prefill_embeds(
-        self, embeds: paddle.Tensor, rope_positions: Any = None, deepstack: Sequence[paddle.Tensor] = (), rope_delta: int = 0
+        self, embeds: paddle.Tensor, rope_positions: Any = None, deepstack: Sequence[paddle.Tensor] = (), rope_delta: int = 0,
+        vision_mask: Any = None,
     ) -> paddle.Tensor:
         """Run embeds [B, S, H] causally into cache slots [0, S); return last-position logits [B, vocab].
 
-        `rope_positions` [3, S] and `deepstack` come with an image (see TextModel.forward); `rope_delta`
-        is what decode adds to each slot to get its rotary position.
+        `rope_positions` [3, S], `deepstack` and `vision_mask` come with an image (see TextModel.forward);
+        `rope_delta` is what decode adds to each slot to get its rotary position.
         """
         caches = self._require_cache(embeds.shape[0], embeds.shape[1])
         positions = paddle.arange(embeds.shape[1], dtype="int64")
         rope = None if rope_positions is None else as_int64(rope_positions)
-        hidden, self._caches = self.model(embeds, positions, caches, rope, deepstack)
+        mask = None if vision_mask is None else paddle.to_tensor(np.asarray(vision_mask, dtype=bool))
+        hidden, self._caches = self.model(embeds, positions, caches, rope, deepstack, mask)
         self.rope_delta = rope_delta
         return self.lm_head(hidden[:, -1])
 

@@ -1,8 +1,13 @@
-"""Parameters that carry their checkpoint spec, and loading / releasing them by checkpoint name."""
+"""Parameters that carry their checkpoint spec, and loading / releasing them by checkpoint name.
+
+A parameter maps to one checkpoint tensor (`new_param`), or stacks several of the same shape along
+a new first axis (`new_stacked_param`: a mixture of experts keeps its experts' weights in one
+tensor so that a step can gather the chosen ones, while checkpoints store one tensor per expert).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import paddle
@@ -14,17 +19,30 @@ from fd_core.weights import WeightSpec
 Renames = Sequence[tuple[str, str]]
 
 
-def new_param(
-    layer: nn.Layer, spec: WeightSpec, tp_size: int, *, attr: str = "weight"
-) -> paddle.Tensor:
-    """Create this rank's shard of `spec` on `layer` as `attr`, zero-filled (load_weights fills it)."""
+def _create(layer: nn.Layer, shape: Sequence[int], dtype: str, attr: str) -> paddle.Tensor:
     # Zeros, not a random init: the runner always loads weights after build, so a random draw is waste.
-    param = layer.create_parameter(
-        list(spec.shard_shape(tp_size)), dtype=spec.dtype, default_initializer=nn.initializer.Constant(0.0)
-    )
+    param = layer.create_parameter(list(shape), dtype=dtype, default_initializer=nn.initializer.Constant(0.0))
     param.stop_gradient = True  # inference only: no autograd bookkeeping, even outside no_grad
-    param.fd_spec = spec
     setattr(layer, attr, param)
+    return param
+
+
+def new_param(layer: nn.Layer, spec: WeightSpec, tp_size: int, *, attr: str = "weight") -> paddle.Tensor:
+    """Create this rank's shard of `spec` on `layer` as `attr`, zero-filled (load_weights fills it)."""
+    param = _create(layer, spec.shard_shape(tp_size), spec.dtype, attr)
+    param.fd_spec = spec
+    return param
+
+
+def new_stacked_param(layer: nn.Layer, parts: Sequence[tuple[str, WeightSpec]], tp_size: int, *, attr: str) -> paddle.Tensor:
+    """This rank's shards of several same-shaped checkpoint tensors stacked on a new first axis, as `attr` of `layer`.
+
+    `parts` are (checkpoint name relative to `layer`, spec) in stacking order.
+    """
+    shapes = {spec.shard_shape(tp_size) for _, spec in parts}
+    assert len(shapes) == 1, f"stacked parts of {attr} differ in shape: {shapes}"
+    param = _create(layer, [len(parts), *shapes.pop()], parts[0][1].dtype, attr)
+    param.fd_parts = list(parts)
     return param
 
 
@@ -35,34 +53,42 @@ def _rename(name: str, renames: Renames) -> str:
     return name
 
 
-def named_params(layer: nn.Layer, renames: Renames = ()) -> dict[str, paddle.Tensor]:
-    """Every spec-carrying parameter of `layer` under its checkpoint name (shared ones once)."""
-    return {_rename(name, renames): p for name, p in layer.named_parameters() if hasattr(p, "fd_spec")}
+def _entries(layer: nn.Layer, renames: Renames) -> Iterator[tuple[paddle.Tensor, list[tuple[str, WeightSpec]]]]:
+    """(parameter, [(checkpoint name, spec), ...]) for every spec-carrying parameter (shared ones once)."""
+    for name, param in layer.named_parameters():
+        if hasattr(param, "fd_spec"):
+            yield param, [(_rename(name, renames), param.fd_spec)]
+        elif hasattr(param, "fd_parts"):
+            prefix = name.rsplit(".", 1)[0] + "." if "." in name else ""
+            yield param, [(_rename(prefix + part, renames), spec) for part, spec in param.fd_parts]
 
 
 def weight_specs(layer: nn.Layer, renames: Renames = ()) -> dict[str, WeightSpec]:
     """The checkpoint specs (full shapes, split axes) of `layer`'s parameters."""
-    return {name: p.fd_spec for name, p in named_params(layer, renames).items()}
+    return {name: spec for _, parts in _entries(layer, renames) for name, spec in parts}
+
+
+def _tensor(value: Any, dtype: Any) -> paddle.Tensor:
+    if not isinstance(value, paddle.Tensor):
+        value = paddle.to_tensor(np.ascontiguousarray(value))
+    return value if value.dtype == dtype else value.astype(dtype)
 
 
 def load_weights(layer: nn.Layer, shards: Mapping[str, Any], renames: Renames = ()) -> None:
     """Assign this rank's shards (numpy arrays or paddle tensors) to the parameters; every parameter must be present.
 
     Each shard is fetched, converted to its parameter's dtype and assigned in turn, so a lazy
-    mapping (a checkpoint read on access) holds one tensor at a time.
+    mapping (a checkpoint read on access) holds one parameter's tensors at a time.
     """
-    params = named_params(layer, renames)
-    missing = sorted(set(params) - set(shards))
+    entries = list(_entries(layer, renames))
+    missing = sorted({name for _, parts in entries for name, _ in parts} - set(shards))
     if missing:
         raise KeyError(f"load_weights: no shard for {missing[0]!r} ({len(missing)} missing)")
-    for name, param in params.items():
-        value = shards[name]
-        if not isinstance(value, paddle.Tensor):
-            value = paddle.to_tensor(np.ascontiguousarray(value))
+    for param, parts in entries:
+        values = [_tensor(shards[name], param.dtype) for name, _ in parts]
+        value = values[0] if hasattr(param, "fd_spec") else paddle.stack(values)
         if tuple(value.shape) != tuple(param.shape):
-            raise ValueError(f"load_weights: {name!r} has shape {list(value.shape)}, expected {list(param.shape)}")
-        if value.dtype != param.dtype:
-            value = value.astype(param.dtype)
+            raise ValueError(f"load_weights: {parts[0][0]!r} has shape {list(value.shape)}, expected {list(param.shape)}")
         # assign (unlike set_value from a tensor) also re-creates storage that release_weights cleared.
         paddle.assign(value, output=param)
 

@@ -16,28 +16,17 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from fd_core.weights import WeightSpec
-from fd_models.qwen3_vl.config import VisionConfig
-from fd_models.layers.attention import attend
 from fd_models.layers.norm import LayerNorm
 from fd_models.layers.params import new_param
 from fd_models.layers.parallel import ReplicatedLinear
-from fd_models.layers.rotary import apply_rope
+from fd_models.layers.vision import VisionBlock, axial_rope, block_order_positions
+from fd_models.qwen3_vl.config import VisionConfig
 
 _EPS = 1e-6
 # The published image processor's normalisation (preprocessor_config.json of the Qwen3-VL checkpoints).
 IMAGE_MEAN = (0.5, 0.5, 0.5)
 IMAGE_STD = (0.5, 0.5, 0.5)
 
-
-def _activate(x: paddle.Tensor, act: str) -> paddle.Tensor:
-    if act in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
-        return F.gelu(x, approximate=True)
-    if act == "gelu":
-        return F.gelu(x)
-    raise ValueError(f"vision hidden_act {act!r} is not supported; Qwen3-VL uses gelu_pytorch_tanh")
-
-
-# -- preprocessing -------------------------------------------------------------------------
 
 def patchify(image: np.ndarray, config: VisionConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
     """An image [C, H, W] of values in [0, 1] -> (patches [N, C*T*p*p], grid (t, h, w)) as the published processor orders them.
@@ -62,13 +51,6 @@ def patchify(image: np.ndarray, config: VisionConfig) -> tuple[np.ndarray, tuple
     return np.ascontiguousarray(blocks.reshape(gh * gw, channels * t * p * p)), (1, gh, gw)
 
 
-def block_order_positions(gh: int, gw: int, merge: int) -> np.ndarray:
-    """(row, col) of each patch [gh * gw, 2] in the merge-block order the patches are listed in."""
-    rows, cols = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
-    shape = (gh // merge, merge, gw // merge, merge)
-    return np.stack([rows.reshape(shape).transpose(0, 2, 1, 3).reshape(-1), cols.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)], axis=-1)
-
-
 def interpolation_taps(gh: int, gw: int, merge: int, side: int) -> tuple[np.ndarray, np.ndarray]:
     """Indices [N, 4] into the side x side learned position table and bilinear weights [N, 4] (align_corners=True)."""
     pos = block_order_positions(gh, gw, merge)
@@ -85,49 +67,6 @@ def interpolation_taps(gh: int, gw: int, merge: int, side: int) -> tuple[np.ndar
     indices = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
     weights = (h_weights[:, :, None] * w_weights[:, None, :]).reshape(-1, 4)
     return indices, weights
-
-
-# -- layers --------------------------------------------------------------------------------
-
-class VisionMLP(nn.Layer):
-    def __init__(self, size: int, hidden: int, act: str, ctx: Any, dtype: str) -> None:
-        super().__init__()
-        self.act = act
-        self.linear_fc1 = ReplicatedLinear(size, hidden, ctx, True, dtype)
-        self.linear_fc2 = ReplicatedLinear(hidden, size, ctx, True, dtype)
-
-    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        return self.linear_fc2(_activate(self.linear_fc1(x), self.act))
-
-
-class VisionAttention(nn.Layer):
-    """Bidirectional attention over one image's patches, 2-D rotary on q and k."""
-
-    def __init__(self, size: int, heads: int, ctx: Any, dtype: str) -> None:
-        super().__init__()
-        self.heads, self.head_dim = heads, size // heads
-        self.qkv = ReplicatedLinear(size, 3 * size, ctx, True, dtype)
-        self.proj = ReplicatedLinear(size, size, ctx, True, dtype)
-
-    def forward(self, x: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor]) -> paddle.Tensor:
-        """x [N, size] -> [N, size]."""
-        qkv = self.qkv(x).reshape([1, -1, 3, self.heads, self.head_dim]).transpose([2, 0, 3, 1, 4])
-        q, k = apply_rope(qkv[0], *rope), apply_rope(qkv[1], *rope)
-        out = attend(q, k, qkv[2], None)  # [1, heads, N, head_dim]
-        return self.proj(out.transpose([0, 2, 1, 3]).reshape([x.shape[0], -1]))
-
-
-class VisionBlock(nn.Layer):
-    def __init__(self, config: VisionConfig, ctx: Any, dtype: str) -> None:
-        super().__init__()
-        self.norm1 = LayerNorm(config.hidden_size, _EPS, dtype)
-        self.norm2 = LayerNorm(config.hidden_size, _EPS, dtype)
-        self.attn = VisionAttention(config.hidden_size, config.num_heads, ctx, dtype)
-        self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act, ctx, dtype)
-
-    def forward(self, x: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor]) -> paddle.Tensor:
-        x = x + self.attn(self.norm1(x), rope)
-        return x + self.mlp(self.norm2(x))
 
 
 class PatchMerger(nn.Layer):
@@ -152,32 +91,26 @@ class Qwen3VLVisionModel(nn.Layer):
     def __init__(self, config: VisionConfig, ctx: Any, dtype: str = "float32") -> None:
         super().__init__()
         self.config = config
-        patch_in = config.in_channels * config.temporal_patch_size * config.patch_size**2
-        self.patch_embed = nn.Layer()
         # A Conv3d whose stride equals its kernel is a matrix product over flattened patches;
         # the published weight keeps the Conv3d shape [hidden, C, T, p, p].
         conv = (config.hidden_size, config.in_channels, config.temporal_patch_size, config.patch_size, config.patch_size)
+        self.patch_in = math.prod(conv[1:])
+        self.patch_embed = nn.Layer()
         self.patch_embed.proj = nn.Layer()
         new_param(self.patch_embed.proj, WeightSpec(conv, None, dtype), 1)
         new_param(self.patch_embed.proj, WeightSpec((config.hidden_size,), None, dtype, init="zeros"), 1, attr="bias")
-        self.patch_in = patch_in
         self.pos_embed = nn.Layer()
         new_param(self.pos_embed, WeightSpec((config.num_position_embeddings, config.hidden_size), None, dtype), 1)
         self.side = math.isqrt(config.num_position_embeddings)
-        self.blocks = nn.LayerList([VisionBlock(config, ctx, dtype) for _ in range(config.depth)])
+        self.blocks = nn.LayerList([
+            VisionBlock(config.hidden_size, config.num_heads, config.intermediate_size, config.hidden_act, _EPS, ctx, dtype,
+                        ("linear_fc1", "linear_fc2"))
+            for _ in range(config.depth)
+        ])
         self.merger = PatchMerger(config, ctx, dtype, postshuffle_norm=False)
         self.deepstack_merger_list = nn.LayerList(
             [PatchMerger(config, ctx, dtype, postshuffle_norm=True) for _ in config.deepstack_visual_indexes]
         )
-
-    def _rope(self, gh: int, gw: int) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """cos, sin [N, head_dim / 2]: the first half of the frequencies driven by the row, the second by the column."""
-        head_dim = self.config.hidden_size // self.config.num_heads
-        quarter = head_dim // 4
-        inv_freq = 1.0 / (self.config.rope_theta ** (np.arange(0, head_dim // 2, 2, dtype=np.float32) / (head_dim // 2)))
-        pos = block_order_positions(gh, gw, self.config.spatial_merge_size).astype(np.float32)
-        freqs = np.concatenate([pos[:, :1] * inv_freq[:quarter], pos[:, 1:] * inv_freq[:quarter]], axis=-1)
-        return paddle.to_tensor(np.cos(freqs)), paddle.to_tensor(np.sin(freqs))
 
     def forward(self, patches: paddle.Tensor, grid: tuple[int, int, int]) -> tuple[paddle.Tensor, list[paddle.Tensor]]:
         """patches [N, C*T*p*p] of one image -> (merged embeddings [N / 4, text hidden], DeepStack features, each the same shape)."""
@@ -187,7 +120,8 @@ class Qwen3VLVisionModel(nn.Layer):
         indices, weights = interpolation_taps(gh, gw, self.config.spatial_merge_size, self.side)
         table = F.embedding(paddle.to_tensor(indices), self.pos_embed.weight)  # [N, 4, hidden]
         x = x + paddle.sum(table * paddle.to_tensor(weights).astype(table.dtype).unsqueeze(-1), axis=1)
-        rope = self._rope(gh, gw)
+        head_dim = self.config.hidden_size // self.config.num_heads
+        rope = axial_rope(gh, gw, self.config.spatial_merge_size, head_dim, self.config.rope_theta)
         deepstack = []
         for i, block in enumerate(self.blocks):
             x = block(x, rope)

@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the reference oracle needs torch's CPU build: pip install -e '.[test]'")
 transformers = pytest.importorskip("transformers", reason="the reference oracle needs transformers: pip install -e '.[test]'")
 
-from fd_models.presets import TINY_QWEN3_VL, TINY_TEXT  # noqa: E402
+from fd_models.presets import TINY_ERNIE_VL, TINY_QWEN3_VL, TINY_TEXT  # noqa: E402
 
 STEPS = 20
 # float32 on both sides; the kernels differ, so logits agree to rounding, not bit for bit.
@@ -31,10 +31,10 @@ LOGIT_TOL = 2e-4
 # The smallest gap between a step's best and second-best logit that makes a greedy match meaningful.
 MIN_MARGIN = 20 * LOGIT_TOL
 PROMPT = [5, 17, 42, 99, 7, 300]
-IMAGE_TOKEN = TINY_QWEN3_VL["image_token_id"]
 # A 32x48 image: a 4x6 grid of 8x8 patches, merged 2x2 into 2x3 = 6 image tokens (non-square on purpose,
 # so that the M-RoPE decode offset is not zero).
-IMAGE_PROMPT = [5, 17, TINY_QWEN3_VL["vision_start_token_id"], *[IMAGE_TOKEN] * 6, TINY_QWEN3_VL["vision_end_token_id"], 42, 99]
+QWEN_IMAGE_PROMPT = [5, 17, TINY_QWEN3_VL["vision_start_token_id"], *[TINY_QWEN3_VL["image_token_id"]] * 6, TINY_QWEN3_VL["vision_end_token_id"], 42, 99]
+ERNIE_IMAGE_PROMPT = [5, 17, TINY_ERNIE_VL["image_start_token_id"], *[TINY_ERNIE_VL["image_token_id"]] * 6, TINY_ERNIE_VL["image_end_token_id"], 42, 99]
 
 
 @dataclass
@@ -48,32 +48,54 @@ class Case:
     first_logits: np.ndarray
     margin: float
     image: Path | None = None
+    # How far the reference's first-step logits move when the picture changes: the image path is really compared.
+    image_effect: float = 0.0
 
 
-def _hf_config(preset: dict[str, Any]) -> Any:
-    data = {k: v for k, v in preset.items() if k not in ("architectures", "model_type")}
-    if preset["model_type"] == "qwen3_vl":
-        return transformers.Qwen3VLConfig(**data)
-    return transformers.Ernie4_5Config(**data)
+# model_type -> (transformers config class, model class)
+_CLASSES = {
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM"),
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration"),
+    "ernie4_5_vl_moe": ("Ernie4_5_VLMoeConfig", "Ernie4_5_VLMoeForConditionalGeneration"),
+}
 
 
 def _hf_model(preset: dict[str, Any], seed: int) -> Any:
     torch.manual_seed(seed)
-    config = _hf_config(preset)
-    cls = transformers.Qwen3VLForConditionalGeneration if preset["model_type"] == "qwen3_vl" else transformers.Ernie4_5ForCausalLM
-    return cls(config).eval()
+    config_cls, model_cls = (getattr(transformers, n) for n in _CLASSES[preset["model_type"]])
+    model = model_cls(config_cls(**{k: v for k, v in preset.items() if k not in ("architectures", "model_type")})).eval()
+    with torch.no_grad():  # the reference initialises the experts' score-correction bias to zero; exercise it
+        for name, param in model.named_parameters():
+            if "e_score_correction_bias" in name:
+                param.copy_(torch.randn_like(param) * 0.05)
+    return model
 
 
 def _image_inputs(model: Any, image: np.ndarray) -> dict[str, Any]:
     """pixel_values and grid as the published image processor makes them (its PIL path, which needs no torchvision)."""
     vision = model.config.vision_config
-    processor = transformers.Qwen2VLImageProcessorPil(
-        patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size, merge_size=vision.spatial_merge_size,
-        image_mean=[0.5] * 3, image_std=[0.5] * 3, min_pixels=1, max_pixels=1 << 24,
-    )
+    if model.config.model_type == "qwen3_vl":
+        processor = transformers.Qwen2VLImageProcessorPil(
+            patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size, merge_size=vision.spatial_merge_size,
+            image_mean=[0.5] * 3, image_std=[0.5] * 3, min_pixels=1, max_pixels=1 << 24,
+        )
+    else:
+        processor = transformers.Ernie4_5_VLMoeImageProcessorPil(
+            patch_size=vision.patch_size, merge_size=vision.spatial_merge_size, size={"shortest_edge": 1, "longest_edge": 1 << 24}
+        )
     # 8-bit pixels in, rescaled by 1/255 inside: the same values fd reads from [0, 1] floats.
     pixels = processor(images=[np.round(image * 255).astype(np.uint8).transpose(1, 2, 0)], return_tensors="pt")
     return {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
+
+
+def _token_types(model: Any, ids: Any) -> dict[str, Any]:
+    """What the processor gives besides the pixels: image tokens for M-RoPE, and for ERNIE's experts the start/end tokens too."""
+    config = model.config
+    image = (ids == config.image_token_id).int()
+    if config.model_type == "qwen3_vl":
+        return {"mm_token_type_ids": image}
+    vision = image | (ids == config.image_start_token_id).int() | (ids == config.image_end_token_id).int()
+    return {"mm_token_type_ids": image, "moe_mm_token_type_ids": vision}
 
 
 def _reference(model: Any, prompt: list[int], image: np.ndarray | None) -> tuple[list[int], np.ndarray, float]:
@@ -88,7 +110,7 @@ def _reference(model: Any, prompt: list[int], image: np.ndarray | None) -> tuple
         for _ in range(STEPS):
             tensor = torch.tensor([ids])
             if image is not None:
-                extra["mm_token_type_ids"] = (tensor == IMAGE_TOKEN).int()
+                extra.update(_token_types(model, tensor))
             logits = model(tensor, **extra).logits[0, -1].float().numpy()
             steps.append(logits)
             ids.append(int(logits.argmax()))
@@ -124,18 +146,25 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     tied = _hf_model({**TINY_QWEN3_VL, "tie_word_embeddings": True}, seed=5)
     out["qwen3_vl-tied"] = Case("qwen3_vl-tied", _save(tied, root / "qwen3_vl-tied"), PROMPT, *_reference(tied, PROMPT, None))
 
-    qwen = _hf_model(TINY_QWEN3_VL, seed=5)
-    qwen_dir = _save(qwen, root / "qwen3_vl")
-    out["qwen3_vl-text"] = Case("qwen3_vl-text", qwen_dir, PROMPT, *_reference(qwen, PROMPT, None))
     image = np.random.default_rng(5).integers(0, 256, (3, 32, 48)).astype(np.float32) / 255.0
+    other = np.random.default_rng(6).integers(0, 256, (3, 32, 48)).astype(np.float32) / 255.0
     np.save(root / "image.npy", image)
-    out["qwen3_vl-image"] = Case("qwen3_vl-image", qwen_dir, IMAGE_PROMPT, *_reference(qwen, IMAGE_PROMPT, image), image=root / "image.npy")
+    for name, preset, prompt, seed in (("qwen3_vl", TINY_QWEN3_VL, QWEN_IMAGE_PROMPT, 5), ("ernie_vl", TINY_ERNIE_VL, ERNIE_IMAGE_PROMPT, 0)):
+        model = _hf_model(preset, seed)
+        directory = _save(model, root / name)
+        out[f"{name}-text"] = Case(f"{name}-text", directory, PROMPT, *_reference(model, PROMPT, None))
+        case = Case(f"{name}-image", directory, prompt, *_reference(model, prompt, image), image=root / "image.npy")
+        case.image_effect = float(np.abs(_reference(model, prompt, other)[1] - case.first_logits).max())
+        out[case.name] = case
     return out
 
 
-ALL = ["ernie", "ernie-sharded", "ernie-bf16", "ernie-bias", "qwen3_vl-text", "qwen3_vl-tied", "qwen3_vl-image"]
-# Through two gloo ranks: one per model and path (the sharded and bf16 files differ only in how they are read).
-TP2 = ["ernie", "ernie-bf16", "qwen3_vl-text", "qwen3_vl-image"]
+ALL = ["ernie", "ernie-sharded", "ernie-bf16", "ernie-bias", "qwen3_vl-text", "qwen3_vl-tied", "qwen3_vl-image", "ernie_vl-text", "ernie_vl-image"]
+IMAGES = [name for name in ALL if name.endswith("-image")]
+# Through two gloo ranks, graphs on (the default): one per model and path (the sharded and bf16 files
+# differ only in how they are read); the image cases with graphs off too.
+TP2 = [("ernie", "auto"), ("ernie-bf16", "auto"), ("qwen3_vl-text", "auto"), ("qwen3_vl-image", "auto"), ("qwen3_vl-image", "off"),
+       ("ernie_vl-text", "auto"), ("ernie_vl-image", "auto"), ("ernie_vl-image", "off")]
 
 
 def test_reference_cases_are_saved_as_published(cases: dict[str, Case]) -> None:
@@ -162,61 +191,74 @@ def test_seed_keeps_every_step_clear_of_a_tie(cases: dict[str, Case], name: str)
     assert cases[name].margin > MIN_MARGIN, f"{name}: top-2 logits {cases[name].margin:.2e} apart; choose another seed"
 
 
-def _fd_rank_result(case: Case) -> tuple[list[int], np.ndarray]:
-    """What `fd run --tp 1` computes (run_rank in this process), with the first-step logits."""
-    from fd_core.runner import ModelRunner, RunConfig, load_image, plan_run
+def _fd_rank_result(case: Case, graph: str) -> tuple[list[int], np.ndarray, bool]:
+    """What `fd run --tp 1` computes (the runner in this process): tokens, first-step logits, whether a graph was captured."""
     from fd_core.backend import load_backend
     from fd_core.config import ParallelConfig
     from fd_core.plugins import load_plugins
+    from fd_core.runner import ModelRunner, RunConfig, load_image, plan_run
 
     run = RunConfig(model=None, tp=1, steps=STEPS, prompt_ids=tuple(case.prompt), checkpoint=str(case.directory),
-                    image_path=str(case.image) if case.image else None, graph="off", progress=False)
+                    image_path=str(case.image) if case.image else None, graph=graph, progress=False)
     plugins = load_plugins({})
     plan = plan_run(run, plugins)
-    runner = ModelRunner(load_backend(ParallelConfig(), plugins=plugins), plan.arch, plan.config, run.checkpoint, graph="off")
+    runner = ModelRunner(load_backend(ParallelConfig(), plugins=plugins), plan.arch, plan.config, run.checkpoint, graph=graph)
     runner.load()
-    runner.decide()
+    decision = runner.decide()
     image = load_image(run.image_path) if run.image_path else None
     runner.prepare(len(case.prompt) + STEPS)
     logits = runner.model.prefill(np.asarray([case.prompt]), image).numpy()[0]
     runner.prepare(len(case.prompt) + STEPS)
-    return runner.generate(case.prompt, STEPS, image).tokens, logits
+    return runner.generate(case.prompt, STEPS, image).tokens, logits, decision.allowed
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_tp1_matches_the_reference(cases: dict[str, Case], name: str) -> None:
     case = cases[name]
-    tokens, logits = _fd_rank_result(case)
+    tokens, logits, _ = _fd_rank_result(case, "off")
     scale = max(1.0, float(np.abs(case.first_logits).max()))
     assert np.abs(logits - case.first_logits).max() <= LOGIT_TOL * scale
     assert tokens == case.tokens
 
 
+@pytest.mark.parametrize("name", ["ernie", "qwen3_vl-image", "ernie_vl-image"])
+def test_tp1_with_a_captured_decode_matches_the_reference(cases: dict[str, Case], name: str) -> None:
+    tokens, _, captured = _fd_rank_result(cases[name], "auto")
+    assert captured
+    assert tokens == cases[name].tokens
+
+
+@pytest.mark.parametrize("name", IMAGES)
+def test_the_image_changes_the_reference_output(cases: dict[str, Case], name: str) -> None:
+    """Otherwise an image case would compare only the text path."""
+    assert cases[name].image_effect > 100 * LOGIT_TOL
+
+
 @pytest.fixture(scope="module")
-def tp2_runs(cases: dict[str, Case]) -> dict[str, subprocess.CompletedProcess[str]]:
+def tp2_runs(cases: dict[str, Case]) -> dict[tuple[str, str], subprocess.CompletedProcess[str]]:
     """`fd run --tp 2 --json` on each TP2 case, two at a time (four ranks on a 2-core machine is enough)."""
-    procs: dict[str, subprocess.Popen[str]] = {}
-    done: dict[str, subprocess.CompletedProcess[str]] = {}
-    for batch in (TP2[:2], TP2[2:]):
-        for name in batch:
+    done: dict[tuple[str, str], subprocess.CompletedProcess[str]] = {}
+    for start in range(0, len(TP2), 2):
+        procs: dict[tuple[str, str], subprocess.Popen[str]] = {}
+        for name, graph in TP2[start : start + 2]:
             case = cases[name]
-            args = [sys.executable, "-m", "fd_core.cli", "run", "--tp", "2", "--checkpoint", str(case.directory),
+            args = [sys.executable, "-m", "fd_core.cli", "run", "--tp", "2", "--checkpoint", str(case.directory), "--graph", graph,
                     "--steps", str(STEPS), "--prompt-ids", ",".join(map(str, case.prompt)), "--json"]
             if case.image:
                 args += ["--image", str(case.image)]
-            procs[name] = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for name in batch:
-            out, err = procs[name].communicate(timeout=300)
-            done[name] = subprocess.CompletedProcess(procs[name].args, procs[name].returncode, out, err)
+            procs[(name, graph)] = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for key, proc in procs.items():
+            out, err = proc.communicate(timeout=300)
+            done[key] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     return done
 
 
-@pytest.mark.parametrize("name", TP2)
-def test_fd_run_tp2_matches_the_reference(cases: dict[str, Case], tp2_runs: dict[str, Any], name: str) -> None:
-    run = tp2_runs[name]
+@pytest.mark.parametrize(("name", "graph"), TP2)
+def test_fd_run_tp2_matches_the_reference(cases: dict[str, Case], tp2_runs: dict[tuple[str, str], Any], name: str, graph: str) -> None:
+    run = tp2_runs[(name, graph)]
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)
-    assert result["tp"] == 2
+    assert result["tp"] == 2 and result["graph"]["allowed"] is (graph == "auto")
     assert result["tokens"] == cases[name].tokens
 
 

@@ -1,0 +1,133 @@
+"""ERNIE-4.5-VL's mixture-of-experts block: modality-isolated routed experts plus shared experts.
+
+Text tokens go to the text router and text experts, image tokens (placeholders and the image start
+and end tokens) to the vision router and vision experts; every token also goes through the shared
+experts. Routing is the reference's: softmax probabilities over the experts in float32, the top k
+chosen on probability + score-correction bias, their probabilities renormalised.
+
+Tensor parallel: each expert's intermediate dimension is split across ranks (gate/up by rows, down
+by columns), as the dense MLP is, so every rank holds a slice of every expert and the block ends
+in one all-reduce of the summed partial outputs. Checkpoint names are one tensor per expert
+(`mlp.experts.{i}.gate_proj.weight`, text experts first); here each kind is stacked into one
+tensor per projection so a decode step gathers its k experts with fixed shapes (capturable). A
+prefill runs each expert on the tokens routed to it (data-dependent shapes; never captured).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from fd_core.weights import WeightSpec
+from fd_models.layers.params import new_param, new_stacked_param
+
+
+class _Experts:
+    """One modality's routed experts, stacked: gate/up [E, I/tp, H], down [E, H, I/tp] (parameters of the MoE block)."""
+
+    def __init__(self, first: int, count: int, hidden: int, intermediate: int, tp: int, dtype: str, parent: nn.Layer, kind: str) -> None:
+        names = [f"experts.{first + i}" for i in range(count)]
+        # Registered on the MoE block itself so the stacked parts resolve to `mlp.experts.{i}....`.
+        self.gate = new_stacked_param(parent, [(f"{n}.gate_proj.weight", WeightSpec((intermediate, hidden), 0, dtype)) for n in names], tp, attr=f"{kind}_gate")
+        self.up = new_stacked_param(parent, [(f"{n}.up_proj.weight", WeightSpec((intermediate, hidden), 0, dtype)) for n in names], tp, attr=f"{kind}_up")
+        self.down = new_stacked_param(parent, [(f"{n}.down_proj.weight", WeightSpec((hidden, intermediate), 1, dtype)) for n in names], tp, attr=f"{kind}_down")
+
+
+class MoEBlock(nn.Layer):
+    """Routed text and vision experts and shared experts; output all-reduced once through the Backend."""
+
+    takes_vision_mask = True  # the decoder layer passes which tokens are image tokens
+
+    def __init__(
+        self, hidden: int, intermediate: tuple[int, int], experts: int, top_k: int, shared: int, norm_min: float,
+        ctx: Any, dtype: str = "float32", shared_bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.ctx, self.hidden, self.experts, self.top_k, self.norm_min = ctx, hidden, experts, top_k, norm_min
+        tp = ctx.parallel.tp_size
+        # The routers are [hidden, experts] in the checkpoint (input-major) and run in float32, as the reference's.
+        self.gate = nn.Layer()
+        new_param(self.gate, WeightSpec((hidden, experts), None, "float32"), 1)
+        new_param(self.gate, WeightSpec((hidden, experts), None, "float32"), 1, attr="weight_1")
+        self.moe_statics = nn.Layer()
+        new_param(self.moe_statics, WeightSpec((2, experts), None, "float32", init="zeros"), 1, attr="e_score_correction_bias")
+        self.text = _Experts(0, experts, hidden, intermediate[0], tp, dtype, self, "text")
+        self.vision = _Experts(experts, experts, hidden, intermediate[1], tp, dtype, self, "vision")
+        self.shared = shared > 0
+        if self.shared:
+            # Like the dense MLP, but its partial output joins the experts' before the block's one all-reduce.
+            width = intermediate[0] * shared
+            self.shared_experts = nn.Layer()
+            for name, spec, bias_axis in (("gate_proj", WeightSpec((width, hidden), 0, dtype), 0),
+                                          ("up_proj", WeightSpec((width, hidden), 0, dtype), 0),
+                                          ("down_proj", WeightSpec((hidden, width), 1, dtype), None)):
+                projection = nn.Layer()
+                new_param(projection, spec, tp)
+                projection.bias = None
+                if shared_bias:  # `use_bias` configs: the down bias is whole and added once, after the sum
+                    new_param(projection, WeightSpec((spec.shape[0],), bias_axis, dtype, init="zeros"), tp, attr="bias")
+                self.shared_experts.add_sublayer(name, projection)
+
+    def _route(self, x: paddle.Tensor, router: paddle.Tensor, bias: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """(chosen experts [T, k] int64, their weights [T, k]) for tokens x [T, H]."""
+        probs = F.softmax(paddle.matmul(x.astype("float32"), router), axis=-1)
+        _, chosen = paddle.topk(probs + bias, self.top_k, axis=-1)
+        weights = paddle.take_along_axis(probs, chosen, axis=-1)
+        weights = weights / paddle.clip(paddle.sum(weights, axis=-1, keepdim=True), min=self.norm_min)
+        return chosen, weights.astype(x.dtype)
+
+    def _gathered(self, x: paddle.Tensor, experts: _Experts, chosen: paddle.Tensor, weights: paddle.Tensor) -> paddle.Tensor:
+        """Fixed shapes for a decode step: gather each token's k experts and run them batched."""
+        tokens = x.shape[0]
+        flat = chosen.reshape([-1])
+        xs = paddle.repeat_interleave(x, self.top_k, axis=0).unsqueeze(1)  # [T*k, 1, H]
+        gate = paddle.matmul(xs, paddle.gather(experts.gate, flat), transpose_y=True)
+        up = paddle.matmul(xs, paddle.gather(experts.up, flat), transpose_y=True)
+        out = paddle.matmul(F.silu(gate) * up, paddle.gather(experts.down, flat), transpose_y=True)  # [T*k, 1, H]
+        return paddle.sum(out.reshape([tokens, self.top_k, -1]) * weights.unsqueeze(-1), axis=1)
+
+    def _looped(self, x: paddle.Tensor, experts: _Experts, chosen: paddle.Tensor, weights: paddle.Tensor) -> paddle.Tensor:
+        """Prefill: each expert runs on the tokens routed to it only (shapes depend on the routing)."""
+        out = paddle.zeros_like(x)
+        for e in range(self.experts):
+            hit = chosen == e
+            token_weight = paddle.sum(weights * hit.astype(weights.dtype), axis=-1)
+            rows = paddle.nonzero(paddle.any(hit, axis=-1)).reshape([-1])
+            if rows.shape[0] == 0:
+                continue
+            xe = paddle.gather(x, rows)
+            he = F.silu(paddle.matmul(xe, experts.gate[e], transpose_y=True)) * paddle.matmul(xe, experts.up[e], transpose_y=True)
+            ye = paddle.matmul(he, experts.down[e], transpose_y=True) * paddle.gather(token_weight, rows).unsqueeze(-1)
+            out = paddle.scatter(out, rows, paddle.gather(out, rows) + ye)
+        return out
+
+    def _experts(self, x: paddle.Tensor, experts: _Experts, router: paddle.Tensor, bias: paddle.Tensor, one_step: bool) -> paddle.Tensor:
+        chosen, weights = self._route(x, router, bias)
+        return self._gathered(x, experts, chosen, weights) if one_step else self._looped(x, experts, chosen, weights)
+
+    def forward(self, x: paddle.Tensor, vision_mask: paddle.Tensor | None = None) -> paddle.Tensor:
+        """x [B, S, H]; `vision_mask` [B, S] (True for image tokens) or None (all text, as in decode) -> [B, S, H]."""
+        batch, length, hidden = x.shape
+        flat = x.reshape([-1, hidden])
+        one_step = length == 1  # a decode step: fixed shapes, capturable
+        bias = self.moe_statics.e_score_correction_bias
+        out = self._experts(flat, self.text, self.gate.weight, bias[0], one_step)
+        if vision_mask is not None:
+            vision = self._experts(flat, self.vision, self.gate.weight_1, bias[1], one_step)
+            out = paddle.where(vision_mask.reshape([-1, 1]), vision, out)
+        if self.shared:
+            s = self.shared_experts
+            inner = F.silu(_project(flat, s.gate_proj)) * _project(flat, s.up_proj)
+            out = out + paddle.matmul(inner, s.down_proj.weight, transpose_y=True)
+        out = self.ctx.all_reduce(out)
+        if self.shared and self.shared_experts.down_proj.bias is not None:
+            out = out + self.shared_experts.down_proj.bias
+        return out.reshape([batch, length, hidden])
+
+
+def _project(x: paddle.Tensor, layer: nn.Layer) -> paddle.Tensor:
+    out = paddle.matmul(x, layer.weight, transpose_y=True)
+    return out if layer.bias is None else out + layer.bias
