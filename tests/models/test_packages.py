@@ -44,9 +44,15 @@ def test_presets_put_vision_keys_in_extra(vl_arch) -> None:
         ("ernie4_5", "model.layers.0.mlp.gate_proj.weight", 0),
         ("ernie4_5", "model.norm.weight", None),
         ("ernie4_5_vl", "model.layers.0.self_attn.k_proj.weight", 0),
-        ("ernie4_5_vl", "vision_model.patch_embed.proj.weight", None),
-        ("ernie4_5_vl", "vision_model.blocks.1.attn.qkv.weight", None),
-        ("ernie4_5_vl", "model.resampler_model.fc1.weight", None),
+        ("ernie4_5_vl", "model.vision_model.patch_embed.proj.weight", None),
+        ("ernie4_5_vl", "model.vision_model.blocks.1.attn.qkv.weight", None),
+        ("ernie4_5_vl", "model.resampler_model.spatial_linear.0.weight", None),
+        ("ernie4_5_vl", "model.layers.0.mlp.gate_proj.weight", 0),  # the dense first layer
+        ("ernie4_5_vl", "model.layers.1.mlp.experts.0.gate_proj.weight", 0),  # a text expert: split by its intermediate rows
+        ("ernie4_5_vl", "model.layers.1.mlp.experts.7.down_proj.weight", 1),  # a vision expert: by its intermediate columns
+        ("ernie4_5_vl", "model.layers.2.mlp.shared_experts.up_proj.weight", 0),
+        ("ernie4_5_vl", "model.layers.2.mlp.gate.weight_1", None),  # the vision router, replicated
+        ("ernie4_5_vl", "model.layers.2.mlp.moe_statics.e_score_correction_bias", None),
         ("qwen3_vl", "model.language_model.layers.0.self_attn.q_norm.weight", None),
         ("qwen3_vl", "model.language_model.embed_tokens.weight", 0),
         ("qwen3_vl", "lm_head.weight", 0),
