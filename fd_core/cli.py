@@ -119,8 +119,20 @@ def _run_tp(requested: int | None, launched: tuple[int, int] | None) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fd_core.distributed import Terminated, launched_rank, quiet_paddle_logs, spawn_ranks
-    from fd_core.runner import RunConfig, as_json, plan_run, run_rank, spawned_rank, summary_lines
+    from fd_core.distributed import (
+        Terminated,
+        launched_rank,
+        quiet_paddle_logs,
+        spawn_ranks,
+    )
+    from fd_core.runner import (
+        RunConfig,
+        as_json,
+        plan_run,
+        run_rank,
+        spawned_rank,
+        summary_lines,
+    )
 
     quiet_paddle_logs()
     launched = launched_rank()
@@ -129,7 +141,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         tp=_run_tp(args.tp, launched),
         steps=args.steps,
         prompt_ids=_prompt_ids(args.prompt_ids),
-        image_path=args.image,
+        images=tuple(args.image or ()),
         checkpoint=args.checkpoint,
         dtype=args.dtype,
         graph=args.graph,
@@ -229,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=_positive, default=None, help="tensor-parallel ranks (default: 2; under a launcher, its world size)")
     p.add_argument("--steps", type=_positive, default=16, help="tokens to generate (default: 16)")
     p.add_argument("--prompt-ids", default="1,2,3,4", help="comma-separated prompt token ids")
-    p.add_argument("--image", default=None, help="image for VL models: a .npy file [C,H,W] (default: synthetic)")
+    p.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="a picture for a VL model: PNG, JPEG, or .npy [C,H,W] in [0,1]; repeat for several images, in the order of their placeholders")
     p.add_argument("--checkpoint", default=None, help="a checkpoint directory as transformers saves it (config.json, *.safetensors)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16", "float64"),
                    help="compute dtype (default: the platform's preferred one; float32 on cpu)")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 from fd_core.errors import ConfigError, PluginError
 from fd_core.graphs import GraphBackend
@@ -49,7 +49,8 @@ class CausalModel(Protocol):
 class Architecture:
     """A registered architecture: how to build it, its tiny preset, and its graph-clear hook's owner.
 
-    `preset` is a tiny `config.json` in the published layout (what `fd save-random` writes);
+    `preset` is a tiny `config.json` in the published layout (what `fd save-random` writes, with
+    `preset_files` beside it);
     `config_defaults` are the published config class's defaults for keys a `config.json` may omit.
     """
 
@@ -64,6 +65,10 @@ class Architecture:
     config_defaults: Mapping[str, Any] = field(default_factory=dict)
     # Architecture-specific checks of a parsed config (raise ConfigError); must not import paddle.
     check_config: Callable[["ModelConfig", str], None] | None = None
+    # Other JSON files of the tiny preset's checkpoint, by file name (a VL model's preprocessor_config.json).
+    preset_files: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # A VL architecture's check of a prompt against its pictures' shapes [C, H, W] (raise ConfigError); no paddle.
+    check_prompt: Callable[["ModelConfig", Sequence[int], Sequence[tuple[int, int, int]]], None] | None = None
     # Sizes tensor parallel splits beyond the decoder's own (expert widths, say), by name; tp must divide each.
     sharded_sizes: Callable[["ModelConfig"], Mapping[str, int]] | None = None
 

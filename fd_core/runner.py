@@ -11,15 +11,24 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from fd_core.backend import Backend, load_backend
-from fd_core.config import ModelConfig, ParallelConfig
+from fd_core.config import ModelConfig, ParallelConfig, read_config_json
 from fd_core.errors import CheckpointError, ConfigError, FdError
 from fd_core.graphs import CastVote, GraphDecision
 from fd_core.models import Architecture, CausalModel
 from fd_core.plugins import PluginSet, load_plugins
-from fd_core.config import read_config_json
-from fd_core.weights import CheckpointShards, check_checkpoint_dir, check_new_directory, load_checkpoint, random_state_dict, save_checkpoint
+from fd_core.weights import (
+    CheckpointShards,
+    check_checkpoint_dir,
+    check_new_directory,
+    load_checkpoint,
+    random_state_dict,
+    save_checkpoint,
+)
 
 BATCH_SIZE = 1
+PREPROCESSOR_CONFIG = "preprocessor_config.json"
+# Pictures above this many pixels are refused before decoding (the processors downscale to far fewer anyway).
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -30,7 +39,8 @@ class RunConfig:
     tp: int = 1
     steps: int = 16
     prompt_ids: tuple[int, ...] = (1, 2, 3, 4)
-    image_path: str | None = None
+    # Pictures for a VL prompt, in the order of its placeholder runs: PNG, JPEG or .npy [C, H, W] in [0, 1].
+    images: tuple[str, ...] = ()
     checkpoint: str | None = None
     # Compute dtype; None means the platform's preferred one (the first of its Detection.dtypes).
     dtype: str | None = None
@@ -88,11 +98,20 @@ def init_std(config: ModelConfig) -> float | None:
 
 
 def model_config_for(arch: Architecture, checkpoint: str | None, dtype: str = "float32") -> ModelConfig:
-    """The checkpoint's config.json (or the tiny preset) parsed and checked for `arch`, computing in `dtype`."""
+    """The checkpoint's config.json (or the tiny preset) parsed and checked for `arch`, computing in `dtype`.
+
+    A VL checkpoint's `preprocessor_config.json` (the image processor's settings) joins `extra` as
+    "preprocessor_config"; the tiny preset brings its own.
+    """
     if checkpoint is None:
         config = arch.preset_config()
+        preprocessor = arch.preset_files.get(PREPROCESSOR_CONFIG)
     else:
         config = arch.config_from(_read_checkpoint_config(checkpoint), source=str(Path(checkpoint) / "config.json"))
+        path = Path(checkpoint) / PREPROCESSOR_CONFIG
+        preprocessor = read_config_json(path) if path.exists() else None
+    if preprocessor is not None:
+        config = config.with_overrides(extra={**config.extra, "preprocessor_config": dict(preprocessor)})
     return config.with_overrides(dtype=dtype)
 
 
@@ -156,12 +175,13 @@ def plan_run(run: RunConfig, plugins: PluginSet | None = None) -> Plan:
             f"{len(run.prompt_ids)} prompt tokens + {run.steps} steps exceed max_position_embeddings="
             f"{config.max_position_embeddings} of {arch.name}; generate fewer tokens"
         )
-    if run.image_path is not None:
+    if run.images:
         if not arch.multimodal:
             raise ConfigError(f"{arch.name} takes no image; drop --image or choose a VL model")
-        if not Path(run.image_path).is_file():
-            raise ConfigError(f"--image {run.image_path}: no such file; pass a .npy array [C, H, W]")
-        load_image(run.image_path)  # a malformed image fails here, before any rank starts
+        # A missing or malformed picture, or a prompt whose placeholders do not fit it, fails here, before any rank starts.
+        shapes = [load_image(path).shape for path in run.images]
+        if arch.check_prompt is not None:
+            arch.check_prompt(config, run.prompt_ids, shapes)
     return Plan(run, arch, config, backend.platform, backend.detection.dist_backend)
 
 
@@ -282,21 +302,44 @@ def _as_ids(prompt: list[int]) -> Any:
 
 
 def load_image(path: str) -> Any:
-    """The image in a .npy file as float32 [1, C, H, W] with values in [0, 1]; a one-line error otherwise."""
+    """A picture as float32 [C, H, W] with values in [0, 1]: a PNG or JPEG file (decoded to RGB), or a .npy array.
+
+    Resizing and normalisation are the model's (its processor's settings); this only reads and checks.
+    """
     import numpy as np
 
+    file = Path(path)
+    if not file.is_file():
+        what = "no such file" if not file.exists() else "not a regular file"
+        raise ConfigError(f"--image {path}: {what}; pass a PNG or JPEG picture or a .npy array [C, H, W]")
+    if file.suffix.lower() == ".npy":
+        try:
+            array = np.load(path, allow_pickle=False, mmap_mode="r")
+        except (OSError, ValueError, EOFError) as exc:
+            raise ConfigError(f"--image {path}: not a numpy .npy array ({exc or 'empty file'}); save one with numpy.save") from None
+        if array.ndim == 4 and array.shape[0] == 1:
+            array = array[0]
+        if array.ndim != 3 or 0 in array.shape or not np.issubdtype(array.dtype, np.number):
+            raise ConfigError(f"--image {path}: expected a numeric array [C, H, W], got shape {list(array.shape)}")
+        if array.shape[1] * array.shape[2] > MAX_IMAGE_PIXELS:
+            raise ConfigError(f"--image {path}: {array.shape[1]}x{array.shape[2]} is above the {MAX_IMAGE_PIXELS} pixels fd reads; downscale it")
+        picture = np.asarray(array, dtype=np.float32)
+        if not np.isfinite(picture).all() or picture.min() < 0.0 or picture.max() > 1.0:
+            raise ConfigError(f"--image {path}: pixel values must be finite and within [0, 1] (divide 8-bit pixels by 255)")
+        return picture
     try:
-        array = np.load(path, allow_pickle=False)
-    except (OSError, ValueError, EOFError) as exc:
-        raise ConfigError(f"--image {path}: not a numpy .npy array ({exc or 'empty file'}); save one with numpy.save") from None
-    if not isinstance(array, np.ndarray) or array.ndim not in (3, 4) or (array.ndim == 4 and array.shape[0] != 1):
-        raise ConfigError(f"--image {path}: expected an array [C, H, W], got shape {list(getattr(array, 'shape', []))}")
-    if array.size == 0 or not np.issubdtype(array.dtype, np.number):
-        raise ConfigError(f"--image {path}: expected a non-empty numeric array [C, H, W]")
-    array = array.reshape((1, *array.shape[-3:])).astype("float32")
-    if not np.isfinite(array).all() or array.min() < 0.0 or array.max() > 1.0:
-        raise ConfigError(f"--image {path}: pixel values must be finite and within [0, 1] (divide 8-bit pixels by 255)")
-    return array
+        from PIL import Image, UnidentifiedImageError
+    except ImportError:
+        raise ConfigError(f"--image {path}: reading pictures needs Pillow (pip install pillow), or pass a .npy array [C, H, W]") from None
+    Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
+    try:
+        with Image.open(path) as image:
+            pixels = np.asarray(image.convert("RGB"))
+    except Image.DecompressionBombError:
+        raise ConfigError(f"--image {path}: above the {MAX_IMAGE_PIXELS} pixels fd reads; downscale it") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+        raise ConfigError(f"--image {path}: not a readable picture ({exc.__class__.__name__}: {exc}); pass a PNG or JPEG file") from None
+    return pixels.transpose(2, 0, 1).astype(np.float32) / np.float32(255.0)
 
 
 def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None) -> dict[str, Any]:
@@ -317,7 +360,7 @@ def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None) -> d
 
     runner = ModelRunner(backend, plan.arch, plan.config, run.checkpoint, run.seed, run.graph, log)
     # A VL model given no image sees the text alone.
-    image = load_image(run.image_path) if run.image_path else None
+    image = [load_image(path) for path in run.images] if run.images else None
     runner.load()
     log(f"loaded {plan.arch.name} on {backend.platform} (tp={tp}) in {runner.timings['load']:.2f}s")
     decision = runner.decide()
@@ -378,9 +421,11 @@ def save_random_checkpoint(
     """
     check_new_directory(Path(directory))  # before paddle is imported or a tensor drawn
     plugins = load_plugins()
+    files: dict[str, Any] = {}
     if config_path is None:
         arch = plugins.registry.get(model)
         data = dict(arch.preset)
+        files = dict(arch.preset_files)
     else:
         data = read_config_json(Path(config_path))
         found = _architecture_of(data)
@@ -393,7 +438,7 @@ def save_random_checkpoint(
     backend = load_backend(ParallelConfig(), plugins=plugins)
     specs = arch.build(config, backend).weight_specs()
     tensors = random_state_dict(specs, seed, std=init_std(config))
-    return save_checkpoint(directory, {**data, "architectures": data.get("architectures") or [arch.name]}, tensors, dtype)
+    return save_checkpoint(directory, {**data, "architectures": data.get("architectures") or [arch.name]}, tensors, dtype, files)
 
 
 def summary_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:

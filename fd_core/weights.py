@@ -287,9 +287,13 @@ def check_new_directory(directory: Path) -> None:
 
 
 def save_checkpoint(
-    directory: str | Path, config: Mapping[str, Any], tensors: Mapping[str, np.ndarray], dtype: str = "float32"
+    directory: str | Path, config: Mapping[str, Any], tensors: Mapping[str, np.ndarray], dtype: str = "float32",
+    files: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Path:
-    """Write config.json and model.safetensors (tensors stored as `dtype`) atomically: the directory appears whole or not at all."""
+    """Write config.json, model.safetensors (tensors stored as `dtype`) and other JSON `files` atomically.
+
+    The directory appears whole or not at all.
+    """
     import numpy as np
     import paddle
     import safetensors.paddle
@@ -303,7 +307,8 @@ def save_checkpoint(
         # "format": "pt" is what transformers looks for before it loads a safetensors file.
         safetensors.paddle.save_file(stored, str(staging / "model.safetensors"), metadata={"format": "pt"})
         del stored
-        (staging / "config.json").write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
+        for name, content in {"config.json": config, **(files or {})}.items():
+            (staging / name).write_text(json.dumps(dict(content), indent=2, sort_keys=True) + "\n")
         if directory.exists():
             directory.rmdir()
         os.replace(staging, directory)

@@ -109,3 +109,18 @@ TINY_QWEN3_VL: dict[str, Any] = {
         "initializer_range": 0.2,
     },
 }
+
+# The tiny models' preprocessor_config.json: small images stay small (the published limits would
+# upscale a 32x32 picture to 65536 pixels).
+TINY_QWEN3_VL_PREPROCESSOR: dict[str, Any] = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "patch_size": 8, "temporal_patch_size": 2, "merge_size": 2,
+    "size": {"shortest_edge": 256, "longest_edge": 16384},
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+}
+TINY_ERNIE_VL_PREPROCESSOR: dict[str, Any] = {
+    "image_processor_type": "Ernie4_5_VLMoeImageProcessor",
+    "patch_size": 8, "merge_size": 2,
+    "size": {"shortest_edge": 256, "longest_edge": 16384},
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+}

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from fd_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fd_models.layers.images import ImageSettings
+
+# The published image processor's defaults, used when a checkpoint has no preprocessor_config.json.
+IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
+IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 6177
 
 
 @dataclass(frozen=True)
@@ -119,3 +127,23 @@ def sharded_sizes(config: Any) -> dict[str, int]:
     if moe.shared:
         sizes["moe_intermediate_size[0] * moe_num_shared_experts"] = moe.intermediate[0] * moe.shared
     return sizes
+
+
+def image_settings(config: Any, vision: VisionConfig) -> "ImageSettings":
+    """How pictures are resized and normalised: the checkpoint's preprocessor_config.json over the published defaults."""
+    from fd_models.layers.images import (
+        ImageSettings,  # numpy: imported on use, so listing plugins stays light
+    )
+
+    return ImageSettings.from_config(config.extra.get("preprocessor_config"), vision.unit, MIN_PIXELS, MAX_PIXELS, IMAGE_MEAN, IMAGE_STD)
+
+
+def check_prompt(config: Any, prompt: Any, shapes: Any) -> None:
+    """Raise ConfigError unless the prompt holds a run of placeholders of the right length for each picture [C, H, W]."""
+    from fd_models.layers.images import check_prompt as check
+
+    vision = VisionConfig.from_dict(config.extra["vision_config"])
+    try:
+        check(prompt, config.extra["image_token_id"], shapes, image_settings(config, vision), vision.patch_size)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}; put one run of image tokens per --image in the prompt") from None

@@ -18,13 +18,19 @@ from paddle import nn
 from fd_core.config import ModelConfig
 from fd_core.models import GraphBackend
 from fd_core.weights import WeightSpec
-from fd_models.ernie4_5_vl.config import MoEConfig, VisionConfig
+from fd_models.ernie4_5_vl.config import MoEConfig, VisionConfig, image_settings
 from fd_models.ernie4_5_vl.vision import Resampler, VisionTransformer, patchify
 from fd_models.layers import params
 from fd_models.layers.decoder import CausalLM, DecoderOptions, as_int64
+from fd_models.layers.images import preprocess
 from fd_models.layers.mlp import SwiGLUMLP
 from fd_models.layers.moe import MoEBlock
-from fd_models.layers.multimodal import batch_images, batch_positions, scatter_rows
+from fd_models.layers.multimodal import (
+    batch_pictures,
+    batch_positions,
+    encode_batch,
+    scatter_rows,
+)
 
 
 def _mlp(moe: MoEConfig) -> Any:
@@ -56,6 +62,7 @@ class Ernie4_5_VLMoeForConditionalGeneration(nn.Layer):  # noqa: N801 - the Hugg
         self.config = config
         self.vision_config = VisionConfig.from_dict(config.extra["vision_config"])
         self.image_token_id: int = config.extra["image_token_id"]
+        self.image_settings = image_settings(config, self.vision_config)
         # Tokens the reference routes to the vision experts: the placeholders and the image's start and end.
         self.vision_tokens = [config.extra[k] for k in ("image_token_id", "image_start_token_id", "image_end_token_id")]
         self.vision_model = VisionTransformer(self.vision_config, ctx, config.dtype)
@@ -84,21 +91,26 @@ class Ernie4_5_VLMoeForConditionalGeneration(nn.Layer):  # noqa: N801 - the Hugg
         return int(np.asarray(input_ids).shape[1])
 
     def prefill(self, input_ids: Any, image: Any = None) -> paddle.Tensor:
-        """Run the prompt [B, S], with `image` [B or 1, C, H, W] (values in [0, 1]) at its placeholders; last-position logits [B, vocab]."""
+        """Run the prompt [B, S] with its image(s) at their placeholders (see `batch_pictures`); last-position logits [B, vocab].
+
+        Pictures are float [C, H, W] in [0, 1]; they are resized and normalised as the checkpoint's processor says.
+        """
         ids = as_int64(input_ids)
         embeds = self.language_model.model.embed_tokens(ids)
         if image is None:
             return self.language_model.prefill_embeds(embeds)
         host_ids = ids.numpy()
-        merged, grid = [], None
-        for picture in batch_images(image, host_ids.shape[0]):
-            patches, grid = patchify(picture, self.vision_config)
-            merged.append(self.resampler_model(self.vision_model(paddle.to_tensor(patches), grid)))
-        positions, delta = batch_positions(host_ids, self.image_token_id, grid, self.vision_config.spatial_merge_size)
+        grids, rows = encode_batch(batch_pictures(image, host_ids.shape[0]), self._encode)
+        positions, delta = batch_positions(host_ids, self.image_token_id, grids, self.vision_config.spatial_merge_size)
         slots = np.flatnonzero(host_ids[0] == self.image_token_id)
-        embeds = scatter_rows(embeds, paddle.stack(merged), slots)
+        embeds = scatter_rows(embeds, paddle.stack([row[0] for row in rows]), slots)
         vision_mask = np.isin(host_ids, self.vision_tokens)
         return self.language_model.prefill_embeds(embeds, positions, (), delta, vision_mask)
+
+    def _encode(self, picture: np.ndarray) -> tuple[tuple[int, int, int], list[paddle.Tensor]]:
+        """One picture -> (its grid, [resampled embeddings])."""
+        patches, grid = patchify(preprocess(picture, self.image_settings), self.vision_config)
+        return grid, [self.resampler_model(self.vision_model(paddle.to_tensor(patches), grid))]
 
     def allocate_cache(self, batch_size: int, max_len: int) -> None:
         self.language_model.allocate_cache(batch_size, max_len)

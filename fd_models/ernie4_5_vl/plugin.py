@@ -6,8 +6,8 @@ from typing import Any, Callable
 
 from fd_core import Architecture, hookimpl
 from fd_models._plugin import clear_graphs, lazy_build
-from fd_models.ernie4_5_vl.config import check_config, sharded_sizes
-from fd_models.presets import TINY_ERNIE_VL
+from fd_models.ernie4_5_vl.config import check_config, check_prompt, sharded_sizes
+from fd_models.presets import TINY_ERNIE_VL, TINY_ERNIE_VL_PREPROCESSOR
 
 _MODULE = "fd_models.ernie4_5_vl.model"
 TINY_PRESET: dict[str, Any] = TINY_ERNIE_VL
@@ -28,7 +28,9 @@ def fd_clear_graphs(model: Any) -> bool | None:
 ARCHITECTURE = Architecture(
     name="ernie4_5_vl", aliases=("Ernie4_5_VLMoeForConditionalGeneration",),
     build=build, preset=TINY_PRESET, graph_capable=True, multimodal=True,
-    config_defaults=CONFIG_DEFAULTS, check_config=check_config, sharded_sizes=sharded_sizes,
+    config_defaults=CONFIG_DEFAULTS,
+    preset_files={"preprocessor_config.json": TINY_ERNIE_VL_PREPROCESSOR},
+    check_config=check_config, check_prompt=check_prompt, sharded_sizes=sharded_sizes,
     description="ERNIE-4.5-VL as published: ViT with 2-D rope, resampler, 3-D rope, text and vision experts with shared experts")
 
 

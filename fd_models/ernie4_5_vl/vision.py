@@ -18,26 +18,20 @@ from paddle import nn
 from fd_core.weights import WeightSpec
 from fd_models.ernie4_5_vl.config import VisionConfig
 from fd_models.layers.norm import LayerNorm, RMSNorm
-from fd_models.layers.params import new_param
 from fd_models.layers.parallel import ReplicatedLinear
+from fd_models.layers.params import new_param
 from fd_models.layers.vision import VisionBlock, axial_rope
-
-# The published image processor's normalisation: OpenAI CLIP's mean and std.
-IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
-IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def patchify(image: np.ndarray, config: VisionConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """An image [C, H, W] of values in [0, 1] -> (patches [N, C*p*p], grid (1, h, w)) as the published processor orders them."""
+    """A normalised image [C, H, W] -> (patches [N, C*p*p], grid (1, h, w)) as the published processor orders them."""
     channels, height, width = image.shape
     p, m = config.patch_size, config.spatial_merge_size
     if channels != config.in_channels:
         raise ValueError(f"image has {channels} channels, expected {config.in_channels}")
     if height % config.unit or width % config.unit or height == 0 or width == 0:
         raise ValueError(f"image {height}x{width} is not a multiple of {config.unit} (patch {p} x merge {m}) on each side; resize it")
-    mean = np.asarray(IMAGE_MEAN[:channels], dtype=np.float32).reshape(-1, 1, 1)
-    std = np.asarray(IMAGE_STD[:channels], dtype=np.float32).reshape(-1, 1, 1)
-    pixels = (image.astype(np.float32) - mean) / std
+    pixels = image.astype(np.float32)
     gh, gw = height // p, width // p
     blocks = pixels.reshape(channels, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # bh, bw, mh, mw, C, p, p
     return np.ascontiguousarray(blocks.reshape(gh * gw, channels * p * p)), (1, gh, gw)

@@ -6,10 +6,9 @@ follow Hugging Face checkpoints (`model.layers.0.self_attn.q_proj.weight`, `mode
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
-
-import inspect
 
 import numpy as np
 import paddle

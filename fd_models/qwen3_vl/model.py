@@ -19,8 +19,14 @@ from fd_core.models import GraphBackend
 from fd_core.weights import WeightSpec
 from fd_models.layers import params
 from fd_models.layers.decoder import CausalLM, DecoderOptions, as_int64
-from fd_models.qwen3_vl.config import VisionConfig
-from fd_models.layers.multimodal import batch_images, batch_positions, scatter_rows
+from fd_models.layers.images import preprocess
+from fd_models.layers.multimodal import (
+    batch_pictures,
+    batch_positions,
+    encode_batch,
+    scatter_rows,
+)
+from fd_models.qwen3_vl.config import VisionConfig, image_settings
 from fd_models.qwen3_vl.vision import Qwen3VLVisionModel, patchify
 
 
@@ -39,6 +45,7 @@ class Qwen3VLForConditionalGeneration(nn.Layer):
         self.config = config
         self.vision_config = VisionConfig.from_dict(config.extra["vision_config"])
         self.image_token_id: int = config.extra["image_token_id"]
+        self.image_settings = image_settings(config, self.vision_config)
         self.visual = Qwen3VLVisionModel(self.vision_config, ctx, config.dtype)
         self.language_model = CausalLM(config, ctx, DecoderOptions(qk_norm=True, rope_layout="half"))
 
@@ -63,24 +70,28 @@ class Qwen3VLForConditionalGeneration(nn.Layer):
         return int(np.asarray(input_ids).shape[1])
 
     def prefill(self, input_ids: Any, image: Any = None) -> paddle.Tensor:
-        """Run the prompt [B, S], with `image` [B or 1, C, H, W] (values in [0, 1]) at its placeholders; last-position logits [B, vocab]."""
+        """Run the prompt [B, S] with its image(s) at their placeholders (see `batch_pictures`); last-position logits [B, vocab].
+
+        Pictures are float [C, H, W] in [0, 1]; they are resized and normalised as the checkpoint's processor says.
+        """
         ids = as_int64(input_ids)
         embeds = self.language_model.model.embed_tokens(ids)
         if image is None:
             return self.language_model.prefill_embeds(embeds)
         host_ids = ids.numpy()
-        merged, deepstack, grid = [], [], None
-        for picture in batch_images(image, host_ids.shape[0]):
-            patches, grid = patchify(picture, self.vision_config)
-            rows, deep = self.visual(paddle.to_tensor(patches), grid)
-            merged.append(rows)
-            deepstack.append(deep)
-        positions, delta = batch_positions(host_ids, self.image_token_id, grid, self.vision_config.spatial_merge_size)
+        grids, rows = encode_batch(batch_pictures(image, host_ids.shape[0]), self._encode)
+        positions, delta = batch_positions(host_ids, self.image_token_id, grids, self.vision_config.spatial_merge_size)
         slots = np.flatnonzero(host_ids[0] == self.image_token_id)
-        embeds = scatter_rows(embeds, paddle.stack(merged), slots)
+        embeds = scatter_rows(embeds, paddle.stack([row[0] for row in rows]), slots)
         zeros = paddle.zeros_like(embeds)
-        features = [scatter_rows(zeros, paddle.stack([d[i] for d in deepstack]), slots) for i in range(len(deepstack[0]))]
-        return self.language_model.prefill_embeds(embeds, positions, features, delta)
+        deepstack = [scatter_rows(zeros, paddle.stack([row[i] for row in rows]), slots) for i in range(1, len(rows[0]))]
+        return self.language_model.prefill_embeds(embeds, positions, deepstack, delta)
+
+    def _encode(self, picture: np.ndarray) -> tuple[tuple[int, int, int], list[paddle.Tensor]]:
+        """One picture -> (its grid, [merged embeddings, DeepStack features...])."""
+        patches, grid = patchify(preprocess(picture, self.image_settings), self.vision_config)
+        merged, deepstack = self.visual(paddle.to_tensor(patches), grid)
+        return grid, [merged, *deepstack]
 
     def allocate_cache(self, batch_size: int, max_len: int) -> None:
         self.language_model.allocate_cache(batch_size, max_len)

@@ -17,22 +17,19 @@ from paddle import nn
 
 from fd_core.weights import WeightSpec
 from fd_models.layers.norm import LayerNorm
-from fd_models.layers.params import new_param
 from fd_models.layers.parallel import ReplicatedLinear
+from fd_models.layers.params import new_param
 from fd_models.layers.vision import VisionBlock, axial_rope, block_order_positions
 from fd_models.qwen3_vl.config import VisionConfig
 
 _EPS = 1e-6
-# The published image processor's normalisation (preprocessor_config.json of the Qwen3-VL checkpoints).
-IMAGE_MEAN = (0.5, 0.5, 0.5)
-IMAGE_STD = (0.5, 0.5, 0.5)
 
 
 def patchify(image: np.ndarray, config: VisionConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """An image [C, H, W] of values in [0, 1] -> (patches [N, C*T*p*p], grid (t, h, w)) as the published processor orders them.
+    """A normalised image [C, H, W] -> (patches [N, C*T*p*p], grid (t, h, w)) as the published processor orders them.
 
-    The processor normalises with mean and std 0.5, repeats a still image over the temporal patch,
-    and lists patches merge-block by merge-block (each 2x2 block of patches is contiguous).
+    The processor repeats a still image over the temporal patch and lists patches merge-block by
+    merge-block (each 2x2 block of patches is contiguous).
     """
     channels, height, width = image.shape
     p, m, t = config.patch_size, config.spatial_merge_size, config.temporal_patch_size
@@ -42,9 +39,7 @@ def patchify(image: np.ndarray, config: VisionConfig) -> tuple[np.ndarray, tuple
         raise ValueError(
             f"image {height}x{width} is not a multiple of {config.unit} (patch {p} x merge {m}) on each side; resize it"
         )
-    mean = np.asarray(IMAGE_MEAN[:channels], dtype=np.float32).reshape(-1, 1, 1)
-    std = np.asarray(IMAGE_STD[:channels], dtype=np.float32).reshape(-1, 1, 1)
-    frames = np.repeat(((image.astype(np.float32) - mean) / std)[None], t, axis=0)  # [T, C, H, W]
+    frames = np.repeat(image.astype(np.float32)[None], t, axis=0)  # [T, C, H, W]
     gh, gw = height // p, width // p
     blocks = frames.reshape(1, t, channels, gh // m, m, p, gw // m, m, p)
     blocks = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # grid_t, bh, bw, mh, mw, C, T, p, p

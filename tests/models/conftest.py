@@ -33,8 +33,10 @@ def make_ctx(tp_size: int = 1, tp_rank: int = 0, all_reduce: Callable[[Any], Any
 
 def build_loaded(arch: Architecture, ctx: Any = None) -> Any:
     """Build `arch` from its preset for ctx's rank and load that rank's shard of the seeded weights."""
+    from fd_core.runner import model_config_for
+
     ctx = ctx or make_ctx()
-    model = arch.build(arch.preset_config(), ctx)
+    model = arch.build(model_config_for(arch, None), ctx)
     model.load_weights(random_state_dict(model.weight_specs(), SEED, ctx.parallel.tp_rank, ctx.parallel.tp_size))
     return model
 

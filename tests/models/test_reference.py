@@ -23,7 +23,13 @@ import pytest
 torch = pytest.importorskip("torch", reason="the reference oracle needs torch's CPU build: pip install -e '.[test]'")
 transformers = pytest.importorskip("transformers", reason="the reference oracle needs transformers: pip install -e '.[test]'")
 
-from fd_models.presets import TINY_ERNIE_VL, TINY_QWEN3_VL, TINY_TEXT  # noqa: E402
+from fd_models.presets import (  # noqa: E402
+    TINY_ERNIE_VL,
+    TINY_ERNIE_VL_PREPROCESSOR,
+    TINY_QWEN3_VL,
+    TINY_QWEN3_VL_PREPROCESSOR,
+    TINY_TEXT,
+)
 
 STEPS = 20
 # float32 on both sides; the kernels differ, so logits agree to rounding, not bit for bit.
@@ -31,10 +37,20 @@ LOGIT_TOL = 2e-4
 # The smallest gap between a step's best and second-best logit that makes a greedy match meaningful.
 MIN_MARGIN = 20 * LOGIT_TOL
 PROMPT = [5, 17, 42, 99, 7, 300]
-# A 32x48 image: a 4x6 grid of 8x8 patches, merged 2x2 into 2x3 = 6 image tokens (non-square on purpose,
-# so that the M-RoPE decode offset is not zero).
-QWEN_IMAGE_PROMPT = [5, 17, TINY_QWEN3_VL["vision_start_token_id"], *[TINY_QWEN3_VL["image_token_id"]] * 6, TINY_QWEN3_VL["vision_end_token_id"], 42, 99]
-ERNIE_IMAGE_PROMPT = [5, 17, TINY_ERNIE_VL["image_start_token_id"], *[TINY_ERNIE_VL["image_token_id"]] * 6, TINY_ERNIE_VL["image_end_token_id"], 42, 99]
+# Pictures as PNG files. 37x53 is resized to 32x48 by both processors (multiples of patch 8 x merge 2):
+# a 4x6 grid of patches, merged 2x2 into 2x3 = 6 image tokens (non-square on purpose, so that the
+# M-RoPE decode offset is not zero). 40x40 becomes 32x32: 4 tokens.
+PICTURES = {"wide": (37, 53), "square": (40, 40)}
+
+
+def _image_prompt(preset: dict[str, Any], *tokens: int) -> list[int]:
+    """A prompt with one placeholder run of each length, each between the model's image start and end tokens."""
+    start = preset.get("vision_start_token_id", preset.get("image_start_token_id"))
+    end = preset.get("vision_end_token_id", preset.get("image_end_token_id"))
+    prompt = [5, 17]
+    for count in tokens:
+        prompt += [start, *[preset["image_token_id"]] * count, end, 42]
+    return prompt + [99]
 
 
 @dataclass
@@ -47,7 +63,7 @@ class Case:
     tokens: list[int]
     first_logits: np.ndarray
     margin: float
-    image: Path | None = None
+    images: tuple[Path, ...] = ()
     # How far the reference's first-step logits move when the picture changes: the image path is really compared.
     image_effect: float = 0.0
 
@@ -71,20 +87,20 @@ def _hf_model(preset: dict[str, Any], seed: int) -> Any:
     return model
 
 
-def _image_inputs(model: Any, image: np.ndarray) -> dict[str, Any]:
-    """pixel_values and grid as the published image processor makes them (its PIL path, which needs no torchvision)."""
-    vision = model.config.vision_config
+def _processor(model: Any) -> Any:
+    """The reference's image processor (its PIL path, which needs no torchvision) with the tiny preset's settings."""
     if model.config.model_type == "qwen3_vl":
-        processor = transformers.Qwen2VLImageProcessorPil(
-            patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size, merge_size=vision.spatial_merge_size,
-            image_mean=[0.5] * 3, image_std=[0.5] * 3, min_pixels=1, max_pixels=1 << 24,
-        )
+        cls, settings = transformers.Qwen2VLImageProcessorPil, TINY_QWEN3_VL_PREPROCESSOR
     else:
-        processor = transformers.Ernie4_5_VLMoeImageProcessorPil(
-            patch_size=vision.patch_size, merge_size=vision.spatial_merge_size, size={"shortest_edge": 1, "longest_edge": 1 << 24}
-        )
-    # 8-bit pixels in, rescaled by 1/255 inside: the same values fd reads from [0, 1] floats.
-    pixels = processor(images=[np.round(image * 255).astype(np.uint8).transpose(1, 2, 0)], return_tensors="pt")
+        cls, settings = transformers.Ernie4_5_VLMoeImageProcessorPil, TINY_ERNIE_VL_PREPROCESSOR
+    return cls(**{k: v for k, v in settings.items() if k != "image_processor_type"})
+
+
+def _image_inputs(model: Any, images: tuple[Path, ...]) -> dict[str, Any]:
+    """pixel_values and grids from the PNG files, as the published image processor makes them."""
+    from PIL import Image
+
+    pixels = _processor(model)(images=[Image.open(path) for path in images], return_tensors="pt")
     return {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
 
 
@@ -98,18 +114,18 @@ def _token_types(model: Any, ids: Any) -> dict[str, Any]:
     return {"mm_token_type_ids": image, "moe_mm_token_type_ids": vision}
 
 
-def _reference(model: Any, prompt: list[int], image: np.ndarray | None) -> tuple[list[int], np.ndarray, float]:
+def _reference(model: Any, prompt: list[int], images: tuple[Path, ...] = ()) -> tuple[list[int], np.ndarray, float]:
     """Greedy tokens, first-step logits and the smallest top-2 margin over every step.
 
     Each step runs the whole sequence again (no cache, no stop at end-of-sequence): the reference's
     plainest path, independent of how either side caches.
     """
-    extra = _image_inputs(model, image) if image is not None else {}
+    extra = _image_inputs(model, images) if images else {}
     ids, steps = list(prompt), []
     with torch.no_grad():
         for _ in range(STEPS):
             tensor = torch.tensor([ids])
-            if image is not None:
+            if images:
                 extra.update(_token_types(model, tensor))
             logits = model(tensor, **extra).logits[0, -1].float().numpy()
             steps.append(logits)
@@ -120,12 +136,16 @@ def _reference(model: Any, prompt: list[int], image: np.ndarray | None) -> tuple
 
 def _save(model: Any, directory: Path, **kwargs: Any) -> Path:
     model.save_pretrained(str(directory), **kwargs)
+    if hasattr(model.config, "vision_config"):
+        _processor(model).save_pretrained(str(directory))  # preprocessor_config.json, as published checkpoints carry it
     return directory
 
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     """Reference checkpoints: ERNIE-4.5 (float32, bfloat16, sharded, with biases) and Qwen3-VL (text only, tied, with an image)."""
+    from PIL import Image
+
     root = tmp_path_factory.mktemp("reference")
     torch.set_num_threads(1)
     out: dict[str, Case] = {}
@@ -138,29 +158,36 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
     # bfloat16 as published: the reference runs the bf16 weights widened to float32, as fd computes on cpu.
     bf16_dir = _save(ernie.to(torch.bfloat16), root / "ernie-bf16")
     widened = transformers.Ernie4_5ForCausalLM.from_pretrained(str(bf16_dir), dtype=torch.float32).eval()
-    out["ernie-bf16"] = Case("ernie-bf16", bf16_dir, PROMPT, *_reference(widened, PROMPT, None))
+    out["ernie-bf16"] = Case("ernie-bf16", bf16_dir, PROMPT, *_reference(widened, PROMPT))
 
     biased = _hf_model({**TINY_TEXT, "use_bias": True}, seed=0)
-    out["ernie-bias"] = Case("ernie-bias", _save(biased, root / "ernie-bias"), PROMPT, *_reference(biased, PROMPT, None))
+    out["ernie-bias"] = Case("ernie-bias", _save(biased, root / "ernie-bias"), PROMPT, *_reference(biased, PROMPT))
 
     tied = _hf_model({**TINY_QWEN3_VL, "tie_word_embeddings": True}, seed=5)
-    out["qwen3_vl-tied"] = Case("qwen3_vl-tied", _save(tied, root / "qwen3_vl-tied"), PROMPT, *_reference(tied, PROMPT, None))
+    out["qwen3_vl-tied"] = Case("qwen3_vl-tied", _save(tied, root / "qwen3_vl-tied"), PROMPT, *_reference(tied, PROMPT))
 
-    image = np.random.default_rng(5).integers(0, 256, (3, 32, 48)).astype(np.float32) / 255.0
-    other = np.random.default_rng(6).integers(0, 256, (3, 32, 48)).astype(np.float32) / 255.0
-    np.save(root / "image.npy", image)
-    for name, preset, prompt, seed in (("qwen3_vl", TINY_QWEN3_VL, QWEN_IMAGE_PROMPT, 5), ("ernie_vl", TINY_ERNIE_VL, ERNIE_IMAGE_PROMPT, 0)):
+    pictures = {}
+    for seed, (name, (height, width)) in enumerate([*PICTURES.items(), ("other", PICTURES["wide"])]):
+        pictures[name] = root / f"{name}.png"
+        pixels = np.random.default_rng(seed + 1).integers(0, 256, (height, width, 3)).astype(np.uint8)  # seeds clear of ties
+        Image.fromarray(pixels).save(pictures[name])
+    for name, preset, seed in (("qwen3_vl", TINY_QWEN3_VL, 5), ("ernie_vl", TINY_ERNIE_VL, 0)):
         model = _hf_model(preset, seed)
         directory = _save(model, root / name)
-        out[f"{name}-text"] = Case(f"{name}-text", directory, PROMPT, *_reference(model, PROMPT, None))
-        case = Case(f"{name}-image", directory, prompt, *_reference(model, prompt, image), image=root / "image.npy")
-        case.image_effect = float(np.abs(_reference(model, prompt, other)[1] - case.first_logits).max())
+        out[f"{name}-text"] = Case(f"{name}-text", directory, PROMPT, *_reference(model, PROMPT))
+        one = (pictures["wide"],)
+        case = Case(f"{name}-image", directory, _image_prompt(preset, 6), *_reference(model, _image_prompt(preset, 6), one), images=one)
+        case.image_effect = float(np.abs(_reference(model, case.prompt, (pictures["other"],))[1] - case.first_logits).max())
         out[case.name] = case
+        two = (pictures["wide"], pictures["square"])
+        prompt = _image_prompt(preset, 6, 4)
+        out[f"{name}-two-images"] = Case(f"{name}-two-images", directory, prompt, *_reference(model, prompt, two), images=two)
     return out
 
 
-ALL = ["ernie", "ernie-sharded", "ernie-bf16", "ernie-bias", "qwen3_vl-text", "qwen3_vl-tied", "qwen3_vl-image", "ernie_vl-text", "ernie_vl-image"]
-IMAGES = [name for name in ALL if name.endswith("-image")]
+ALL = ["ernie", "ernie-sharded", "ernie-bf16", "ernie-bias", "qwen3_vl-text", "qwen3_vl-tied", "qwen3_vl-image",
+       "qwen3_vl-two-images", "ernie_vl-text", "ernie_vl-image", "ernie_vl-two-images"]
+IMAGES = [name for name in ALL if name.endswith("-image")]  # one picture, which another picture must change
 # Through two gloo ranks, graphs on (the default): one per model and path (the sharded and bf16 files
 # differ only in how they are read); the image cases with graphs off too.
 TP2 = [("ernie", "auto"), ("ernie-bf16", "auto"), ("qwen3_vl-text", "auto"), ("qwen3_vl-image", "auto"), ("qwen3_vl-image", "off"),
@@ -199,13 +226,13 @@ def _fd_rank_result(case: Case, graph: str) -> tuple[list[int], np.ndarray, bool
     from fd_core.runner import ModelRunner, RunConfig, load_image, plan_run
 
     run = RunConfig(model=None, tp=1, steps=STEPS, prompt_ids=tuple(case.prompt), checkpoint=str(case.directory),
-                    image_path=str(case.image) if case.image else None, graph=graph, progress=False)
+                    images=tuple(map(str, case.images)), graph=graph, progress=False)
     plugins = load_plugins({})
     plan = plan_run(run, plugins)
     runner = ModelRunner(load_backend(ParallelConfig(), plugins=plugins), plan.arch, plan.config, run.checkpoint, graph=graph)
     runner.load()
     decision = runner.decide()
-    image = load_image(run.image_path) if run.image_path else None
+    image = [load_image(path) for path in run.images] or None
     runner.prepare(len(case.prompt) + STEPS)
     logits = runner.model.prefill(np.asarray([case.prompt]), image).numpy()[0]
     runner.prepare(len(case.prompt) + STEPS)
@@ -244,8 +271,8 @@ def tp2_runs(cases: dict[str, Case]) -> dict[tuple[str, str], subprocess.Complet
             case = cases[name]
             args = [sys.executable, "-m", "fd_core.cli", "run", "--tp", "2", "--checkpoint", str(case.directory), "--graph", graph,
                     "--steps", str(STEPS), "--prompt-ids", ",".join(map(str, case.prompt)), "--json"]
-            if case.image:
-                args += ["--image", str(case.image)]
+            for path in case.images:
+                args += ["--image", str(path)]
             procs[(name, graph)] = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for key, proc in procs.items():
             out, err = proc.communicate(timeout=300)
