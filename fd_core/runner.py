@@ -175,13 +175,13 @@ def plan_run(run: RunConfig, plugins: PluginSet | None = None) -> Plan:
             f"{len(run.prompt_ids)} prompt tokens + {run.steps} steps exceed max_position_embeddings="
             f"{config.max_position_embeddings} of {arch.name}; generate fewer tokens"
         )
-    if run.images:
-        if not arch.multimodal:
-            raise ConfigError(f"{arch.name} takes no image; drop --image or choose a VL model")
-        # A missing or malformed picture, or a prompt whose placeholders do not fit it, fails here, before any rank starts.
-        shapes = [load_image(path).shape for path in run.images]
-        if arch.check_prompt is not None:
-            arch.check_prompt(config, run.prompt_ids, shapes)
+    if run.images and not arch.multimodal:
+        raise ConfigError(f"{arch.name} takes no image; drop --image or choose a VL model")
+    # A missing or malformed picture, or a prompt whose placeholders do not fit the pictures (or hold
+    # placeholders without any), fails here, before any rank starts.
+    shapes = [load_image(path).shape for path in run.images]
+    if arch.check_prompt is not None:
+        arch.check_prompt(config, run.prompt_ids, shapes)
     return Plan(run, arch, config, backend.platform, backend.detection.dist_backend)
 
 

@@ -57,5 +57,7 @@ def fd_all_reduce(tensor: Any, group: Any) -> Any:
 def fd_graph_eligibility(model_config: ModelConfig, parallel_config: ParallelConfig, graph_mode: str) -> GraphVote:
     """Veto CUDA graphs for ERNIE-VL at tp > 1, which fails under capture on Iluvatar."""
     if model_config.architecture in _VL_GRAPH_UNSAFE and parallel_config.tp_size > 1:
-        return GraphVote.veto(f"ERNIE-VL with tp={parallel_config.tp_size} fails under CUDA graph capture on Iluvatar")
+        return GraphVote.veto(
+            f"ERNIE-4.5-VL (Ernie4_5_VLMoeForConditionalGeneration) with tp={parallel_config.tp_size} fails under CUDA graph capture on Iluvatar"
+        )
     return GraphVote.ok("Iluvatar captures this model's decode")

@@ -224,3 +224,73 @@ def test_stored_float_types_widen_exactly(tmp_path: Path) -> None:
         np.testing.assert_array_equal(np.asarray(shards["b"]), widened[:, 2 * rank : 2 * rank + 2])
         np.testing.assert_array_equal(np.asarray(shards["h"]), half.astype(np.float32)[3 * rank : 3 * rank + 3])
         assert np.asarray(shards["b"]).dtype == np.float32
+
+
+@pytest.fixture(scope="module")
+def pictures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("pictures")
+    out = {"good": root / "good.png", "text": root / "notes.png", "empty": root / "empty.jpg", "huge": root / "huge.npy"}
+    Image.fromarray(np.zeros((32, 32, 3), dtype=np.uint8)).save(out["good"])
+    out["text"].write_text("not a picture")
+    out["empty"].write_bytes(b"")
+    np.lib.format.open_memmap(out["huge"], mode="w+", dtype=np.uint8, shape=(3, 10000, 10000))  # sparse on disk
+    return out
+
+
+QWEN_PROMPT = "5,17,508,510,510,510,510,509,42"  # one run of 4 placeholders: a 32x32 picture
+
+
+@pytest.mark.parametrize(
+    ("picture", "message"),
+    [
+        ("text", "--image {path}: not a readable picture (UnidentifiedImageError: cannot identify image file '{path}'); pass a PNG or JPEG file"),
+        ("empty", "--image {path}: not a readable picture (UnidentifiedImageError: cannot identify image file '{path}'); pass a PNG or JPEG file"),
+        ("huge", "--image {path}: 10000x10000 is above the 67108864 pixels fd reads; downscale it"),
+        ("missing", "--image {path}: no such file; pass a PNG or JPEG picture or a .npy array [C, H, W]"),
+    ],
+)
+def test_bad_pictures_are_one_line_before_any_process(pictures: dict[str, Path], tmp_path: Path, picture: str, message: str) -> None:
+    path = pictures.get(picture, tmp_path / "missing.png")
+    done = run_fd(["run", "--model", "qwen3_vl", "--prompt-ids", QWEN_PROMPT, "--image", str(path)], traced=True)
+    assert_one_line_error(done, message.format(path=path))
+    assert_nothing_started(done)
+
+
+@pytest.mark.parametrize(
+    ("images", "message"),
+    [
+        (0, "have lengths 4; the 0 picture(s) given need none"),
+        (2, "have lengths 4; the 2 picture(s) given need 4, 4"),
+    ],
+    ids=["placeholders-without-image", "more-images-than-placeholders"],
+)
+def test_placeholders_must_match_the_pictures(pictures: dict[str, Path], images: int, message: str) -> None:
+    args = ["run", "--model", "qwen3_vl", "--prompt-ids", QWEN_PROMPT]
+    for _ in range(images):
+        args += ["--image", str(pictures["good"])]
+    done = run_fd(args, traced=True)
+    assert_one_line_error(
+        done, f"the prompt's runs of image placeholder tokens (510) {message}, one run per picture in order; put one run of image tokens per --image in the prompt"
+    )
+    assert_nothing_started(done)
+
+
+def test_a_good_picture_runs(pictures: dict[str, Path]) -> None:
+    done = run_fd(["run", "--tp", "1", "--model", "qwen3_vl", "--prompt-ids", QWEN_PROMPT, "--image", str(pictures["good"]), "--steps", "2", "--json"])
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)["tokens"]) == 2
+
+
+def test_expert_sizes_tp_cannot_split(tmp_path: Path) -> None:
+    from fd_models.presets import TINY_ERNIE_VL
+
+    data = json.loads(json.dumps(TINY_ERNIE_VL))
+    data["text_config"]["moe_intermediate_size"] = [32, 15]
+    directory = write_config(tmp_path / "ckpt", data)
+    done = run_fd(["run", "--tp", "2", "--checkpoint", str(directory)], traced=True)
+    assert_one_line_error(
+        done, "tp=2 does not divide moe_intermediate_size[1]=15 of ernie4_5_vl; choose a tp that divides each of them"
+    )
+    assert_nothing_started(done)

@@ -188,10 +188,14 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
 ALL = ["ernie", "ernie-sharded", "ernie-bf16", "ernie-bias", "qwen3_vl-text", "qwen3_vl-tied", "qwen3_vl-image",
        "qwen3_vl-two-images", "ernie_vl-text", "ernie_vl-image", "ernie_vl-two-images"]
 IMAGES = [name for name in ALL if name.endswith("-image")]  # one picture, which another picture must change
-# Through two gloo ranks, graphs on (the default): one per model and path (the sharded and bf16 files
-# differ only in how they are read); the image cases with graphs off too.
-TP2 = [("ernie", "auto"), ("ernie-bf16", "auto"), ("qwen3_vl-text", "auto"), ("qwen3_vl-image", "auto"), ("qwen3_vl-image", "off"),
-       ("ernie_vl-text", "auto"), ("ernie_vl-image", "auto"), ("ernie_vl-image", "off")]
+# `fd run` as a command: through two gloo ranks, graphs on (the default), one per model and path (the
+# sharded and bf16 files differ only in how they are read), the image cases with graphs off too; and
+# the image paths at tp=1 from the command line as well.
+CLI_RUNS = [
+    ("ernie", 2, "auto"), ("ernie-bf16", 2, "auto"), ("qwen3_vl-text", 2, "auto"), ("qwen3_vl-image", 2, "auto"),
+    ("qwen3_vl-image", 2, "off"), ("ernie_vl-text", 2, "auto"), ("ernie_vl-image", 2, "auto"), ("ernie_vl-image", 2, "off"),
+    ("qwen3_vl-two-images", 2, "auto"), ("ernie_vl-two-images", 1, "auto"), ("qwen3_vl-image", 1, "off"),
+]
 
 
 def test_reference_cases_are_saved_as_published(cases: dict[str, Case]) -> None:
@@ -262,30 +266,30 @@ def test_the_image_changes_the_reference_output(cases: dict[str, Case], name: st
 
 
 @pytest.fixture(scope="module")
-def tp2_runs(cases: dict[str, Case]) -> dict[tuple[str, str], subprocess.CompletedProcess[str]]:
-    """`fd run --tp 2 --json` on each TP2 case, two at a time (four ranks on a 2-core machine is enough)."""
-    done: dict[tuple[str, str], subprocess.CompletedProcess[str]] = {}
-    for start in range(0, len(TP2), 2):
-        procs: dict[tuple[str, str], subprocess.Popen[str]] = {}
-        for name, graph in TP2[start : start + 2]:
+def cli_runs(cases: dict[str, Case]) -> dict[tuple[str, int, str], subprocess.CompletedProcess[str]]:
+    """`fd run --json` on each CLI_RUNS case, two at a time (four ranks on a 2-core machine is enough)."""
+    done: dict[tuple[str, int, str], subprocess.CompletedProcess[str]] = {}
+    for start in range(0, len(CLI_RUNS), 2):
+        procs: dict[tuple[str, int, str], subprocess.Popen[str]] = {}
+        for name, tp, graph in CLI_RUNS[start : start + 2]:
             case = cases[name]
-            args = [sys.executable, "-m", "fd_core.cli", "run", "--tp", "2", "--checkpoint", str(case.directory), "--graph", graph,
+            args = [sys.executable, "-m", "fd_core.cli", "run", "--tp", str(tp), "--checkpoint", str(case.directory), "--graph", graph,
                     "--steps", str(STEPS), "--prompt-ids", ",".join(map(str, case.prompt)), "--json"]
             for path in case.images:
                 args += ["--image", str(path)]
-            procs[(name, graph)] = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            procs[(name, tp, graph)] = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for key, proc in procs.items():
             out, err = proc.communicate(timeout=300)
             done[key] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     return done
 
 
-@pytest.mark.parametrize(("name", "graph"), TP2)
-def test_fd_run_tp2_matches_the_reference(cases: dict[str, Case], tp2_runs: dict[tuple[str, str], Any], name: str, graph: str) -> None:
-    run = tp2_runs[(name, graph)]
+@pytest.mark.parametrize(("name", "tp", "graph"), CLI_RUNS)
+def test_fd_run_matches_the_reference(cases: dict[str, Case], cli_runs: dict[tuple[str, int, str], Any], name: str, tp: int, graph: str) -> None:
+    run = cli_runs[(name, tp, graph)]
     assert run.returncode == 0, run.stderr
     result = json.loads(run.stdout)
-    assert result["tp"] == 2 and result["graph"]["allowed"] is (graph == "auto")
+    assert result["tp"] == tp and result["graph"]["allowed"] is (graph == "auto")
     assert result["tokens"] == cases[name].tokens
 
 

@@ -59,7 +59,7 @@ def test_veto_fires_for_ernie_vl_only_above_one_rank(architecture: str, tp: int,
     vote = iluvatar.fd_graph_eligibility(ModelConfig(architecture=architecture), ParallelConfig(tp_size=tp), "cuda_graph")
     assert vote.allow is allowed
     if not allowed:
-        assert vote.reason == f"ERNIE-VL with tp={tp} fails under CUDA graph capture on Iluvatar"
+        assert vote.reason == f"ERNIE-4.5-VL (Ernie4_5_VLMoeForConditionalGeneration) with tp={tp} fails under CUDA graph capture on Iluvatar"
 
 
 def test_the_backend_decision_carries_the_veto_and_its_reason() -> None:
@@ -67,7 +67,7 @@ def test_the_backend_decision_carries_the_veto_and_its_reason() -> None:
     backend = load_backend(ParallelConfig(tp_size=2), env={"FD_PLATFORM": "iluvatar"})
     decision = backend.graph_decision(ModelConfig(architecture="ernie4_5_vl"))
     assert not decision.allowed
-    assert decision.summary() == "cuda_graph off: iluvatar vetoed: ERNIE-VL with tp=2 fails under CUDA graph capture on Iluvatar"
+    assert decision.summary() == "cuda_graph off: iluvatar vetoed: ERNIE-4.5-VL (Ernie4_5_VLMoeForConditionalGeneration) with tp=2 fails under CUDA graph capture on Iluvatar"
     assert backend.all_reduce_binding == "direct: iluvatar.fd_all_reduce"
 
 
@@ -76,7 +76,7 @@ def test_fd_explain_shows_the_veto_for_the_registered_architecture() -> None:
     assert done.returncode == 0, done.stderr
     assert "platform: iluvatar (forced by FD_PLATFORM=iluvatar)" in done.stdout
     assert "model: ernie4_5_vl (registered by ernie4_5_vl), tp=2" in done.stdout
-    assert "graph: cuda_graph off: iluvatar vetoed: ERNIE-VL with tp=2 fails under CUDA graph capture on Iluvatar" in done.stdout
+    assert "graph: cuda_graph off: iluvatar vetoed: ERNIE-4.5-VL (Ernie4_5_VLMoeForConditionalGeneration) with tp=2 fails under CUDA graph capture on Iluvatar" in done.stdout
 
 
 def test_cleanup_frees_the_state_dict_then_empties_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
