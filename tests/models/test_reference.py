@@ -1,11 +1,13 @@
 """The independent oracle: checkpoints written by Hugging Face transformers, run by `fd`, give the reference's output.
 
 Each case builds a tiny random model with the reference implementation (transformers on a CPU build
-of torch, from the `test` extra), saves it with `save_pretrained` exactly as published checkpoints
-are saved, and compares greedy tokens and first-step logits with what fd produces from that
-directory: in-process at tp=1 (`run_rank`, what `fd run --tp 1` calls) and through `fd run --tp 2`
-over two gloo ranks. The seeds are checked to keep every step's top-2 logits apart, so a token
-match is not luck of a near-tie.
+of torch, from the `test` extra), saves it with `save_pretrained` (and its image processor's
+`preprocessor_config.json`) as published checkpoints are saved, and compares greedy tokens and
+first-step logits with what fd produces from that directory: in this process through the runner
+at tp=1 (what `fd run --tp 1` runs), and through the `fd run` command at tp=1 and over two gloo
+ranks, graphs on and off. Pictures are PNG files that both sides resize. The seeds are checked to
+keep every step's top-2 logits apart, so a token match is not luck of a near-tie; the reference
+runs the whole sequence each step, with no cache, so it shares no shortcut with fd.
 """
 
 from __future__ import annotations
