@@ -10,7 +10,7 @@ from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.detection import Detection
 from fd_core.errors import PlatformError, PluginError
 from fd_core.graphs import CastVote, GraphBackend, GraphDecision, GraphVote
-from fd_core.plugins import PluginSet, load_plugins
+from fd_core.plugins import PluginSet, _caller_for, call_bounded, hook_timeout, load_plugins
 
 AllReduce = Callable[[Any], Any]
 
@@ -58,6 +58,17 @@ def _chain(fns: list[AllReduce], names: list[str]) -> AllReduce:
     return all_reduce
 
 
+def _checked_vote(plugin: str, answer: Any) -> CastVote:
+    """A plugin's vote, type-checked: a third party's answer is verified where it is used."""
+    if not isinstance(answer, GraphVote):
+        raise PluginError(f"plugin {plugin!r}: fd_graph_eligibility returned {type(answer).__name__}; return fd_core.GraphVote or None")
+    if not isinstance(answer.allow, bool) or not isinstance(answer.reason, str):
+        raise PluginError(f"plugin {plugin!r}: fd_graph_eligibility returned GraphVote(allow={answer.allow!r}, reason={answer.reason!r}); allow must be True or False and reason a string")
+    if not answer.allow and not answer.reason.strip():
+        raise PluginError(f"plugin {plugin!r}: fd_graph_eligibility vetoed without a reason; return GraphVote.veto('why')")
+    return CastVote(plugin, answer.allow, answer.reason)
+
+
 class Backend:
     """The active platform's ops for one rank; build it with `load_backend()`."""
 
@@ -82,12 +93,9 @@ class Backend:
         wrappers = [i.plugin_name for i in impls if i.hookwrapper or i.wrapper]
         group = self.parallel.group
         if wrappers:
-            # pluggy's own call path, with what HookCaller.__call__ redoes on every call (argument
-            # checks, copying the implementation list) done once here: wrappers still see every call.
-            hookexec, name, frozen = self.plugins.pm._hookexec, caller.name, tuple(impls)
-
+            # The full hook call, so that every wrapper sees every call; resolved once, public API only.
             def through_hook(tensor: Any) -> Any:
-                return hookexec(name, frozen, {"tensor": tensor, "group": group}, True)
+                return caller(tensor=tensor, group=group)
 
             return through_hook, f"hook call (wrapped by {', '.join(wrappers)})"
         # pluggy calls the last of get_hookimpls() first.
@@ -117,20 +125,21 @@ class Backend:
             if not arch.graph_capable:
                 votes.append(CastVote(arch.package, False, f"{arch.name} is registered as not graph-capable"))
         args = {"model_config": model_config, "parallel_config": parallel_config, "graph_mode": mode or ""}
+        timeout = hook_timeout()
         for impl in reversed(self.hook.fd_graph_eligibility.get_hookimpls()):
+            if impl.wrapper or impl.hookwrapper:
+                continue
             name = impl.plugin_name
+            caller = _caller_for(self.plugins.pm, "fd_graph_eligibility", name)
             try:
-                answer = impl.function(*[args[a] for a in impl.argnames])
+                answers = call_bounded(lambda: caller(**args), timeout, f"plugin {name!r}: fd_graph_eligibility")
+            except PluginError:
+                raise
             except Exception as exc:  # noqa: BLE001 - a voter that raises vetoes, with its error as reason
                 votes.append(CastVote(name, False, f"fd_graph_eligibility raised {type(exc).__name__}: {exc}"))
                 continue
-            if answer is None:
-                continue
-            if not isinstance(answer, GraphVote):
-                raise PluginError(f"plugin {name!r}: fd_graph_eligibility returned {type(answer).__name__}; return fd_core.GraphVote or None")
-            if not answer.allow and not answer.reason.strip():
-                raise PluginError(f"plugin {name!r}: fd_graph_eligibility vetoed without a reason; return GraphVote.veto('why')")
-            votes.append(CastVote(name, answer.allow, answer.reason))
+            for answer in answers:  # one per voter; more only if a wrapper added votes
+                votes.append(_checked_vote(name, answer))
         allowed = requested != "off" and mode is not None and all(v.allow for v in votes)
         return GraphDecision(allowed=allowed, mode=mode, votes=tuple(votes), requested=requested)
 

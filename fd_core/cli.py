@@ -44,26 +44,30 @@ def _print_json(data: Any) -> None:
 def cmd_plugins(args: argparse.Namespace) -> int:
     from fd_core.plugins import load_plugins
 
-    plugins = load_plugins()
+    # Not strict: a plugin that fails validation or registration is listed with its error, not fatal.
+    plugins = load_plugins(strict=False)
     rows = [r.to_dict() for r in plugins.records]
     if args.json:
-        _print_json({"platform": plugins.platform, "selection": plugins.selection, "plugins": rows})
-        return 0
-    print(f"platform: {plugins.platform} ({plugins.selection})")
-    for kind in ("platform", "model", "extension"):
-        group = [r for r in plugins.records if r.kind == kind]
-        if not group:
-            continue
-        print(f"\n{kind} plugins:")
-        for r in group:
-            origin = f"{r.distribution} {r.version}" if r.distribution else "(not installed: passed in)"
-            print(f"  {r.name:<12} {origin:<24} {r.status}")
-            if r.load_error:
-                print(f"  {'':<12} error: {r.load_error}")
-            if r.hooks:
-                print(f"  {'':<12} hooks: {', '.join(r.hooks)}")
-    if plugins.registry:
-        print("\narchitectures: " + ", ".join(f"{a.name} ({a.package})" for a in plugins.registry))
+        _print_json({"platform": plugins.platform, "selection": plugins.selection, "plugins": rows, "problems": plugins.problems})
+    else:
+        print(f"platform: {plugins.platform} ({plugins.selection})")
+        for kind in ("platform", "model", "extension"):
+            group = [r for r in plugins.records if r.kind == kind]
+            if not group:
+                continue
+            print(f"\n{kind} plugins:")
+            for r in group:
+                origin = f"{r.distribution} {r.version}" if r.distribution else "(not installed: passed in)"
+                print(f"  {r.name:<12} {origin:<24} {r.status}")
+                if r.load_error:
+                    print(f"  {'':<12} error: {r.load_error}")
+                if r.hooks:
+                    print(f"  {'':<12} hooks: {', '.join(r.hooks)}")
+        if plugins.registry:
+            print("\narchitectures: " + ", ".join(f"{a.name} ({a.package})" for a in plugins.registry))
+    if plugins.problems:
+        # The listing is printed; the exit code and the last line say the set is not usable for a run.
+        plugins.require_usable()
     return 0
 
 
@@ -245,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a picture for a VL model: PNG, JPEG, or .npy [C,H,W] in [0,1]; repeat for several images, in the order of their placeholders")
     p.add_argument("--checkpoint", default=None, help="a checkpoint directory as transformers saves it (config.json, *.safetensors)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16", "float64"),
-                   help="compute dtype (default: the platform's preferred one; float32 on cpu)")
+                   help="compute dtype (default: the platform's preferred one, the first it lists; see fd plugins)")
     p.add_argument("--graph", choices=("auto", "off"), default="auto")
     p.add_argument("--reload-cycles", type=_non_negative, default=0, help="weight-update cycles after the first run")
     p.add_argument("--seed", type=int, default=0)

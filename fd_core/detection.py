@@ -13,7 +13,7 @@ class Detection:
     detected: bool
     priority: int = 0
     reason: str = ""
-    # The paddle device type ops run on ("cpu", or the type a device platform names); "" when not detected.
+    # The paddle device type ops run on (what paddle.set_device takes); "" when not detected.
     device: str = ""
     # The paddle.distributed backend its ranks rendezvous with.
     dist_backend: str = ""

@@ -92,8 +92,10 @@ class ModelRegistry:
 
     _by_name: dict[str, Architecture] = field(default_factory=dict)
     _aliases: dict[str, str] = field(default_factory=dict)
+    _builtin: dict[str, bool] = field(default_factory=dict)
 
-    def add(self, arch: Architecture, *, has_clear_hook: bool) -> None:
+    def add(self, arch: Architecture, *, has_clear_hook: bool, builtin: bool = False) -> None:
+        """Register `arch`; a clash blames `arch`'s package, so register built-ins first."""
         if arch.graph_capable and not has_clear_hook:
             raise PluginError(
                 f"plugin {arch.package!r} registers graph-capable architecture {arch.name!r} "
@@ -102,14 +104,26 @@ class ModelRegistry:
             )
         for key in (arch.name, *arch.aliases):
             owner = self._aliases.get(key)
-            if owner is not None:
-                raise PluginError(
-                    f"plugin {arch.package!r} registers architecture {key!r}, already registered by "
-                    f"{self._by_name[owner].package!r}; rename one of them"
-                )
+            if owner is None:
+                continue
+            holder = self._by_name[owner]
+            provider = f"the built-in {holder.package!r}" if self._builtin.get(owner, False) else repr(holder.package)
+            raise PluginError(
+                f"plugin {arch.package!r} registers architecture {key!r}, already registered by {provider}; "
+                f"rename it in {arch.package!r}"
+            )
         self._by_name[arch.name] = arch
+        self._builtin[arch.name] = builtin
         for key in (arch.name, *arch.aliases):
             self._aliases[key] = arch.name
+
+    def remove_package(self, package: str) -> None:
+        """Drop every architecture `package` registered (its registration failed part way)."""
+        for name in [n for n, a in self._by_name.items() if a.package == package]:
+            del self._by_name[name]
+            self._builtin.pop(name, None)
+            for key in [k for k, v in self._aliases.items() if v == name]:
+                del self._aliases[key]
 
     def get(self, name: str) -> Architecture:
         key = self._aliases.get(name)

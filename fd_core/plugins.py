@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import os
 import sys
+import threading
 from dataclasses import dataclass, field, replace
 from importlib.metadata import EntryPoint, entry_points
 from types import ModuleType
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Callable, Iterable, Literal, Mapping, TypeVar
 
 import pluggy
 
@@ -22,8 +22,11 @@ from fd_core.models import Architecture, ModelRegistry
 Kind = Literal["platform", "model", "extension"]
 GROUPS: dict[str, Kind] = {"fd.platforms": "platform", "fd.models": "model", "fd.plugins": "extension"}
 DISTRIBUTION = "fd-backends"
-DEFAULT_PLATFORM = "cpu"
 HOOK_NAMES: tuple[str, ...] = tuple(n for n in vars(hookspecs) if n.startswith(f"{PROJECT}_"))
+# Seconds a plugin's hook may take when called at selection (detection, votes) before fd gives up on it.
+HOOK_TIMEOUT_ENV = "FD_HOOK_TIMEOUT"
+DEFAULT_HOOK_TIMEOUT = 60.0
+T = TypeVar("T")
 
 
 @dataclass
@@ -40,6 +43,8 @@ class PluginRecord:
     load_error: str | None = None
     detection: Detection | None = None
     detect_error: str | None = None
+    # Validation or registration failed: the plugin is listed, never registered, and `fd run` refuses to start.
+    error: str | None = None
     active: bool = False
     status: str = ""
 
@@ -64,7 +69,7 @@ class PluginRecord:
             "allowed": self.allowed,
             "hooks": self.hooks,
             "detection": self.detection.to_dict() if self.detection else None,
-            "error": self.load_error or self.detect_error,
+            "error": self.load_error or self.error or self.detect_error,
             "active": self.active,
             "status": self.status,
         }
@@ -79,6 +84,15 @@ class PluginSet:
     selection: str
     pm: pluggy.PluginManager
     registry: ModelRegistry = field(default_factory=ModelRegistry)
+    # What makes this set unusable for a run (a plugin that failed validation or registration, a
+    # platform name claimed twice); `fd plugins` lists them, everything else raises the first.
+    problems: list[str] = field(default_factory=list)
+
+    def require_usable(self) -> None:
+        """Raise the first problem as a PluginError (a run must not start with a broken plugin)."""
+        if self.problems:
+            more = f" (and {len(self.problems) - 1} more problem(s); see fd plugins)" if len(self.problems) > 1 else ""
+            raise PluginError(self.problems[0] + more)
 
     @property
     def detection(self) -> Detection:
@@ -88,35 +102,54 @@ class PluginSet:
         return Detection(detected=False, reason=record.detect_error or "not detected")
 
     def record(self, name: str, kind: Kind = "platform") -> PluginRecord:
-        for r in self.records:
-            if r.name == name and r.kind == kind:
-                return r
-        raise KeyError(name)
+        """The plugin of that kind and name; when two distributions claim the name, the one in use."""
+        matches = [r for r in self.records if r.name == name and r.kind == kind]
+        if not matches:
+            raise KeyError(name)
+        return next((r for r in matches if r.active), next((r for r in matches if r.error is None), matches[0]))
 
 
 def _normalise(name: str | None) -> str | None:
     return None if name is None else name.lower().replace("_", "-")
 
 
+_PARSER = pluggy.PluginManager(PROJECT)
+
+
 def _impl_function(module: object, hook: str) -> Any:
+    """`module`'s implementation of `hook` if it is marked with @hookimpl (pluggy's own parsing), else None."""
     fn = getattr(module, hook, None)
-    return fn if callable(fn) and hasattr(fn, f"{PROJECT}_impl") else None
+    return fn if callable(fn) and _PARSER.parse_hookimpl_opts(module, hook) is not None else None  # type: ignore[arg-type]
+
+
+def _distance(a: str, b: str) -> int:
+    """Levenshtein edit distance."""
+    previous = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        current = [i]
+        for j, cb in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
+        previous = current
+    return previous[-1]
 
 
 def _nearest(name: str, choices: Iterable[str]) -> str:
-    """Suggest the closest name; hook names are verb-first, so a matching first word counts most."""
-    choices = list(choices)
+    """Suggest the closest valid name: edit distance (the shared `fd_` prefix aside), and names being
+    verb-first, the same leading word counts in a candidate's favour (`fd_clear_grpah_opt_backend`
+    means `fd_clear_graphs`, not `fd_graph_backend`)."""
+    choices = sorted(choices)
+    bare = name.removeprefix(f"{PROJECT}_")
 
-    def first_word(text: str) -> str:
-        return text.removeprefix(f"{PROJECT}_").split("_", 1)[0]
+    def cost(choice: str) -> float:
+        other = choice.removeprefix(f"{PROJECT}_")
+        same_verb = bare.split("_", 1)[0] == other.split("_", 1)[0]
+        same_words = sorted(bare.split("_")) == sorted(other.split("_"))  # fd_detect_platform
+        return _distance(bare, other) / max(len(bare), len(other), 1) - (0.3 if same_verb else 0.0) - (0.6 if same_words else 0.0)
 
-    def score(choice: str) -> tuple[bool, float]:
-        return first_word(choice) == first_word(name), difflib.SequenceMatcher(None, name, choice).ratio()
-
-    best = max(choices, key=score, default=None)
-    if best is not None and (score(best)[0] or score(best)[1] >= 0.5):
+    best = min(choices, key=cost, default=None)
+    if best is not None and cost(best) <= 0.5:
         return f"did you mean {best!r}?"
-    return f"valid names: {', '.join(sorted(choices))}"
+    return f"valid names: {', '.join(choices)}"
 
 
 def _hookspec_args(hook: str) -> tuple[str, ...]:
@@ -144,6 +177,12 @@ def validate_module(name: str, module: object) -> None:
         if not marked and attr in HOOK_NAMES and getattr(value, "__module__", None) == getattr(module, "__name__", None):
             raise PluginError(f"plugin {name!r}: function {attr!r} is named like a hook but lacks @hookimpl; decorate it with fd_core.hookimpl")
         if marked:
+            opts = _PARSER.parse_hookimpl_opts(module, attr) or {}  # type: ignore[arg-type]
+            if (opts.get("wrapper") or opts.get("hookwrapper")) and not inspect.isgeneratorfunction(value):
+                raise PluginError(
+                    f"plugin {name!r}: hook {attr!r}: declared as wrapper=True or hookwrapper=True but function is not a "
+                    f"generator function; make it a generator that yields exactly once"
+                )
             spec_args = _hookspec_args(attr)
             impl_args = arg_names(value)
             for arg in impl_args:
@@ -163,15 +202,9 @@ def new_plugin_manager() -> pluggy.PluginManager:
 def _register(pm: pluggy.PluginManager, name: str, module: object) -> None:
     try:
         pm.register(module, name=name)
-    except pluggy.PluginValidationError as exc:
-        # pluggy's message spans lines: "Plugin .. for hook ..", the definition, then the reason.
-        lines = str(exc).splitlines()
-        hook = next((ln.split("for hook ")[-1].strip("'") for ln in lines if "for hook " in ln), "?")
-        reason = lines[-1][0].lower() + lines[-1][1:] if lines else "invalid"
-        fix = "; make it a generator that yields exactly once" if "generator" in reason else ""
-        raise PluginError(f"plugin {name!r}: hook {hook!r}: {reason}{fix}") from None
-    except ValueError as exc:
-        raise PluginError(f"plugin {name!r}: {exc}") from None
+    except (pluggy.PluginValidationError, ValueError) as exc:
+        # validate_module has already checked what fd can name precisely; this is pluggy's own verdict.
+        raise PluginError(f"plugin {name!r}: pluggy refused it: {' '.join(str(exc).split())}") from None
 
 
 def _allow_list(env: Mapping[str, str]) -> set[str] | None:
@@ -189,15 +222,40 @@ def _allowed(record: PluginRecord, allow: set[str] | None) -> bool:
 
 def _entry_points() -> list[tuple[Kind, EntryPoint]]:
     found: list[tuple[Kind, EntryPoint]] = []
-    seen: set[tuple[str, str]] = set()
+    seen: set[tuple[str | None, str, str]] = set()
     for group, kind in GROUPS.items():
         for ep in entry_points(group=group):
-            # A distribution visible twice on sys.path yields its entry points twice.
-            if (group, ep.name) in seen:
+            # One distribution visible twice on sys.path yields its entry points twice: keep one. Two
+            # distributions declaring the same name are both kept, and the clash is reported.
+            key = (_normalise(ep.dist.name) if ep.dist else None, group, ep.name)
+            if key in seen:
                 continue
-            seen.add((group, ep.name))
+            seen.add(key)
             found.append((kind, ep))
     return found
+
+
+def _clashes(records: list[PluginRecord]) -> list[str]:
+    """A message per plugin name that a second distribution also claims in the same group, blaming the newcomer."""
+    problems = []
+    by_name: dict[tuple[Kind, str], list[PluginRecord]] = {}
+    for record in records:
+        if record.allowed:
+            by_name.setdefault((record.kind, record.name), []).append(record)
+    for (kind, name), claimants in by_name.items():
+        if len(claimants) < 2:
+            continue
+        # The built-in (or else the first found) keeps the name; every other claimant is the newcomer.
+        keeper = next((r for r in claimants if r.builtin), claimants[0])
+        for newcomer in claimants:
+            if newcomer is keeper:
+                continue
+            newcomer.error = (
+                f"distribution {newcomer.distribution!r} declares {kind} plugin {name!r}, which "
+                f"{keeper.distribution or 'another plugin'} already provides; uninstall it, or leave it out with FD_PLUGINS"
+            )
+            problems.append(newcomer.error)
+    return problems
 
 
 def discover(env: Mapping[str, str] | None = None, extra: Iterable[tuple[Kind, str, object]] = ()) -> list[PluginRecord]:
@@ -237,19 +295,61 @@ def discover(env: Mapping[str, str] | None = None, extra: Iterable[tuple[Kind, s
     return records
 
 
-def _detect(record: PluginRecord) -> None:
+def hook_timeout(env: Mapping[str, str] | None = None) -> float:
+    """The time limit for a plugin's hook at selection: FD_HOOK_TIMEOUT seconds, else the default."""
+    raw = (os.environ if env is None else env).get(HOOK_TIMEOUT_ENV, "")
+    try:
+        value = float(raw) if raw.strip() else DEFAULT_HOOK_TIMEOUT
+    except ValueError:
+        raise PluginError(f"{HOOK_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise PluginError(f"{HOOK_TIMEOUT_ENV}={raw!r} must be a positive, finite number of seconds")
+    return value
+
+
+def call_bounded(fn: Callable[[], T], timeout: float, what: str) -> T:
+    """fn() in a daemon thread; a PluginError naming `what` if it has not returned within `timeout` seconds.
+
+    A plugin's code cannot be interrupted from outside; its thread is left behind and dies with the process.
+    """
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name=f"fd-hook {what}", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise PluginError(f"{what} did not return within {timeout:g} s; fix or uninstall the plugin (FD_PLUGINS can leave it out, {HOOK_TIMEOUT_ENV} raises the limit)")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _detect(record: PluginRecord, timeout: float) -> None:
     fn = _impl_function(record.module, "fd_platform_detect")
     if fn is None:
         record.detect_error = "implements no fd_platform_detect; add one so it can be selected"
         return
     try:
-        answer = fn()
+        answer = call_bounded(fn, timeout, f"platform {record.name!r}: fd_platform_detect")
+    except PluginError as exc:  # it never returned: not detected, and said so
+        record.detect_error = str(exc).split(": ", 1)[1]
+        print(f"fd: warning: {exc}", file=sys.stderr)
+        return
     except Exception as exc:  # noqa: BLE001 - a detection that raises is reported, never fatal
         record.detect_error = f"fd_platform_detect raised {type(exc).__name__}: {exc}"
         print(f"fd: warning: platform {record.name!r}: {record.detect_error}", file=sys.stderr)
         return
+    if answer is None:  # the spec allows it: "not my hardware, nothing to say"
+        record.detection = Detection(detected=False, reason="fd_platform_detect returned None")
+        return
     if not isinstance(answer, Detection):
-        record.detect_error = f"fd_platform_detect returned {type(answer).__name__}, expected fd_core.Detection"
+        record.detect_error = f"fd_platform_detect returned {type(answer).__name__}, expected fd_core.Detection or None"
         return
     problem = answer.problem()
     if problem is not None:
@@ -259,8 +359,8 @@ def _detect(record: PluginRecord) -> None:
 
 
 def select_platform(records: list[PluginRecord], env: Mapping[str, str]) -> tuple[str, str]:
-    """Pick the platform: FD_PLATFORM if set, else the highest-priority detection, else cpu."""
-    platforms = [r for r in records if r.kind == "platform" and r.allowed]
+    """Pick the platform: FD_PLATFORM if set, else the highest-priority detection; none detected is an error."""
+    platforms = [r for r in records if r.kind == "platform" and r.allowed and r.error is None]
     installed = ", ".join(sorted(r.name for r in platforms)) or "none"
     forced = env.get("FD_PLATFORM", "").strip()
     if forced:
@@ -272,9 +372,7 @@ def select_platform(records: list[PluginRecord], env: Mapping[str, str]) -> tupl
         return forced, f"forced by FD_PLATFORM={forced}"
     usable = [r for r in platforms if r.detection is not None and r.detection.detected]
     if not usable:
-        if any(r.name == DEFAULT_PLATFORM and r.module is not None for r in platforms):
-            return DEFAULT_PLATFORM, "no platform detected its hardware; using the default"
-        raise PlatformError(f"no platform detected and the default {DEFAULT_PLATFORM!r} is not loaded; installed: {installed}")
+        raise PlatformError(f"no platform detected its hardware; installed: {installed}; set FD_PLATFORM to one of them")
     top = max(r.detection.priority for r in usable)  # type: ignore[union-attr]
     best = [r for r in usable if r.detection.priority == top]  # type: ignore[union-attr]
     if len(best) > 1:
@@ -283,33 +381,77 @@ def select_platform(records: list[PluginRecord], env: Mapping[str, str]) -> tupl
     return best[0].name, f"detected with the highest priority ({top}): {best[0].detection.reason}"  # type: ignore[union-attr]
 
 
-def _register_models(pm: pluggy.PluginManager, registry: ModelRegistry) -> None:
-    for impl in pm.hook.fd_register_models.get_hookimpls():
+def _caller_for(pm: pluggy.PluginManager, hook: str, plugin_name: str) -> Any:
+    """A hook caller that runs `plugin_name`'s implementation of `hook` with every wrapper around it (pluggy's own API)."""
+    others = [i.plugin for i in getattr(pm.hook, hook).get_hookimpls()
+              if i.plugin_name != plugin_name and not (i.wrapper or i.hookwrapper)]
+    return pm.subset_hook_caller(hook, remove_plugins=others)
+
+
+def _register_models(pm: pluggy.PluginManager, registry: ModelRegistry, records: list[PluginRecord]) -> list[str]:
+    """Each model package's fd_register_models, through pluggy; a package that fails is marked, not fatal here."""
+    problems = []
+    by_name = {r.name: r for r in records if r.module is not None}
+    impls = [i for i in reversed(pm.hook.fd_register_models.get_hookimpls()) if not (i.wrapper or i.hookwrapper)]
+    # Built-ins first, so that a name clash blames the newcomer.
+    impls.sort(key=lambda i: not (by_name.get(i.plugin_name) and by_name[i.plugin_name].builtin))
+    for impl in impls:
         owner = impl.plugin_name
         has_clear = _impl_function(impl.plugin, "fd_clear_graphs") is not None
+        record = by_name.get(owner)
 
         def register(arch: Architecture, _owner: str = owner, _has_clear: bool = has_clear) -> None:
             if not isinstance(arch, Architecture):
                 raise PluginError(f"plugin {_owner!r}: fd_register_models passed {type(arch).__name__} to register(); pass fd_core.Architecture")
-            registry.add(replace(arch, package=_owner), has_clear_hook=_has_clear)
+            registry.add(replace(arch, package=_owner), has_clear_hook=_has_clear, builtin=bool(record and record.builtin))
 
-        impl.function(*[{"register": register}[a] for a in impl.argnames])
+        try:
+            _caller_for(pm, "fd_register_models", owner)(register=register)
+        except PluginError as exc:
+            message = str(exc)
+        except Exception as exc:  # noqa: BLE001 - a package's own error while registering
+            message = f"plugin {owner!r}: fd_register_models raised {type(exc).__name__}: {exc}"
+        else:
+            continue
+        problems.append(message)
+        registry.remove_package(owner)
+        if record is not None:
+            record.error = message
+    return problems
 
 
-def load_plugins(env: Mapping[str, str] | None = None, extra: Iterable[tuple[Kind, str, object]] = ()) -> PluginSet:
-    """Discover, validate and register plugins, select the platform, and fill the architecture registry."""
+def load_plugins(
+    env: Mapping[str, str] | None = None, extra: Iterable[tuple[Kind, str, object]] = (), *, strict: bool = True
+) -> PluginSet:
+    """Discover, validate and register plugins, select the platform, and fill the architecture registry.
+
+    With `strict` (every caller but `fd plugins`), a plugin that fails validation or registration,
+    or a name two distributions claim, raises a PluginError naming it; without, it is recorded on
+    its record and in `problems`, left out, and the listing goes on.
+    """
     env = os.environ if env is None else env
+    timeout = hook_timeout(env)
     records = discover(env, extra)
+    problems = _clashes(records)
     for record in records:
-        if record.module is not None:
-            validate_module(record.name, record.module)
+        if record.module is not None and record.error is None:
+            try:
+                validate_module(record.name, record.module)
+            except PluginError as exc:
+                record.error = str(exc)
+                problems.append(record.error)
+    if strict and problems:
+        raise PluginError(problems[0])
     for record in records:
-        if record.kind == "platform" and record.module is not None:
-            _detect(record)
+        if record.kind == "platform" and record.module is not None and record.error is None:
+            _detect(record, timeout)
     platform, why = select_platform(records, env)
     pm = new_plugin_manager()
     for record in records:
         if record.module is None:
+            continue
+        if record.error is not None:
+            record.status = f"failed: {record.error}"
             continue
         if record.kind == "platform":
             record.active = record.name == platform
@@ -330,7 +472,14 @@ def load_plugins(env: Mapping[str, str] | None = None, extra: Iterable[tuple[Kin
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        raise PluginError(str(exc)) from None
+        raise PluginError(" ".join(str(exc).split())) from None
     registry = ModelRegistry()
-    _register_models(pm, registry)
-    return PluginSet(records=records, platform=platform, selection=why, pm=pm, registry=registry)
+    for message in _register_models(pm, registry, records):
+        problems.append(message)
+    for record in records:
+        if record.error is not None and record.active:
+            record.active, record.status = False, f"failed: {record.error}"
+    plugins = PluginSet(records=records, platform=platform, selection=why, pm=pm, registry=registry, problems=problems)
+    if strict:
+        plugins.require_usable()
+    return plugins

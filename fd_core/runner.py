@@ -347,12 +347,13 @@ def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None) -> d
     plugins = load_plugins()
     backend = load_backend(ParallelConfig(tp_size=tp, tp_rank=rank, group=group), plugins=plugins)
     plan = plan_run(run, plugins)
-    if backend.detection.device == "cpu":
+    if backend.detection.device:
         import paddle
 
-        # A CPU platform chosen on a machine with a device build of paddle must still run on the CPU;
-        # a device platform keeps the device its launcher selected for this rank.
-        paddle.set_device("cpu")
+        # The device type the platform named: a host platform on a machine with a device build of
+        # paddle still runs on the host; a device type without an index resolves to the device the
+        # launcher selected for this rank (paddle reads it from the rank's environment).
+        paddle.set_device(backend.detection.device)
 
     def log(message: str) -> None:
         if rank == 0 and run.progress:

@@ -162,3 +162,56 @@ def test_platform_limits_and_missing_hardware(chip) -> None:
 def test_graph_vote_helpers() -> None:
     assert GraphVote.veto("why") == GraphVote(False, "why")
     assert GraphVote.ok() == GraphVote(True, "")
+
+
+VOTE_WRAPPER = """
+from fd_core import GraphVote, hookimpl
+
+SEEN = []
+
+@hookimpl(wrapper=True)
+def fd_graph_eligibility(model_config, parallel_config):
+    votes = yield
+    SEEN.append(len(votes))
+    return votes
+"""
+
+BAD_VOTE = """
+from fd_core import GraphVote, hookimpl
+
+@hookimpl
+def fd_graph_eligibility(model_config):
+    return GraphVote(allow="no", reason="strings are not booleans")
+"""
+
+STUCK_VOTE = """
+import threading
+from fd_core import hookimpl
+
+@hookimpl
+def fd_graph_eligibility(model_config):
+    threading.Event().wait()
+"""
+
+
+def test_a_wrapper_on_the_vote_runs_and_the_votes_keep_their_voters(chip, install_plugin) -> None:
+    install_plugin("vote-wrap", {"vote_wrap": VOTE_WRAPPER}, {"fd.plugins": {"votewrap": "vote_wrap"}})
+    backend = load_backend(ParallelConfig(tp_size=2))
+    decision = backend.graph_decision(ModelConfig(architecture="vl_model"))
+    import vote_wrap
+
+    assert vote_wrap.SEEN and all(n == 1 for n in vote_wrap.SEEN)  # pluggy ran it around each voter
+    assert [v.plugin for v in decision.votes] == ["fakechip"] and not decision.allowed
+
+
+def test_a_vote_with_a_non_boolean_allow_is_a_contract_error(chip, install_plugin) -> None:
+    install_plugin("bad-vote", {"bad_vote": BAD_VOTE}, {"fd.plugins": {"badvote": "bad_vote"}})
+    with pytest.raises(PluginError, match=r"^plugin 'badvote': fd_graph_eligibility returned GraphVote\(allow='no'"):
+        load_backend().graph_decision(ModelConfig(architecture="x"))
+
+
+def test_a_vote_that_never_returns_is_bounded_and_named(chip, install_plugin, monkeypatch) -> None:
+    install_plugin("stuck-vote", {"stuck_vote": STUCK_VOTE}, {"fd.plugins": {"stuckvote": "stuck_vote"}})
+    monkeypatch.setenv("FD_HOOK_TIMEOUT", "0.5")
+    with pytest.raises(PluginError, match=r"^plugin 'stuckvote': fd_graph_eligibility did not return within 0.5 s"):
+        load_backend().graph_decision(ModelConfig(architecture="x"))

@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # Not preceded by a letter, so `is_cuda` and `cuda_graph` match but `inputs` (i-npu-ts) does not.
 PLATFORM_WORDS = re.compile(
-    r"(?<![a-z])(cuda|iluvatar|nccl|gloo|gpu|xpu|npu|dcu|gcu|mlu|hpu|rocm|metax|maca|custom_device|ascend|corex)",
+    r"(?<![a-z])(cpu|cuda|iluvatar|nccl|gloo|gpu|xpu|npu|dcu|gcu|mlu|hpu|rocm|metax|maca|custom_device|ascend|corex)",
     re.IGNORECASE,
 )
 
@@ -28,6 +28,7 @@ def test_the_platform_word_check_can_fail() -> None:
     assert PLATFORM_WORDS.search('if current_platform.is_iluvatar():')
     assert PLATFORM_WORDS.search('backend="GLOO"')
     assert PLATFORM_WORDS.search("mode = 'cuda_graph'")
+    assert PLATFORM_WORDS.search('DEFAULT_PLATFORM = "cpu"')
     assert not PLATFORM_WORDS.search("def prefill(self, input_ids)")
 
 

@@ -24,7 +24,7 @@ def platform_source(detected: bool = True, priority: int = 5, reason: str = "saw
     return PLATFORM.format(detected=detected, priority=priority, reason=reason)
 
 
-def test_default_is_cpu_when_nothing_else_detected() -> None:
+def test_the_host_platform_wins_when_nothing_else_is_detected() -> None:
     plugins = load_plugins({})
     assert plugins.platform == "cpu"
     cuda = plugins.record("cuda")
@@ -93,3 +93,66 @@ def test_allow_list_naming_a_missing_plugin_lists_installed(install_plugin) -> N
     install_plugin("fake-chip", {"fake_chip": platform_source(priority=5)}, {"fd.platforms": {"fakechip": "fake_chip"}})
     with pytest.raises(PluginError, match=r"^FD_PLUGINS names nosuch, which is not installed; installed third-party plugins: .*fakechip"):
         load_plugins({"FD_PLUGINS": "nosuch"})
+
+
+NONE_PLATFORM = """
+from fd_core import hookimpl
+
+@hookimpl
+def fd_platform_detect():
+    return None
+"""
+
+HANGING_PLATFORM = """
+import threading
+from fd_core import hookimpl
+
+@hookimpl
+def fd_platform_detect():
+    threading.Event().wait()
+"""
+
+IMPOSTOR_CPU = """
+from fd_core import Detection, hookimpl
+
+@hookimpl
+def fd_platform_detect():
+    return Detection(detected=True, priority=99, reason="not really the cpu")
+"""
+
+
+def test_detection_may_return_none_as_its_spec_says(install_plugin) -> None:
+    install_plugin("quiet-chip", {"quiet_chip": NONE_PLATFORM}, {"fd.platforms": {"quiet": "quiet_chip"}})
+    plugins = load_plugins({})
+    record = plugins.record("quiet")
+    assert record.detect_error is None and record.detection is not None and not record.detection.detected
+    assert "fd_platform_detect returned None" in record.status
+
+
+def test_detection_that_never_returns_is_bounded_and_named(install_plugin, capsys) -> None:
+    install_plugin("stuck-chip", {"stuck_chip": HANGING_PLATFORM}, {"fd.platforms": {"stuck": "stuck_chip"}})
+    plugins = load_plugins({"FD_HOOK_TIMEOUT": "0.5"})
+    assert plugins.platform == "cpu"
+    assert plugins.record("stuck").status == (
+        "not active: fd_platform_detect did not return within 0.5 s; fix or uninstall the plugin "
+        "(FD_PLUGINS can leave it out, FD_HOOK_TIMEOUT raises the limit)"
+    )
+    assert "platform 'stuck': fd_platform_detect did not return within 0.5 s" in capsys.readouterr().err
+
+
+def test_a_second_distribution_claiming_a_builtin_platform_name_is_reported_not_shadowing(install_plugin) -> None:
+    install_plugin("impostor", {"impostor_cpu": IMPOSTOR_CPU}, {"fd.platforms": {"cpu": "impostor_cpu"}})
+    message = (
+        "distribution 'impostor' declares platform plugin 'cpu', which fd-backends already provides; "
+        "uninstall it, or leave it out with FD_PLUGINS"
+    )
+    with pytest.raises(PluginError) as err:
+        load_plugins({})
+    assert str(err.value) == message
+    listed = load_plugins({}, strict=False)
+    cpus = [r for r in listed.records if r.name == "cpu"]
+    assert [r.distribution for r in cpus] == ["fd-backends", "impostor"] or sorted(r.distribution for r in cpus) == ["fd-backends", "impostor"]
+    builtin = next(r for r in cpus if r.builtin)
+    assert listed.platform == "cpu" and builtin.active and builtin.detection.reason.startswith("always available")
+    assert next(r for r in cpus if not r.builtin).status == f"failed: {message}"
+    assert load_plugins({"FD_PLUGINS": ""}).platform == "cpu"  # leaving the newcomer out resolves it

@@ -42,11 +42,44 @@ def test_hook_named_function_without_hookimpl_is_an_error(install_plugin) -> Non
         load_plugins({})
 
 
-def test_cli_reports_a_misspelled_hook_in_one_line_with_exit_2(install_plugin, tmp_path) -> None:
+def test_cli_lists_a_misspelled_hook_and_ends_with_one_error_line_and_exit_2(install_plugin, tmp_path) -> None:
     root = install_plugin("typo-models", {"typo_models": MISSPELLED}, {"fd.models": {"typo": "typo_models"}})
+    error = "plugin 'typo': hook 'fd_clear_grpah_opt_backend' matches no hookspec; did you mean 'fd_clear_graphs'?"
     done = run_fd(["plugins"], path=root)
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == (
-        "fd: error: plugin 'typo': hook 'fd_clear_grpah_opt_backend' matches no hookspec; did you mean 'fd_clear_graphs'?"
-    )
+    assert done.stderr.strip().splitlines()[-1] == f"fd: error: {error}"
     assert "Traceback" not in done.stderr
+    # The listing still shows every plugin, the broken one with its error.
+    assert "cpu" in done.stdout and "ernie4_5" in done.stdout
+    assert f"failed: {error}" in done.stdout
+    ran = run_fd(["run", "--tp", "1", "--steps", "1"], path=root)
+    assert ran.returncode == 2 and ran.stderr.strip().splitlines()[-1] == f"fd: error: {error}"
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [
+        ("fd_clean_graphs", "fd_clear_graphs"),
+        ("fd_clear_grpah_opt_backend", "fd_clear_graphs"),  # FastDeploy's own spelling of the method
+        ("fd_clear_graph", "fd_clear_graphs"),
+        ("fd_allreduce", "fd_all_reduce"),
+        ("fd_all_reduced", "fd_all_reduce"),
+        ("fd_graph_eligible", "fd_graph_eligibility"),
+        ("fd_graph_eligibilty", "fd_graph_eligibility"),
+        ("fd_graphs_backend", "fd_graph_backend"),
+        ("fd_register_model", "fd_register_models"),
+        ("fd_platform_detection", "fd_platform_detect"),
+        ("fd_detect_platform", "fd_platform_detect"),
+        ("fd_clean_memory_fragment", "fd_clean_memory_fragments"),
+    ],
+)
+def test_nearest_name_for_realistic_typos(typo: str, meant: str) -> None:
+    from fd_core.plugins import HOOK_NAMES, _nearest
+
+    assert _nearest(typo, HOOK_NAMES) == f"did you mean {meant!r}?"
+
+
+def test_nothing_near_lists_the_valid_names() -> None:
+    from fd_core.plugins import HOOK_NAMES, _nearest
+
+    assert _nearest("fd_teleport", HOOK_NAMES).startswith("valid names: fd_all_reduce, ")
