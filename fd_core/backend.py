@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping
 
 from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.detection import Detection
-from fd_core.errors import PlatformError, PluginError
+from fd_core.errors import NumericsError, PlatformError, PluginError
 from fd_core.graphs import CastVote, GraphBackend, GraphDecision, GraphVote
 from fd_core.plugins import PluginSet, _caller_for, call_bounded, hook_timeout, load_plugins
 
@@ -109,8 +109,42 @@ class Backend:
         return _chain(bound, names), f"first result of {', '.join(names)}"
 
     def clean_memory_fragments(self, state_dict: Mapping[str, Any] | None = None) -> None:
-        """Run every implementation: the platform's and any model package's."""
-        self.hook.fd_clean_memory_fragments(state_dict=state_dict)
+        """Run every implementation (the platform's and any model package's), each through pluggy; one that raises is named."""
+        for impl in reversed(self.hook.fd_clean_memory_fragments.get_hookimpls()):
+            if impl.wrapper or impl.hookwrapper:
+                continue
+            try:
+                _caller_for(self.plugins.pm, "fd_clean_memory_fragments", impl.plugin_name)(state_dict=state_dict)
+            except Exception as exc:  # noqa: BLE001 - a third party's error, named for whoever must fix it
+                raise PluginError(
+                    f"plugin {impl.plugin_name!r}: fd_clean_memory_fragments raised {type(exc).__name__}: {exc}; fix or uninstall the plugin"
+                ) from exc
+
+    def check_collective(self) -> None:
+        """At tp > 1, all-reduce a small tensor whose exact sum is known and compare, before any weight is loaded.
+
+        Each rank contributes (rank + 1) * [1, 2, ..., 8]: exact in float32, distinct per rank, so a
+        platform that drops, repeats or offsets a rank's part (or returns non-finite numbers) is
+        caught here rather than turning into plausible-looking tokens.
+        """
+        if self.parallel.tp_size == 1:
+            return
+        import numpy as np
+        import paddle
+
+        world, rank = self.parallel.tp_size, self.parallel.tp_rank
+        base = np.arange(1, 9, dtype=np.float32)
+        expected = base * (world * (world + 1) // 2)
+        try:
+            result = self.all_reduce(paddle.to_tensor(base * (rank + 1)))
+        except Exception as exc:  # noqa: BLE001 - the platform's own failure, named
+            raise PluginError(f"platform {self.platform!r}: fd_all_reduce failed on a known tensor: {type(exc).__name__}: {exc}; run fd check {self.platform}") from exc
+        got = np.asarray(result.numpy() if hasattr(result, "numpy") else result, dtype=np.float64).reshape(-1)
+        if got.shape != expected.shape or not np.array_equal(got, expected):
+            raise NumericsError(
+                f"platform {self.platform!r}: fd_all_reduce of a known tensor on rank {rank} of {world} returned "
+                f"{got.tolist()[:4]}..., expected {expected.tolist()[:4]}...; its all-reduce does not sum, run fd check {self.platform}"
+            )
 
     def graph_decision(
         self, model_config: ModelConfig, parallel_config: ParallelConfig | None = None, requested: str = "auto"
@@ -150,10 +184,14 @@ class Backend:
         return getattr(backend, "mode", None) if backend is not None else None
 
     def graph_backend(self) -> GraphBackend:
-        """A new capture / replay / clear object from the platform."""
+        """A new capture / replay / clear object from the platform (checked: a third party's object)."""
         backend = self.hook.fd_graph_backend(parallel_config=self.parallel)
         if backend is None:
             raise PlatformError(f"platform {self.platform!r} returned no graph backend; use --graph off")
+        missing = [m for m in ("capture", "replay", "has", "clear") if not callable(getattr(backend, m, None))]
+        if missing or not isinstance(getattr(backend, "mode", None), str):
+            what = f"lacks {', '.join(missing)}()" if missing else "has no string `mode`"
+            raise PluginError(f"platform {self.platform!r}: fd_graph_backend returned {type(backend).__name__}, which {what}; fix the plugin or use --graph off")
         return backend
 
     def clear_graphs(self, model: Any) -> None:

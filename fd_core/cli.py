@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import sys
 from typing import Any, Callable, NoReturn, Sequence
 
@@ -35,6 +37,17 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
 _positive = _int_at_least(1)
 _non_negative = _int_at_least(0)
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text}")
+    return value
 
 
 def _print_json(data: Any) -> None:
@@ -123,20 +136,8 @@ def _run_tp(requested: int | None, launched: tuple[int, int] | None) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fd_core.distributed import (
-        Terminated,
-        launched_rank,
-        quiet_paddle_logs,
-        spawn_ranks,
-    )
-    from fd_core.runner import (
-        RunConfig,
-        as_json,
-        plan_run,
-        run_rank,
-        spawned_rank,
-        summary_lines,
-    )
+    from fd_core.distributed import Terminated, launched_rank, quiet_paddle_logs, run_here, spawn_ranks
+    from fd_core.runner import RunConfig, as_json, plan_run, run_rank, spawned_rank, summary_lines
 
     quiet_paddle_logs()
     launched = launched_rank()
@@ -151,6 +152,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         graph=args.graph,
         reload_cycles=args.reload_cycles,
         seed=args.seed,
+        allow_non_finite=args.allow_non_finite,
     )
     if launched:
         # Started by paddle.distributed.launch: this process is one rank; rank 0 reports.
@@ -159,10 +161,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         plan = plan_run(run)
         if run.tp == 1:
-            results = [run_rank(run)]
+            results = [run_here(run_rank, run)]
         else:
             try:
-                results = spawn_ranks(spawned_rank, (run,), run.tp, plan.dist_backend, grace=args.rank_timeout)
+                results = spawn_ranks(spawned_rank, (run,), run.tp, plan.dist_backend, grace=args.rank_timeout, stall=args.stall_timeout)
             except Terminated:
                 print("fd: terminated; every rank was stopped", file=sys.stderr)
                 return EXIT_TERMINATED
@@ -252,9 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute dtype (default: the platform's preferred one, the first it lists; see fd plugins)")
     p.add_argument("--graph", choices=("auto", "off"), default="auto")
     p.add_argument("--reload-cycles", type=_non_negative, default=0, help="weight-update cycles after the first run")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_non_negative, default=0, help="seed of the random weights when no checkpoint is given (default: 0)")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary")
-    p.add_argument("--rank-timeout", type=float, default=30.0, help="seconds to wait for the other ranks once one has failed")
+    p.add_argument("--rank-timeout", type=_seconds, default=30.0, help="seconds to wait for the other ranks once one has failed (default: 30)")
+    p.add_argument("--stall-timeout", type=_seconds, default=60.0,
+                   help="seconds a rank may go without progress (stuck in a collective, a hung plugin) before the run stops (default: 60)")
+    p.add_argument("--allow-non-finite", action="store_true", help="load weights holding NaN or Inf instead of refusing them (experiments only)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("check", help="run the conformance suite against an installed platform")
@@ -270,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="ernie4_5", help="architecture whose tiny preset to use (default: ernie4_5)")
     p.add_argument("--config", default=None, help="a config.json to use instead of the preset (e.g. a published model's)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="dtype the tensors are stored in")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_non_negative, default=0, help="seed of the random weights (default: 0)")
     p.add_argument("directory")
     p.set_defaults(func=cmd_save_random)
     return parser
@@ -293,6 +298,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # `fd plugins --json | head` closed the pipe: not an error of ours.
         sys.stderr.close()
         return 0
+    except OSError as exc:
+        # The file system refused (permissions, a full disk, a name too long, a path that is a file):
+        # the path and the system's reason are what a user needs, not a traceback.
+        where = f"{exc.filename}: " if exc.filename else ""
+        with contextlib.suppress(OSError):
+            print(f"fd: error: {where}{exc.strerror or exc}; check the path, its permissions and the free space", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("fd: interrupted", file=sys.stderr)
         return 130

@@ -10,15 +10,18 @@ import logging
 import multiprocessing.connection
 import os
 import pickle
+import shutil
 import signal
 import tempfile
 import threading
 import time
+import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from fd_core.errors import RankError
+from fd_core import progress
+from fd_core.errors import ConfigError, FdError, RankError
 
 LOOPBACK = "127.0.0.1"
 
@@ -42,7 +45,16 @@ def launched_rank() -> tuple[int, int] | None:
     rank, world = os.environ.get("PADDLE_TRAINER_ID"), os.environ.get("PADDLE_TRAINERS_NUM")
     if rank is None or world is None:
         return None
-    return int(rank), int(world)
+    try:
+        parsed = int(rank), int(world)
+    except ValueError:
+        raise ConfigError(
+            f"PADDLE_TRAINER_ID={rank!r}, PADDLE_TRAINERS_NUM={world!r}: not rank numbers; "
+            f"unset them, or start fd with python -m paddle.distributed.launch"
+        ) from None
+    if not 0 <= parsed[0] < parsed[1]:
+        raise ConfigError(f"PADDLE_TRAINER_ID={rank} is outside 0..{parsed[1] - 1} (PADDLE_TRAINERS_NUM={world}); check the launcher's environment")
+    return parsed
 
 
 def init_rank() -> tuple[int, int]:
@@ -61,6 +73,10 @@ class Terminated(BaseException):
 
 # After the first rank fails, how long to let the failures it causes land before naming a culprit.
 SETTLE_S = 0.5
+# How long a rank may sit stopped (SIGSTOP, a debugger) before the run ends: its peers cannot go on.
+STOPPED_S = 3.0
+# How long a rank may go without noting progress before the run ends (`fd run --stall-timeout`).
+DEFAULT_STALL_S = 60.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -71,6 +87,8 @@ class RankFailure:
     # Ranks killed by a signal sort first (a peer's failure reaches a rank as an error, never as a
     # signal), then by the time the rank recorded its error.
     order: tuple[int, float] = (1, float("inf"))
+    # The rank's full traceback, kept after the run (the message is its last line).
+    traceback: str | None = None
 
 
 def _last_line(trace: str) -> str:
@@ -91,7 +109,7 @@ def _failure(context: Any, out_dir: str, index: int) -> RankFailure:
     if os.path.exists(record):
         with open(record) as f:
             data = json.load(f)
-        return RankFailure(index, data["message"], (1, data["time"]))
+        return RankFailure(index, data["message"], (1, data["time"]), data.get("traceback"))
     queue = context.error_queues[index]
     if not queue.empty():
         return RankFailure(index, _last_line(queue.get()))
@@ -106,6 +124,8 @@ def _describe(failures: list[RankFailure]) -> str:
         # A bad checkpoint or config fails every rank alike: say so instead of repeating it.
         notes = [f"rank {f.rank} failed the same way" if f.message == first.message else f"then rank {f.rank}: {_shorten(f.message)}" for f in then]
         line += f" ({'; '.join(notes)})"
+    if first.traceback:
+        line += f"; its traceback is in {first.traceback}"
     return line
 
 
@@ -118,6 +138,9 @@ def _stop_all(processes: Sequence[Any], grace: float) -> None:
     for p in processes:
         if p.is_alive():
             p.terminate()
+            # A stopped rank would hold SIGTERM until continued: continue it so that it can end.
+            with contextlib.suppress(OSError):
+                os.kill(p.pid, signal.SIGCONT)
     deadline = time.monotonic() + grace
     for p in processes:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -141,7 +164,7 @@ def _die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _call_and_save(fn: Callable[..., Any], out_dir: str, parent: int, *args: Any) -> None:
+def _call_and_save(fn: Callable[..., Any], out_dir: str, errors_dir: str, parent: int, *args: Any) -> None:
     """Run `fn` on a spawned rank and leave its result in a file: a large result through the return
     queue's pipe would block the rank's exit while the parent waits for that exit."""
     _die_with_parent(parent)
@@ -150,14 +173,23 @@ def _call_and_save(fn: Callable[..., Any], out_dir: str, parent: int, *args: Any
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     rank = os.environ.get("PADDLE_TRAINER_ID", "0")
+    os.environ[progress.PROGRESS_ENV] = os.path.join(out_dir, f"rank{rank}.progress")
+    progress.report("starting")
     try:
         result = fn(*args)
     except Exception as exc:
-        # When and why, so the parent can tell the rank that failed first from the peers it took down.
+        # When and why, so the parent can tell the rank that failed first from the peers it took down;
+        # the whole traceback goes to a file that outlives the run, for whoever must fix the cause.
+        trace = os.path.join(errors_dir, f"rank{rank}.traceback")
+        if not isinstance(exc, FdError):  # an FdError's message is the whole story; anything else is a bug to chase
+            with contextlib.suppress(OSError):
+                with open(trace, "w") as f:
+                    f.write(traceback.format_exc())
         record = os.path.join(out_dir, f"rank{rank}.failed")
+        message = (f"{type(exc).__name__}: {exc}".splitlines() or [type(exc).__name__])[0]
         with contextlib.suppress(OSError):  # without it the parent falls back to Paddle's error queue
             with open(record + ".tmp", "w") as f:
-                json.dump({"time": time.time(), "message": f"{type(exc).__name__}: {exc}".splitlines()[0]}, f)
+                json.dump({"time": time.time(), "message": message, "traceback": trace if os.path.exists(trace) else None}, f)
             os.replace(record + ".tmp", record)
         raise
     path = os.path.join(out_dir, f"rank{rank}.pickle")
@@ -196,39 +228,108 @@ def _quiet_root_logger() -> Iterator[None]:
 
 
 def spawn_ranks(
-    fn: Callable[..., Any], args: Sequence[Any], nprocs: int, dist_backend: str, grace: float = 10.0
+    fn: Callable[..., Any], args: Sequence[Any], nprocs: int, dist_backend: str, grace: float = 10.0,
+    stall: float = DEFAULT_STALL_S,
 ) -> list[Any]:
     """Run `fn(*args)` on `nprocs` local ranks; return each rank's result in rank order.
 
     When a rank fails, the others are stopped at once (they would otherwise wait in a collective
-    until its timeout) and RankError names the rank that failed first. Ctrl-C (KeyboardInterrupt)
-    and SIGTERM (Terminated) stop every rank before they propagate; a rank also dies with this
-    process if it is killed outright.
+    until its timeout) and RankError names the rank that failed first, with the path of its full
+    traceback. A rank that sits stopped (SIGSTOP) for STOPPED_S seconds, or notes no progress
+    (`fd_core.progress.report`) for `stall` seconds, ends the run the same way. Ctrl-C
+    (KeyboardInterrupt) and SIGTERM (Terminated) stop every rank before they propagate; a rank also
+    dies with this process if it is killed outright.
     """
     import paddle.distributed as dist
 
     quiet_paddle_logs()
-    with tempfile.TemporaryDirectory(prefix="fd-ranks-") as out_dir, _sigterm_raises():
-        with _quiet_root_logger():
-            context = dist.spawn(
-                # paddle's typed options omit `backend`, which spawn reads at run time.
-                _call_and_save, args=(fn, out_dir, os.getpid(), *args), nprocs=nprocs, join=False, backend=dist_backend, ips=LOOPBACK,  # type: ignore[call-arg]
-            )
-        _watch(context, out_dir, grace)
-        results = []
-        for rank in range(nprocs):
-            try:
-                with open(os.path.join(out_dir, f"rank{rank}.pickle"), "rb") as f:
-                    results.append(pickle.load(f))
-            except FileNotFoundError:
-                raise RankError(f"rank {rank} exited without a result (exit code 0); was it stopped from outside?") from None
-        return results
+    errors_dir = tempfile.mkdtemp(prefix="fd-rank-errors-")
+    try:
+        with tempfile.TemporaryDirectory(prefix="fd-ranks-") as out_dir, _sigterm_raises():
+            with _quiet_root_logger():
+                context = dist.spawn(
+                    # paddle's typed options omit `backend`, which spawn reads at run time.
+                    _call_and_save, args=(fn, out_dir, errors_dir, os.getpid(), *args), nprocs=nprocs, join=False,
+                    backend=dist_backend, ips=LOOPBACK,  # type: ignore[call-arg]
+                )
+            _watch(context, out_dir, grace, stall)
+            return _results(out_dir, nprocs)
+    finally:
+        # Tracebacks of failed ranks outlive the run (the error line names them); nothing else does.
+        if not os.listdir(errors_dir):
+            shutil.rmtree(errors_dir, ignore_errors=True)
 
 
-def _watch(context: Any, out_dir: str, grace: float) -> None:
-    """Wait for every rank; on a failure stop the rest and raise RankError naming the first to fail."""
+def run_here(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run one rank's work in this process (tp=1), failing as a spawned rank would: an FdError as it
+    is, anything else as one RankError line naming the exception, with its traceback kept in a file."""
+    try:
+        return fn(*args)
+    except (FdError, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        errors_dir = tempfile.mkdtemp(prefix="fd-rank-errors-")
+        trace = os.path.join(errors_dir, "rank0.traceback")
+        with open(trace, "w") as f:
+            f.write(traceback.format_exc())
+        message = (f"{type(exc).__name__}: {exc}".splitlines() or [type(exc).__name__])[0]
+        raise RankError(f"rank 0 failed: {message}; its traceback is in {trace}") from None
+
+
+def _results(out_dir: str, nprocs: int) -> list[Any]:
+    results = []
+    for rank in range(nprocs):
+        try:
+            with open(os.path.join(out_dir, f"rank{rank}.pickle"), "rb") as f:
+                results.append(pickle.load(f))
+        except FileNotFoundError:
+            raise RankError(f"rank {rank} exited without a result (exit code 0); was it stopped from outside?") from None
+    return results
+
+
+def _process_state(pid: int) -> str:
+    """The kernel's one-letter state of a process ("T" stopped, "t" traced, ...), "" if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+class _Monitor:
+    """Tells a stopped rank (SIGSTOP, a debugger) and a rank that has stopped noting progress."""
+
+    def __init__(self, processes: Sequence[Any], out_dir: str, stall: float) -> None:
+        self.processes, self.out_dir, self.stall = processes, out_dir, stall
+        self.started = time.time()
+        self.stopped_since: dict[int, float] = {}
+
+    def check(self, live: Sequence[int]) -> RankFailure | None:
+        now = time.time()
+        for index in live:
+            if _process_state(self.processes[index].pid) in ("T", "t"):
+                since = self.stopped_since.setdefault(index, now)
+                if now - since >= STOPPED_S:
+                    return RankFailure(index, f"stopped (SIGSTOP or a debugger) for {now - since:.0f} s; its peers cannot go on without it", (0, since))
+            else:
+                self.stopped_since.pop(index, None)
+        notes = {i: progress.read(os.path.join(self.out_dir, f"rank{i}.progress")) for i in live}
+        quiet = [(note[0] if note else self.started, i) for i, note in notes.items()]
+        if quiet:
+            last, index = min(quiet)
+            if now - last > self.stall:
+                phase = notes[index][1] if notes[index] else "starting"
+                return RankFailure(
+                    index, f"made no progress for {now - last:.0f} s (last phase: {phase}); raise --stall-timeout if it is only slow", (0, last)
+                )
+        return None
+
+
+def _watch(context: Any, out_dir: str, grace: float, stall: float = DEFAULT_STALL_S) -> None:
+    """Wait for every rank; on a failure (or a stopped or stuck rank) stop the rest and raise RankError naming it."""
     processes = list(context.processes)
     pending = {p.sentinel: i for i, p in enumerate(processes)}
+    monitor = _Monitor(processes, out_dir, stall)
 
     def reap(ready: list[Any]) -> list[int]:
         failed = []
@@ -243,6 +344,10 @@ def _watch(context: Any, out_dir: str, grace: float) -> None:
         while pending:
             failed = reap(multiprocessing.connection.wait(list(pending), timeout=1.0))
             if not failed:
+                stuck = monitor.check(list(pending.values()))
+                if stuck is not None:
+                    _stop_all(processes, grace)
+                    raise RankError(_describe([stuck]) + "; every rank was stopped")
                 continue
             # A dead rank makes its peers fail in their next collective; let those failures land
             # (briefly), so that the rank named is the one that failed first, not a bystander.

@@ -25,3 +25,7 @@ class CheckpointError(FdError):
 
 class RankError(FdError):
     """A rank of a multi-process run failed; the message names the rank."""
+
+
+class NumericsError(FdError):
+    """Non-finite numbers where a run needs finite ones (weights, an image, logits, a collective's result)."""

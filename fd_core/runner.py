@@ -12,7 +12,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from fd_core.backend import Backend, load_backend
 from fd_core.config import ModelConfig, ParallelConfig, read_config_json
-from fd_core.errors import CheckpointError, ConfigError, FdError
+from fd_core import progress
+from fd_core.errors import CheckpointError, ConfigError, FdError, NumericsError
 from fd_core.graphs import CastVote, GraphDecision
 from fd_core.models import Architecture, CausalModel
 from fd_core.plugins import PluginSet, load_plugins
@@ -48,6 +49,8 @@ class RunConfig:
     reload_cycles: int = 0
     seed: int = 0
     progress: bool = True
+    # Load weights holding NaN or Inf (for experiments); by default they are refused, naming the tensor.
+    allow_non_finite: bool = False
 
 
 @dataclass
@@ -208,6 +211,7 @@ class ModelRunner:
     seed: int = 0
     graph: str = "auto"
     log: Callable[[str], None] = lambda message: None
+    allow_non_finite: bool = False
     model: CausalModel | None = None
     decision: GraphDecision | None = None
     timings: dict[str, float] = field(default_factory=dict)
@@ -229,7 +233,7 @@ class ModelRunner:
         if self.checkpoint is None:
             return random_state_dict(specs, self.seed, p.tp_rank, p.tp_size, init_std(self.config))
         ignored = getattr(self.model, "ignored_tensors", lambda: set())()
-        return load_checkpoint(self.checkpoint, specs, p.tp_rank, p.tp_size, ignored)
+        return load_checkpoint(self.checkpoint, specs, p.tp_rank, p.tp_size, ignored, check_finite=not self.allow_non_finite)
 
     def load(self) -> None:
         """Build the model if needed, load weights, then clean memory fragments with what loading left behind."""
@@ -265,16 +269,18 @@ class ModelRunner:
         assert self.model is not None
         ids = _as_ids(prompt_ids)
         start = time.perf_counter()
+        progress.report("prefill")
         logits = self.model.prefill(ids, image)
         position = self.model.prefill_length(ids, image)
-        token = int(logits.argmax(axis=-1).numpy().reshape(-1)[0])
+        token = _greedy(logits, 0)
         prefill_s = time.perf_counter() - start
         tokens = [token]
         start = time.perf_counter()
         last_report = start
         for step in range(steps - 1):
+            progress.report("decode")
             logits = self.model.decode_step(np.asarray([[token]], dtype="int64"), position + step)
-            token = int(logits.argmax(axis=-1).numpy().reshape(-1)[0])
+            token = _greedy(logits, step + 1)
             tokens.append(token)
             now = time.perf_counter()
             if now - last_report > 2.0:
@@ -293,6 +299,20 @@ class ModelRunner:
         self._timed("release", self.model.release_weights)
         self._timed("cleanup", lambda: self.backend.clean_memory_fragments(None))
         self.load()
+
+
+def _greedy(logits: Any, step: int) -> int:
+    """The argmax token of logits [1, vocab]; non-finite logits stop the run instead of becoming a plausible token."""
+    import numpy as np
+
+    row = logits.numpy().reshape(-1)
+    if not np.isfinite(row).all():
+        bad = int((~np.isfinite(row)).sum())
+        raise NumericsError(
+            f"step {step} produced {bad} non-finite logit(s) (NaN or Inf); the weights, the inputs or the platform's "
+            f"kernels or all-reduce produce non-finite numbers (fd check tests the all-reduce)"
+        )
+    return int(row.argmax())
 
 
 def _as_ids(prompt: list[int]) -> Any:
@@ -344,6 +364,7 @@ def load_image(path: str) -> Any:
 
 def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None) -> dict[str, Any]:
     """The whole job on one rank; rank 0's result carries the summary."""
+    progress.report("loading plugins")
     plugins = load_plugins()
     backend = load_backend(ParallelConfig(tp_size=tp, tp_rank=rank, group=group), plugins=plugins)
     plan = plan_run(run, plugins)
@@ -359,15 +380,20 @@ def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None) -> d
         if rank == 0 and run.progress:
             print(f"fd: {message}", file=sys.stderr, flush=True)
 
-    runner = ModelRunner(backend, plan.arch, plan.config, run.checkpoint, run.seed, run.graph, log)
+    # Before any weight is read: a platform whose all-reduce does not sum stops the run here.
+    progress.report("checking the all-reduce")
+    backend.check_collective()
+    runner = ModelRunner(backend, plan.arch, plan.config, run.checkpoint, run.seed, run.graph, log, run.allow_non_finite)
     # A VL model given no image sees the text alone.
     image = [load_image(path) for path in run.images] if run.images else None
+    progress.report("loading weights")
     runner.load()
     log(f"loaded {plan.arch.name} on {backend.platform} (tp={tp}) in {runner.timings['load']:.2f}s")
     decision = runner.decide()
     prompt = list(run.prompt_ids)
     assert runner.model is not None
     max_len = runner.model.prefill_length(_as_ids(prompt), image) + run.steps
+    progress.report("capturing")
     runner.prepare(max_len)
     first = runner.generate(prompt, run.steps, image)
     log(f"generated {len(first.tokens)} tokens at {first.tokens_per_s:.1f} tokens/s")
@@ -408,6 +434,7 @@ def spawned_rank(run: RunConfig) -> dict[str, Any]:
     from fd_core.distributed import init_rank, quiet_paddle_logs
 
     quiet_paddle_logs()
+    progress.report("rendezvous")
     rank, world = init_rank()
     return run_rank(run, rank, world)
 

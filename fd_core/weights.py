@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any, Collection, Iterator, Literal, Mapping
 if TYPE_CHECKING:
     import numpy as np
 
-from fd_core.errors import CheckpointError
+from fd_core import progress
+from fd_core.errors import CheckpointError, NumericsError
 
 # Files that unpickle when loaded: refused, since loading them can run arbitrary code.
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".pdparams")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".pdparams")  # compared case-blind
 INDEX_NAME = "model.safetensors.index.json"
 # safetensors dtype codes of the float types a checkpoint may store weights in; each converts to the compute dtype.
 FLOAT_CODES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
@@ -126,7 +127,7 @@ def check_checkpoint_dir(directory: Path) -> list[Path]:
         entries = sorted(directory.iterdir())
     except OSError as exc:
         raise CheckpointError(f"checkpoint {directory}: cannot be listed ({exc.strerror}); check its permissions") from None
-    pickles = [p for p in entries if p.suffix in PICKLE_SUFFIXES]
+    pickles = [p for p in entries if p.suffix.lower() in PICKLE_SUFFIXES]
     if pickles:
         raise CheckpointError(
             f"checkpoint {pickles[0]}: pickle-based weight files are refused (loading them can run code); "
@@ -201,9 +202,10 @@ class CheckpointShards(Mapping[str, Any]):
 
     def __init__(
         self, directory: str | Path, specs: Mapping[str, WeightSpec], tp_rank: int = 0, tp_size: int = 1,
-        ignore: Collection[str] = (),
+        ignore: Collection[str] = (), check_finite: bool = False,
     ) -> None:
         self.directory = Path(directory)
+        self.check_finite = check_finite
         self.specs = dict(specs)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         files = check_checkpoint_dir(self.directory)
@@ -255,7 +257,18 @@ class CheckpointShards(Mapping[str, Any]):
             tensor = self._handles[path].get_slice(name)[shard_index(spec, self.tp_rank, self.tp_size)]
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"checkpoint {path}: tensor {name!r} cannot be read ({exc}); the file may be damaged") from None
-        return tensor if tensor.dtype == _paddle_dtype(spec.dtype) else tensor.astype(spec.dtype)
+        progress.report("loading weights")
+        if tensor.dtype != _paddle_dtype(spec.dtype):
+            tensor = tensor.astype(spec.dtype)
+        if self.check_finite:
+            import paddle
+
+            if not bool(paddle.isfinite(tensor).all()):
+                raise NumericsError(
+                    f"checkpoint {path}: tensor {name!r} holds NaN or Inf; re-save or re-download it "
+                    f"(fd run --allow-non-finite loads it anyway, for experiments)"
+                )
+        return tensor
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.specs)
@@ -274,10 +287,14 @@ def _paddle_dtype(name: str) -> Any:
 
 
 def load_checkpoint(
-    directory: str | Path, specs: Mapping[str, WeightSpec], tp_rank: int = 0, tp_size: int = 1, ignore: Collection[str] = ()
+    directory: str | Path, specs: Mapping[str, WeightSpec], tp_rank: int = 0, tp_size: int = 1, ignore: Collection[str] = (),
+    check_finite: bool = False,
 ) -> CheckpointShards:
-    """This rank's shards of every tensor in `specs` from a safetensors directory, all checked before any is read."""
-    return CheckpointShards(directory, specs, tp_rank, tp_size, ignore)
+    """This rank's shards of every tensor in `specs` from a safetensors directory, all checked before any is read.
+
+    With `check_finite`, a tensor holding NaN or Inf raises as it is read (naming it); the run ends there.
+    """
+    return CheckpointShards(directory, specs, tp_rank, tp_size, ignore, check_finite)
 
 
 def check_new_directory(directory: Path) -> None:
