@@ -142,8 +142,8 @@ class Backend:
         got = np.asarray(result.numpy() if hasattr(result, "numpy") else result, dtype=np.float64).reshape(-1)
         if got.shape != expected.shape or not np.array_equal(got, expected):
             raise NumericsError(
-                f"platform {self.platform!r}: fd_all_reduce of a known tensor on rank {rank} of {world} returned "
-                f"{got.tolist()[:4]}..., expected {expected.tolist()[:4]}...; its all-reduce does not sum, run fd check {self.platform}"
+                f"platform {self.platform!r}: the all-reduce ({self.all_reduce_binding}) of a known tensor on rank {rank} of "
+                f"{world} returned {got.tolist()[:4]}..., expected {expected.tolist()[:4]}...; it does not sum, run fd check {self.platform}"
             )
 
     def graph_decision(

@@ -128,6 +128,16 @@ class ModelConfig:
         if self.dtype not in COMPUTE_DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not a compute dtype; choose one of {', '.join(COMPUTE_DTYPES)}")
 
+    def estimated_bytes(self, batch_size: int, max_len: int) -> int:
+        """Weights (the decoder's dense parts; experts and vision towers not counted) and the KV cache, all ranks together."""
+        head_dim = self.resolved_head_dim
+        attention = self.hidden_size * head_dim * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
+        layer = attention + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        cache = 2 * self.num_hidden_layers * batch_size * self.num_key_value_heads * head_dim * max_len
+        width = {"float64": 8, "float32": 4}.get(self.dtype, 2)
+        return (embeddings + self.num_hidden_layers * layer + cache) * width
+
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("extra", "architecture")}
         data.update(self.extra)

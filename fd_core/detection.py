@@ -21,6 +21,8 @@ class Detection:
     max_ranks: int | None = None
     # The dtypes its kernels run models in, preferred first (the default of `fd run --dtype`).
     dtypes: tuple[str, ...] = ("float32",)
+    # Bytes the ranks it serves on this host may use together for weights and caches; None: unknown.
+    memory_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -35,6 +37,8 @@ class Detection:
             return f"priority={self.priority!r}, expected an integer"
         if self.max_ranks is not None and (isinstance(self.max_ranks, bool) or not isinstance(self.max_ranks, int) or self.max_ranks < 1):
             return f"max_ranks={self.max_ranks!r}, expected None or a positive integer"
+        if self.memory_bytes is not None and (isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes < 0):
+            return f"memory_bytes={self.memory_bytes!r}, expected None or a non-negative integer"
         if not isinstance(self.dtypes, (tuple, list)) or not self.dtypes or any(d not in COMPUTE_DTYPES for d in self.dtypes):
             return f"dtypes={self.dtypes!r}, expected a non-empty tuple of {', '.join(COMPUTE_DTYPES)}"
         return None

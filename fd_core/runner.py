@@ -173,6 +173,13 @@ def plan_run(run: RunConfig, plugins: PluginSet | None = None) -> Plan:
     bad = [t for t in run.prompt_ids if not 0 <= t < config.vocab_size]
     if bad:
         raise ConfigError(f"prompt token id {bad[0]} is outside the vocabulary 0..{config.vocab_size - 1}")
+    memory = backend.detection.memory_bytes
+    needed = config.estimated_bytes(BATCH_SIZE, len(run.prompt_ids) + run.steps)
+    if memory is not None and needed > memory:
+        raise ConfigError(
+            f"{arch.name} needs at least {needed / 2**30:.1f} GiB for its weights and cache, and platform "
+            f"{backend.platform!r} has {memory / 2**30:.1f} GiB available here; use a smaller model, a shorter run or more memory"
+        )
     if len(run.prompt_ids) + run.steps > config.max_position_embeddings:
         raise ConfigError(
             f"{len(run.prompt_ids)} prompt tokens + {run.steps} steps exceed max_position_embeddings="

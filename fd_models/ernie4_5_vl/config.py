@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from fd_core.errors import ConfigError
+from fd_models.activations import VISION_ACTIVATIONS
 
 if TYPE_CHECKING:
     from fd_models.layers.images import ImageSettings
@@ -102,6 +103,8 @@ def check_config(config: Any, source: str = "config") -> None:
             raise ConfigError(f"{source}: vision_config.{name} must be a positive integer, got {getattr(parsed, name)!r}")
     if parsed.hidden_size % parsed.num_heads or (parsed.hidden_size // parsed.num_heads) % 4:
         raise ConfigError(f"{source}: vision_config.hidden_size / num_heads must be a multiple of 4 (2-D rotary)")
+    if parsed.hidden_act not in VISION_ACTIVATIONS:
+        raise ConfigError(f"{source}: vision_config.hidden_act {parsed.hidden_act!r} is not supported; use one of {', '.join(VISION_ACTIVATIONS)}")
     if parsed.temporal_merge_size != 2:
         raise ConfigError(f"{source}: vision_config.temporal_merge_size must be 2, as the published resampler assumes")
     for key in ("image_token_id", "image_start_token_id", "image_end_token_id"):

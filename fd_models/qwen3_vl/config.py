@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from fd_core.errors import ConfigError
+from fd_models.activations import VISION_ACTIVATIONS
 
 if TYPE_CHECKING:
     from fd_models.layers.images import ImageSettings
@@ -62,6 +63,8 @@ def check_vision_config(config: VisionConfig, text_hidden: int, source: str) -> 
         raise ConfigError(f"{source}: vision_config.hidden_size / num_heads must be a multiple of 4 (2-D rotary)")
     if math.isqrt(config.num_position_embeddings) ** 2 != config.num_position_embeddings:
         raise ConfigError(f"{source}: vision_config.num_position_embeddings must be a square, got {config.num_position_embeddings}")
+    if config.hidden_act not in VISION_ACTIVATIONS:
+        raise ConfigError(f"{source}: vision_config.hidden_act {config.hidden_act!r} is not supported; use one of {', '.join(VISION_ACTIVATIONS)}")
     if config.out_hidden_size != text_hidden:
         raise ConfigError(f"{source}: vision_config.out_hidden_size={config.out_hidden_size} differs from the text hidden_size={text_hidden}")
     bad = [i for i in config.deepstack_visual_indexes if not 0 <= i < config.depth]

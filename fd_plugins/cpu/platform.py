@@ -32,7 +32,20 @@ def fd_platform_detect() -> Detection:
         max_ranks=cores,
         # Paddle's CPU kernels have no bfloat16 or float16 matmul.
         dtypes=("float32",),
+        memory_bytes=_available_memory(),
     )
+
+
+def _available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo (what the kernel can give without swapping), None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 @hookimpl

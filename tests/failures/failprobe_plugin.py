@@ -16,6 +16,9 @@ FDTEST_FAIL_HOW    "raise" (a RuntimeError naming the call) or "kill" (SIGKILL t
 FDTEST_PROBE_DIR   a directory: at call FDTEST_PROBE_AT (default 1) every rank writes rank<N>.json
                    with its pid, its rendezvous environment and the TCP sockets it listens on; a
                    failing rank writes the time it fails to rank<N>.failing first
+FDTEST_HANG_CLEANUP_RANK   the rank whose fd_clean_memory_fragments never returns (a plugin stuck
+                   after loading weights, while its peer goes on)
+FDTEST_CLEANUP_RAISES   "1": fd_clean_memory_fragments raises on every rank
 """
 
 from __future__ import annotations
@@ -97,3 +100,15 @@ def fd_all_reduce(tensor: Any, group: Any) -> Any:
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"failprobe: injected failure on rank {_rank()} at all-reduce call {_calls}")
     return (yield)
+
+
+@hookimpl
+def fd_clean_memory_fragments(state_dict: Any) -> None:
+    """Hang on FDTEST_HANG_CLEANUP_RANK, or raise when FDTEST_CLEANUP_RAISES is set; otherwise nothing."""
+    import threading
+
+    if os.environ.get("FDTEST_CLEANUP_RAISES") == "1":
+        raise ValueError("failprobe: cleanup cannot free this state")
+    hang = os.environ.get("FDTEST_HANG_CLEANUP_RANK")
+    if hang is not None and int(hang) == _rank():
+        threading.Event().wait()
