@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 
 @dataclass(frozen=True)
@@ -15,8 +16,20 @@ class Capabilities:
     dtypes: tuple[str, ...] = ("float32",)
     # Whether it provides a graph backend (fd_graph_backend).
     graphs: bool = True
+    # World sizes at which its graphs may capture an all-reduce ("graphs only at tp=1" is (1,)).
+    graph_world_sizes: tuple[int, ...] = (1, 2)
     # Whether all-reduce also leaves the result in the input tensor (the result is always returned).
     in_place: bool = False
+    # Whether fd_clean_memory_fragments frees the tensors of the state dict it is given (device
+    # platforms do; a host platform's allocator returns memory itself, so its cleanup may leave them).
+    cleanup_releases_state: bool = False
+    # Relative tolerance of the all-reduce sum, by dtype (overrides the defaults below).
+    tolerances: Mapping[str, float] = field(default_factory=dict)
+
+    def rtol(self, dtype: str) -> float:
+        """The relative tolerance the sum of `dtype` is checked with."""
+        default = 1e-2 if dtype in ("float16", "bfloat16") else 1e-6
+        return float(self.tolerances.get(dtype, default))
 
 
 def capabilities_of(module: object) -> Capabilities:

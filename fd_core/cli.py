@@ -12,6 +12,8 @@ from typing import Any, Callable, NoReturn, Sequence
 from fd_core.errors import ConfigError, FdError, RankError
 
 EXIT_USAGE = 2
+EXIT_NOT_VERIFIED = 3  # fd check: nothing failed, but the checks that need the hardware could not run
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
 
 
@@ -188,6 +190,7 @@ def cmd_save_random(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     import os
+    import signal
     from pathlib import Path
 
     try:
@@ -195,19 +198,34 @@ def cmd_check(args: argparse.Namespace) -> int:
     except ImportError:
         raise FdError("fd check runs the conformance suite with pytest, which is not installed; pip install 'fd-backends[test]'") from None
 
+    from fd_core import distributed
     from fd_core.plugins import load_plugins
     from fd_core.testing import check_module
     from fd_core.testing.pytest_plugin import ResultTable
 
-    platform = args.platform or load_plugins().platform
-    load_plugins({**os.environ, "FD_PLATFORM": platform})  # an unknown or broken platform fails here, in one line
+    if args.platform is None:
+        platform = load_plugins().platform
+    else:
+        platform = args.platform
+        installed = [r.name for r in load_plugins(strict=False).records if r.kind == "platform"]
+        if platform not in installed:
+            raise FdError(f"no installed platform is named {platform!r}; installed: {', '.join(sorted(installed))} (see fd plugins)")
+    load_plugins({**os.environ, "FD_PLATFORM": platform})  # a broken platform fails here, in one line
     table = ResultTable()
     module = Path(check_module.__file__)
     extra = ["-k", args.k] if args.k else []
-    code = pytest.main(
-        ["-p", "no:terminal", "-p", "no:cacheprovider", f"--rootdir={module.parent}", "--fd-platform", platform, *extra, str(module)],
-        plugins=[table],
-    )
+    # SIGTERM stops the suite as Ctrl-C does (pytest ends the session on KeyboardInterrupt). Paddle
+    # installs its own handler when imported, so import it first and install ours over it.
+    import paddle  # noqa: F401
+
+    previous = signal.signal(signal.SIGTERM, distributed.raise_terminated)
+    try:
+        code = pytest.main(
+            ["-p", "no:terminal", "-p", "no:cacheprovider", f"--rootdir={module.parent}", "--fd-platform", platform, *extra, str(module)],
+            plugins=[table],
+        )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"conformance of platform {platform!r}:")
     names = [r.check.rsplit("::", 1)[-1] for r in table.rows]
     width = max(map(len, names), default=10)
@@ -215,10 +233,23 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"  {row.outcome:<8} {name:<{width}}  {row.detail}".rstrip())
     counts = table.counts()
     print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
+    if code == pytest.ExitCode.INTERRUPTED:
+        print("verdict: interrupted: the checks above are all that ran; nothing is verified", file=sys.stderr)
+        return EXIT_TERMINATED if distributed.sigterm_received else EXIT_INTERRUPTED
     if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) and not table.rows:
         print(f"fd: error: the conformance suite did not run (pytest exit code {int(code)})", file=sys.stderr)
         return 1
-    return 1 if counts["failed"] or code == pytest.ExitCode.TESTS_FAILED else 0
+    if counts["failed"] or code == pytest.ExitCode.TESTS_FAILED:
+        print(f"verdict: failed ({counts['failed']} check(s))")
+        return 1
+    unverified = [r for r in table.rows if r.outcome == "skipped" and "hardware not detected here" in r.detail]
+    if unverified:
+        print(f"verdict: not verified: {len(unverified)} check(s) need {platform}'s hardware, which is not here")
+        if not args.allow_unverified:
+            return EXIT_NOT_VERIFIED
+        return 0
+    print("verdict: passed")
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -265,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="run the conformance suite against an installed platform")
     p.add_argument("platform", nargs="?", default=None, help="platform name (default: the active one)")
     p.add_argument("-k", default=None, help="only checks matching this pytest -k expression")
+    p.add_argument("--allow-unverified", action="store_true",
+                   help="exit 0 when nothing failed but the checks that need the hardware were skipped (default: exit 3)")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("bench", help="benchmarks of the plugin layer (see benchmarks/README.md)", add_help=False)
@@ -307,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("fd: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

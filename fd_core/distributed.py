@@ -67,8 +67,15 @@ def init_rank() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-class Terminated(BaseException):
-    """SIGTERM reached `fd run` while its ranks ran; they have been stopped (exit code 143)."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM reached `fd run` while its ranks ran; they have been stopped (exit code 143).
+
+    A KeyboardInterrupt, so that whatever treats Ctrl-C as "stop everything" (pytest under
+    `fd check`, for one) treats SIGTERM the same; `sigterm_received` tells the two apart.
+    """
+
+
+sigterm_received = False
 
 
 # After the first rank fails, how long to let the failures it causes land before naming a culprit.
@@ -198,6 +205,13 @@ def _call_and_save(fn: Callable[..., Any], out_dir: str, errors_dir: str, parent
     os.replace(path + ".tmp", path)
 
 
+def raise_terminated(signum: int, frame: Any) -> None:
+    """A SIGTERM handler: note it and raise Terminated in the main thread."""
+    global sigterm_received
+    sigterm_received = True
+    raise Terminated()
+
+
 @contextlib.contextmanager
 def _sigterm_raises() -> Iterator[None]:
     """Turn SIGTERM into `Terminated` while ranks run, so they are stopped rather than orphaned."""
@@ -205,10 +219,7 @@ def _sigterm_raises() -> Iterator[None]:
         yield
         return
 
-    def handler(signum: int, frame: Any) -> None:
-        raise Terminated()
-
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         yield
     finally:

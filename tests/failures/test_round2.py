@@ -7,6 +7,7 @@ Every case ends with one `fd: error:` line (exit 2) within a stated bound, and n
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -219,3 +220,25 @@ def test_a_pickle_named_in_capitals_is_still_refused(tmp_path: Path) -> None:
     (directory / "weights.PT").write_bytes(b"\x80\x04N.")
     done = run_fd(["run", "--checkpoint", str(directory)], traced=True)
     assert_one_line_error(done, f"checkpoint {directory}/weights.PT: pickle-based weight files are refused (loading them can run code); convert it to safetensors")
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_fd_check_is_never_a_pass(sig: signal.Signals, code: int) -> None:
+    from conftest import start_fd
+
+    proc, marker = start_fd(["check", "cpu"])
+    time.sleep(6)  # inside the suite: the plugins are loaded and the checks are running
+    os.killpg(proc.pid, sig) if sig == signal.SIGINT else os.kill(proc.pid, sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, (out, err)
+    assert "verdict: interrupted: the checks above are all that ran; nothing is verified" in err
+    assert "verdict: passed" not in out and "Traceback" not in err
+    assert left_over(marker) == []
+
+
+def test_fd_check_without_the_hardware_is_not_verified() -> None:
+    done = run_fd(["check", "cuda"], timeout=300)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert re.search(r"^verdict: not verified: \d+ check\(s\) need cuda's hardware, which is not here$", done.stdout, re.M)
+    allowed = run_fd(["check", "cuda", "--allow-unverified"], timeout=300)
+    assert allowed.returncode == 0
