@@ -60,3 +60,46 @@ def test_misspelled_hook_fails_before_any_check_runs(tmp_path) -> None:
     done = run_fd(["check", "typochip"], path=root)
     assert done.returncode == 2
     assert done.stderr.strip() == "fd: error: plugin 'typochip': hook 'fd_all_reduse' matches no hookspec; did you mean 'fd_all_reduce'?"
+
+
+RAISING_CLEANUP = """
+from fd_core import Capabilities, Detection, hookimpl
+
+FD_CAPABILITIES = Capabilities(dtypes=("float32",), graphs=False)
+
+@hookimpl
+def fd_platform_detect():
+    return Detection(detected=True, priority=-5, reason="emulated", dist_backend="gloo", device="cpu")
+
+@hookimpl
+def fd_all_reduce(tensor, group):
+    return tensor
+
+@hookimpl
+def fd_clean_memory_fragments(state_dict):
+    for value in (state_dict or {}).values():
+        value.numpy()  # numpy arrays (what the runner stages for seeded weights) have no .numpy()
+"""
+
+# A model package whose graph-clear hook claims ERNIE-4.5 models and clears nothing.
+LYING_CLEAR = """
+from fd_core import hookimpl
+
+@hookimpl(tryfirst=True)
+def fd_clear_graphs(model):
+    return True
+"""
+
+
+def test_a_cleanup_that_fails_on_what_the_runner_passes_is_caught(tmp_path) -> None:
+    root = make_distribution(tmp_path / "c", "cleanup-chip", {"cleanup_chip": RAISING_CLEANUP}, {"fd.platforms": {"cleanupchip": "cleanup_chip"}})
+    done = run_fd(["check", "cleanupchip", "-k", "cleanup"], path=root, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert re.search(r"failed\s+test_cleanup_takes_every_argument_the_runner_passes\s+.*plugin 'cleanupchip': fd_clean_memory_fragments raised AttributeError", done.stdout)
+
+
+def test_a_graph_clear_hook_that_clears_nothing_is_caught(tmp_path) -> None:
+    root = make_distribution(tmp_path / "l", "lying-clear", {"lying_clear": LYING_CLEAR}, {"fd.plugins": {"lyingclear": "lying_clear"}})
+    done = run_fd(["check", "cpu", "-k", "really_clears"], path=root, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "fd_clear_graphs returned True but the graphs are still captured" in done.stdout

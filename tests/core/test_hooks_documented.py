@@ -48,3 +48,41 @@ def test_doc_examples_are_valid_plugins() -> None:
         module = ModuleType(f"doc_example_{index}")
         exec(compile(block, module.__name__, "exec"), module.__dict__)
         validate_module(module.__name__, module)
+
+
+def test_the_documented_graph_backend_passes_the_suites_graph_check() -> None:
+    """The fd_graph_backend example is one a vendor can copy: it meets the contract the suite checks."""
+    from types import ModuleType
+
+    from fd_core.testing.suite import check_graph_backend
+
+    section = re.search(r"^### fd_graph_backend\n(.*?)(?=^### )", DOC, re.S | re.M).group(1)
+    module = ModuleType("doc_graph_backend")
+    exec(compile(re.search(r"```python\n(.*?)```", section, re.S).group(1), module.__name__, "exec"), module.__dict__)
+    check_graph_backend(module.fd_graph_backend(None), "the documented example")
+
+
+def test_the_graph_check_fails_a_backend_that_replays_python() -> None:
+    """The example the docs used to give: replay calls fn again. The check must say so."""
+    from fd_core.testing.suite import check_graph_backend
+
+    class EagerGraphs:
+        mode = "eager-replay"
+
+        def __init__(self):
+            self._fns = {}
+
+        def capture(self, key, fn, inputs):
+            self._fns[key] = fn
+
+        def replay(self, key, inputs):
+            return self._fns[key](*inputs)
+
+        def has(self, key):
+            return key in self._fns
+
+        def clear(self):
+            self._fns.clear()
+
+    with pytest.raises(AssertionError, match="capture\\(key, fn, inputs\\) did not trace fn"):
+        check_graph_backend(EagerGraphs(), "eager")
