@@ -22,3 +22,12 @@ def empty_device_cache() -> None:
 
     paddle.device.cuda.empty_cache()
     paddle.device.synchronize()
+
+
+def empty_custom_device_cache() -> None:
+    """The device-generic release of cached blocks (custom-device builds, where the CUDA call is a no-op), then wait."""
+    import paddle
+    from paddle.device import custom_device
+
+    custom_device.empty_cache()
+    paddle.device.synchronize()

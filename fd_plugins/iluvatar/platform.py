@@ -7,8 +7,10 @@ from typing import Any
 
 from fd_core import Detection, GraphVote, ModelConfig, ParallelConfig, hookimpl
 
-# The Iluvatar build serves paddle's CUDA allocator and CUDAGraph APIs, so cleanup and capture are cuda's.
-from fd_plugins.cuda.platform import fd_clean_memory_fragments, fd_graph_backend
+# The Iluvatar build serves paddle's CUDAGraph API, so capture is cuda's; its allocator is a custom
+# device's, so cleanup uses the device-generic call (paddle.device.cuda.empty_cache does nothing there).
+from fd_plugins.cuda.memory import empty_custom_device_cache, release_state_dict
+from fd_plugins.cuda.platform import fd_graph_backend
 
 __all__ = ["fd_all_reduce", "fd_clean_memory_fragments", "fd_graph_backend", "fd_graph_eligibility", "fd_platform_detect"]
 
@@ -42,6 +44,13 @@ def fd_platform_detect() -> Detection:
         max_ranks=len(devices),
         dtypes=("bfloat16", "float16", "float32"),
     )
+
+
+@hookimpl
+def fd_clean_memory_fragments(state_dict: dict[str, Any] | None) -> None:
+    """Free the loaded tensors, then return the custom device's cached blocks and synchronize."""
+    release_state_dict(state_dict)
+    empty_custom_device_cache()
 
 
 @hookimpl

@@ -18,7 +18,7 @@ from fd_plugins.cuda import graphs as cuda_graphs
 from fd_plugins.cuda import platform as cuda
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from recording import FakeCUDAGraph, Recorder  # noqa: E402
+from recording import FakeCUDAGraph, substitute  # noqa: E402
 
 
 class TestCudaPlatform(PlatformSuite):
@@ -49,7 +49,7 @@ def test_paddle_api_the_plugin_calls_exists_with_these_signatures() -> None:
 def test_all_reduce_calls_paddle_all_reduce_with_sum_and_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     """Substituted paddle.distributed.all_reduce, recorded; does not run on a GPU."""
     log: list = []
-    monkeypatch.setattr(dist, "all_reduce", Recorder("all_reduce", log))
+    substitute(monkeypatch, dist, "all_reduce", log)
     tensor, group = paddle.ones([4]), object()
     assert cuda.fd_all_reduce(tensor, group) is tensor
     assert log == [("all_reduce", (tensor,), {"op": dist.ReduceOp.SUM, "group": group, "sync_op": True})]
@@ -58,12 +58,16 @@ def test_all_reduce_calls_paddle_all_reduce_with_sum_and_sync(monkeypatch: pytes
 def test_cleanup_frees_the_state_dict_then_empties_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """Real tensors are cleared; empty_cache and synchronize are substituted and recorded. Not on a GPU."""
     log: list = []
-    monkeypatch.setattr(paddle.device.cuda, "empty_cache", Recorder("empty_cache", log, None))
-    monkeypatch.setattr(paddle.device, "synchronize", Recorder("synchronize", log, None))
+    substitute(monkeypatch, paddle.device.cuda, "empty_cache", log, None)
+    substitute(monkeypatch, paddle.device, "synchronize", log, None)
     weight = paddle.ones([16, 16])
     state = {"w": weight}
     cuda.fd_clean_memory_fragments(state)
     assert state == {} and not weight._is_initialized()
+    staged = {"w": np.ones((4, 4), dtype=np.float32)}  # what the runner passes after seeded weights
+    cuda.fd_clean_memory_fragments(staged)
+    assert staged == {}
+    del log[2:]
     assert [name for name, _, _ in log] == ["empty_cache", "synchronize"]
     cuda.fd_clean_memory_fragments(None)  # safe without a state dict
     assert [name for name, _, _ in log] == ["empty_cache", "synchronize"] * 2
@@ -114,3 +118,26 @@ def test_detection_with_a_cuda_build_and_two_devices(monkeypatch: pytest.MonkeyP
     assert answer.reason == "2 CUDA device(s): Fake H100"
     monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: 0)
     assert cuda.fd_platform_detect().reason == "paddle is a CUDA build but sees no CUDA device"
+
+
+def test_all_reduce_runs_for_real_over_gloo() -> None:
+    """cuda's fd_all_reduce on two real CPU ranks (gloo): the same paddle call NCCL gets, summed for real. Not on a GPU."""
+    from device_workers import all_reduce_on_rank
+
+    from fd_core.distributed import spawn_ranks
+
+    results = spawn_ranks(all_reduce_on_rank, ("fd_plugins.cuda.platform",), 2, "gloo")
+    assert [r["sum"] for r in results] == [[3.0, 6.0, 9.0]] * 2 and all(r["same_object"] for r in results)
+
+
+def test_a_wrong_keyword_to_paddle_fails_the_recorded_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mutation the recorders exist to catch: `use_calc_stream` is not a parameter of dist.all_reduce."""
+    log: list = []
+    substitute(monkeypatch, dist, "all_reduce", log)
+
+    def mutated(tensor, group):
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, sync_op=True, use_calc_stream=True)
+        return tensor
+
+    with pytest.raises(TypeError, match="use_calc_stream"):
+        mutated(paddle.ones([2]), None)

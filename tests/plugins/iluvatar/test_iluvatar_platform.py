@@ -7,6 +7,7 @@ import inspect
 import sys
 from pathlib import Path
 
+import numpy as np
 import paddle
 import paddle.distributed as dist
 import pytest
@@ -18,7 +19,7 @@ from fd_plugins.iluvatar import platform as iluvatar
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from fakedist import run_fd  # noqa: E402
-from recording import Recorder  # noqa: E402
+from recording import substitute  # noqa: E402
 
 
 class TestIluvatarPlatform(PlatformSuite):
@@ -43,7 +44,7 @@ def test_stream_all_reduce_takes_use_calc_stream_and_sync_op() -> None:
 def test_all_reduce_runs_on_the_calc_stream_synchronously(monkeypatch: pytest.MonkeyPatch) -> None:
     """Substituted paddle.distributed.stream.all_reduce, recorded; does not run on Iluvatar hardware."""
     log: list = []
-    monkeypatch.setattr(dist.stream, "all_reduce", Recorder("stream.all_reduce", log))
+    substitute(monkeypatch, dist.stream, "all_reduce", log)
     tensor, group = paddle.ones([8]), object()
     assert iluvatar.fd_all_reduce(tensor, group) is tensor
     (name, args, kwargs), = log
@@ -79,15 +80,33 @@ def test_fd_explain_shows_the_veto_for_the_registered_architecture() -> None:
     assert "graph: cuda_graph off: iluvatar vetoed: ERNIE-4.5-VL (Ernie4_5_VLMoeForConditionalGeneration) with tp=2 fails under CUDA graph capture on Iluvatar" in done.stdout
 
 
-def test_cleanup_frees_the_state_dict_then_empties_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Device cache calls substituted and recorded; does not run on Iluvatar hardware."""
+def test_cleanup_frees_the_state_dict_then_empties_the_custom_device_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device-generic cache call (not the CUDA one, a no-op on custom devices) substituted and recorded; not on Iluvatar hardware."""
+    from paddle.device import custom_device
+
     log: list = []
-    monkeypatch.setattr(paddle.device.cuda, "empty_cache", Recorder("empty_cache", log, None))
-    monkeypatch.setattr(paddle.device, "synchronize", Recorder("synchronize", log, None))
+    substitute(monkeypatch, custom_device, "empty_cache", log, None)
+    substitute(monkeypatch, paddle.device, "synchronize", log, None)
+    substitute(monkeypatch, paddle.device.cuda, "empty_cache", log, None, label="cuda.empty_cache")  # must not be called
     state = {"w": paddle.ones([4])}
     iluvatar.fd_clean_memory_fragments(state)
     iluvatar.fd_clean_memory_fragments(None)
-    assert state == {} and [n for n, _, _ in log] == ["empty_cache", "synchronize"] * 2
+    staged = {"w": np.ones(4, dtype=np.float32)}  # what the runner passes after seeded weights
+    iluvatar.fd_clean_memory_fragments(staged)
+    assert state == {} and staged == {}
+    assert [n for n, _, _ in log] == ["empty_cache", "synchronize"] * 3  # never cuda.empty_cache
+
+
+def test_all_reduce_reaches_paddles_process_group_with_the_calc_stream_flags() -> None:
+    """iluvatar's fd_all_reduce on two real CPU ranks: the call reaches Paddle's process group, which on gloo
+    refuses exactly the calc-stream mode the plugin asks for (XCCL takes it). Not on Iluvatar hardware."""
+    from device_workers import all_reduce_on_rank
+
+    from fd_core.distributed import spawn_ranks
+
+    results = spawn_ranks(all_reduce_on_rank, ("fd_plugins.iluvatar.platform",), 2, "gloo")
+    for result in results:
+        assert "does not support all_reduce with sync_op and use_calc_stream flag" in result["error"]
 
 
 def test_detection(monkeypatch: pytest.MonkeyPatch) -> None:
