@@ -1,4 +1,4 @@
-"""The `fd` command: plugins | explain | run | save-random | check | bench."""
+"""The `fd` command: plugins | explain | run | save-random | check | help, and the commands plugins add (bench)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import contextlib
 import json
 import math
 import sys
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 from fd_core.errors import ConfigError, FdError, RankError
 
@@ -19,7 +19,7 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, exit 2, as every other fd error
-        self.exit(EXIT_USAGE, f"fd: error: {message} (see fd {self.prog.split()[-1]} --help)\n")
+        self.exit(EXIT_USAGE, f"fd: error: {message} (see {self.prog} --help)\n")
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -252,15 +252,24 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from fd_bench import main as bench_main
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
 
-    return bench_main(args.bench_args)
+    try:
+        return version("fd-backends")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None) -> argparse.ArgumentParser:
+    """The parser of `fd`'s own subcommands, and the names and help of those plugins add (they parse their own options)."""
     parser = _Parser(prog="fd", description="Pluggable hardware backends for PaddlePaddle inference.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.add_argument("--version", action="version", version=f"fd {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+
+    p = sub.add_parser("help", help="show help for fd or for one command")
+    p.add_argument("topic", nargs="?", default=None, help="a command (default: fd itself)")
+    p.set_defaults(func=lambda args: _help(parser, sub, args.topic))
 
     p = sub.add_parser("plugins", help="list every discovered plugin, its hooks and its detection answer")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -300,10 +309,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit 0 when nothing failed but the checks that need the hardware were skipped (default: exit 3)")
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("bench", help="benchmarks of the plugin layer (see benchmarks/README.md)", add_help=False)
-    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark runner (--smoke, --json PATH, --rows ...)")
-    p.set_defaults(func=cmd_bench)
-
     p = sub.add_parser("save-random", help="write a seeded random checkpoint in the published layout (safetensors + config.json)")
     p.add_argument("--model", default="ernie4_5", help="architecture whose tiny preset to use (default: ernie4_5)")
     p.add_argument("--config", default=None, help="a config.json to use instead of the preset (e.g. a published model's)")
@@ -311,18 +316,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_non_negative, default=0, help="seed of the random weights (default: 0)")
     p.add_argument("directory")
     p.set_defaults(func=cmd_save_random)
+
+    for name, (summary, _run, owner) in sorted((commands or {}).items()):
+        p = sub.add_parser(name, help=f"{summary} [from plugin {owner}]", add_help=False)
+        p.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
+def _help(parser: argparse.ArgumentParser, sub: Any, topic: str | None) -> int:
+    if topic is None:
+        parser.print_help()
+        return 0
+    if topic not in sub.choices:
+        raise ConfigError(f"no command {topic!r}; commands: {', '.join(sorted(sub.choices))}")
+    sub.choices[topic].print_help()
+    return 0
+
+
+def _plugin_commands(argv: Sequence[str]) -> dict[str, tuple[str, Any, str]]:
+    """Subcommands plugins add; plugins are loaded only when argv does not start with one of fd's own."""
+    from fd_core.plugins import CORE_COMMANDS, load_plugins
+
+    if argv and argv[0] in CORE_COMMANDS:
+        return {}
+    try:
+        return load_plugins(strict=False).commands
+    except FdError:
+        return {}  # fd's own commands report the problem; help and usage still work
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:
-        # The benchmark runner parses its own options (argparse.REMAINDER drops a leading --option).
-        return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    func: Callable[[argparse.Namespace], int] = args.func
+    commands = _plugin_commands(argv)
     try:
+        if argv and argv[0] in commands:
+            # A plugin's command parses its own options (argparse.REMAINDER would drop a leading --option).
+            return int(commands[argv[0]][1](argv[1:]) or 0)
+        parser = build_parser(commands)
+        args = parser.parse_args(argv)
+        func: Callable[[argparse.Namespace], int] = args.func
         return func(args)
     except FdError as exc:
         print(f"fd: error: {exc}", file=sys.stderr)

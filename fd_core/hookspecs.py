@@ -12,6 +12,9 @@ if TYPE_CHECKING:
     from fd_core.graphs import GraphBackend, GraphVote
     from fd_core.models import Architecture
 
+    # register(name, help, run): `fd NAME ARGS...` calls run(ARGS) and exits with what it returns.
+    CommandRegistrar = Callable[[str, str, Callable[[list[str]], int]], None]
+
 
 @hookspec
 def fd_platform_detect() -> Detection | None:
@@ -48,3 +51,8 @@ def fd_clear_graphs(model: Any) -> bool | None:
 @hookspec
 def fd_register_models(register: Callable[[Architecture], None]) -> None:
     """Register this package's architectures by calling `register(Architecture(...))` for each."""
+
+
+@hookspec
+def fd_register_commands(register: CommandRegistrar) -> None:
+    """Add `fd` subcommands by calling `register(name, help, run)`; `run(args)` returns the exit code."""

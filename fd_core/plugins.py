@@ -84,6 +84,8 @@ class PluginSet:
     selection: str
     pm: pluggy.PluginManager
     registry: ModelRegistry = field(default_factory=ModelRegistry)
+    # Subcommands plugins add to `fd`: name -> (help, run, plugin).
+    commands: dict[str, tuple[str, Callable[[list[str]], int], str]] = field(default_factory=dict)
     # What makes this set unusable for a run (a plugin that failed validation or registration, a
     # platform name claimed twice); `fd plugins` lists them, everything else raises the first.
     problems: list[str] = field(default_factory=list)
@@ -420,6 +422,44 @@ def _register_models(pm: pluggy.PluginManager, registry: ModelRegistry, records:
     return problems
 
 
+# Subcommands of `fd` itself; a plugin may not take these names.
+CORE_COMMANDS = ("plugins", "explain", "run", "save-random", "check", "help")
+
+
+def _register_commands(pm: pluggy.PluginManager, records: list[PluginRecord]) -> tuple[dict[str, Any], list[str]]:
+    """Each plugin's fd_register_commands, through pluggy; a clash with a core or another plugin's command is that plugin's error."""
+    commands: dict[str, tuple[str, Callable[[list[str]], int], str]] = {}
+    problems: list[str] = []
+    by_name = {r.name: r for r in records if r.module is not None}
+    for impl in reversed(pm.hook.fd_register_commands.get_hookimpls()):
+        if impl.wrapper or impl.hookwrapper:
+            continue
+        owner = impl.plugin_name
+
+        def register(name: str, help: str, run: Callable[[list[str]], int], _owner: str = owner) -> None:  # noqa: A002 - argparse's word
+            if not (isinstance(name, str) and name.replace("-", "").isalnum() and callable(run)):
+                raise PluginError(f"plugin {_owner!r}: fd_register_commands passed name={name!r}, run={run!r}; pass a word and a callable")
+            taken = "fd itself" if name in CORE_COMMANDS else commands[name][2] if name in commands else None
+            if taken is not None:
+                raise PluginError(f"plugin {_owner!r} adds command {name!r}, which {taken!r} already provides; rename it in {_owner!r}")
+            commands[name] = (str(help), run, _owner)
+
+        try:
+            _caller_for(pm, "fd_register_commands", owner)(register=register)
+        except PluginError as exc:
+            message = str(exc)
+        except Exception as exc:  # noqa: BLE001 - the plugin's own error
+            message = f"plugin {owner!r}: fd_register_commands raised {type(exc).__name__}: {exc}"
+        else:
+            continue
+        problems.append(message)
+        for name in [n for n, c in commands.items() if c[2] == owner]:
+            del commands[name]
+        if owner in by_name:
+            by_name[owner].error = message
+    return commands, problems
+
+
 def load_plugins(
     env: Mapping[str, str] | None = None, extra: Iterable[tuple[Kind, str, object]] = (), *, strict: bool = True
 ) -> PluginSet:
@@ -476,10 +516,12 @@ def load_plugins(
     registry = ModelRegistry()
     for message in _register_models(pm, registry, records):
         problems.append(message)
+    commands, command_problems = _register_commands(pm, records)
+    problems += command_problems
     for record in records:
         if record.error is not None and record.active:
             record.active, record.status = False, f"failed: {record.error}"
-    plugins = PluginSet(records=records, platform=platform, selection=why, pm=pm, registry=registry, problems=problems)
+    plugins = PluginSet(records=records, platform=platform, selection=why, pm=pm, registry=registry, problems=problems, commands=commands)
     if strict:
         plugins.require_usable()
     return plugins

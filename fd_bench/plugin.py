@@ -1,0 +1,19 @@
+"""Registers `fd bench` through the fd_register_commands hook, so that fd_core imports no benchmark code."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from fd_core import hookimpl
+
+
+def _run(args: list[str]) -> int:
+    from fd_bench import main
+
+    return main(args)
+
+
+@hookimpl
+def fd_register_commands(register: Callable[..., None]) -> None:
+    """Add `fd bench` (its options are the benchmark runner's own; see docs/benchmarks.md)."""
+    register("bench", "benchmarks of the plugin layer and the models (see docs/benchmarks.md)", _run)
