@@ -137,9 +137,27 @@ def _run_tp(requested: int | None, launched: tuple[int, int] | None) -> int:
     return launched[1]
 
 
+def _require_paddle() -> None:
+    """A one-line error when no Paddle build is installed; the extras that provide one are read from the package's metadata."""
+    import importlib.util
+    from importlib.metadata import PackageNotFoundError, requires
+
+    if importlib.util.find_spec("paddle") is not None:
+        return
+    try:
+        extras = sorted({r.split("extra ==")[1].strip().strip("'\"") for r in requires("fd-backends") or []
+                         if r.lower().startswith("paddlepaddle") and "extra ==" in r})
+    except PackageNotFoundError:
+        extras = []
+    choices = " or ".join(f"pip install 'fd-backends[{e}]'" for e in extras) or "install PaddlePaddle"
+    raise FdError(f"PaddlePaddle is not installed; {choices} (one build only: each provides the same paddle package)")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from fd_core.distributed import Terminated, launched_rank, quiet_paddle_logs, run_here, spawn_ranks
     from fd_core.runner import RunConfig, as_json, plan_run, run_rank, spawned_rank, summary_lines
+
+    _require_paddle()
 
     quiet_paddle_logs()
     launched = launched_rank()
@@ -182,6 +200,8 @@ def cmd_save_random(args: argparse.Namespace) -> int:
     from fd_core.distributed import quiet_paddle_logs
     from fd_core.runner import save_random_checkpoint
 
+    _require_paddle()
+
     quiet_paddle_logs()
     path = save_random_checkpoint(args.model, args.directory, seed=args.seed, config_path=args.config, dtype=args.dtype)
     print(f"wrote {path}")
@@ -201,6 +221,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     from fd_core import distributed
     from fd_core.plugins import load_plugins
     from fd_core.testing import check_module
+
+    _require_paddle()
     from fd_core.testing.pytest_plugin import ResultTable
 
     if args.platform is None:

@@ -98,3 +98,17 @@ def test_tp_that_contradicts_the_launcher_is_refused() -> None:
     done = run_fd(["run", "--tp", "4"], env={"PADDLE_TRAINER_ID": "0", "PADDLE_TRAINERS_NUM": "2"})
     assert done.returncode == 2
     assert done.stderr.strip() == "fd: error: --tp 4 does not match the launcher's 2 processes; drop --tp under a launcher"
+
+
+def test_without_paddle_the_commands_that_need_it_say_which_extra_to_install(monkeypatch, capsys) -> None:
+    import importlib.util
+
+    from fd_core.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "paddle" else real(name, *a))
+    assert main(["run", "--tp", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "fd: error: PaddlePaddle is not installed; pip install 'fd-backends[cpu]' or pip install 'fd-backends[gpu]' "
+        "(one build only: each provides the same paddle package)"
+    )

@@ -66,3 +66,15 @@ def test_fd_plugins_command_does_not_import_paddle() -> None:
 def test_the_lazy_check_can_fail() -> None:
     imported, _ = _imports_paddle("import paddle")
     assert imported
+
+
+def test_packaging_installs_at_most_one_paddle_build() -> None:
+    """Paddle comes only from the `cpu` or `gpu` extra: both builds ship `paddle`, so never both, never one by default."""
+    from importlib.metadata import requires
+
+    paddles = [r for r in requires("fd-backends") or [] if r.split(";")[0].strip().lower().startswith("paddlepaddle")]
+    assert paddles, "no extra provides PaddlePaddle"
+    assert all("extra ==" in r for r in paddles), f"an unconditional Paddle requirement: {paddles}"
+    extras = {r.split("extra ==")[1].strip().strip("'\"") for r in paddles}
+    assert extras == {"cpu", "gpu"}
+    assert len([r for r in paddles if "extra == \"cpu\"" in r or "extra == 'cpu'" in r]) == 1
