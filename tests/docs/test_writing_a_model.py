@@ -1,0 +1,57 @@
+"""Executes every code block of docs/writing-a-model.md in order, in an empty directory.
+
+Files are written where their `# file:` line says; shell blocks run line by line with bash in this
+test environment. The package is really installed with pip and uninstalled afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "writing-a-model.md"
+
+
+def test_the_walkthrough_runs_as_written(tmp_path: Path) -> None:
+    bin_dir = os.path.dirname(sys.executable)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FD_")}
+    env.update(PIP_NO_DEPS="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PATH=os.pathsep.join([bin_dir, env.get("PATH", "")]))
+    try:
+        _walk(tmp_path, env)
+    finally:
+        subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "fd-mini-llama"], capture_output=True, timeout=120)
+
+
+def _walk(tmp_path: Path, env: dict[str, str]) -> None:
+    ran = {"files": 0, "commands": 0}
+    tokens = {}
+    for lang, body in re.findall(r"```(\w+)\n(.*?)```", DOC.read_text(), re.S):
+        if lang in ("python", "toml"):
+            first, _, rest = body.partition("\n")
+            assert first.startswith("# file: "), f"a {lang} block without a '# file:' line: {first!r}"
+            path = tmp_path / first.removeprefix("# file: ").strip()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(rest if lang == "toml" else body)
+            ran["files"] += 1
+        elif lang == "sh":
+            for command in filter(None, (line.strip() for line in body.splitlines())):
+                if command.startswith("fd run"):
+                    command += " --json"
+                done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+                assert done.returncode == 0, f"$ {command}\n{done.stdout}\n{done.stderr}"
+                ran["commands"] += 1
+                if command.startswith("fd plugins"):
+                    assert "mini_llama" in done.stdout and "fd-mini-llama 0.1.0" in done.stdout
+                if command.startswith("fd run"):
+                    result = json.loads(done.stdout)
+                    assert result["model"] == "mini_llama"
+                    tokens[result["tp"]] = result["tokens"]
+                if command.startswith("fd check"):
+                    assert re.search(r"^\d+ passed, 0 failed, \d+ skipped$", done.stdout, re.M), done.stdout
+                    assert "passed   test_clear_hook_really_clears_each_captured_model" in done.stdout
+    assert ran["files"] == 4 and ran["commands"] == 6
+    assert tokens[1] == tokens[2] and len(set(tokens[1])) > 2  # tp=2 equals tp=1, on tokens that vary
