@@ -368,9 +368,17 @@ def select_platform(records: list[PluginRecord], env: Mapping[str, str]) -> tupl
     if forced:
         chosen = next((r for r in platforms if r.name == forced), None)
         if chosen is None:
+            left_out = next((r for r in records if r.kind == "platform" and r.name == forced and not r.allowed), None)
+            if left_out is not None:
+                raise PlatformError(
+                    f"FD_PLATFORM={forced!r} names a platform that FD_PLUGINS leaves out; add {forced} to FD_PLUGINS or unset one of them"
+                )
             raise PlatformError(f"FD_PLATFORM={forced!r} names no installed platform; installed: {installed}")
         if chosen.module is None:
             raise PlatformError(f"FD_PLATFORM={forced!r}: that plugin failed to load ({chosen.load_error}); fix or reinstall it")
+        if chosen.detection is not None and not chosen.detection.detected:
+            # Forcing is allowed (fd explain, the suite's contract checks), but the listing must not read as "ready".
+            return forced, f"forced by FD_PLATFORM={forced}; its hardware is not detected here: {chosen.detection.reason}"
         return forced, f"forced by FD_PLATFORM={forced}"
     usable = [r for r in platforms if r.detection is not None and r.detection.detected]
     if not usable:

@@ -156,3 +156,16 @@ def test_a_second_distribution_claiming_a_builtin_platform_name_is_reported_not_
     assert listed.platform == "cpu" and builtin.active and builtin.detection.reason.startswith("always available")
     assert next(r for r in cpus if not r.builtin).status == f"failed: {message}"
     assert load_plugins({"FD_PLUGINS": ""}).platform == "cpu"  # leaving the newcomer out resolves it
+
+
+def test_forcing_a_platform_without_its_hardware_says_so() -> None:
+    plugins = load_plugins({"FD_PLATFORM": "cuda"}, strict=False)
+    assert plugins.selection == (
+        "forced by FD_PLATFORM=cuda; its hardware is not detected here: paddlepaddle-gpu is not installed (pip install 'fd-backends[gpu]')"
+    )
+
+
+def test_forcing_a_platform_the_allow_list_leaves_out_says_so(install_plugin) -> None:
+    install_plugin("fake-chip", {"fake_chip": platform_source(priority=5)}, {"fd.platforms": {"fakechip": "fake_chip"}})
+    with pytest.raises(PlatformError, match=r"^FD_PLATFORM='fakechip' names a platform that FD_PLUGINS leaves out; add fakechip to FD_PLUGINS"):
+        load_plugins({"FD_PLATFORM": "fakechip", "FD_PLUGINS": ""})

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FdRun, assert_one_line_error, fd_env, left_over, new_marker, run_fd
+from conftest import FdRun, assert_one_line_error, fd_env, left_over, new_marker, run_fd, start_fd
 
 WRONG_SUM = """
 from fd_core import Detection, hookimpl
@@ -224,7 +224,6 @@ def test_a_pickle_named_in_capitals_is_still_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
 def test_an_interrupted_fd_check_is_never_a_pass(sig: signal.Signals, code: int) -> None:
-    from conftest import start_fd
 
     proc, marker = start_fd(["check", "cpu"])
     time.sleep(6)  # inside the suite: the plugins are loaded and the checks are running
