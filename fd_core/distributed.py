@@ -329,7 +329,8 @@ class _Monitor:
         if quiet:
             last, index = min(quiet)
             if now - last > self.stall:
-                phase = notes[index][1] if notes[index] else "starting"
+                note = notes[index]
+                phase = note[1] if note else "starting"
                 return RankFailure(
                     index, f"made no progress for {now - last:.0f} s (last phase: {phase}); raise --stall-timeout if it is only slow", (0, last)
                 )

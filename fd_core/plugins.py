@@ -179,7 +179,7 @@ def validate_module(name: str, module: object) -> None:
         if not marked and attr in HOOK_NAMES and getattr(value, "__module__", None) == getattr(module, "__name__", None):
             raise PluginError(f"plugin {name!r}: function {attr!r} is named like a hook but lacks @hookimpl; decorate it with fd_core.hookimpl")
         if marked:
-            opts = _PARSER.parse_hookimpl_opts(module, attr) or {}  # type: ignore[arg-type]
+            opts: Mapping[str, Any] = _PARSER.parse_hookimpl_opts(module, attr) or {}  # type: ignore[arg-type]
             if (opts.get("wrapper") or opts.get("hookwrapper")) and not inspect.isgeneratorfunction(value):
                 raise PluginError(
                     f"plugin {name!r}: hook {attr!r}: declared as wrapper=True or hookwrapper=True but function is not a "

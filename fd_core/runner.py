@@ -239,7 +239,7 @@ class ModelRunner:
         p = self.backend.parallel
         if self.checkpoint is None:
             return random_state_dict(specs, self.seed, p.tp_rank, p.tp_size, init_std(self.config))
-        ignored = getattr(self.model, "ignored_tensors", lambda: set())()
+        ignored: set[str] = getattr(self.model, "ignored_tensors", lambda: set())()
         return load_checkpoint(self.checkpoint, specs, p.tp_rank, p.tp_size, ignored, check_finite=not self.allow_non_finite)
 
     def load(self) -> None:

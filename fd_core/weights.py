@@ -320,7 +320,7 @@ def save_checkpoint(
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
-        stored = {k: paddle.to_tensor(np.ascontiguousarray(v)).astype(dtype) for k, v in tensors.items()}
+        stored = {k: paddle.to_tensor(np.ascontiguousarray(v)).astype(dtype) for k, v in tensors.items()}  # type: ignore[arg-type]
         # "format": "pt" is what transformers looks for before it loads a safetensors file.
         safetensors.paddle.save_file(stored, str(staging / "model.safetensors"), metadata={"format": "pt"})
         del stored
