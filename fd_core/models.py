@@ -69,6 +69,9 @@ class Architecture:
     preset_files: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # A VL architecture's check of a prompt against its pictures' shapes [C, H, W] (raise ConfigError); no paddle.
     check_prompt: Callable[["ModelConfig", Sequence[int], Sequence[tuple[int, int, int]]], None] | None = None
+    # A VL architecture's count of placeholder tokens for a picture [C, H, W]: what one placeholder a chat
+    # template emits expands to (as the reference processor expands it); no paddle.
+    image_tokens: Callable[["ModelConfig", tuple[int, int, int]], int] | None = None
     # Sizes tensor parallel splits beyond the decoder's own (expert widths, say), by name; tp must divide each.
     sharded_sizes: Callable[["ModelConfig"], Mapping[str, int]] | None = None
 
