@@ -358,39 +358,19 @@ def plugin_env(platform: str | None) -> Mapping[str, str]:
 
 def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None) -> dict[str, Any]:
     """The whole job on one rank; rank 0's result carries the summary."""
-    from fd_core.runtime.engine import Engine
+    from fd_core.runtime.worker import RankWorker, print_text
 
-    plugins = load_plugins(plugin_env(run.platform))
-    backend = load_backend(ParallelConfig(tp_size=tp, tp_rank=rank, group=group), plugins=plugins)
-    plan = plan_run(run, plugins)
-    if backend.detection.device == "cpu":
-        import paddle
-
-        # A CPU platform chosen on a machine with a device build of paddle must still run on the CPU;
-        # a device platform keeps the device its launcher selected for this rank.
-        paddle.set_device("cpu")
-
-    def log(message: str) -> None:
-        if rank == 0 and run.progress:
-            print(f"fd: {message}", file=sys.stderr, flush=True)
-
-    runner = ModelRunner(backend, plan.arch, plan.config, run.checkpoint, run.seed, run.graph, log)
-    log(f"loading {plan.arch.name} ({run.checkpoint or 'seeded random weights'}) on {backend.platform}, tp={tp}")
-    runner.load()
-    log(f"loaded {plan.arch.name} on {backend.platform} (tp={tp}) in {runner.timings['load']:.2f}s")
-    decision = runner.decide()
-    engine = Engine(runner, plan.tokenizer, run.max_batch, log)
-    log(f"generating for {len(plan.request.prompts)} prompt(s)")
-    first = engine.generate(plan.request, _print_text if rank == 0 and run.stream else None)
+    worker = RankWorker.start(run, rank, tp, group)
+    runner, engine = worker.runner, worker.engine
+    first = worker.generate(worker.plan.request, print_text if rank == 0 and run.stream else None)
     if rank == 0 and run.stream:
         print(flush=True)
-    log(f"generated {sum(len(c.token_ids) for c in first)} tokens at {engine.tokens_per_s:.1f} tokens/s")
     cycles = []
     for cycle in range(run.reload_cycles):
         start = time.perf_counter()
         runner.reload()
         engine.forget_graphs()
-        again = engine.generate(plan.request)
+        again = engine.generate(worker.plan.request)
         same = [c.token_ids for c in again] == [c.token_ids for c in first]
         cycles.append(
             {
@@ -403,26 +383,14 @@ def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None) -> d
         if not same:
             raise RuntimeError(f"reload cycle {cycle + 1} changed the output: {again[0].token_ids} != {first[0].token_ids}")
     return {
-        "rank": rank,
-        "platform": backend.platform,
-        "model": plan.arch.name,
-        "tp": tp,
-        "graph": decision.to_dict(),
-        "all_reduce": backend.all_reduce_binding,
+        **worker.describe(),
         "tokens": first[0].token_ids,
         "outputs": [c.to_dict() for c in first],
         "tokens_per_s": round(engine.tokens_per_s, 2),
-        "timings_s": {k: round(v, 4) for k, v in runner.timings.items()},
         "reload_cycles": cycles,
         "rss_bytes": resident_bytes(),
         "peak_rss_bytes": peak_resident_bytes(),
     }
-
-
-def _print_text(index: int, text: str) -> None:
-    """Stream one prompt's new text to stdout (rank 0 of an interactive run)."""
-    sys.stdout.write(text)
-    sys.stdout.flush()
 
 
 def spawned_rank(run: RunConfig) -> dict[str, Any]:
