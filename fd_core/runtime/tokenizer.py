@@ -165,6 +165,17 @@ class JsonTokenizer(Tokenizer):
         return self._special
 
 
+SPACE = "\u2581"  # SentencePiece's word-start mark
+
+
+def _utf8(data: bytes | bytearray) -> str:
+    """Byte pieces as text; bytes that are not valid UTF-8 become one U+FFFD each (the byte-fallback rule)."""
+    try:
+        return bytes(data).decode("utf-8")
+    except UnicodeDecodeError:
+        return "\ufffd" * len(data)
+
+
 class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece `tokenizer.model` (ERNIE-4.5) with added tokens split out before the model sees the text."""
 
@@ -211,20 +222,23 @@ class SentencePieceTokenizer(Tokenizer):
         return ([bos] if self.add_bos and bos is not None else []) + ids + ([eos] if self.add_eos and eos is not None else [])
 
     def _decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        # As transformers decodes a SentencePiece model: pieces with "▁" as spaces, runs of byte pieces
+        # (<0xNN>) as UTF-8, added tokens as their text, then one leading space of the whole dropped.
         parts: list[str] = []
-        run: list[int] = []
+        pending = bytearray()
         for token_id in ids:
-            if token_id in self._by_id:
-                if run:
-                    parts.append(self.sp.DecodeIds(run))
-                    run = []
-                if not (skip_special_tokens and token_id in self._special):
-                    parts.append(self._by_id[token_id])
-            elif 0 <= token_id < self.size:
-                run.append(token_id)
-        if run:
-            parts.append(self.sp.DecodeIds(run))
-        return "".join(parts)
+            piece = self.id_to_token(token_id)
+            if piece is None or (skip_special_tokens and token_id in self._special):
+                continue
+            if token_id not in self._by_id and self.sp.IsByte(token_id):
+                pending.append(int(piece[3:5], 16))
+                continue
+            parts.append(_utf8(pending))
+            pending.clear()
+            parts.append(piece if token_id in self._by_id else piece.replace(SPACE, " "))
+        parts.append(_utf8(pending))
+        text = "".join(parts)
+        return text[1:] if text.startswith(" ") else text
 
     def token_to_id(self, token: str) -> int | None:
         if token in self.added:
