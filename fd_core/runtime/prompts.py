@@ -64,7 +64,8 @@ def check_prompts(
             raise ConfigError(f"{which} is empty; pass at least one token")
         bad = [t for t in ids if not 0 <= t < config.vocab_size]
         if bad:
-            raise ConfigError(f"{which}: token id {bad[0]} is outside the vocabulary 0..{config.vocab_size - 1}")
+            owner = f"prompt {index + 1}" if len(prompts) > 1 else "prompt"
+            raise ConfigError(f"{owner} token id {bad[0]} is outside the vocabulary 0..{config.vocab_size - 1}")
         if len(ids) + max_new_tokens > config.max_position_embeddings:
             raise ConfigError(
                 f"{which} has {len(ids)} tokens and {max_new_tokens} new tokens are asked for: {len(ids) + max_new_tokens} "

@@ -1,4 +1,7 @@
-"""Tiny tokenizers trained here (no download) and saved into checkpoint directories, as the published models lay them out."""
+"""Tiny tokenizers trained here (no download) and saved into checkpoint directories, as the published models lay them out.
+
+Not a conftest.py: tests/failures imports its own `conftest` by name. Test modules import the fixtures from here.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ import json
 import shutil
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 # Non-ASCII on purpose: accents, CJK, Cyrillic and an emoji, whose UTF-8 bytes byte-level pieces split.
 CORPUS = [
@@ -120,3 +125,19 @@ def text_checkpoint(directory: Path, model: str) -> Path:
         })
     copy_tokenizer(directory / "tok", path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """{"bpe": a Qwen-style tokenizer.json directory, "sp": an ERNIE-style tokenizer.model directory}."""
+    root = tmp_path_factory.mktemp("tokenizers")
+    bpe_tokenizer(root / "bpe")
+    sentencepiece_tokenizer(root / "sp")
+    return {"bpe": root / "bpe", "sp": root / "sp"}
+
+
+@pytest.fixture(scope="session")
+def transformers_tokenizer():  # noqa: ANN201 - returns a loader of transformers' tokenizers
+    """AutoTokenizer.from_pretrained, the independent oracle; the tests using it skip without the test extra."""
+    transformers = pytest.importorskip("transformers", reason="the reference tokenizer comes with the test extra (pip install -e '.[test]')")
+    return lambda path: transformers.AutoTokenizer.from_pretrained(str(path))

@@ -13,6 +13,7 @@ from fd_core.runtime import SamplingParams, load_tokenizer
 from fd_core.runtime.chat import expand_placeholders, load_chat_template, render_chat, user_message
 from fd_core.runtime.prompts import chat_prompt
 from fd_core.runtime.sampling import Sampler
+from kit import tokenizer_dirs, transformers_tokenizer  # noqa: F401 - fixtures
 
 MESSAGES = ["Hello there", "Café 🙂 日本語"]
 
