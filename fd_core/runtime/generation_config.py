@@ -31,11 +31,12 @@ class GenerationDefaults:
     def read(cls, directory: str | Path | None, model_config: Mapping[str, Any] | None = None) -> "GenerationDefaults":
         """generation_config.json's settings, with config.json's eos/pad ids as transformers falls back to."""
         data = read_json(Path(directory) / "generation_config.json") if directory is not None else {}
-        model = dict(model_config or {})
-        text = model.get("text_config") if isinstance(model.get("text_config"), Mapping) else {}
+        model: dict[str, Any] = dict(model_config or {})
+        nested = model.get("text_config")
+        text: Mapping[str, Any] = nested if isinstance(nested, Mapping) else {}
         eos: list[int] = []
         for source in (data, model, text):
             eos += [i for i in _ids(source.get("eos_token_id")) if i not in eos]
         pads = _ids(data.get("pad_token_id")) or _ids(model.get("pad_token_id")) or _ids(text.get("pad_token_id"))
-        sampling = {k: data[k] for k in ("do_sample", "temperature", "top_p", "top_k") if k in data}
+        sampling: dict[str, Any] = {k: data[k] for k in ("do_sample", "temperature", "top_p", "top_k") if k in data}
         return cls(tuple(eos), pads[0] if pads else None, sampling)

@@ -4,7 +4,7 @@ image placeholders expanded per picture, and every prompt checked against the mo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from fd_core.errors import CheckpointError, ConfigError
 from fd_core.runtime.chat import expand_placeholders, load_chat_template, render_chat, user_message
@@ -100,7 +100,7 @@ def plan_request(run: "RunConfig", arch: "Architecture", config: "ModelConfig", 
             raise ConfigError("--stop strings are matched in the text, and without a tokenizer there is none; drop --stop")
     check_prompts(prompts, run.steps, arch, config, image_shapes)
     defaults = GenerationDefaults.read(run.checkpoint, _raw_config(run.checkpoint))
-    given = {"temperature": run.temperature, "top_p": run.top_p, "top_k": run.top_k}
+    given: dict[str, Any] = {"temperature": run.temperature, "top_p": run.top_p, "top_k": run.top_k}
     # Token ids in, token ids out: exactly --max-new-tokens, as before text came in (a benchmark's and the
     # reference tests' mode); text prompts end at an end-of-sequence id.
     sampling = SamplingParams(max_new_tokens=run.steps, seed=run.seed, stop=run.stop, ignore_eos=not run.prompts,
@@ -113,7 +113,7 @@ def plan_request(run: "RunConfig", arch: "Architecture", config: "ModelConfig", 
     return request, tokenizer
 
 
-def _raw_config(checkpoint: str | None) -> dict:
+def _raw_config(checkpoint: str | None) -> dict[str, Any]:
     from fd_core.runtime.tokenizer import read_json
 
     return read_json(Path(checkpoint) / "config.json") if checkpoint is not None else {}

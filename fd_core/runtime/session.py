@@ -132,11 +132,12 @@ class LLM:
         from fd_core.runtime.prompts import check_prompts, text_prompts, tokenizer_for
 
         plan = self._plan
-        items: list[Prompt] = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else list(prompts)  # type: ignore[index,list-item]
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        items: list[Any] = [prompts] if single else list(prompts)
         if not items:
             raise ConfigError("no prompt given; pass a string, a list of token ids, or a list of either")
-        pictures = tuple(load_image(p) if isinstance(p, (str, Path)) else p for p in images)
-        shapes = [tuple(int(d) for d in p.shape) for p in pictures]
+        pictures = tuple(load_image(str(p)) if isinstance(p, (str, Path)) else p for p in images)
+        shapes: list[tuple[int, int, int]] = [(int(p.shape[0]), int(p.shape[1]), int(p.shape[2])) for p in pictures]
         texts = [p for p in items if isinstance(p, str)]
         if texts and len(texts) != len(items):
             raise ConfigError("pass text prompts or token-id prompts in one call, not both")
@@ -147,7 +148,7 @@ class LLM:
         else:
             if chat:
                 raise ConfigError("chat=True applies the chat template to text; pass the message as a string")
-            ids = [list(p) for p in items]  # type: ignore[arg-type]
+            ids = [list(p) for p in items]
         sampling = sampling or SamplingParams().with_defaults(self._defaults.sampling, ())
         if sampling.stop and self.tokenizer is None:
             raise ConfigError("stop strings are matched in the text, and without a tokenizer there is none")
