@@ -128,6 +128,20 @@ def _prompt_ids(text: str) -> tuple[int, ...]:
         raise ConfigError(f"--prompt-ids {text!r}: expected comma-separated integers such as 1,2,3") from None
 
 
+def _text_prompts(prompts: list[str] | None, path: str | None) -> tuple[str, ...]:
+    """--prompt values, then the non-empty lines of the --prompts file."""
+    texts = list(prompts or ())
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                texts += [line.rstrip("\r\n") for line in f if line.strip()]
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--prompts {path}: cannot read it ({exc.__class__.__name__}: {exc})") from None
+        if not texts:
+            raise ConfigError(f"--prompts {path} holds no prompt; write one per line")
+    return tuple(texts)
+
+
 def _run_tp(requested: int | None, launched: tuple[int, int] | None) -> int:
     """--tp, or the launcher's world size when paddle.distributed.launch started this process."""
     if launched is None:
@@ -161,11 +175,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     quiet_paddle_logs()
     launched = launched_rank()
+    texts = _text_prompts(args.prompt, args.prompts)
+    id_prompts = tuple(_prompt_ids(p) for p in args.prompt_ids or ())
     run = RunConfig(
         model=args.model,
         tp=_run_tp(args.tp, launched),
         steps=args.steps,
-        prompt_ids=_prompt_ids(args.prompt_ids),
+        prompt_ids=id_prompts[0] if id_prompts else (1, 2, 3, 4),
+        id_prompts=id_prompts if len(id_prompts) > 1 else (),
         images=tuple(args.image or ()),
         checkpoint=args.checkpoint,
         dtype=args.dtype,
@@ -173,7 +190,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         reload_cycles=args.reload_cycles,
         seed=args.seed,
         allow_non_finite=args.allow_non_finite,
+        prompts=texts,
+        chat=args.chat,
+        stop=tuple(args.stop or ()),
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_batch=args.max_batch,
+        # Text streams to an interactive terminal as it is produced (one prompt; several print in order at the end).
+        stream=bool(texts) and len(texts) == 1 and not args.json and sys.stdout.isatty(),
     )
+    if texts and id_prompts:
+        raise ConfigError("pass text prompts (--prompt, --prompts) or token ids (--prompt-ids), not both")
     if launched:
         # Started by paddle.distributed.launch: this process is one rank; rank 0 reports.
         result = spawned_rank(run)
@@ -183,16 +211,25 @@ def cmd_run(args: argparse.Namespace) -> int:
         if run.tp == 1:
             results = [run_here(run_rank, run)]
         else:
+            print(f"fd: starting {run.tp} ranks on {plan.platform} ({plan.dist_backend})", file=sys.stderr, flush=True)
             try:
                 results = spawn_ranks(spawned_rank, (run,), run.tp, plan.dist_backend, grace=args.rank_timeout, stall=args.stall_timeout)
             except Terminated:
                 print("fd: terminated; every rank was stopped", file=sys.stderr)
                 return EXIT_TERMINATED
-            diverged = [r["rank"] for r in results if r["tokens"] != results[0]["tokens"]]
+            diverged = [r["rank"] for r in results if r["outputs"] != results[0]["outputs"]]
             if diverged:
                 raise RankError(f"rank {diverged[0]} generated different tokens than rank 0; the ranks disagree")
     if results:
-        print(as_json(results) if args.json else "\n".join(summary_lines(results)))
+        if args.json:
+            print(as_json(results))
+        elif texts:
+            # The text is the output; the report goes to stderr, so `fd run --prompt ... > out.txt` keeps only text.
+            if not run.stream:
+                print("\n\n".join(o["text"] for o in results[0]["outputs"]))
+            print("\n".join(summary_lines(results)), file=sys.stderr)
+        else:
+            print("\n".join(summary_lines(results)))
     return 0
 
 
@@ -307,8 +344,17 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None) -> 
     p = sub.add_parser("run", help="run a model: load, clean, decide, capture, generate")
     p.add_argument("--model", default=None, help="architecture (default: the checkpoint's, else ernie4_5)")
     p.add_argument("--tp", type=_positive, default=None, help="tensor-parallel ranks (default: 2; under a launcher, its world size)")
-    p.add_argument("--steps", type=_positive, default=16, help="tokens to generate (default: 16)")
-    p.add_argument("--prompt-ids", default="1,2,3,4", help="comma-separated prompt token ids")
+    p.add_argument("--max-new-tokens", "--steps", dest="steps", type=_positive, default=16, help="most tokens to generate per prompt (default: 16)")
+    p.add_argument("--prompt", action="append", default=None, metavar="TEXT", help="a text prompt (repeat for a batch); needs the checkpoint's tokenizer")
+    p.add_argument("--prompts", default=None, metavar="FILE", help="a file of text prompts, one per line")
+    p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template to each prompt (a user message)")
+    p.add_argument("--prompt-ids", action="append", default=None, metavar="IDS",
+                   help="comma-separated prompt token ids (repeat for a batch; default: 1,2,3,4); needs no tokenizer")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="end a prompt's output at this text (repeatable)")
+    p.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy, or generation_config.json's)")
+    p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set of tokens with this much probability")
+    p.add_argument("--top-k", type=_non_negative, default=None, help="sample from the k most likely tokens (0: all)")
+    p.add_argument("--max-batch", type=_positive, default=8, help="most prompts decoded together (default: 8)")
     p.add_argument("--image", action="append", default=None, metavar="PATH",
                    help="a picture for a VL model: PNG, JPEG, or .npy [C,H,W] in [0,1]; repeat for several images, in the order of their placeholders")
     p.add_argument("--checkpoint", default=None, help="a checkpoint directory as transformers saves it (config.json, *.safetensors)")
@@ -316,8 +362,8 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None) -> 
                    help="compute dtype (default: the platform's preferred one, the first it lists; see fd plugins)")
     p.add_argument("--graph", choices=("auto", "off"), default="auto")
     p.add_argument("--reload-cycles", type=_non_negative, default=0, help="weight-update cycles after the first run")
-    p.add_argument("--seed", type=_non_negative, default=0, help="seed of the random weights when no checkpoint is given (default: 0)")
-    p.add_argument("--json", action="store_true", help="print a machine-readable summary")
+    p.add_argument("--seed", type=_non_negative, default=0, help="seeds sampling (and a preset's random weights) (default: 0)")
+    p.add_argument("--json", action="store_true", help="print a machine-readable summary (text and ids per prompt)")
     p.add_argument("--rank-timeout", type=_seconds, default=30.0, help="seconds to wait for the other ranks once one has failed (default: 30)")
     p.add_argument("--stall-timeout", type=_seconds, default=60.0,
                    help="seconds a rank may go without progress (stuck in a collective, a hung plugin) before the run stops (default: 60)")

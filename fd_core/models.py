@@ -32,8 +32,13 @@ class CausalModel(Protocol):
     def allocate_cache(self, batch_size: int, max_len: int) -> None:
         """Preallocate the KV cache with fixed shapes, so decode replays a captured graph."""
 
-    def prefill(self, input_ids: Any, image: Any = None) -> Any:
-        """Run the prompt [B, S] (and image, for VL models); return last-position logits [B, vocab]."""
+    def prefill(self, input_ids: Any, image: Any = None, pad: Sequence[int] | None = None) -> Any:
+        """Run the prompt [B, S] (and image, for VL models); return last-position logits [B, vocab].
+
+        `pad[b]` leading ids of row b are left padding (a batch of unequal prompts): masked, with its
+        positions counted after them, in prefill and in every later decode step of the batch. The
+        runtime passes `pad` only when some row is padded.
+        """
 
     def prefill_length(self, input_ids: Any, image: Any = None) -> int:
         """The first decode position after prefilling this prompt (image tokens included)."""
@@ -69,6 +74,9 @@ class Architecture:
     preset_files: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # A VL architecture's check of a prompt against its pictures' shapes [C, H, W] (raise ConfigError); no paddle.
     check_prompt: Callable[["ModelConfig", Sequence[int], Sequence[tuple[int, int, int]]], None] | None = None
+    # A VL architecture's count of placeholder tokens for a picture [C, H, W]: what one placeholder a chat
+    # template emits expands to (as the reference processor expands it); no paddle.
+    image_tokens: Callable[["ModelConfig", tuple[int, int, int]], int] | None = None
     # Sizes tensor parallel splits beyond the decoder's own (expert widths, say), by name; tp must divide each.
     sharded_sizes: Callable[["ModelConfig"], Mapping[str, int]] | None = None
 

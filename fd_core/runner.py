@@ -47,10 +47,25 @@ class RunConfig:
     dtype: str | None = None
     graph: str = "auto"
     reload_cycles: int = 0
+    # Seeds a preset's random weights and the sampler.
     seed: int = 0
     progress: bool = True
     # Load weights holding NaN or Inf (for experiments); by default they are refused, naming the tensor.
     allow_non_finite: bool = False
+    # Text in, text out (fd_core.runtime): text prompts, several id prompts, chat template, sampling, stops.
+    prompts: tuple[str, ...] = ()
+    id_prompts: tuple[tuple[int, ...], ...] = ()
+    chat: bool = False
+    stop: tuple[str, ...] = ()
+    # None: generation_config.json's setting when it samples, else greedy.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_batch: int = 8
+    # Rank 0 writes text to stdout as it is produced (an interactive terminal).
+    stream: bool = False
+    # A platform to use instead of the selected one (as FD_PLATFORM does).
+    platform: str | None = None
 
 
 @dataclass
@@ -62,6 +77,9 @@ class Plan:
     config: ModelConfig
     platform: str
     dist_backend: str
+    # What to generate: prompts as ids, sampling, stops (fd_core.runtime.engine.Request), and the tokenizer if any.
+    request: Any = None
+    tokenizer: Any = None
 
 
 def peak_resident_bytes() -> int:
@@ -149,11 +167,11 @@ def _check_tp(tp: int, config: ModelConfig, arch: Architecture, backend: Backend
 
 def plan_run(run: RunConfig, plugins: PluginSet | None = None) -> Plan:
     """Every check that can fail before a process starts: platform, model, tp, prompt, checkpoint."""
-    plugins = plugins or load_plugins()
+    plugins = plugins or load_plugins(plugin_env(run.platform))
     backend = Backend(plugins)
     backend.require_hardware()
     if run.steps < 1:
-        raise ConfigError(f"--steps must be >= 1, got {run.steps}")
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {run.steps}")
     model = run.model
     if run.checkpoint is not None:
         check_checkpoint_dir(Path(run.checkpoint))
@@ -168,31 +186,23 @@ def plan_run(run: RunConfig, plugins: PluginSet | None = None) -> Plan:
     arch = plugins.registry.get(model or "ernie4_5")
     config = model_config_for(arch, run.checkpoint, compute_dtype(run.dtype, backend))
     _check_tp(run.tp, config, arch, backend)
-    if not run.prompt_ids:
-        raise ConfigError("--prompt-ids is empty; pass at least one token id")
-    bad = [t for t in run.prompt_ids if not 0 <= t < config.vocab_size]
-    if bad:
-        raise ConfigError(f"prompt token id {bad[0]} is outside the vocabulary 0..{config.vocab_size - 1}")
+    if run.images and not arch.multimodal:
+        raise ConfigError(f"{arch.name} takes no image; drop --image or choose a VL model")
+    from fd_core.runtime.prompts import plan_request
+
+    # Tokenizing, the chat template, a missing or malformed picture, a prompt too long for the context
+    # or whose placeholders do not fit the pictures: all fail here, before any rank starts.
+    shapes = [load_image(path).shape for path in run.images]
+    request, tokenizer = plan_request(run, arch, config, shapes)
     memory = backend.detection.memory_bytes
-    needed = config.estimated_bytes(BATCH_SIZE, len(run.prompt_ids) + run.steps)
+    longest = max(len(p) for p in request.prompts) + run.steps
+    needed = config.estimated_bytes(min(len(request.prompts), run.max_batch), longest)
     if memory is not None and needed > memory:
         raise ConfigError(
             f"{arch.name} needs at least {needed / 2**30:.1f} GiB for its weights and cache, and platform "
             f"{backend.platform!r} has {memory / 2**30:.1f} GiB available here; use a smaller model, a shorter run or more memory"
         )
-    if len(run.prompt_ids) + run.steps > config.max_position_embeddings:
-        raise ConfigError(
-            f"{len(run.prompt_ids)} prompt tokens + {run.steps} steps exceed max_position_embeddings="
-            f"{config.max_position_embeddings} of {arch.name}; generate fewer tokens"
-        )
-    if run.images and not arch.multimodal:
-        raise ConfigError(f"{arch.name} takes no image; drop --image or choose a VL model")
-    # A missing or malformed picture, or a prompt whose placeholders do not fit the pictures (or hold
-    # placeholders without any), fails here, before any rank starts.
-    shapes = [load_image(path).shape for path in run.images]
-    if arch.check_prompt is not None:
-        arch.check_prompt(config, run.prompt_ids, shapes)
-    return Plan(run, arch, config, backend.platform, backend.detection.dist_backend)
+    return Plan(run, arch, config, backend.platform, backend.detection.dist_backend, request, tokenizer)
 
 
 @dataclass
@@ -369,67 +379,42 @@ def load_image(path: str) -> Any:
     return pixels.transpose(2, 0, 1).astype(np.float32) / np.float32(255.0)
 
 
+def plugin_env(platform: str | None) -> Mapping[str, str]:
+    """The environment plugin selection reads, with `platform` forced when given."""
+    return {**os.environ, "FD_PLATFORM": platform} if platform else os.environ
+
+
 def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None) -> dict[str, Any]:
     """The whole job on one rank; rank 0's result carries the summary."""
-    progress.report("loading plugins")
-    plugins = load_plugins()
-    backend = load_backend(ParallelConfig(tp_size=tp, tp_rank=rank, group=group), plugins=plugins)
-    plan = plan_run(run, plugins)
-    if backend.detection.device:
-        import paddle
+    from fd_core.runtime.worker import RankWorker, print_text
 
-        # The device type the platform named: a host platform on a machine with a device build of
-        # paddle still runs on the host; a device type without an index resolves to the device the
-        # launcher selected for this rank (paddle reads it from the rank's environment).
-        paddle.set_device(backend.detection.device)
-
-    def log(message: str) -> None:
-        if rank == 0 and run.progress:
-            print(f"fd: {message}", file=sys.stderr, flush=True)
-
-    # Before any weight is read: a platform whose all-reduce does not sum stops the run here.
-    progress.report("checking the all-reduce")
-    backend.check_collective()
-    runner = ModelRunner(backend, plan.arch, plan.config, run.checkpoint, run.seed, run.graph, log, run.allow_non_finite)
-    # A VL model given no image sees the text alone.
-    image = [load_image(path) for path in run.images] if run.images else None
-    progress.report("loading weights")
-    runner.load()
-    log(f"loaded {plan.arch.name} on {backend.platform} (tp={tp}) in {runner.timings['load']:.2f}s")
-    decision = runner.decide()
-    prompt = list(run.prompt_ids)
-    assert runner.model is not None
-    max_len = runner.model.prefill_length(_as_ids(prompt), image) + run.steps
-    progress.report("capturing")
-    runner.prepare(max_len)
-    first = runner.generate(prompt, run.steps, image)
-    log(f"generated {len(first.tokens)} tokens at {first.tokens_per_s:.1f} tokens/s")
+    worker = RankWorker.start(run, rank, tp, group)
+    runner, engine = worker.runner, worker.engine
+    first = worker.generate(worker.plan.request, print_text if rank == 0 and run.stream else None)
+    if rank == 0 and run.stream:
+        print(flush=True)
     cycles = []
     for cycle in range(run.reload_cycles):
         start = time.perf_counter()
         runner.reload()
-        runner.prepare(max_len)
-        again = runner.generate(prompt, run.steps, image)
+        engine.forget_graphs()
+        again = engine.generate(worker.plan.request)
+        same = [c.token_ids for c in again] == [c.token_ids for c in first]
         cycles.append(
             {
                 "cycle": cycle + 1,
                 "seconds": round(time.perf_counter() - start, 4),
                 "rss_bytes": resident_bytes(),
-                "tokens_match": again.tokens == first.tokens,
+                "tokens_match": same,
             }
         )
-        if again.tokens != first.tokens:
-            raise RuntimeError(f"reload cycle {cycle + 1} changed the output: {again.tokens} != {first.tokens}")
+        if not same:
+            raise RuntimeError(f"reload cycle {cycle + 1} changed the output: {again[0].token_ids} != {first[0].token_ids}")
     return {
-        "rank": rank,
-        "platform": backend.platform,
-        "model": plan.arch.name,
-        "tp": tp,
-        "graph": decision.to_dict(),
-        "all_reduce": backend.all_reduce_binding,
-        "tokens": first.tokens,
-        "tokens_per_s": round(first.tokens_per_s, 2),
-        "timings_s": {k: round(v, 4) for k, v in runner.timings.items()},
+        **worker.describe(),
+        "tokens": first[0].token_ids,
+        "outputs": [c.to_dict() for c in first],
+        "tokens_per_s": round(engine.tokens_per_s, 2),
         "reload_cycles": cycles,
         "rss_bytes": resident_bytes(),
         "peak_rss_bytes": peak_resident_bytes(),
@@ -485,7 +470,10 @@ def summary_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:
         f"graph: {graph['summary']}",
     ]
     lines += [f"  {CastVote(**v).line()}" for v in graph["votes"]]
-    lines.append(f"tokens: {' '.join(str(t) for t in result['tokens'])}")
+    outputs = result.get("outputs") or [{"ids": result["tokens"]}]
+    for index, output in enumerate(outputs):
+        label = "tokens" if len(outputs) == 1 else f"tokens [{index + 1}]"
+        lines.append(f"{label}: {' '.join(str(t) for t in output['ids'])}")
     lines.append(f"speed: {result['tokens_per_s']} tokens/s (decode)")
     lines.append("phases: " + ", ".join(f"{k} {v:.3f}s" for k, v in result["timings_s"].items()))
     lines.append("peak memory: " + ", ".join(f"rank {r['rank']} {r['peak_rss_bytes'] / 2**30:.2f} GiB" for r in results))
@@ -497,7 +485,7 @@ def summary_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def as_json(results: Sequence[Mapping[str, Any]]) -> str:
     """Rank 0's result as JSON, with every reporting rank's peak RSS."""
-    keys = ("platform", "model", "tp", "graph", "all_reduce", "tokens", "tokens_per_s", "timings_s", "reload_cycles", "rss_bytes", "peak_rss_bytes")
+    keys = ("platform", "model", "tp", "graph", "all_reduce", "tokens", "outputs", "tokens_per_s", "timings_s", "reload_cycles", "rss_bytes", "peak_rss_bytes")
     data = {k: results[0][k] for k in keys}
     data["peak_rss_bytes_by_rank"] = [r["peak_rss_bytes"] for r in results]
     return json.dumps(data, indent=2)

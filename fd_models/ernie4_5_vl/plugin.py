@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from fd_core import Architecture, hookimpl
 from fd_models._plugin import clear_graphs, lazy_build
-from fd_models.ernie4_5_vl.config import check_config, check_prompt, sharded_sizes
+from fd_models.ernie4_5_vl.config import check_config, check_prompt, image_tokens, sharded_sizes
 from fd_models.presets import TINY_ERNIE_VL, TINY_ERNIE_VL_PREPROCESSOR
 
 _MODULE = "fd_models.ernie4_5_vl.model"
@@ -30,7 +30,7 @@ ARCHITECTURE = Architecture(
     build=build, preset=TINY_PRESET, graph_capable=True, multimodal=True,
     config_defaults=CONFIG_DEFAULTS,
     preset_files={"preprocessor_config.json": TINY_ERNIE_VL_PREPROCESSOR},
-    check_config=check_config, check_prompt=check_prompt, sharded_sizes=sharded_sizes,
+    check_config=check_config, check_prompt=check_prompt, image_tokens=image_tokens, sharded_sizes=sharded_sizes,
     description="ERNIE-4.5-VL as published: ViT with 2-D rope, resampler, 3-D rope, text and vision experts with shared experts")
 
 

@@ -101,7 +101,7 @@ class TextModel(nn.Layer):
     def forward(
         self, embeds: paddle.Tensor, positions: paddle.Tensor, caches: Sequence[paddle.Tensor],
         rope_positions: paddle.Tensor | None = None, deepstack: Sequence[paddle.Tensor] = (),
-        vision_mask: paddle.Tensor | None = None,
+        vision_mask: paddle.Tensor | None = None, start: paddle.Tensor | None = None,
     ) -> tuple[paddle.Tensor, list[paddle.Tensor]]:
         """embeds [B, S, H] into cache slots `positions` [S] -> (hidden [B, S, H], new caches [k0, v0, k1, v1, ...]).
 
@@ -109,14 +109,23 @@ class TextModel(nn.Layer):
         an image) or [3, S] (M-RoPE over an image). `deepstack[i]` [B, S, H] is added to the hidden
         states after layer i (Qwen3-VL's DeepStack visual features, zero outside image tokens);
         `vision_mask` [B, S] marks image tokens for mixture-of-experts layers that route by modality.
+        `start` [B] is each sequence's first cache slot (its left padding; None: 0): earlier slots are
+        masked and its rotary positions count from there, so a padded prompt computes what it would alone.
         """
+        if start is None:
+            start = paddle.zeros([embeds.shape[0]], dtype="int64")
         slots = paddle.arange(caches[0].shape[2], dtype="int64").unsqueeze(0)
         where = positions.unsqueeze(-1)
         place = (slots == where).astype(embeds.dtype)
-        mask = ((slots <= where).astype("float32") - 1.0) * -_MASKED
         rope_at = positions if rope_positions is None else rope_positions
         section = self.mrope_section if len(rope_at.shape) == 2 else None
-        rope = rope_tables(rope_at, self.config.resolved_head_dim, self.config.rope_theta, section, self.mrope_style)
+        # Per sequence: mask [B, 1, S, T] and rotary tables [B, 1, S, d/2], broadcast over heads.
+        first = start.reshape([-1, 1, 1])
+        valid = paddle.logical_and(slots <= where, slots.unsqueeze(0) >= first)
+        mask = ((valid.astype("float32") - 1.0) * -_MASKED).unsqueeze(1)
+        rows = rope_at.unsqueeze(-2) - start.reshape([-1, 1])  # [S] -> [B, S]; [3, S] -> [3, B, S]
+        cos, sin = rope_tables(rows, self.config.resolved_head_dim, self.config.rope_theta, section, self.mrope_style)
+        rope = (cos.unsqueeze(1), sin.unsqueeze(1))
         x, new_caches = embeds, []
         for i, layer in enumerate(self.layers):
             x, cache_k, cache_v = layer(x, rope, place, mask, caches[2 * i], caches[2 * i + 1], vision_mask)
@@ -144,9 +153,11 @@ class CausalLM(nn.Layer):
         # Rotary position minus cache slot during decode: nonzero after an M-RoPE image, whose
         # tokens take fewer rotary positions than cache slots (set by the VL model at prefill).
         self.rope_delta = 0
+        # Each sequence's first cache slot [B] (its left padding in a batch of unequal prompts), set at prefill.
+        self._start: paddle.Tensor | None = None
         cache_names = [f"cache_{i}_{kv}" for i in range(config.num_hidden_layers) for kv in "kv"]
-        # The pure step handed to graph backends: (token_ids, position, rope_position, cache_0_k, cache_0_v, ...).
-        self.decode_fn = _with_positional_signature(self._decode, ["token_ids", "position", "rope_position", *cache_names])
+        # The pure step handed to graph backends: (token_ids, position, rope_position, start, cache_0_k, cache_0_v, ...).
+        self.decode_fn = _with_positional_signature(self._decode, ["token_ids", "position", "rope_position", "start", *cache_names])
 
     # -- weights -------------------------------------------------------------------------
     def weight_specs(self) -> dict[str, WeightSpec]:
@@ -185,26 +196,31 @@ class CausalLM(nn.Layer):
         return self._caches
 
     def _decode(
-        self, token_ids: paddle.Tensor, position: paddle.Tensor, rope_position: paddle.Tensor, *caches: paddle.Tensor
+        self, token_ids: paddle.Tensor, position: paddle.Tensor, rope_position: paddle.Tensor, start: paddle.Tensor,
+        *caches: paddle.Tensor,
     ) -> tuple[paddle.Tensor, ...]:
-        """Pure decode step: (token_ids [B, 1], cache slot [1], rotary position [1], *caches) -> (logits [B, vocab], *new caches)."""
-        hidden, new_caches = self.model(self.model.embed_tokens(token_ids), position, caches, rope_position)
+        """Pure decode step: (token_ids [B, 1], cache slot [1], rotary position [1], first slots [B], *caches) -> (logits [B, vocab], *new caches)."""
+        hidden, new_caches = self.model(self.model.embed_tokens(token_ids), position, caches, rope_position, (), None, start)
         return (self.lm_head(hidden[:, -1]), *new_caches)
 
     def prefill_embeds(
         self, embeds: paddle.Tensor, rope_positions: Any = None, deepstack: Sequence[paddle.Tensor] = (), rope_delta: int = 0,
-        vision_mask: Any = None,
+        vision_mask: Any = None, pad: Sequence[int] | None = None,
     ) -> paddle.Tensor:
         """Run embeds [B, S, H] causally into cache slots [0, S); return last-position logits [B, vocab].
 
         `rope_positions` [3, S], `deepstack` and `vision_mask` come with an image (see TextModel.forward);
-        `rope_delta` is what decode adds to each slot to get its rotary position.
+        `rope_delta` is what decode adds to each slot to get its rotary position. `pad[b]` leading
+        positions of sequence b are padding (prompts of unequal lengths, left-padded): masked, and its
+        rotary positions start after them, so each sequence computes what it would alone.
         """
-        caches = self._require_cache(embeds.shape[0], embeds.shape[1])
+        batch = embeds.shape[0]
+        caches = self._require_cache(batch, embeds.shape[1])
+        self._start = as_int64([0] * batch if pad is None else list(pad))
         positions = paddle.arange(embeds.shape[1], dtype="int64")
         rope = None if rope_positions is None else as_int64(rope_positions)
         mask = None if vision_mask is None else paddle.to_tensor(np.asarray(vision_mask, dtype=bool))
-        hidden, self._caches = self.model(embeds, positions, caches, rope, deepstack, mask)
+        hidden, self._caches = self.model(embeds, positions, caches, rope, deepstack, mask, self._start)
         self.rope_delta = rope_delta
         return self.lm_head(hidden[:, -1])
 
@@ -212,17 +228,20 @@ class CausalLM(nn.Layer):
         """Cache positions `prefill` fills (the prompt length): the first decode position."""
         return int(as_int64(input_ids).shape[1])
 
-    def prefill(self, input_ids: Any, image: Any = None) -> paddle.Tensor:
-        """Run the prompt [B, S] (text only: `image` must be None); return last-position logits [B, vocab]."""
+    def prefill(self, input_ids: Any, image: Any = None, pad: Sequence[int] | None = None) -> paddle.Tensor:
+        """Run the prompt [B, S] (text only: `image` must be None), `pad[b]` of row b's leading ids padding; last-position logits [B, vocab]."""
         if image is not None:
             raise ValueError(f"{self.config.architecture} is a text-only model; it takes no image")
-        return self.prefill_embeds(self.model.embed_tokens(as_int64(input_ids)))
+        return self.prefill_embeds(self.model.embed_tokens(as_int64(input_ids)), pad=pad)
 
     def decode_step(self, token_ids: Any, position: int) -> paddle.Tensor:
         """One token per sequence [B, 1] at `position`; replays the captured graph for this batch size if any."""
         ids = as_int64(token_ids).reshape([-1, 1])
         slot, rope = paddle.to_tensor([position], dtype="int64"), paddle.to_tensor([position + self.rope_delta], dtype="int64")
-        inputs = [ids, slot, rope, *self._require_cache(ids.shape[0], position + 1)]
+        caches = self._require_cache(ids.shape[0], position + 1)
+        if self._start is None or self._start.shape[0] != ids.shape[0]:
+            self._start = paddle.zeros([ids.shape[0]], dtype="int64")  # decoding without a prefill of this batch
+        inputs = [ids, slot, rope, self._start, *caches]
         if self._graphs is not None and self._graphs.has(ids.shape[0]):
             outputs = self._graphs.replay(ids.shape[0], inputs)
         else:
@@ -239,7 +258,7 @@ class CausalLM(nn.Layer):
         # Fresh zero caches: capturing must not disturb the live cache (or need its batch size).
         caches = [paddle.zeros(self.cache_shape(batch_size, max_len), dtype=self.config.dtype) for _ in self._caches]
         position = paddle.zeros([1], dtype="int64")
-        example = [paddle.zeros([batch_size, 1], dtype="int64"), position, position, *caches]
+        example = [paddle.zeros([batch_size, 1], dtype="int64"), position, position, paddle.zeros([batch_size], dtype="int64"), *caches]
         graph_backend.capture(batch_size, self.decode_fn, example)
         self._graphs = graph_backend
 

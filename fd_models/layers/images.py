@@ -88,16 +88,19 @@ def placeholder_runs(ids: Sequence[int] | np.ndarray, image_token_id: int) -> li
     return [(int(slots[a]), int(b - a)) for a, b in zip(starts, ends)]
 
 
+def placeholder_count(shape: Sequence[int], settings: ImageSettings, patch: int) -> int:
+    """How many placeholder tokens a picture [C, H, W] takes: one per merged block of patches after resizing."""
+    merge = settings.factor // patch
+    h, w = smart_resize(int(shape[1]), int(shape[2]), settings)
+    return (h // patch // merge) * (w // patch // merge)
+
+
 def check_prompt(
     prompt: Sequence[int], image_token_id: int, shapes: Sequence[tuple[int, int, int]], settings: ImageSettings, patch: int
 ) -> None:
     """Raise ValueError unless the prompt holds one run of placeholders per picture (shapes [C, H, W]), each of the right length."""
     runs = [length for _, length in placeholder_runs(prompt, image_token_id)]
-    merge = settings.factor // patch
-    needed = []
-    for _, height, width in shapes:
-        h, w = smart_resize(height, width, settings)
-        needed.append((h // patch // merge) * (w // patch // merge))
+    needed = [placeholder_count(shape, settings, patch) for shape in shapes]
     if runs != needed:
         have = ", ".join(map(str, runs)) or "none"
         want = ", ".join(map(str, needed)) or "none"

@@ -115,3 +115,11 @@ def check_prompt(config: Any, prompt: Any, shapes: Any) -> None:
         check(prompt, config.extra["image_token_id"], shapes, image_settings(config, vision), vision.patch_size)
     except ValueError as exc:
         raise ConfigError(f"{exc}; put one run of image tokens per --image in the prompt") from None
+
+
+def image_tokens(config: Any, shape: Any) -> int:
+    """How many placeholder tokens the picture [C, H, W] takes in a prompt (what the reference processor expands it to)."""
+    from fd_models.layers.images import placeholder_count
+
+    vision = VisionConfig.from_dict(config.extra["vision_config"])
+    return placeholder_count(shape, image_settings(config, vision), vision.patch_size)

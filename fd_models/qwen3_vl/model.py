@@ -8,7 +8,7 @@ positions follow the reference's `get_rope_index`; decode then continues at slot
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import paddle
@@ -69,15 +69,19 @@ class Qwen3VLForConditionalGeneration(nn.Layer):
         """The prompt length: image tokens are placeholders in the prompt, nothing is prepended."""
         return int(np.asarray(input_ids).shape[1])
 
-    def prefill(self, input_ids: Any, image: Any = None) -> paddle.Tensor:
+    def prefill(self, input_ids: Any, image: Any = None, pad: Sequence[int] | None = None) -> paddle.Tensor:
         """Run the prompt [B, S] with its image(s) at their placeholders (see `batch_pictures`); last-position logits [B, vocab].
+
+        `pad[b]` leading ids of row b are padding (text-only batches of unequal prompts).
 
         Pictures are float [C, H, W] in [0, 1]; they are resized and normalised as the checkpoint's processor says.
         """
         ids = as_int64(input_ids)
         embeds = self.language_model.model.embed_tokens(ids)
         if image is None:
-            return self.language_model.prefill_embeds(embeds)
+            return self.language_model.prefill_embeds(embeds, pad=pad)
+        if pad is not None and any(pad):
+            raise ValueError("prompts with pictures are not padded: give a batch of them equal lengths, or run them one by one")
         host_ids = ids.numpy()
         grids, rows = encode_batch(batch_pictures(image, host_ids.shape[0]), self._encode)
         positions, delta = batch_positions(host_ids, self.image_token_id, grids, self.vision_config.spatial_merge_size)

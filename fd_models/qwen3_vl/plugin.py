@@ -7,7 +7,7 @@ from typing import Any, Callable
 from fd_core import Architecture, hookimpl
 from fd_models._plugin import clear_graphs, lazy_build
 from fd_models.presets import TINY_QWEN3_VL, TINY_QWEN3_VL_PREPROCESSOR
-from fd_models.qwen3_vl.config import check_config, check_prompt
+from fd_models.qwen3_vl.config import check_config, check_prompt, image_tokens
 
 _MODULE = "fd_models.qwen3_vl.model"
 # Untied LM head (its own vocab-parallel `lm_head.weight`) in the tiny preset, unlike ERNIE.
@@ -31,7 +31,7 @@ ARCHITECTURE = Architecture(
     build=build, preset=TINY_PRESET, graph_capable=True, multimodal=True,
     config_defaults=CONFIG_DEFAULTS,
     preset_files={"preprocessor_config.json": TINY_QWEN3_VL_PREPROCESSOR},
-    check_config=check_config, check_prompt=check_prompt,
+    check_config=check_config, check_prompt=check_prompt, image_tokens=image_tokens,
     description="Qwen3-VL as published: ViT with 2-D rope, 2x2 merger, DeepStack, interleaved M-RoPE, decoder with q/k norm")
 
 

@@ -56,7 +56,7 @@ def test_explain_json() -> None:
 def test_usage_errors_are_one_line_with_exit_2() -> None:
     for args, message in [
         (["run", "--tp", "0"], "fd: error: argument --tp: must be >= 1, got 0 (see fd run --help)"),
-        (["run", "--steps", "x"], "fd: error: argument --steps: 'x' is not an integer (see fd run --help)"),
+        (["run", "--steps", "x"], "fd: error: argument --max-new-tokens/--steps: 'x' is not an integer (see fd run --help)"),
         (["explain", "--model", "llama"], "fd: error: unknown architecture 'llama'; registered: ernie4_5 (Ernie4_5ForCausalLM), ernie4_5_vl (Ernie4_5_VLMoeForConditionalGeneration), qwen3_vl (Qwen3VLForConditionalGeneration)"),
         (["frobnicate"], None),
     ]:

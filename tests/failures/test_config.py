@@ -44,8 +44,8 @@ def assert_nothing_started(run) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--steps", "0"], "argument --steps: must be >= 1, got 0 (see fd run --help)"),
-        (["--steps", "-1"], "argument --steps: must be >= 1, got -1 (see fd run --help)"),
+        (["--steps", "0"], "argument --max-new-tokens/--steps: must be >= 1, got 0 (see fd run --help)"),
+        (["--steps", "-1"], "argument --max-new-tokens/--steps: must be >= 1, got -1 (see fd run --help)"),
         (["--tp", "0"], "argument --tp: must be >= 1, got 0 (see fd run --help)"),
         (["--model", "nosuch"], "unknown architecture 'nosuch'; registered: ernie4_5 (Ernie4_5ForCausalLM), ernie4_5_vl (Ernie4_5_VLMoeForConditionalGeneration), qwen3_vl (Qwen3VLForConditionalGeneration)"),
         (["--prompt-ids", "1,999"], "prompt token id 999 is outside the vocabulary 0..511"),

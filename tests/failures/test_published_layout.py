@@ -100,7 +100,10 @@ def test_a_dtype_the_platform_cannot_compute_in(tmp_path: Path) -> None:
 def test_steps_beyond_the_models_positions(tmp_path: Path) -> None:
     directory = write_config(tmp_path / "short", {**TINY_TEXT, "max_position_embeddings": 8})
     done = run_fd(["run", "--checkpoint", str(directory), "--steps", "5"], traced=True)
-    assert_one_line_error(done, "4 prompt tokens + 5 steps exceed max_position_embeddings=8 of ernie4_5; generate fewer tokens")
+    assert_one_line_error(done, (
+        "the prompt has 4 tokens and 5 new tokens are asked for: 9 exceed the model's context of 8 "
+        "(max_position_embeddings of ernie4_5); shorten the prompt or ask for fewer tokens"
+    ))
     assert_nothing_started(done)
 
 

@@ -127,7 +127,7 @@ def test_non_finite_weights_are_refused_naming_the_tensor(nan_checkpoint: Path, 
 
 def test_allowed_non_finite_weights_stop_at_the_first_non_finite_logits(nan_checkpoint: Path) -> None:
     done = run_fd(["run", "--tp", "1", "--steps", "2", "--checkpoint", str(nan_checkpoint), "--allow-non-finite"])
-    assert_one_line_error(done, "step 0 produced 512 non-finite logit(s) (NaN or Inf); ", exact=False)
+    assert_one_line_error(done, "step 0 produced 512 non-finite logit(s) (NaN or Inf) for prompt 1; ", exact=False)
 
 
 def test_a_cleanup_hook_that_raises_is_named(probe_root: Path) -> None:

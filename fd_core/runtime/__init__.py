@@ -1,0 +1,9 @@
+"""The runtime behind `fd run` and the Python API: tokenizers, chat templates, sampling, batched generation
+and the LLM session. The contract modules of fd_core never import it."""
+
+from fd_core.runtime.engine import Completion
+from fd_core.runtime.sampling import SamplingParams
+from fd_core.runtime.session import LLM
+from fd_core.runtime.tokenizer import Tokenizer, load_tokenizer
+
+__all__ = ["LLM", "Completion", "SamplingParams", "Tokenizer", "load_tokenizer"]

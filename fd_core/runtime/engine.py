@@ -1,0 +1,194 @@
+"""Batched generation on one rank: left-padded prefill, one captured decode graph per batch size,
+sampling, and per-sequence stopping at end-of-sequence ids, stop strings or the token limit."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
+
+from fd_core import progress
+from fd_core.runtime.sampling import Sampler, SamplingParams
+from fd_core.runtime.streaming import StreamDecoder, TextState
+
+if TYPE_CHECKING:
+    from fd_core.runner import ModelRunner
+    from fd_core.runtime.tokenizer import Tokenizer
+
+# Cache lengths are rounded up to this, so that requests of similar lengths reuse one captured graph.
+CACHE_STEP = 32
+PAD_ID = 0  # what fills a shorter prompt's left padding (masked; any id in the vocabulary would do)
+
+
+@dataclass(frozen=True)
+class Request:
+    """Prompts as token ids, how to sample and stop, and the pictures every prompt holds (arrays [C, H, W] or paths)."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    sampling: SamplingParams = SamplingParams()
+    eos_ids: tuple[int, ...] = ()
+    images: tuple[Any, ...] = ()
+
+
+@dataclass
+class Completion:
+    """One prompt's output: the generated ids, their text (None without a tokenizer), and why it ended.
+
+    `finish_reason` is "eos" (an end-of-sequence id, kept as the last id), "stop" (a stop string; the
+    text is cut before it) or "length" (max_new_tokens reached).
+    """
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "ids": self.token_ids, "finish_reason": self.finish_reason, "prompt_tokens": len(self.prompt_ids)}
+
+
+def finite_logits(logits: Any, step: int, live: Sequence[bool]) -> Any:
+    """logits [B, vocab] as numpy; non-finite logits of a sequence still generating stop the run instead of becoming a plausible token."""
+    import numpy as np
+
+    from fd_core.errors import NumericsError
+
+    rows = logits.numpy()
+    bad = [b for b, alive in enumerate(live) if alive and not np.isfinite(rows[b]).all()]
+    if bad:
+        count = int((~np.isfinite(rows[bad[0]])).sum())
+        raise NumericsError(
+            f"step {step} produced {count} non-finite logit(s) (NaN or Inf) for prompt {bad[0] + 1}; the weights, the inputs or "
+            f"the platform's kernels or all-reduce produce non-finite numbers (fd check tests the all-reduce)"
+        )
+    return rows
+
+
+@dataclass
+class Engine:
+    """Generates for a Request with a loaded and decided ModelRunner; yields text as it is produced."""
+
+    runner: "ModelRunner"
+    tokenizer: "Tokenizer | None" = None
+    max_batch: int = 8
+    log: Callable[[str], None] = lambda message: None
+    # Batch size -> cache length the decode graph was captured for.
+    _captured: dict[int, int] = field(default_factory=dict)
+    decoded_tokens: int = 0
+    decode_s: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput of everything generated so far (tokens from decode steps, all sequences)."""
+        return self.decoded_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def forget_graphs(self) -> None:
+        """The model's graphs were cleared (a weight reload): capture again on next use."""
+        self._captured.clear()
+
+    def generate(self, request: Request, on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
+        """Every prompt's completion, in order; `on_text(prompt index, text)` as text is produced."""
+        stream = self.stream(request)
+        while True:
+            try:
+                index, text = next(stream)
+            except StopIteration as done:
+                return list(done.value)
+            if on_text is not None:
+                on_text(index, text)
+
+    def stream(self, request: Request) -> Generator[tuple[int, str], None, list[Completion]]:
+        """Yields (prompt index, new text) while generating; returns every completion."""
+        from fd_core.runner import load_image
+
+        pictures = [load_image(p) if isinstance(p, str) else p for p in request.images]
+        # Prompts with pictures run one at a time (their rotary positions are not padded); text in batches.
+        size = 1 if pictures else self.max_batch
+        results: list[Completion] = []
+        for first in range(0, len(request.prompts), size):
+            rows = list(range(first, min(first + size, len(request.prompts))))
+            results += yield from self._batch(request, rows, pictures or None)
+        return results
+
+    def _cache_len(self, needed: int) -> int:
+        limit = self.runner.config.max_position_embeddings
+        return max(needed, min(-(-needed // CACHE_STEP) * CACHE_STEP, limit))
+
+    def _prepare(self, batch: int, max_len: int) -> None:
+        """A zeroed cache for this batch; the decode step captured for its size (again if the cache length changed)."""
+        model, decision = self.runner.model, self.runner.decision
+        assert model is not None and decision is not None, "load() and decide() come before generating"
+        model.allocate_cache(batch, max_len)
+        if decision.allowed and self._captured.get(batch) != max_len:
+            self.log(f"capturing the decode step for batch size {batch} ({decision.mode})")
+            progress.report("capturing")
+            start = time.perf_counter()
+            model.capture(self.runner.backend.graph_backend(), batch)
+            self._add_time("capture", time.perf_counter() - start)
+            self._captured[batch] = max_len
+
+    def _add_time(self, phase: str, seconds: float) -> None:
+        self.runner.timings[phase] = self.runner.timings.get(phase, 0.0) + seconds
+
+    def _batch(self, request: Request, rows: Sequence[int], image: Any) -> Generator[tuple[int, str], None, list[Completion]]:
+        import numpy as np
+
+        model, params = self.runner.model, request.sampling
+        assert model is not None
+        prompts = [list(request.prompts[i]) for i in rows]
+        width = max(map(len, prompts))
+        pads = [width - len(p) for p in prompts]
+        ids = np.asarray([[PAD_ID] * pad + p for pad, p in zip(pads, prompts)], dtype="int64")
+        length = model.prefill_length(ids, image)
+        self._prepare(len(rows), self._cache_len(length + params.max_new_tokens))
+        sampler = Sampler(params, rows)
+        texts = [TextState(StreamDecoder(self.tokenizer), params.stop) if self.tokenizer else None for _ in rows]
+        tokens: list[list[int]] = [[] for _ in rows]
+        reasons: list[str | None] = [None] * len(rows)
+        eos = set() if params.ignore_eos else set(request.eos_ids)
+
+        start = time.perf_counter()
+        progress.report("prefill")
+        logits = model.prefill(ids, image, pad=pads) if any(pads) else model.prefill(ids, image)
+        self._add_time("prefill", time.perf_counter() - start)
+        decode_s, decoded = 0.0, 0
+        for step in range(params.max_new_tokens):
+            start = time.perf_counter()
+            progress.report("decode")
+            chosen = sampler.choose(finite_logits(logits, step, [reasons[b] is None for b in range(len(rows))]))
+            for b, token in enumerate(chosen):
+                if reasons[b] is not None:
+                    continue
+                tokens[b].append(token)
+                state = texts[b]
+                if token in eos:
+                    reasons[b] = "eos"
+                elif state is not None:
+                    shown = state.push(token)
+                    if shown:
+                        yield rows[b], shown
+                    if state.stopped:
+                        reasons[b] = "stop"
+                if reasons[b] is None and len(tokens[b]) == params.max_new_tokens:
+                    reasons[b] = "length"
+            if step:
+                decode_s += time.perf_counter() - start
+                decoded += sum(1 for b in range(len(rows)) if len(tokens[b]) == step + 1)
+            if all(r is not None for r in reasons):
+                break
+            start = time.perf_counter()
+            # Finished sequences ride along (fixed batch shape for the captured graph); their tokens are dropped.
+            logits = model.decode_step(np.asarray(chosen, dtype="int64").reshape(-1, 1), length + step)
+            decode_s += time.perf_counter() - start
+        self._add_time("decode", decode_s)
+        self.decode_s += decode_s
+        self.decoded_tokens += decoded
+        completions = []
+        for b, row in enumerate(rows):
+            state = texts[b]
+            if state is not None:
+                rest = state.finish()
+                if rest:
+                    yield row, rest
+            completions.append(Completion(prompts[b], tokens[b], state.text if state else None, reasons[b] or "length"))
+        return completions

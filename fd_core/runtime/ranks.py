@@ -1,0 +1,134 @@
+"""Ranks that stay up between requests (the Python API at tp > 1): spawned as `fd run` spawns them, with
+its failure handling, and served requests over one pipe each."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from fd_core import progress
+from fd_core.errors import RankError
+
+if TYPE_CHECKING:
+    from fd_core.runner import RunConfig
+    from fd_core.runtime.engine import Request
+
+POLL_S = 0.2
+
+
+def serve_rank(run: "RunConfig", pipes: Sequence[Any]) -> dict[str, Any]:
+    """A spawned rank: load, report ready, then generate for each request until told to close."""
+    from fd_core.distributed import init_rank, quiet_paddle_logs
+    from fd_core.runtime.worker import RankWorker
+
+    quiet_paddle_logs()
+    rank, world = init_rank()
+    conn = pipes[rank]
+    worker = RankWorker.start(run, rank, world)
+    conn.send(("ready", {**worker.describe(), "pid": os.getpid()}))
+    while True:
+        try:
+            # Between requests a rank is idle, not stuck: it keeps noting progress, or the parent's stall watch would stop it.
+            while not conn.poll(1.0):
+                progress.report("waiting for a request")
+            message = conn.recv()
+        except EOFError:  # the caller went away without closing
+            return worker.describe()
+        if message[0] == "close":
+            return worker.describe()
+        stream = (lambda index, text: conn.send(("text", index, text))) if rank == 0 else None
+        outputs = worker.generate(message[1], stream)
+        conn.send(("done", outputs, worker.describe()))
+
+
+class RankPool:
+    """`tp` ranks serving requests; a rank that fails stops the others and the next call raises its RankError."""
+
+    def __init__(self, run: "RunConfig", tp: int, dist_backend: str, grace: float) -> None:
+        context = multiprocessing.get_context("spawn")
+        pairs = [context.Pipe() for _ in range(tp)]
+        self.conns = [ours for ours, _ in pairs]
+        theirs = tuple(end for _, end in pairs)
+        self.error: BaseException | None = None
+        self.pids: list[int] = []
+        self.thread = threading.Thread(target=self._spawn, args=(run, theirs, tp, dist_backend, grace), name="fd-ranks", daemon=True)
+        self.thread.start()
+        try:
+            self.ready = [self._receive(rank, "ready") for rank in range(tp)]
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            for end in theirs:
+                end.close()
+        self.pids = [info[1]["pid"] for info in self.ready]
+
+    def _spawn(self, run: "RunConfig", pipes: tuple[Any, ...], tp: int, dist_backend: str, grace: float) -> None:
+        from fd_core.distributed import spawn_ranks
+        from fd_core.runtime.ranks import serve_rank
+
+        try:
+            spawn_ranks(serve_rank, (run, pipes), tp, dist_backend, grace=grace)
+        except BaseException as exc:  # re-raised in the caller's thread by its next call
+            self.error = exc
+
+    def _receive(self, rank: int, *kinds: str) -> tuple[Any, ...]:
+        """The next message from `rank`; the ranks' failure (a RankError naming the first) if they ended."""
+        conn = self.conns[rank]
+        while True:
+            if conn.poll(POLL_S):
+                try:
+                    message = conn.recv()
+                except EOFError:
+                    break
+                if message[0] in kinds:
+                    return message
+                raise RankError(f"rank {rank} sent {message[0]!r} where {' or '.join(kinds)} was expected")
+            if not self.thread.is_alive() and not conn.poll(0):
+                break
+        self.thread.join()
+        if isinstance(self.error, RankError):
+            raise RankError(str(self.error)) from None
+        if self.error is not None:
+            raise self.error
+        raise RankError(f"rank {rank} ended without answering")
+
+    def generate(self, request: "Request") -> Iterator[tuple[int, str]]:
+        """Yields (prompt index, text) from rank 0 while the ranks generate; returns the completions."""
+        for conn in self.conns:
+            conn.send(("generate", request))
+        while True:
+            message = self._receive(0, "text", "done")
+            if message[0] == "done":
+                break
+            yield message[1], message[2]
+        outputs, info = message[1], message[2]
+        for rank in range(1, len(self.conns)):
+            other = self._receive(rank, "done")
+            if [c.token_ids for c in other[1]] != [c.token_ids for c in outputs]:
+                raise RankError(f"rank {rank} generated different tokens than rank 0; the ranks disagree")
+        self.info = info
+        return outputs
+
+    def close(self) -> None:
+        """Ask every rank to finish and wait for them."""
+        for conn in self.conns:
+            try:
+                conn.send(("close",))
+            except OSError:
+                pass
+        self.thread.join()
+
+    def abort(self) -> None:
+        """Stop every rank now (after an error or Ctrl-C in the caller): SIGTERM, then spawn's own cleanup."""
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for conn in self.conns:
+            conn.close()
+        self.thread.join()

@@ -1,0 +1,93 @@
+"""Choosing the next token: greedy, or sampling with temperature, top-k and top-p from a seeded generator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Sequence
+
+from fd_core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to generate: how many tokens, greedy or sampled, and where to stop.
+
+    `temperature` 0 is greedy (the default). Sampling applies temperature, then top-k (0: all tokens),
+    then top-p (1.0: all), as transformers does. The same `seed` gives the same tokens.
+    `stop` strings end a sequence; its text is cut before the stop string.
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0: no limit), got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise ConfigError("a stop string must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def with_defaults(self, defaults: Mapping[str, Any], given: Sequence[str]) -> "SamplingParams":
+        """These settings with generation_config.json's sampling defaults for the fields not in `given`."""
+        if not defaults.get("do_sample"):
+            return self
+        keep = {k: v for k, v in defaults.items() if k in ("temperature", "top_p", "top_k") and k not in given and v is not None}
+        return replace(self, **keep)
+
+
+class Sampler:
+    """Draws each sequence's tokens from its own generator, seeded by (seed, the prompt's index in its request).
+
+    Every rank holds the same logits (the vocabulary-parallel head ends in an all-reduce) and the same
+    seed, so every rank draws the same token without another collective.
+    """
+
+    def __init__(self, params: SamplingParams, indexes: Sequence[int]) -> None:
+        import numpy as np
+
+        self.params = params
+        self.rngs = [np.random.default_rng([params.seed, i]) for i in indexes]
+
+    def choose(self, logits: Any) -> list[int]:
+        """One token per row of logits [B, vocab]."""
+        import numpy as np
+
+        rows = np.asarray(logits, dtype=np.float64)
+        if self.params.greedy:
+            return [int(i) for i in rows.argmax(axis=-1)]
+        return [self._draw(row, rng) for row, rng in zip(rows, self.rngs)]
+
+    def _draw(self, row: Any, rng: Any) -> int:
+        import numpy as np
+
+        scores = row / self.params.temperature
+        if 0 < self.params.top_k < scores.size:
+            kth = np.partition(scores, -self.params.top_k)[-self.params.top_k]
+            scores = np.where(scores < kth, -np.inf, scores)
+        probs = np.exp(scores - scores.max())
+        probs /= probs.sum()
+        if self.params.top_p < 1.0:
+            order = np.argsort(-probs, kind="stable")
+            cumulative = np.cumsum(probs[order])
+            # Keep the smallest prefix whose mass reaches top_p (at least one token).
+            keep = order[: int(np.searchsorted(cumulative, self.params.top_p)) + 1]
+            mask = np.zeros_like(probs)
+            mask[keep] = 1.0
+            probs = probs * mask
+            probs /= probs.sum()
+        cumulative = np.cumsum(probs)
+        return int(min(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"), probs.size - 1))

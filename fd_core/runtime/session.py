@@ -1,0 +1,176 @@
+"""The Python API: a model loaded on its ranks, generating text for lists of prompts, streaming, and
+reporting its platform, graph decision and timings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generator, Iterator, Sequence
+
+from fd_core.errors import ConfigError
+from fd_core.graphs import CastVote, GraphDecision
+from fd_core.runtime.engine import Completion, Request
+from fd_core.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from fd_core.runtime.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """A checkpoint (or an architecture's tiny preset) loaded on `tp` ranks and ready to generate.
+
+    With tp > 1 the ranks are processes started here and kept until `close()` (use it as a context
+    manager); a rank that fails stops the others and the call raises RankError naming it, as `fd run`
+    does. Everything is checked before a process starts.
+    """
+
+    def __init__(
+        self, checkpoint: str | Path | None = None, *, model: str | None = None, tp: int = 1, platform: str | None = None,
+        dtype: str | None = None, graph: str = "auto", seed: int = 0, max_batch: int = 8, progress: bool = False,
+        rank_timeout: float = 30.0,
+    ) -> None:
+        from fd_core.runner import RunConfig, plan_run
+        from fd_core.runtime.generation_config import GenerationDefaults
+        from fd_core.runtime.prompts import _raw_config
+
+        from fd_core.distributed import quiet_paddle_logs
+
+        quiet_paddle_logs()  # before paddle is imported: its C++ logs stay off the caller's terminal
+        if graph not in ("auto", "off"):
+            raise ConfigError(f"graph must be 'auto' or 'off', got {graph!r}")
+        self.checkpoint = None if checkpoint is None else str(checkpoint)
+        run = RunConfig(model=model or "", tp=tp, checkpoint=self.checkpoint, dtype=dtype, graph=graph, seed=seed,
+                        max_batch=max_batch, progress=progress, platform=platform)
+        self._plan = plan_run(run)
+        self._run = run
+        self.tokenizer: Tokenizer | None = self._plan.tokenizer
+        if self.tokenizer is None and self.checkpoint is not None:
+            from fd_core.runtime.tokenizer import has_tokenizer, load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.checkpoint) if has_tokenizer(self.checkpoint) else None
+        self._defaults = GenerationDefaults.read(self.checkpoint, _raw_config(self.checkpoint))
+        self._worker: Any = None
+        self._pool: Any = None
+        if tp == 1:
+            from fd_core.runtime.worker import RankWorker
+
+            self._worker = RankWorker.start(run)
+            self._info = self._worker.describe()
+        else:
+            from fd_core.runtime.ranks import RankPool
+
+            if progress:
+                import sys
+
+                print(f"fd: starting {tp} ranks on {self._plan.platform} ({self._plan.dist_backend})", file=sys.stderr, flush=True)
+            self._pool = RankPool(run, tp, self._plan.dist_backend, rank_timeout)
+            self._info = self._pool.ready[0][1]
+
+    # -- what it is ----------------------------------------------------------------------
+    @property
+    def platform(self) -> str:
+        """The platform the ranks run on."""
+        return str(self._info["platform"])
+
+    @property
+    def model(self) -> str:
+        """The architecture's registered name."""
+        return str(self._info["model"])
+
+    @property
+    def graph(self) -> GraphDecision:
+        """Whether decode steps replay a captured graph, and every plugin's vote."""
+        data = self._info["graph"]
+        return GraphDecision(data["allowed"], data["mode"], tuple(CastVote(**v) for v in data["votes"]), data["requested"])
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds spent so far in each phase on rank 0 (build, load, cleanup, capture, prefill, decode)."""
+        return dict(self._info["timings_s"])
+
+    # -- generating ----------------------------------------------------------------------
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None = None, *, chat: bool = False,
+        images: Sequence[Any] = (),
+    ) -> list[Completion]:
+        """A completion for each prompt (text, or token ids), decoded together in batches."""
+        stream = self._stream(self._request(prompts, sampling, chat, images))
+        while True:
+            try:
+                next(stream)
+            except StopIteration as done:
+                return list(done.value)
+
+    def stream(self, prompt: Prompt, sampling: SamplingParams | None = None, *, chat: bool = False, images: Sequence[Any] = ()) -> Iterator[str]:
+        """The text of one prompt's completion, piece by piece as it is produced."""
+        if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
+            raise ConfigError("stream() takes one prompt; use generate() for several")
+        for _, text in self._stream(self._request(prompt, sampling, chat, images)):
+            yield text
+
+    def _stream(self, request: Request) -> Generator[tuple[int, str], None, list[Completion]]:
+        if self._worker is None and self._pool is None:
+            raise ConfigError("this LLM is closed; create a new one")
+        try:
+            if self._worker is not None:
+                outputs = yield from self._worker.engine.stream(request)
+                self._info = self._worker.describe()
+            else:
+                outputs = yield from self._pool.generate(request)
+                self._info = self._pool.info
+        except BaseException:
+            if self._pool is not None:
+                self._pool.abort()
+                self._pool = None
+            raise
+        return outputs
+
+    def _request(self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None, chat: bool, images: Sequence[Any]) -> Request:
+        """Prompts as checked token ids with the sampling settings and end-of-sequence ids: all before any rank sees them."""
+        from fd_core.runner import load_image
+        from fd_core.runtime.prompts import check_prompts, text_prompts, tokenizer_for
+
+        plan = self._plan
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        items: list[Any] = [prompts] if single else list(prompts)
+        if not items:
+            raise ConfigError("no prompt given; pass a string, a list of token ids, or a list of either")
+        pictures = tuple(load_image(str(p)) if isinstance(p, (str, Path)) else p for p in images)
+        shapes: list[tuple[int, int, int]] = [(int(p.shape[0]), int(p.shape[1]), int(p.shape[2])) for p in pictures]
+        texts = [p for p in items if isinstance(p, str)]
+        if texts and len(texts) != len(items):
+            raise ConfigError("pass text prompts or token-id prompts in one call, not both")
+        if texts:
+            # Without a tokenizer this raises the one-line error naming the files looked for.
+            tokenizer = self.tokenizer or tokenizer_for(self.checkpoint, plan.arch.name)
+            ids = text_prompts(texts, tokenizer, self.checkpoint or "", chat, plan.arch, plan.config, shapes)
+        else:
+            if chat:
+                raise ConfigError("chat=True applies the chat template to text; pass the message as a string")
+            ids = [list(p) for p in items]
+        sampling = sampling or SamplingParams().with_defaults(self._defaults.sampling, ())
+        if sampling.stop and self.tokenizer is None:
+            raise ConfigError("stop strings are matched in the text, and without a tokenizer there is none")
+        check_prompts(ids, sampling.max_new_tokens, plan.arch, plan.config, shapes)
+        eos = list(self._defaults.eos_ids)
+        if self.tokenizer is not None and self.tokenizer.role_id("eos_token") not in (None, *eos):
+            eos.append(int(self.tokenizer.role_id("eos_token")))  # type: ignore[arg-type]
+        return Request(tuple(tuple(int(t) for t in p) for p in ids), sampling, tuple(eos), pictures)
+
+    # -- lifetime ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the ranks (tp > 1) and release the model; idempotent."""
+        pool, self._pool, self._worker = self._pool, None, None
+        if pool is not None:
+            pool.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
+        if error is not None and self._pool is not None:
+            self._pool.abort()  # the ranks may be mid-request: stop them rather than wait
+            self._pool = None
+        self.close()
+

@@ -1,0 +1,293 @@
+"""A checkpoint's tokenizer: `tokenizer.json` (the `tokenizers` library) or SentencePiece `tokenizer.model`,
+with the special and added tokens its JSON files declare, as transformers loads them."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from fd_core.errors import CheckpointError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# The special-token roles transformers passes to a chat template, by their tokenizer_config.json keys.
+SPECIAL_ROLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file, or {} when it is absent; a malformed one is a one-line CheckpointError."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not a readable JSON file ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or {"content": ...}."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+class Tokenizer:
+    """Text to ids and back, the special tokens by role, and which ids are special (skipped when decoding)."""
+
+    def __init__(self, directory: Path, config: Mapping[str, Any], special_map: Mapping[str, Any]) -> None:
+        self.directory = directory
+        self.config = dict(config)
+        # Roles (bos_token, eos_token, ...) as strings; special_tokens_map.json overrides tokenizer_config.json.
+        self.roles: dict[str, str] = {}
+        for source in (config, special_map):
+            for role in SPECIAL_ROLES:
+                token = _content(source.get(role))
+                if token is not None:
+                    self.roles[role] = token
+        extra = [*(config.get("additional_special_tokens") or ()), *(special_map.get("additional_special_tokens") or ())]
+        extras = config.get("extra_special_tokens")
+        if isinstance(extras, Mapping):
+            extra += list(extras.values())
+        elif isinstance(extras, list):
+            extra += extras
+        self.extra_special = [t for t in (_content(v) for v in extra) if t is not None]
+        self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+
+    # -- the backend's part ----------------------------------------------------------------
+    def _encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def _decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        raise NotImplementedError
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a token string (a vocabulary piece or an added token), None if it has none."""
+        raise NotImplementedError
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token string of an id, None outside the vocabulary."""
+        raise NotImplementedError
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids decoding skips by default: every special token's."""
+        raise NotImplementedError
+
+    # -- shared ----------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` adds what the tokenizer adds around a sequence (a BOS, say)."""
+        ids = self._encode(text)
+        return self._with_specials(ids) if add_special_tokens else ids
+
+    def _with_specials(self, ids: list[int]) -> list[int]:
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """The text of `ids`; special tokens are left out unless `skip_special_tokens` is False."""
+        text = self._decode([int(i) for i in ids], skip_special_tokens)
+        return clean_up_tokenization(text) if self.clean_up_spaces else text
+
+    def special_tokens(self) -> dict[str, str]:
+        """bos_token, eos_token, ... as a chat template receives them."""
+        return dict(self.roles)
+
+    def role_id(self, role: str) -> int | None:
+        """The id of the token in `role` (eos_token, say), if the tokenizer has one."""
+        token = self.roles.get(role)
+        return None if token is None else self.token_to_id(token)
+
+
+def clean_up_tokenization(text: str) -> str:
+    """transformers' clean-up of spaces before punctuation and contractions (when the config asks for it)."""
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(before, after)
+    return text
+
+
+class JsonTokenizer(Tokenizer):
+    """A `tokenizer.json` through the `tokenizers` library (byte-level BPE for Qwen3-VL, and any other model it holds)."""
+
+    def __init__(self, directory: Path, config: Mapping[str, Any], special_map: Mapping[str, Any], added: Mapping[int, Mapping[str, Any]]) -> None:
+        super().__init__(directory, config, special_map)
+        from tokenizers import AddedToken
+        from tokenizers import Tokenizer as Backend
+
+        path = directory / "tokenizer.json"
+        try:
+            self.backend = Backend.from_file(str(path))
+        except Exception as exc:  # the library raises plain Exception for a malformed file
+            raise CheckpointError(f"{path}: not a tokenizer the tokenizers library reads ({exc})") from None
+        # Added tokens the JSON files declare but tokenizer.json lacks, as transformers adds them.
+        for token_id, entry in sorted(added.items()):
+            content = entry["content"]
+            if self.backend.token_to_id(content) is None:
+                token = AddedToken(content, special=bool(entry.get("special", True)), lstrip=bool(entry.get("lstrip", False)),
+                                   rstrip=bool(entry.get("rstrip", False)), normalized=bool(entry.get("normalized", False)),
+                                   single_word=bool(entry.get("single_word", False)))
+                self.backend.add_special_tokens([token]) if token.special else self.backend.add_tokens([token])
+            if self.backend.token_to_id(content) != token_id:
+                raise CheckpointError(
+                    f"{directory}: added token {content!r} is declared as id {token_id} but tokenizer.json gives it "
+                    f"{self.backend.token_to_id(content)}; the tokenizer files disagree"
+                )
+        specials = [self.backend.token_to_id(t) for t in (*self.roles.values(), *self.extra_special)]
+        decoder = self.backend.get_added_tokens_decoder()
+        specials += [i for i, token in decoder.items() if token.special]
+        self._special = frozenset(i for i in specials if i is not None)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=False).ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # tokenizer.json's own post-processor adds what the model expects around a sequence.
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def _decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        if skip_special_tokens:
+            ids = [i for i in ids if i not in self._special]
+        return self.backend.decode(list(ids), skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return self._special
+
+
+SPACE = "\u2581"  # SentencePiece's word-start mark
+
+
+def _utf8(data: bytes | bytearray) -> str:
+    """Byte pieces as text; bytes that are not valid UTF-8 become one U+FFFD each (the byte-fallback rule)."""
+    try:
+        return bytes(data).decode("utf-8")
+    except UnicodeDecodeError:
+        return "\ufffd" * len(data)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece `tokenizer.model` (ERNIE-4.5) with added tokens split out before the model sees the text."""
+
+    def __init__(self, directory: Path, config: Mapping[str, Any], special_map: Mapping[str, Any], added: Mapping[int, Mapping[str, Any]]) -> None:
+        super().__init__(directory, config, special_map)
+        import sentencepiece
+
+        path = directory / "tokenizer.model"
+        self.sp = sentencepiece.SentencePieceProcessor()
+        try:
+            self.sp.Load(str(path))
+        except (OSError, RuntimeError) as exc:
+            raise CheckpointError(f"{path}: not a SentencePiece model ({exc})") from None
+        self.size = self.sp.GetPieceSize()
+        # Added tokens: declared ones with their ids; special roles and extras that are vocabulary pieces.
+        self.added: dict[str, int] = {entry["content"]: token_id for token_id, entry in added.items()}
+        special = {entry["content"] for entry in added.values() if entry.get("special", True)}
+        for token in (*self.roles.values(), *self.extra_special):
+            special.add(token)
+            if token not in self.added:
+                piece = self.sp.PieceToId(token)
+                if self.sp.IdToPiece(piece) == token:
+                    self.added[token] = piece
+        self._by_id = {i: t for t, i in self.added.items()}
+        self._special = frozenset(i for t, i in self.added.items() if t in special)
+        # Longest first, so that a token containing another is matched whole (as transformers' trie does).
+        names = sorted(self.added, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
+        self.add_bos = bool(config.get("add_bos_token", False))
+        self.add_eos = bool(config.get("add_eos_token", False))
+
+    def _encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        pieces = self._split.split(text) if self._split else [text]
+        for index, piece in enumerate(pieces):
+            if index % 2:  # a captured added token
+                ids.append(self.added[piece])
+            elif piece:
+                ids += self.sp.EncodeAsIds(piece)
+        return ids
+
+    def _with_specials(self, ids: list[int]) -> list[int]:
+        bos, eos = self.role_id("bos_token"), self.role_id("eos_token")
+        return ([bos] if self.add_bos and bos is not None else []) + ids + ([eos] if self.add_eos and eos is not None else [])
+
+    def _decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
+        # As transformers decodes a SentencePiece model: pieces with "▁" as spaces, runs of byte pieces
+        # (<0xNN>) as UTF-8, added tokens as their text, then one leading space of the whole dropped.
+        parts: list[str] = []
+        pending = bytearray()
+        for token_id in ids:
+            piece = self.id_to_token(token_id)
+            if piece is None or (skip_special_tokens and token_id in self._special):
+                continue
+            if token_id not in self._by_id and self.sp.IsByte(token_id):
+                pending.append(int(piece[3:5], 16))
+                continue
+            parts.append(_utf8(pending))
+            pending.clear()
+            parts.append(piece if token_id in self._by_id else piece.replace(SPACE, " "))
+        parts.append(_utf8(pending))
+        text = "".join(parts)
+        return text[1:] if text.startswith(" ") else text
+
+    def token_to_id(self, token: str) -> int | None:
+        if token in self.added:
+            return self.added[token]
+        piece = self.sp.PieceToId(token)
+        return piece if self.sp.IdToPiece(piece) == token else None
+
+    def id_to_token(self, token_id: int) -> str | None:
+        if token_id in self._by_id:
+            return self._by_id[token_id]
+        return self.sp.IdToPiece(token_id) if 0 <= token_id < self.size else None
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return self._special
+
+
+def _added_tokens(directory: Path, config: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
+    """Added tokens by id: tokenizer_config.json's `added_tokens_decoder`, then added_tokens.json (content -> id)."""
+    added: dict[int, dict[str, Any]] = {}
+    decoder = config.get("added_tokens_decoder") or {}
+    for key, entry in decoder.items():
+        content = _content(entry)
+        if content is None or not str(key).isdigit():
+            raise CheckpointError(f"{directory}/tokenizer_config.json: added_tokens_decoder entry {key!r} is malformed")
+        added[int(key)] = {**entry, "content": content} if isinstance(entry, Mapping) else {"content": content, "special": True}
+    for content, token_id in read_json(directory / "added_tokens.json").items():
+        if not isinstance(token_id, int):
+            raise CheckpointError(f"{directory}/added_tokens.json: {content!r} maps to {token_id!r}, not a token id")
+        added.setdefault(token_id, {"content": content, "special": False})
+    return added
+
+
+def has_tokenizer(directory: str | Path) -> bool:
+    """Whether the directory holds a tokenizer fd can read."""
+    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(directory: str | Path) -> Tokenizer:
+    """The tokenizer of a checkpoint directory: tokenizer.json if present, else tokenizer.model."""
+    path = Path(directory)
+    if not has_tokenizer(path):
+        raise CheckpointError(
+            f"{path} has no tokenizer (looked for {' and '.join(TOKENIZER_FILES)}); "
+            f"pass token ids with --prompt-ids, which needs none"
+        )
+    config = read_json(path / "tokenizer_config.json")
+    special_map = read_json(path / "special_tokens_map.json")
+    added = _added_tokens(path, config)
+    if (path / "tokenizer.json").is_file():
+        return JsonTokenizer(path, config, special_map, added)
+    return SentencePieceTokenizer(path, config, special_map, added)

@@ -1,0 +1,89 @@
+"""One rank's side of a run: plugins, backend, model loaded and decided, and its generation engine."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from fd_core import progress
+from fd_core.runtime.engine import Completion, Engine, Request
+
+if TYPE_CHECKING:
+    from fd_core.backend import Backend
+    from fd_core.runner import ModelRunner, Plan, RunConfig
+
+
+def print_text(index: int, text: str) -> None:
+    """Stream new text to stdout as it is produced (rank 0 of an interactive run)."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+@dataclass
+class RankWorker:
+    """A rank with its model loaded and its graph decision made, ready to generate."""
+
+    run: "RunConfig"
+    rank: int
+    tp: int
+    plan: "Plan"
+    backend: "Backend"
+    runner: "ModelRunner"
+    engine: Engine
+    log: Callable[[str], None]
+
+    @classmethod
+    def start(cls, run: "RunConfig", rank: int = 0, tp: int = 1, group: Any = None) -> "RankWorker":
+        """Select the platform, check the run, load the model and decide on graphs; progress lines from rank 0."""
+        from fd_core.backend import load_backend
+        from fd_core.config import ParallelConfig
+        from fd_core.plugins import load_plugins
+        from fd_core.runner import ModelRunner, plan_run, plugin_env
+
+        progress.report("loading plugins")
+        plugins = load_plugins(plugin_env(run.platform))
+        backend = load_backend(ParallelConfig(tp_size=tp, tp_rank=rank, group=group), plugins=plugins)
+        plan = plan_run(run, plugins)
+        if backend.detection.device:
+            import paddle
+
+            # The device type the platform named: a host platform on a machine with a device build of
+            # paddle still runs on the host; a device type without an index resolves to the device the
+            # launcher selected for this rank (paddle reads it from the rank's environment).
+            paddle.set_device(backend.detection.device)
+
+        def log(message: str) -> None:
+            if rank == 0 and run.progress:
+                print(f"fd: {message}", file=sys.stderr, flush=True)
+
+        # Before any weight is read: a platform whose all-reduce does not sum stops the run here.
+        progress.report("checking the all-reduce")
+        backend.check_collective()
+        runner = ModelRunner(backend, plan.arch, plan.config, run.checkpoint, run.seed, run.graph, log, run.allow_non_finite)
+        log(f"loading {plan.arch.name} ({run.checkpoint or 'seeded random weights'}) on {backend.platform}, tp={tp}")
+        progress.report("loading weights")
+        runner.load()
+        log(f"loaded {plan.arch.name} on {backend.platform} (tp={tp}) in {runner.timings['load']:.2f}s")
+        runner.decide()
+        return cls(run, rank, tp, plan, backend, runner, Engine(runner, plan.tokenizer, run.max_batch, log), log)
+
+    def generate(self, request: Request, on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
+        """Every prompt's completion; progress lines around it."""
+        self.log(f"generating for {len(request.prompts)} prompt(s)")
+        outputs = self.engine.generate(request, on_text)
+        self.log(f"generated {sum(len(c.token_ids) for c in outputs)} tokens at {self.engine.tokens_per_s:.1f} tokens/s")
+        return outputs
+
+    def describe(self) -> dict[str, Any]:
+        """What a caller reads back: platform, model, graph decision, all-reduce binding and timings so far."""
+        assert self.runner.decision is not None
+        return {
+            "rank": self.rank,
+            "platform": self.backend.platform,
+            "model": self.plan.arch.name,
+            "tp": self.tp,
+            "graph": self.runner.decision.to_dict(),
+            "all_reduce": self.backend.all_reduce_binding,
+            "timings_s": {k: round(v, 4) for k, v in self.runner.timings.items()},
+        }

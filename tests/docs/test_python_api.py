@@ -1,0 +1,45 @@
+"""Executes every Python block of docs/python-api.md, and README's Python API section, as written,
+next to a tiny checkpoint with a tokenizer at checkpoints/qwen3-vl."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "text"))
+
+import kit  # noqa: E402
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+def readme_section() -> str:
+    """README's 'Python API' section (up to the next heading of its level)."""
+    text = (ROOT / "README.md").read_text()
+    return text.split("## Python API", 1)[1].split("\n## ", 1)[0]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("python-api")
+    checkpoint = kit.text_checkpoint(root / "build", "qwen3_vl")
+    (root / "checkpoints").mkdir()
+    checkpoint.rename(root / "checkpoints" / "qwen3-vl")
+    return root
+
+
+@pytest.mark.parametrize("source", ["docs/python-api.md", "README.md"])
+def test_the_python_blocks_run_as_written(workdir: Path, source: str) -> None:
+    text = (ROOT / source).read_text() if source.startswith("docs") else readme_section()
+    blocks = python_blocks(text)
+    assert len(blocks) >= (5 if source.startswith("docs") else 1)
+    for block in blocks:
+        done = subprocess.run([sys.executable, "-c", block], cwd=workdir, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{source}:\n{block}\n{done.stdout}\n{done.stderr}"

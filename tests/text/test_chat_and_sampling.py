@@ -1,0 +1,84 @@
+"""Chat templates rendered and tokenized as transformers does; image placeholders expanded; sampling settings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fd_core.errors import ConfigError
+from fd_core.runtime import SamplingParams, load_tokenizer
+from fd_core.runtime.chat import expand_placeholders, load_chat_template, render_chat, user_message
+from fd_core.runtime.prompts import chat_prompt
+from fd_core.runtime.sampling import Sampler
+from kit import tokenizer_dirs, transformers_tokenizer  # noqa: F401 - fixtures
+
+MESSAGES = ["Hello there", "Café 🙂 日本語"]
+
+
+@pytest.mark.parametrize(("kind", "images"), [("bpe", 0), ("bpe", 2), ("sp", 0)])
+def test_chat_template_renders_and_tokenizes_as_transformers(tokenizer_dirs: dict[str, Path], transformers_tokenizer, kind: str, images: int) -> None:
+    directory = tokenizer_dirs[kind]
+    ours, reference = load_tokenizer(directory), transformers_tokenizer(directory)
+    for text in MESSAGES:
+        messages = [user_message(text, images)]
+        want = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert render_chat(load_chat_template(directory), messages, ours.special_tokens()) == want
+        want_ids = reference.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        want_ids = want_ids["input_ids"] if not isinstance(want_ids, list) else want_ids
+        assert chat_prompt(ours, directory, text, images) == list(want_ids)
+
+
+def test_templates_are_found_where_transformers_saves_them(tmp_path: Path) -> None:
+    assert load_chat_template(tmp_path) is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "default", "template": "A"}, {"name": "tool_use", "template": "B"}]}))
+    assert load_chat_template(tmp_path) == "A"
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "C"}))
+    assert load_chat_template(tmp_path) == "C"
+    (tmp_path / "chat_template.jinja").write_text("D")
+    assert load_chat_template(tmp_path) == "D"
+
+
+def test_a_template_that_fails_is_one_line_with_its_error() -> None:
+    with pytest.raises(ConfigError) as caught:
+        render_chat("{{ raise_exception('only user and assistant roles\\nare supported') }}", [user_message("x")], {})
+    assert "only user and assistant roles are supported" in str(caught.value) and "\n" not in str(caught.value)
+    with pytest.raises(ConfigError, match="failed to render"):
+        render_chat("{% for m in messages %}{{ m.content | nosuchfilter }}{% endfor %}", [user_message("x")], {})
+
+
+def test_each_placeholder_expands_to_its_pictures_tokens() -> None:
+    assert expand_placeholders([7, 9, 5, 9, 8], 9, [2, 3]) == [7, 9, 9, 5, 9, 9, 9, 8]
+    # Already expanded (runs, not one per picture): left for the model's check to judge.
+    assert expand_placeholders([9, 9, 9, 9], 9, [4]) == [9, 9, 9, 9]
+
+
+def test_greedy_is_argmax_and_sampling_is_seeded() -> None:
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 50)) * 2
+    assert Sampler(SamplingParams(), range(3)).choose(logits) == list(logits.argmax(-1))
+
+    def draw(seed: int, **kw: float) -> list[list[int]]:
+        sampler = Sampler(SamplingParams(temperature=1.0, seed=seed, **kw), range(3))
+        return [sampler.choose(logits) for _ in range(20)]
+
+    assert draw(1) == draw(1) and draw(1) != draw(2)
+    assert {t for step in draw(1, top_k=1) for t in step} <= set(logits.argmax(-1))
+    assert {t for step in draw(1, top_p=1e-6) for t in step} <= set(logits.argmax(-1))
+    top3 = np.argsort(-logits, axis=-1)[:, :3]
+    assert all(t in top3[b] for step in draw(5, top_k=3) for b, t in enumerate(step))
+
+
+def test_sampling_settings_are_checked() -> None:
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1}, {"max_new_tokens": 0}, {"stop": ("",)}):
+        with pytest.raises(ConfigError):
+            SamplingParams(**bad)  # type: ignore[arg-type]
+
+
+def test_generation_config_defaults_apply_only_where_not_given() -> None:
+    defaults = {"do_sample": True, "temperature": 0.8, "top_p": 0.9}
+    assert SamplingParams().with_defaults(defaults, ()).temperature == 0.8
+    assert SamplingParams(temperature=0.5).with_defaults(defaults, ("temperature",)) == SamplingParams(temperature=0.5, top_p=0.9)
+    assert SamplingParams().with_defaults({**defaults, "do_sample": False}, ()) == SamplingParams()
