@@ -132,3 +132,49 @@ def test_prefill_requires_a_cache(arch, kit) -> None:
     ids, image = kit.prompt(arch)
     with pytest.raises(RuntimeError, match="allocate_cache"):
         model.prefill(ids, image)
+
+
+def test_captured_buckets_of_cache_length_match_eager(kit) -> None:
+    """A cache longer than the smallest bucket is captured once per bucket; decode crosses from one to the next."""
+    from fd_models.layers.decoder import BUCKET_MIN, cache_buckets
+
+    arch = kit.architectures()[0]
+    max_len = BUCKET_MIN + 8
+    assert cache_buckets(max_len) == [BUCKET_MIN, max_len]
+    ids = np.arange(1, BUCKET_MIN - 2, dtype=np.int64).reshape(1, -1)  # decode passes position BUCKET_MIN
+
+    def decode(model) -> list[np.ndarray]:
+        model.allocate_cache(1, max_len)
+        logits, out = model.prefill(ids), []
+        for step in range(6):
+            token = logits.argmax(-1, keepdim=True)
+            logits = model.decode_step(token, ids.shape[1] + step)
+            out.append(logits.numpy())
+        return out
+
+    eager = decode(kit.build_loaded(arch))
+    model = kit.build_loaded(arch)
+    graphs = kit.ToStaticGraphs()
+    model.allocate_cache(1, max_len)
+    model.capture(graphs, 1)
+    assert sorted(graphs.graphs) == [(1, BUCKET_MIN), (1, max_len)]
+    captured = decode(model)
+    assert graphs.replays == 6
+    for got, want in zip(captured, eager):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_decode_writes_the_cache_in_place(kit) -> None:
+    """The step writes its keys and values into the same cache tensors, at its position only."""
+    arch = kit.architectures()[0]
+    model = kit.build_loaded(arch)
+    ids, _ = kit.prompt(arch)
+    model.allocate_cache(ids.shape[0], 40)
+    model.prefill(ids)
+    caches = list(model._caches)
+    before = caches[0].numpy().copy()
+    model.decode_step(np.zeros((ids.shape[0], 1), dtype=np.int64), ids.shape[1])
+    assert all(a is b for a, b in zip(model._caches, caches))
+    after = caches[0].numpy()
+    changed = np.flatnonzero(np.any(after != before, axis=(1, 2, 3)))
+    assert changed.tolist() == [ids.shape[1]]
