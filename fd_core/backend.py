@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import types
 from typing import Any, Callable, Mapping
@@ -107,7 +108,7 @@ class Backend:
     def graph_decision(
         self, model_config: ModelConfig, parallel_config: ParallelConfig | None = None, requested: str = "auto"
     ) -> GraphDecision:
-        """Ask every plugin; any veto wins; every answer and reason is kept."""
+        """Ask every plugin; any veto wins (an advisory no-gain vote too, unless `requested` is "on"); every answer is kept."""
         parallel_config = parallel_config or self.parallel
         mode = self.graph_mode
         votes: list[CastVote] = []
@@ -130,9 +131,10 @@ class Backend:
                 raise PluginError(f"plugin {name!r}: fd_graph_eligibility returned {type(answer).__name__}; return fd_core.GraphVote or None")
             if not answer.allow and not answer.reason.strip():
                 raise PluginError(f"plugin {name!r}: fd_graph_eligibility vetoed without a reason; return GraphVote.veto('why')")
-            votes.append(CastVote(name, answer.allow, answer.reason))
-        allowed = requested != "off" and mode is not None and all(v.allow for v in votes)
-        return GraphDecision(allowed=allowed, mode=mode, votes=tuple(votes), requested=requested)
+            votes.append(CastVote(name, answer.allow, answer.reason, answer.advisory and not answer.allow))
+        decision = GraphDecision(allowed=False, mode=mode, votes=tuple(votes), requested=requested)
+        allowed = requested != "off" and mode is not None and not decision.vetoes
+        return dataclasses.replace(decision, allowed=allowed)
 
     @property
     def graph_mode(self) -> str | None:

@@ -232,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="show the chosen platform and the graph decision with every vote")
     p.add_argument("--model", default="ernie4_5", help="architecture name (default: ernie4_5)")
     p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size (default: 1)")
-    p.add_argument("--graph", choices=("auto", "off"), default="auto")
+    p.add_argument("--graph", choices=("auto", "on", "off"), default="auto",
+                   help="auto: capture unless a plugin vetoes or reports no gain; on: capture unless a plugin vetoes; off: eager")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_explain)
 
@@ -246,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="a checkpoint directory as transformers saves it (config.json, *.safetensors)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16", "float64"),
                    help="compute dtype (default: the platform's preferred one; float32 on cpu)")
-    p.add_argument("--graph", choices=("auto", "off"), default="auto")
+    p.add_argument("--graph", choices=("auto", "on", "off"), default="auto",
+                   help="auto: capture unless a plugin vetoes or reports no gain; on: capture unless a plugin vetoes; off: eager")
     p.add_argument("--reload-cycles", type=_non_negative, default=0, help="weight-update cycles after the first run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print a machine-readable summary")

@@ -22,7 +22,6 @@ class CudaGraphBackend:
         self._graphs: dict[Hashable, _Captured] = {}
 
     def capture(self, key: Hashable, fn: Callable[..., Any], inputs: Sequence[Any]) -> None:
-        import paddle
         from paddle.device.cuda.graphs import CUDAGraph
 
         # The tensors given at capture are the graph's buffers, by reference, not copies: a decode

@@ -42,15 +42,21 @@ def test_explain_prints_platform_binding_and_votes() -> None:
     assert "platform: cpu (" in done.stdout
     assert "model: qwen3_vl (registered by qwen3_vl), tp=2" in done.stdout
     assert "all-reduce: direct: cpu.fd_all_reduce" in done.stdout
-    assert "graph: static on: no plugin vetoed (1 vote)\n  cpu allows: paddle static graph traces" in done.stdout
+    # At tp=2 the cpu platform's vote is advisory: auto skips capture and says why; --graph on captures.
+    assert "graph: static off: cpu skipped (no gain; --graph on captures anyway): " in done.stdout
+    assert "\n  cpu skips (no gain): a static program would trace the gloo all-reduce" in done.stdout
+    on = run_fd(["explain", "--model", "qwen3_vl", "--tp", "2", "--graph", "on"])
+    assert "graph: static on: requested (--graph on) over cpu's no-gain vote" in on.stdout
+    one = run_fd(["explain", "--model", "qwen3_vl", "--tp", "1"])
+    assert "graph: static on: no plugin vetoed (1 vote)\n  cpu allows: paddle static graph traces" in one.stdout
     off = run_fd(["explain", "--graph", "off"])
     assert "graph: static off: disabled by request (--graph off)" in off.stdout
 
 
 def test_explain_json() -> None:
     data = json.loads(run_fd(["explain", "--json", "--tp", "2"]).stdout)
-    assert data["platform"] == "cpu" and data["tp"] == 2 and data["graph"]["allowed"] is True
-    assert data["graph"]["votes"][0]["plugin"] == "cpu"
+    assert data["platform"] == "cpu" and data["tp"] == 2 and data["graph"]["allowed"] is False
+    assert data["graph"]["votes"][0] == {"plugin": "cpu", "allow": False, "advisory": True, "reason": data["graph"]["votes"][0]["reason"]}
 
 
 def test_usage_errors_are_one_line_with_exit_2() -> None:
@@ -77,7 +83,7 @@ def test_the_console_script_is_installed() -> None:
 
 def test_run_json_for_each_model_and_a_checkpoint_round_trip(tmp_path: Path) -> None:
     """`fd run` at tp=2 as the README runs it; then the same weights written and read back as safetensors."""
-    first = run_fd(["run", "--steps", "6", "--json"])
+    first = run_fd(["run", "--steps", "6", "--json", "--graph", "on"])
     assert first.returncode == 0, first.stderr
     summary = json.loads(first.stdout)
     assert summary["platform"] == "cpu" and summary["tp"] == 2 and summary["graph"]["allowed"]

@@ -1,4 +1,4 @@
-"""The shared-memory all-reduce: one segment per process group, numpy sums, no collective on the hot path.
+"""The cpu platform's same-host all-reduce: one shared-memory segment per process group, numpy sums, no collective on the hot path.
 
 Layout of a group's segment (W ranks, S bytes a slot, every offset 64-byte aligned):
 
@@ -51,7 +51,7 @@ AllReduce = Callable[[Any, Any], Any]
 # A sum that overflows to inf is the IEEE answer and gloo gives it silently; numpy would warn from
 # inside the decode loop. Filtering this module's RuntimeWarnings costs nothing per call, where
 # `with np.errstate(...)` costs ~1 us.
-warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"fd_shm_allreduce\.shm")
+warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"fd_plugins\.cpu\.shm")
 
 # x86 keeps stores in program order as seen by other cores (TSO) and loads likewise, so the counter
 # store cannot overtake the data copy before it. Weakly ordered CPUs (aarch64, ppc64le) may reorder
@@ -301,7 +301,7 @@ class ShmGroup:
         errors = [f"rank {r}: {e}" for r, (_, e, _) in enumerate(seen) if e]
         if errors:
             self.close()
-            raise ValueError("cpu_shm: bad settings: " + "; ".join(errors))
+            raise ValueError("cpu all-reduce: bad settings: " + "; ".join(errors))
         hosts = [h for h, _, _ in seen]
         offer = seen[0][2]
         ok, why = True, ""
@@ -416,7 +416,7 @@ class ShmGroup:
             if now > deadline:
                 late = [r for r, c in enumerate(counters) if c < seq]
                 self._broken = (
-                    f"cpu_shm all-reduce: rank(s) {', '.join(map(str, late))} of the group did not arrive at "
+                    f"cpu all-reduce (shared memory): rank(s) {', '.join(map(str, late))} of the group did not arrive at "
                     f"call {seq} within {self.timeout:g} s ({TIMEOUT_ENV}); they crashed, hang, or took another "
                     f"code path. The group's ranks are out of step; restart them."
                 )
