@@ -195,9 +195,13 @@ def _quiet_root_logger() -> Iterator[None]:
 
 
 def spawn_ranks(
-    fn: Callable[..., Any], args: Sequence[Any], nprocs: int, dist_backend: str, grace: float = 10.0
+    fn: Callable[..., Any], args: Sequence[Any], nprocs: int, dist_backend: str, grace: float = 10.0,
+    start_method: str = "spawn",
 ) -> list[Any]:
     """Run `fn(*args)` on `nprocs` local ranks; return each rank's result in rank order.
+
+    `start_method` "fork" starts the ranks with this process's imports done; only for a caller
+    that has run no paddle op and started no thread pool (a fork copies one thread of them).
 
     When a rank fails, the others are stopped at once (they would otherwise wait in a collective
     until its timeout) and RankError names the rank that failed first. Ctrl-C (KeyboardInterrupt)
@@ -212,6 +216,7 @@ def spawn_ranks(
             context = dist.spawn(
                 # paddle's typed options omit `backend`, which spawn reads at run time.
                 _call_and_save, args=(fn, out_dir, os.getpid(), *args), nprocs=nprocs, join=False, backend=dist_backend, ips=LOOPBACK,  # type: ignore[call-arg]
+                start_method=start_method,
             )
         _watch(context, out_dir, grace)
         results = []

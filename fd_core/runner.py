@@ -48,6 +48,11 @@ class RunConfig:
     reload_cycles: int = 0
     seed: int = 0
     progress: bool = True
+    # Wall-clock time (time.time()) when `fd run` started; phases before a rank's own work and the
+    # time to first token are measured from it.
+    started_at: float | None = None
+    # When the ranks were started (spawned or forked), if they were.
+    spawned_at: float | None = None
 
 
 @dataclass
@@ -59,6 +64,19 @@ class Plan:
     config: ModelConfig
     platform: str
     dist_backend: str
+
+
+def process_start_time() -> float:
+    """When this process started, as time.time() (from /proc where there is one; else now)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        # Its age from the uptime, both in 10 ms steps (the boot time /proc/stat gives is whole seconds).
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
 
 
 def peak_resident_bytes() -> int:
@@ -211,6 +229,8 @@ class ModelRunner:
     model: CausalModel | None = None
     decision: GraphDecision | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    # time.time() when the first generated token was known (after prefill), of the last generate().
+    first_token_at: float | None = None
 
     def _add_time(self, phase: str, seconds: float) -> None:
         self.timings[phase] = self.timings.get(phase, 0.0) + seconds
@@ -238,11 +258,12 @@ class ModelRunner:
         model = self.model
         shards = self._timed("load", self.read_weights)
         self._timed("load", lambda: model.load_weights(shards))
-        # A checkpoint streams into the parameters one tensor at a time and leaves nothing staged;
-        # seeded weights were staged whole, and the cleanup hooks may free them.
-        left = shards if isinstance(shards, dict) else {}
+        # Checkpoints and seeded weights both stream into the parameters a tensor (or a piece of
+        # one) at a time and leave nothing staged; the cleanup hooks get the (lazy) mapping loaded from.
+        left: Mapping[str, Any] = shards
         if isinstance(shards, CheckpointShards):
             shards.close()
+            left = {}
         self._timed("cleanup", lambda: self.backend.clean_memory_fragments(left))
 
     def decide(self) -> GraphDecision:
@@ -269,6 +290,7 @@ class ModelRunner:
         position = self.model.prefill_length(ids, image)
         token = int(logits.argmax(axis=-1).numpy().reshape(-1)[0])
         prefill_s = time.perf_counter() - start
+        self.first_token_at = time.time()
         tokens = [token]
         start = time.perf_counter()
         last_report = start
@@ -342,8 +364,14 @@ def load_image(path: str) -> Any:
     return pixels.transpose(2, 0, 1).astype(np.float32) / np.float32(255.0)
 
 
-def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None) -> dict[str, Any]:
-    """The whole job on one rank; rank 0's result carries the summary."""
+def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None, before: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """The whole job on one rank; rank 0's result carries the summary.
+
+    `before` holds phases the caller timed before this (the rendezvous), and their start as "at".
+    """
+    entered = time.time()
+    before = dict(before or {})
+    started = run.started_at if run.started_at is not None else entered
     plugins = load_plugins()
     backend = load_backend(ParallelConfig(tp_size=tp, tp_rank=rank, group=group), plugins=plugins)
     plan = plan_run(run, plugins)
@@ -359,6 +387,15 @@ def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None) -> d
             print(f"fd: {message}", file=sys.stderr, flush=True)
 
     runner = ModelRunner(backend, plan.arch, plan.config, run.checkpoint, run.seed, run.graph, log)
+    # Start-up as phases: process start, imports and the plan up to starting the ranks; starting
+    # them; the rendezvous; then plugin discovery and the plan checked again on this rank.
+    first = before.pop("at", entered)
+    spawned = run.spawned_at if run.spawned_at is not None else first
+    runner.timings["start"] = max(0.0, spawned - started)
+    if run.spawned_at is not None:
+        runner.timings["spawn"] = max(0.0, first - spawned)
+    runner.timings.update(before)
+    runner.timings["setup"] = time.time() - entered
     # A VL model given no image sees the text alone.
     image = [load_image(path) for path in run.images] if run.images else None
     runner.load()
@@ -369,7 +406,8 @@ def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None) -> d
     max_len = runner.model.prefill_length(_as_ids(prompt), image) + run.steps
     runner.prepare(max_len)
     first = runner.generate(prompt, run.steps, image)
-    log(f"generated {len(first.tokens)} tokens at {first.tokens_per_s:.1f} tokens/s")
+    first_token_s = (runner.first_token_at or time.time()) - started
+    log(f"generated {len(first.tokens)} tokens at {first.tokens_per_s:.1f} tokens/s (first token {first_token_s:.2f}s after start)")
     cycles = []
     for cycle in range(run.reload_cycles):
         start = time.perf_counter()
@@ -395,7 +433,9 @@ def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None) -> d
         "all_reduce": backend.all_reduce_binding,
         "tokens": first.tokens,
         "tokens_per_s": round(first.tokens_per_s, 2),
+        "time_to_first_token_s": round(first_token_s, 4),
         "timings_s": {k: round(v, 4) for k, v in runner.timings.items()},
+        "finished_at": time.time(),
         "reload_cycles": cycles,
         "rss_bytes": resident_bytes(),
         "peak_rss_bytes": peak_resident_bytes(),
@@ -407,8 +447,9 @@ def spawned_rank(run: RunConfig) -> dict[str, Any]:
     from fd_core.distributed import init_rank, quiet_paddle_logs
 
     quiet_paddle_logs()
+    at = time.time()
     rank, world = init_rank()
-    return run_rank(run, rank, world)
+    return run_rank(run, rank, world, before={"at": at, "rendezvous": time.time() - at})
 
 
 def save_random_checkpoint(
@@ -452,7 +493,11 @@ def summary_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:
     lines += [f"  {CastVote(**v).line()}" for v in graph["votes"]]
     lines.append(f"tokens: {' '.join(str(t) for t in result['tokens'])}")
     lines.append(f"speed: {result['tokens_per_s']} tokens/s (decode)")
+    lines.append(f"time to first token: {result['time_to_first_token_s']:.2f}s after fd run started")
     lines.append("phases: " + ", ".join(f"{k} {v:.3f}s" for k, v in result["timings_s"].items()))
+    if "wall_s" in result:
+        named = sum(result["timings_s"].values())
+        lines.append(f"wall: {result['wall_s']:.2f}s, {named / result['wall_s']:.0%} of it in the phases above")
     lines.append("peak memory: " + ", ".join(f"rank {r['rank']} {r['peak_rss_bytes'] / 2**30:.2f} GiB" for r in results))
     if result["reload_cycles"]:
         same = all(c["tokens_match"] for c in result["reload_cycles"])
@@ -462,8 +507,11 @@ def summary_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def as_json(results: Sequence[Mapping[str, Any]]) -> str:
     """Rank 0's result as JSON, with every reporting rank's peak RSS."""
-    keys = ("platform", "model", "tp", "graph", "all_reduce", "tokens", "tokens_per_s", "timings_s", "reload_cycles", "rss_bytes", "peak_rss_bytes")
+    keys = ("platform", "model", "tp", "graph", "all_reduce", "tokens", "tokens_per_s", "time_to_first_token_s", "timings_s",
+            "reload_cycles", "rss_bytes", "peak_rss_bytes")
     data = {k: results[0][k] for k in keys}
+    if "wall_s" in results[0]:
+        data["wall_s"] = results[0]["wall_s"]
     data["peak_rss_bytes_by_rank"] = [r["peak_rss_bytes"] for r in results]
     return json.dumps(data, indent=2)
 

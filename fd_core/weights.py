@@ -9,6 +9,7 @@ leaves a model half loaded, and loading holds one tensor at a time beside the pa
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import stat
@@ -26,6 +27,8 @@ from fd_core.errors import CheckpointError
 # Files that unpickle when loaded: refused, since loading them can run arbitrary code.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".pdparams")
 INDEX_NAME = "model.safetensors.index.json"
+# Largest piece of one tensor a loader reads at once (in the compute dtype): see CheckpointShards.chunks.
+CHUNK_BYTES = 32 << 20
 # safetensors dtype codes of the float types a checkpoint may store weights in; each converts to the compute dtype.
 FLOAT_CODES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
@@ -74,16 +77,30 @@ def random_full_tensor(name: str, spec: WeightSpec, seed: int, std: float | None
     return (rng.standard_normal(spec.shape, dtype=np.float32) * (spec.std if std is None else std)).astype(np.float32)
 
 
+class RandomShards(Mapping[str, Any]):
+    """Seeded random float32 weights, each tensor this rank's shard, drawn when it is read (one full tensor at a time)."""
+
+    def __init__(self, specs: Mapping[str, WeightSpec], seed: int, tp_rank: int = 0, tp_size: int = 1, std: float | None = None) -> None:
+        self.specs, self.seed, self.tp_rank, self.tp_size, self.std = dict(specs), seed, tp_rank, tp_size, std
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        import numpy as np
+
+        spec = self.specs[name]
+        return np.ascontiguousarray(shard(random_full_tensor(name, spec, self.seed, self.std), spec, self.tp_rank, self.tp_size))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+
 def random_state_dict(
     specs: Mapping[str, WeightSpec], seed: int, tp_rank: int = 0, tp_size: int = 1, std: float | None = None
-) -> dict[str, np.ndarray]:
-    """Seeded random float32 weights, each tensor already sliced to this rank's shard; `std` overrides the specs'."""
-    import numpy as np
-
-    return {
-        name: np.ascontiguousarray(shard(random_full_tensor(name, spec, seed, std), spec, tp_rank, tp_size))
-        for name, spec in specs.items()
-    }
+) -> RandomShards:
+    """Seeded random float32 weights, each tensor sliced to this rank's shard and drawn on access; `std` overrides the specs'."""
+    return RandomShards(specs, seed, tp_rank, tp_size, std)
 
 
 def _regular_file(path: Path, what: str) -> None:
@@ -256,6 +273,31 @@ class CheckpointShards(Mapping[str, Any]):
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"checkpoint {path}: tensor {name!r} cannot be read ({exc}); the file may be damaged") from None
         return tensor if tensor.dtype == _paddle_dtype(spec.dtype) else tensor.astype(spec.dtype)
+
+    def chunks(self, name: str, max_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, Any]]:
+        """This rank's slice of `name` in pieces along its first axis: (first row, piece), each read within `max_bytes` of storage.
+
+        A loader assigns piece by piece, so reading a large tensor (an embedding) never stages it whole.
+        """
+        from safetensors import SafetensorError
+
+        spec = self.specs[name]
+        path = self._where[name]
+        index = shard_index(spec, self.tp_rank, self.tp_size)
+        count = spec.shard_shape(self.tp_size)[0] if spec.shape else 0
+        step = max(1, max_bytes // (max(1, math.prod(spec.shard_shape(self.tp_size)[1:])) * 4))
+        if count <= step:
+            yield 0, self[name]
+            return
+        first = index[0].start or 0
+        piece = self._handles[path].get_slice(name)
+        for start in range(0, count, step):
+            stop = min(count, start + step)
+            try:
+                tensor = piece[(slice(first + start, first + stop), *index[1:])]
+            except (SafetensorError, OSError, ValueError) as exc:
+                raise CheckpointError(f"checkpoint {path}: tensor {name!r} cannot be read ({exc}); the file may be damaged") from None
+            yield start, tensor if tensor.dtype == _paddle_dtype(spec.dtype) else tensor.astype(spec.dtype)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.specs)
