@@ -370,6 +370,9 @@ def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None, befo
     `before` holds phases the caller timed before this (the rendezvous), and their start as "at".
     """
     entered = time.time()
+    # What this rank holds before any work of its own: a forked rank shares its parent's imports
+    # and holds less than a freshly started process that imported paddle.
+    entry_rss = resident_bytes()
     before = dict(before or {})
     started = run.started_at if run.started_at is not None else entered
     plugins = load_plugins()
@@ -424,9 +427,14 @@ def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None, befo
         )
         if again.tokens != first.tokens:
             raise RuntimeError(f"reload cycle {cycle + 1} changed the output: {again.tokens} != {first.tokens}")
+    model = runner.model
     return {
         "rank": rank,
         "platform": backend.platform,
+        # What the memory target compares the peak with: this rank's parameters and KV cache.
+        "weight_bytes": sum(p.numel().item() * p.element_size() for p in model.parameters()),  # type: ignore[attr-defined]
+        "kv_cache_bytes": getattr(model, "cache_bytes", lambda: 0)(),
+        "entry_rss_bytes": entry_rss,
         "model": plan.arch.name,
         "tp": tp,
         "graph": decision.to_dict(),
@@ -512,6 +520,9 @@ def as_json(results: Sequence[Mapping[str, Any]]) -> str:
     data = {k: results[0][k] for k in keys}
     if "wall_s" in results[0]:
         data["wall_s"] = results[0]["wall_s"]
+    data["weight_bytes_by_rank"] = [r["weight_bytes"] for r in results]
+    data["kv_cache_bytes_by_rank"] = [r["kv_cache_bytes"] for r in results]
+    data["entry_rss_bytes_by_rank"] = [r["entry_rss_bytes"] for r in results]
     data["peak_rss_bytes_by_rank"] = [r["peak_rss_bytes"] for r in results]
     return json.dumps(data, indent=2)
 

@@ -197,6 +197,10 @@ class CausalLM(nn.Layer):
             return
         self._caches = [paddle.zeros(shape, dtype=self.config.dtype) for _ in range(2 * self.config.num_hidden_layers)]
 
+    def cache_bytes(self) -> int:
+        """Bytes the KV cache holds (0 before allocate_cache)."""
+        return sum(c.numel().item() * c.element_size() for c in self._caches or [])
+
     def _require_cache(self, batch_size: int, length: int = 1) -> list[paddle.Tensor]:
         if self._caches is None:
             raise RuntimeError("allocate_cache(batch_size, max_len) must be called before prefill/decode")

@@ -252,6 +252,8 @@ class ShmGroup:
         self.slot_bytes = 0
         self.timeout = DEFAULT_TIMEOUT
         self.seq = 0
+        # Ranks of the group on this host, this one included (known after setup).
+        self.local_ranks = 1
         self.calls = {"shm": 0, "fallback": 0}
         self._segment: _Segment | None = None
         self._broken: str | None = None
@@ -303,6 +305,7 @@ class ShmGroup:
             self.close()
             raise ValueError("cpu all-reduce: bad settings: " + "; ".join(errors))
         hosts = [h for h, _, _ in seen]
+        self.local_ranks = hosts.count(hosts[self.rank])
         offer = seen[0][2]
         ok, why = True, ""
         if offer is None:
