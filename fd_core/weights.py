@@ -173,16 +173,24 @@ def _mismatch(first: str, names: list[str]) -> str:
     return f"{first}{more}; the checkpoint does not match this architecture's config"
 
 
+def _read_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """(offset of the data, header) of a safetensors file; raises ValueError on a header that cannot be real."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if length > size:
+            raise ValueError(f"header length {length} exceeds the file size {size}")
+        header = json.loads(f.read(length))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return 8 + length, header
+
+
 def _truncated_tensor(path: Path) -> tuple[str, int, int] | None:
     """(name, end, data size) of the first tensor cut off by a truncated safetensors file, if that is what is wrong."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-            if length > size:
-                return None
-            header = json.loads(f.read(length))
-        data = size - 8 - length
+        start, header = _read_header(path)
+        data = path.stat().st_size - start
         ends = sorted((info["data_offsets"][1], name) for name, info in header.items() if name != "__metadata__")
     except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
         return None  # not even the header is whole: the generic message has to do
@@ -227,6 +235,7 @@ class CheckpointShards(Mapping[str, Any]):
         index = self.directory / INDEX_NAME
         expected = _read_index(index) if index.exists() else None
         self._handles: dict[Path, Any] = {}
+        self._layouts: dict[Path, tuple[int, dict[str, Any]]] = {}
         self._where: dict[str, Path] = {}
         for path in files:
             handle = self._handles[path] = _open(path)
@@ -277,27 +286,37 @@ class CheckpointShards(Mapping[str, Any]):
     def chunks(self, name: str, max_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, Any]]:
         """This rank's slice of `name` in pieces along its first axis: (first row, piece), each read within `max_bytes` of storage.
 
-        A loader assigns piece by piece, so reading a large tensor (an embedding) never stages it whole.
+        A loader assigns piece by piece, so reading a large tensor (an embedding) never stages it
+        whole. Float32 pieces are read from the file with pread into numpy arrays: safetensors maps
+        the whole file, and every page it reads stays in this process's resident set until the
+        file is closed (the whole checkpoint's worth, beside the parameters, at the peak).
         """
-        from safetensors import SafetensorError
-
         spec = self.specs[name]
-        path = self._where[name]
-        index = shard_index(spec, self.tp_rank, self.tp_size)
-        count = spec.shard_shape(self.tp_size)[0] if spec.shape else 0
-        step = max(1, max_bytes // (max(1, math.prod(spec.shard_shape(self.tp_size)[1:])) * 4))
-        if count <= step:
+        if spec.dtype != "float32" or len(spec.shape) < 2:
             yield 0, self[name]
             return
+        path = self._where[name]
+        if path not in self._layouts:
+            self._layouts[path] = _read_header(path)
+        data_start, header = self._layouts[path]
+        info = header[name]
+        stored = _NUMPY_CODES[info["dtype"]]
+        index = shard_index(spec, self.tp_rank, self.tp_size)
+        row_bytes = math.prod(spec.shape[1:]) * stored[1]
+        count = spec.shard_shape(self.tp_size)[0]
+        step = max(1, max_bytes // max(1, row_bytes * 2))
         first = index[0].start or 0
-        piece = self._handles[path].get_slice(name)
-        for start in range(0, count, step):
-            stop = min(count, start + step)
-            try:
-                tensor = piece[(slice(first + start, first + stop), *index[1:])]
-            except (SafetensorError, OSError, ValueError) as exc:
-                raise CheckpointError(f"checkpoint {path}: tensor {name!r} cannot be read ({exc}); the file may be damaged") from None
-            yield start, tensor if tensor.dtype == _paddle_dtype(spec.dtype) else tensor.astype(spec.dtype)
+        with open(path, "rb", buffering=0) as f:
+            for start in range(0, count, step):
+                rows = min(count, start + step) - start
+                offset = data_start + info["data_offsets"][0] + (first + start) * row_bytes
+                try:
+                    raw = os.pread(f.fileno(), rows * row_bytes, offset)
+                except OSError as exc:
+                    raise CheckpointError(f"checkpoint {path}: tensor {name!r} cannot be read ({exc.strerror}); the file may be damaged") from None
+                if len(raw) != rows * row_bytes:
+                    raise CheckpointError(f"checkpoint {path}: tensor {name!r} cannot be read (short read); the file may be damaged")
+                yield start, _widen(raw, stored[0], (rows, *spec.shape[1:]))[(slice(None), *index[1:])]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.specs)
@@ -307,6 +326,19 @@ class CheckpointShards(Mapping[str, Any]):
 
     def close(self) -> None:
         self._handles.clear()
+
+
+# safetensors dtype code -> (numpy dtype of the stored bits, bytes an element).
+_NUMPY_CODES = {"F32": ("float32", 4), "F64": ("float64", 8), "F16": ("float16", 2), "BF16": ("bfloat16", 2)}
+
+
+def _widen(raw: bytes, stored: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Stored bytes as a float32 array of `shape`; bfloat16 is the high half of a float32, so widening is exact."""
+    import numpy as np
+
+    if stored == "bfloat16":
+        return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    return np.frombuffer(raw, stored).astype(np.float32, copy=False).reshape(shape)
 
 
 def _paddle_dtype(name: str) -> Any:

@@ -86,6 +86,7 @@ def _load_in_pieces(param: paddle.Tensor, name: str, pieces: Iterator[tuple[int,
             raise ValueError(f"load_weights: {name!r} piece at row {start} has shape {list(value.shape)}, expected rows of {list(param.shape)}")
         param[start : start + value.shape[0]] = value
         filled += value.shape[0]
+        del piece, value  # before the next piece is read (see CheckpointShards.chunks)
     if filled != param.shape[0]:
         raise ValueError(f"load_weights: {name!r} has {filled} rows, expected {param.shape[0]}")
 

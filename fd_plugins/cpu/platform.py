@@ -58,7 +58,10 @@ def _share_cores(local_ranks: int) -> None:
     Each process would otherwise start a thread per core, and ranks on one host would run
     cores x ranks spinning OpenMP threads: measured on 2 cores at tp=2, decode ran several times
     slower. Called when the first process group is set up (at tp=1 there is none: all cores).
+    A user's OMP_NUM_THREADS is left as it is.
     """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
     from paddle.base import core
 
     core.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_ranks)))
