@@ -231,6 +231,7 @@ class ModelRunner:
     timings: dict[str, float] = field(default_factory=dict)
     # time.time() when the first generated token was known (after prefill), of the last generate().
     first_token_at: float | None = None
+    decode_cpu_s: float = 0.0
 
     def _add_time(self, phase: str, seconds: float) -> None:
         self.timings[phase] = self.timings.get(phase, 0.0) + seconds
@@ -292,7 +293,7 @@ class ModelRunner:
         prefill_s = time.perf_counter() - start
         self.first_token_at = time.time()
         tokens = [token]
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         last_report = start
         for step in range(steps - 1):
             logits = self.model.decode_step(np.asarray([[token]], dtype="int64"), position + step)
@@ -303,6 +304,8 @@ class ModelRunner:
                 self.log(f"decoded {step + 2}/{steps} tokens")
                 last_report = now
         decode_s = time.perf_counter() - start
+        # The core time this rank got while decoding: below decode_s, the machine was shared.
+        self.decode_cpu_s = time.process_time() - cpu_start
         self._add_time("prefill", prefill_s)
         self._add_time("decode", decode_s)
         return GenerationResult(tokens, prefill_s, decode_s)
@@ -442,6 +445,7 @@ def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None, befo
         "tokens": first.tokens,
         "tokens_per_s": round(first.tokens_per_s, 2),
         "time_to_first_token_s": round(first_token_s, 4),
+        "decode_cpu_share": round(runner.decode_cpu_s / first.decode_s, 3) if first.decode_s > 0 else None,
         "timings_s": {k: round(v, 4) for k, v in runner.timings.items()},
         "finished_at": time.time(),
         "reload_cycles": cycles,
@@ -523,6 +527,7 @@ def as_json(results: Sequence[Mapping[str, Any]]) -> str:
     data["weight_bytes_by_rank"] = [r["weight_bytes"] for r in results]
     data["kv_cache_bytes_by_rank"] = [r["kv_cache_bytes"] for r in results]
     data["entry_rss_bytes_by_rank"] = [r["entry_rss_bytes"] for r in results]
+    data["decode_cpu_share_by_rank"] = [r["decode_cpu_share"] for r in results]
     data["peak_rss_bytes_by_rank"] = [r["peak_rss_bytes"] for r in results]
     return json.dumps(data, indent=2)
 
