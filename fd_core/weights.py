@@ -283,7 +283,7 @@ class CheckpointShards(Mapping[str, Any]):
             raise CheckpointError(f"checkpoint {path}: tensor {name!r} cannot be read ({exc}); the file may be damaged") from None
         return tensor if tensor.dtype == _paddle_dtype(spec.dtype) else tensor.astype(spec.dtype)
 
-    def chunks(self, name: str, max_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, Any]]:
+    def chunks(self, name: str, max_bytes: int | None = None) -> Iterator[tuple[int, Any]]:
         """This rank's slice of `name` in pieces along its first axis: (first row, piece), each read within `max_bytes` of storage.
 
         A loader assigns piece by piece, so reading a large tensor (an embedding) never stages it
@@ -304,7 +304,7 @@ class CheckpointShards(Mapping[str, Any]):
         index = shard_index(spec, self.tp_rank, self.tp_size)
         row_bytes = math.prod(spec.shape[1:]) * stored[1]
         count = spec.shard_shape(self.tp_size)[0]
-        step = max(1, max_bytes // max(1, row_bytes * 2))
+        step = max(1, (max_bytes or CHUNK_BYTES) // max(1, row_bytes * 2))
         first = index[0].start or 0
         with open(path, "rb", buffering=0) as f:
             for start in range(0, count, step):

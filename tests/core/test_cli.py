@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,11 @@ def test_run_json_for_each_model_and_a_checkpoint_round_trip(tmp_path: Path) -> 
     summary = json.loads(first.stdout)
     assert summary["platform"] == "cpu" and summary["tp"] == 2 and summary["graph"]["allowed"]
     assert len(summary["tokens"]) == 6 and set(summary["timings_s"]) >= {"load", "cleanup", "capture", "prefill", "decode"}
+    # Start-up is measured as phases too, from process start to teardown, and the first token's time.
+    assert set(summary["timings_s"]) >= {"start", "spawn", "rendezvous", "setup", "teardown"}
+    assert 0 < summary["time_to_first_token_s"] < summary["wall_s"]
+    assert sum(summary["timings_s"].values()) <= summary["wall_s"] * 1.05
+    assert all(w > 0 for w in summary["weight_bytes_by_rank"]) and all(c > 0 for c in summary["kv_cache_bytes_by_rank"])
     saved = run_fd(["save-random", "--model", "ernie4_5", str(tmp_path / "ckpt")])
     assert saved.returncode == 0, saved.stderr
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
@@ -104,3 +110,13 @@ def test_tp_that_contradicts_the_launcher_is_refused() -> None:
     done = run_fd(["run", "--tp", "4"], env={"PADDLE_TRAINER_ID": "0", "PADDLE_TRAINERS_NUM": "2"})
     assert done.returncode == 2
     assert done.stderr.strip() == "fd: error: --tp 4 does not match the launcher's 2 processes; drop --tp under a launcher"
+
+
+def test_run_prints_time_to_first_token_and_what_the_phases_cover() -> None:
+    done = run_fd(["run", "--steps", "3"])
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^time to first token: \d+\.\d\ds after fd run started$", done.stdout, re.M), done.stdout
+    assert re.search(r"^phases: start [\d.]+s, spawn [\d.]+s, rendezvous [\d.]+s, setup ", done.stdout, re.M), done.stdout
+    assert re.search(r"^wall: [\d.]+s, \d+% of it in the phases above$", done.stdout, re.M), done.stdout
+    # The default run skips capture at tp=2 and says why.
+    assert "graph: static off: cpu skipped (no gain; --graph on captures anyway)" in done.stdout

@@ -178,3 +178,28 @@ def test_decode_writes_the_cache_in_place(kit) -> None:
     after = caches[0].numpy()
     changed = np.flatnonzero(np.any(after != before, axis=(1, 2, 3)))
     assert changed.tolist() == [ids.shape[1]]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_checkpoint_pieces_fill_the_parameters_exactly(kit, tmp_path, monkeypatch, dtype: str, tp_rank: int) -> None:
+    """Pieces of a few rows each (read with pread, widened from bfloat16) fill every shard as one whole read does, after a release too."""
+    import paddle
+
+    from fd_core import weights
+
+    arch = kit.architectures()[0]
+    ctx = kit.make_ctx(2, tp_rank)
+    model = kit.build_loaded(arch, ctx)
+    state = weights.random_state_dict(model.weight_specs(), kit.seed)
+    weights.save_checkpoint(tmp_path / "ckpt", dict(arch.preset), {name: state[name] for name in state}, dtype)
+    shards = weights.load_checkpoint(tmp_path / "ckpt", model.weight_specs(), tp_rank, 2)
+    monkeypatch.setattr(weights, "CHUNK_BYTES", 4096)  # a few rows a piece
+    pieces = list(shards.chunks("model.embed_tokens.weight"))
+    assert len(pieces) > 2 and [start for start, _ in pieces] == sorted(start for start, _ in pieces)
+    model.release_weights()
+    model.load_weights(shards)
+    for name, param in model.named_parameters():
+        if hasattr(param, "fd_spec") and len(param.shape) > 1:
+            want = shards[name]
+            np.testing.assert_array_equal(param.numpy(), want.numpy() if isinstance(want, paddle.Tensor) else want, err_msg=name)
