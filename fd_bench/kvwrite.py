@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 from fd_bench.report import Line
 
@@ -30,11 +31,11 @@ def measure(smoke: bool) -> dict[str, dict[int, float]]:
     paddle.set_device("cpu")
     samples = 30 if smoke else 400
     new = paddle.rand([1, 1, KV_HEADS, HEAD_DIM])
-    setups = {}
+    setups: dict[int, tuple[Any, Any, dict[str, Any]]] = {}
     for length in LENGTHS:
         caches = [paddle.zeros([length, 1, KV_HEADS, HEAD_DIM]) for _ in range(2 * LAYERS)]
         position = paddle.to_tensor([length - 2], dtype="int64")
-        specs = [[InputSpec(list(c.shape), "float32") for c in caches], InputSpec([1, 1, KV_HEADS, HEAD_DIM], "float32"), InputSpec([1], "int64")]
+        specs: list[Any] = [[InputSpec(list(c.shape), "float32") for c in caches], InputSpec([1, 1, KV_HEADS, HEAD_DIM], "float32"), InputSpec([1], "int64")]
         static = paddle.jit.to_static(_step, input_spec=specs, full_graph=True)
         setups[length] = (caches, position, {"eager": _step, "static": static})
     times: dict[str, dict[int, list[int]]] = {m: {n: [] for n in LENGTHS} for m in ("eager", "static")}

@@ -16,7 +16,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 from fd_core.errors import RankError
 
@@ -196,7 +196,7 @@ def _quiet_root_logger() -> Iterator[None]:
 
 def spawn_ranks(
     fn: Callable[..., Any], args: Sequence[Any], nprocs: int, dist_backend: str, grace: float = 10.0,
-    start_method: str = "spawn",
+    start_method: Literal["spawn", "fork", "forkserver"] = "spawn",
 ) -> list[Any]:
     """Run `fn(*args)` on `nprocs` local ranks; return each rank's result in rank order.
 

@@ -395,11 +395,11 @@ def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None, befo
     runner = ModelRunner(backend, plan.arch, plan.config, run.checkpoint, run.seed, run.graph, log)
     # Start-up as phases: process start, imports and the plan up to starting the ranks; starting
     # them; the rendezvous; then plugin discovery and the plan checked again on this rank.
-    first = before.pop("at", entered)
-    spawned = run.spawned_at if run.spawned_at is not None else first
+    rank_start = before.pop("at", entered)
+    spawned = run.spawned_at if run.spawned_at is not None else rank_start
     runner.timings["start"] = max(0.0, spawned - started)
     if run.spawned_at is not None:
-        runner.timings["spawn"] = max(0.0, first - spawned)
+        runner.timings["spawn"] = max(0.0, rank_start - spawned)
     runner.timings.update(before)
     runner.timings["setup"] = time.time() - entered
     # A VL model given no image sees the text alone.

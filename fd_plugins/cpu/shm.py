@@ -190,6 +190,7 @@ class _Segment:
             self.name = self._shm.name
             self.buf: Any = self._shm.buf
         else:
+            assert name is not None
             self.name = name
             self.buf = self._attach(name)
         self.size = len(self.buf)
@@ -258,6 +259,7 @@ class ShmGroup:
         self._segment: _Segment | None = None
         self._broken: str | None = None
         self._dtypes: dict[Any, Any] = {}
+        self._eager: Any = object
 
     # -- setup, once, on every rank together --
 
