@@ -360,6 +360,38 @@ def check_new_directory(directory: Path) -> None:
         raise CheckpointError(f"{directory}: exists and is not empty; choose a new directory")
 
 
+# Stored dtype -> safetensors dtype code.
+_CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def _write_safetensors(path: Path, tensors: Mapping[str, Any], dtype: str) -> None:
+    """Write `tensors` as one safetensors file stored as `dtype`, converting and writing one tensor at a time.
+
+    The data goes to a side file first (a tensor's shape is known only once it is drawn), then
+    behind the header; so a lazy mapping (seeded weights) never holds more than one tensor.
+    """
+    import numpy as np
+    import paddle
+
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}  # what transformers looks for
+    data = path.with_name(path.name + ".data")
+    end = 0
+    with open(data, "wb") as out:
+        for name in sorted(tensors):
+            stored = paddle.to_tensor(np.ascontiguousarray(tensors[name])).astype(dtype)
+            raw = stored.numpy().tobytes()  # bfloat16 comes out as its uint16 bits
+            header[name] = {"dtype": _CODES[dtype], "shape": list(stored.shape), "data_offsets": [end, end + len(raw)]}
+            out.write(raw)
+            end += len(raw)
+            del stored, raw
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as out, open(data, "rb") as src:
+        out.write(len(text).to_bytes(8, "little") + text)
+        shutil.copyfileobj(src, out, 16 << 20)
+    data.unlink()
+
+
 def save_checkpoint(
     directory: str | Path, config: Mapping[str, Any], tensors: Mapping[str, np.ndarray], dtype: str = "float32",
     files: Mapping[str, Mapping[str, Any]] | None = None,
@@ -368,19 +400,12 @@ def save_checkpoint(
 
     The directory appears whole or not at all.
     """
-    import numpy as np
-    import paddle
-    import safetensors.paddle
-
     directory = Path(directory)
     check_new_directory(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
-        stored = {k: paddle.to_tensor(np.ascontiguousarray(v)).astype(dtype) for k, v in tensors.items()}
-        # "format": "pt" is what transformers looks for before it loads a safetensors file.
-        safetensors.paddle.save_file(stored, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        del stored
+        _write_safetensors(staging / "model.safetensors", tensors, dtype)
         for name, content in {"config.json": config, **(files or {})}.items():
             (staging / name).write_text(json.dumps(dict(content), indent=2, sort_keys=True) + "\n")
         if directory.exists():
