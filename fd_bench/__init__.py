@@ -25,9 +25,11 @@ ROWS: dict[str, str] = {
     "tp1": "Backend all-reduce at one rank vs a function returning the tensor",
     "decode": "ERNIE-4.5 tiny decode step at tp=2 (gloo): through fd_core vs all-reduce wired to paddle.distributed",
     "startup": "python -c 'import fd_core' and fd plugins vs python -c pass, whole processes",
-    "allreduce": "cpu (gloo) vs cpu_shm all-reduce at tp=2 through the Backend: 1 KiB, 64 KiB, 1 MiB, 16 MiB",
+    "allreduce": "cpu platform (shared memory) vs gloo all-reduce at tp=2: 1 KiB, 64 KiB, 1 MiB, 16 MiB",
     "graph": "tiny ERNIE decode step, static graph vs eager, cpu platform, tp=1",
     "reload": "time and RSS across weight-reload cycles of ModelRunner",
+    "realsize": "ERNIE-4.5-0.3B (random bf16 weights): fd run at tp=1 and tp=2 vs transformers, vs read bandwidth; peak RSS vs weights + cache",
+    "kvwrite": "one decode step's KV-cache writes at cache lengths 80 and 320, eager and in a static program",
 }
 DEFAULT_JSON = Path("benchmarks/results/latest.json")
 # A smoke run (CI) must not overwrite the recorded full run.
@@ -63,7 +65,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _runners(selected: list[str], smoke: bool) -> list[tuple[tuple[str, ...], Callable[[], list[Any]]]]:
     """(rows covered, a function producing their lines), grouped so that each spawn or process serves several rows."""
-    from fd_bench import graph, micro, reload, startup, tp2
+    from fd_bench import graph, kvwrite, micro, realsize, reload, startup, tp2
 
     chosen = set(selected)
     jobs: list[tuple[tuple[str, ...], Callable[[], list[Any]]]] = []
@@ -85,6 +87,10 @@ def _runners(selected: list[str], smoke: bool) -> list[tuple[tuple[str, ...], Ca
         jobs.append((("graph",), lambda: graph.graph_rows(smoke)))
     if "reload" in chosen:
         jobs.append((("reload",), lambda: reload.reload_rows(smoke)))
+    if "realsize" in chosen:
+        jobs.append((("realsize",), lambda: realsize.realsize_rows(smoke)))
+    if "kvwrite" in chosen:
+        jobs.append((("kvwrite",), lambda: kvwrite.kvwrite_rows(smoke)))
     return jobs
 
 

@@ -102,6 +102,9 @@ def decode(rank: int, world: int, smoke: bool, modes: tuple[str, ...] = ("eager"
             if mode == "static":
                 for name in ctxs:
                     wire(name)
+                    # The cpu static-graph backend keeps one traced program per function and shapes
+                    # (on the function): dropped here, so that each side traces its own all-reduce.
+                    vars(model.decode_fn).pop("_fd_static_programs", None)
                     model.capture(backend.graph_backend(), 1)
                     graphs[name] = model._graphs
         except Exception as exc:  # noqa: BLE001 - reported in the row, the eager numbers stand
@@ -140,29 +143,19 @@ def decode(rank: int, world: int, smoke: bool, modes: tuple[str, ...] = ("eager"
 
 
 def allreduce(rank: int, world: int, smoke: bool) -> dict[str, Any]:
-    """cpu (gloo) vs cpu_shm through each platform's Backend, call by call, ranks lined up before each call."""
+    """The cpu platform's Backend all-reduce (shared memory) vs its gloo path, call by call, ranks lined up before each call."""
     import paddle
 
-    from fd_core.errors import PlatformError
+    from fd_plugins.cpu.platform import gloo_all_reduce
 
-    gloo = _backend("cpu", rank, world)
-    try:
-        shm = _backend("cpu_shm", rank, world)
-    except PlatformError as exc:
-        shm = None
-        missing = str(exc)
-    sides = {"gloo": gloo.all_reduce}
-    if shm is not None:
-        sides["shm"] = shm.all_reduce
+    cpu = _backend("cpu", rank, world)
+    group = cpu.parallel.group
+    sides = {"gloo": lambda t: gloo_all_reduce(t, group), "shm": cpu.all_reduce}
     # Lining the ranks up before each timed call keeps the skew one call leaves from being charged to the next.
     align_t = paddle.zeros([1], dtype="float32")
-    align = (shm or gloo).all_reduce
+    align = cpu.all_reduce
     calls = CALLS_SMOKE if smoke else CALLS_FULL
-    out: dict[str, Any] = {
-        "bindings": {"gloo": gloo.all_reduce_binding, "shm": shm.all_reduce_binding if shm else None},
-        "shm_missing": None if shm is not None else missing,
-        "sizes": {},
-    }
+    out: dict[str, Any] = {"bindings": {"shm": cpu.all_reduce_binding}, "shm_missing": None, "sizes": {}}
     for nbytes in SIZES:
         tensor = paddle.zeros([nbytes // 4], dtype="float32")
         for fn in sides.values():
@@ -170,7 +163,7 @@ def allreduce(rank: int, world: int, smoke: bool) -> dict[str, Any]:
                 fn(tensor)
         timed = dict(sides)
         if nbytes >= CONTROL_FROM:
-            timed["gloo_control"] = gloo.all_reduce
+            timed["gloo_control"] = sides["gloo"]
         times: dict[str, list[int]] = {n: [] for n in timed}
         order = list(timed)
         for i in range(calls[nbytes]):
@@ -181,14 +174,10 @@ def allreduce(rank: int, world: int, smoke: bool) -> dict[str, Any]:
                 fn(tensor)
                 times[name].append(perf_counter_ns() - start)
         out["sizes"][nbytes] = {n: statistics.median(v) for n, v in times.items()} | {"calls": calls[nbytes]}
-    if shm is not None:
-        try:
-            from fd_shm_allreduce import shm as shm_mod
+    from fd_plugins.cpu import shm as shm_mod
 
-            state = shm_mod.GROUPS.get(None)
-            out["shm_state"] = {"usable": state.usable, "slot_bytes": state.slot_bytes, "calls": dict(state.calls)} if state else None
-        except Exception as exc:  # noqa: BLE001 - diagnostics only
-            out["shm_state"] = f"{type(exc).__name__}: {exc}"
+    state = shm_mod.GROUPS.get(group)
+    out["shm_state"] = {"usable": state.usable, "slot_bytes": state.slot_bytes, "calls": dict(state.calls)} if state else None
     return out
 
 

@@ -41,6 +41,10 @@ def _fmt(value: float | None, unit: str) -> str:
         return f"{value:.1f} us" if value < 10_000 else f"{value / 1000:.2f} ms"
     if unit == "ms":
         return f"{value:.2f} ms" if value < 100 else f"{value:.0f} ms"
+    if unit == "tok/s":
+        return f"{value:.1f} tok/s" if value < 1000 else f"{value:.0f} tok/s"
+    if unit == "MiB":
+        return f"{value:.0f} MiB"
     if unit == "%":
         return f"{value:+.2f} %"
     return f"{value:.3g} {unit}"
@@ -104,6 +108,7 @@ def machine() -> dict[str, Any]:
         "pluggy": _version("pluggy"),
         "numpy": _version("numpy"),
         "fd-backends": _version("fd-backends"),
-        "fd-shm-allreduce": _version("fd-shm-allreduce"),
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
         "executable": sys.executable,
     }

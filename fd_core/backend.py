@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import types
 from typing import Any, Callable, Mapping
@@ -62,11 +63,14 @@ def _checked_vote(plugin: str, answer: Any) -> CastVote:
     """A plugin's vote, type-checked: a third party's answer is verified where it is used."""
     if not isinstance(answer, GraphVote):
         raise PluginError(f"plugin {plugin!r}: fd_graph_eligibility returned {type(answer).__name__}; return fd_core.GraphVote or None")
-    if not isinstance(answer.allow, bool) or not isinstance(answer.reason, str):
-        raise PluginError(f"plugin {plugin!r}: fd_graph_eligibility returned GraphVote(allow={answer.allow!r}, reason={answer.reason!r}); allow must be True or False and reason a string")
+    if not isinstance(answer.allow, bool) or not isinstance(answer.reason, str) or not isinstance(answer.advisory, bool):
+        raise PluginError(
+            f"plugin {plugin!r}: fd_graph_eligibility returned GraphVote(allow={answer.allow!r}, reason={answer.reason!r}, "
+            f"advisory={answer.advisory!r}); allow and advisory must be True or False and reason a string"
+        )
     if not answer.allow and not answer.reason.strip():
         raise PluginError(f"plugin {plugin!r}: fd_graph_eligibility vetoed without a reason; return GraphVote.veto('why')")
-    return CastVote(plugin, answer.allow, answer.reason)
+    return CastVote(plugin, answer.allow, answer.reason, answer.advisory and not answer.allow)
 
 
 class Backend:
@@ -149,7 +153,7 @@ class Backend:
     def graph_decision(
         self, model_config: ModelConfig, parallel_config: ParallelConfig | None = None, requested: str = "auto"
     ) -> GraphDecision:
-        """Ask every plugin; any veto wins; every answer and reason is kept."""
+        """Ask every plugin; any veto wins (an advisory no-gain vote too, unless `requested` is "on"); every answer is kept."""
         parallel_config = parallel_config or self.parallel
         mode = self.graph_mode
         votes: list[CastVote] = []
@@ -174,8 +178,9 @@ class Backend:
                 continue
             for answer in answers:  # one per voter; more only if a wrapper added votes
                 votes.append(_checked_vote(name, answer))
-        allowed = requested != "off" and mode is not None and all(v.allow for v in votes)
-        return GraphDecision(allowed=allowed, mode=mode, votes=tuple(votes), requested=requested)
+        decision = GraphDecision(allowed=False, mode=mode, votes=tuple(votes), requested=requested)
+        allowed = requested != "off" and mode is not None and not decision.vetoes
+        return dataclasses.replace(decision, allowed=allowed)
 
     @property
     def graph_mode(self) -> str | None:

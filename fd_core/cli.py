@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
+import os
 import sys
+import time
 from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 from fd_core.errors import ConfigError, FdError, RankError
@@ -169,11 +172,14 @@ def _require_paddle() -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from fd_core.distributed import Terminated, launched_rank, quiet_paddle_logs, run_here, spawn_ranks
-    from fd_core.runner import RunConfig, as_json, plan_run, run_rank, spawned_rank, summary_lines
+    from fd_core.runner import RunConfig, as_json, plan_run, process_start_time, run_rank, spawned_rank, summary_lines
 
     _require_paddle()
 
     quiet_paddle_logs()
+    # The ranks are forked after this process tokenizes the prompts: a tokenizer thread pool started
+    # before a fork would make the library warn (and fall back) in every rank.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     launched = launched_rank()
     texts = _text_prompts(args.prompt, args.prompts)
     id_prompts = tuple(_prompt_ids(p) for p in args.prompt_ids or ())
@@ -199,6 +205,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         # Text streams to an interactive terminal as it is produced (one prompt; several print in order at the end).
         stream=bool(texts) and len(texts) == 1 and not args.json and sys.stdout.isatty(),
+        started_at=process_start_time(),
     )
     if texts and id_prompts:
         raise ConfigError("pass text prompts (--prompt, --prompts) or token ids (--prompt-ids), not both")
@@ -213,7 +220,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         else:
             print(f"fd: starting {run.tp} ranks on {plan.platform} ({plan.dist_backend})", file=sys.stderr, flush=True)
             try:
-                results = spawn_ranks(spawned_rank, (run,), run.tp, plan.dist_backend, grace=args.rank_timeout, stall=args.stall_timeout)
+                # Forked, not spawned: this process has imported paddle but run nothing with it, and a
+                # forked rank starts with that import done instead of paying it again (seconds here).
+                import paddle.distributed  # noqa: F401 - before the clock: spawning needs it, and its import belongs to "start"
+
+                run = dataclasses.replace(run, spawned_at=time.time())
+                results = spawn_ranks(
+                    spawned_rank, (run,), run.tp, plan.dist_backend, grace=args.rank_timeout, stall=args.stall_timeout, start_method="fork"
+                )
             except Terminated:
                 print("fd: terminated; every rank was stopped", file=sys.stderr)
                 return EXIT_TERMINATED
@@ -221,6 +235,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             if diverged:
                 raise RankError(f"rank {diverged[0]} generated different tokens than rank 0; the ranks disagree")
     if results:
+        _add_wall_time(results[0], run.started_at)
         if args.json:
             print(as_json(results))
         elif texts:
@@ -231,6 +246,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         else:
             print("\n".join(summary_lines(results)))
     return 0
+
+
+def _add_wall_time(result: dict[str, Any], started_at: float | None) -> None:
+    """Rank 0's result gains the wall time so far and, after spawned ranks, their teardown as a phase."""
+    now = time.time()
+    if started_at is None:
+        return
+    finished = result.pop("finished_at", now)
+    if now - finished > 1e-3:
+        result["timings_s"]["teardown"] = round(now - finished, 4)
+    result["wall_s"] = round(now - started_at, 4)
 
 
 def cmd_save_random(args: argparse.Namespace) -> int:
@@ -337,7 +363,8 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None) -> 
     p = sub.add_parser("explain", help="show the chosen platform and the graph decision with every vote")
     p.add_argument("--model", default="ernie4_5", help="architecture name (default: ernie4_5)")
     p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size (default: 1)")
-    p.add_argument("--graph", choices=("auto", "off"), default="auto")
+    p.add_argument("--graph", choices=("auto", "on", "off"), default="auto",
+                   help="auto: capture unless a plugin vetoes or reports no gain; on: capture unless a plugin vetoes; off: eager")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_explain)
 
@@ -360,7 +387,8 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None) -> 
     p.add_argument("--checkpoint", default=None, help="a checkpoint directory as transformers saves it (config.json, *.safetensors)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16", "float64"),
                    help="compute dtype (default: the platform's preferred one, the first it lists; see fd plugins)")
-    p.add_argument("--graph", choices=("auto", "off"), default="auto")
+    p.add_argument("--graph", choices=("auto", "on", "off"), default="auto",
+                   help="auto: capture unless a plugin vetoes or reports no gain; on: capture unless a plugin vetoes; off: eager")
     p.add_argument("--reload-cycles", type=_non_negative, default=0, help="weight-update cycles after the first run")
     p.add_argument("--seed", type=_non_negative, default=0, help="seeds sampling (and a preset's random weights) (default: 0)")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary (text and ids per prompt)")

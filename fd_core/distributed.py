@@ -18,7 +18,7 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Literal, Sequence
 
 from fd_core import progress
 from fd_core.errors import ConfigError, FdError, RankError
@@ -241,8 +241,12 @@ def _quiet_root_logger() -> Iterator[None]:
 def spawn_ranks(
     fn: Callable[..., Any], args: Sequence[Any], nprocs: int, dist_backend: str, grace: float = 10.0,
     stall: float = DEFAULT_STALL_S,
+    start_method: Literal["spawn", "fork", "forkserver"] = "spawn",
 ) -> list[Any]:
     """Run `fn(*args)` on `nprocs` local ranks; return each rank's result in rank order.
+
+    `start_method` "fork" starts the ranks with this process's imports done; only for a caller
+    that has run no paddle op and started no thread pool (a fork copies one thread of them).
 
     When a rank fails, the others are stopped at once (they would otherwise wait in a collective
     until its timeout) and RankError names the rank that failed first, with the path of its full
@@ -261,7 +265,7 @@ def spawn_ranks(
                 context = dist.spawn(
                     # paddle's typed options omit `backend`, which spawn reads at run time.
                     _call_and_save, args=(fn, out_dir, errors_dir, os.getpid(), *args), nprocs=nprocs, join=False,
-                    backend=dist_backend, ips=LOOPBACK,  # type: ignore[call-arg]
+                    backend=dist_backend, ips=LOOPBACK, start_method=start_method,  # type: ignore[call-arg]
                 )
             _watch(context, out_dir, grace, stall)
             return _results(out_dir, nprocs)

@@ -22,10 +22,15 @@ class GraphBackend(Protocol):
 
 @dataclass(frozen=True)
 class GraphVote:
-    """One plugin's answer to `fd_graph_eligibility`: allow or veto, and why."""
+    """One plugin's answer to `fd_graph_eligibility`: allow, veto, or skip for no gain (advisory), and why.
+
+    A veto means graphs would be wrong or impossible; an advisory vote means they would work but
+    not pay, so `--graph auto` skips capture and `--graph on` captures anyway.
+    """
 
     allow: bool
     reason: str = ""
+    advisory: bool = False
 
     @classmethod
     def veto(cls, reason: str) -> "GraphVote":
@@ -35,6 +40,11 @@ class GraphVote:
     def ok(cls, reason: str = "") -> "GraphVote":
         return cls(True, reason)
 
+    @classmethod
+    def no_gain(cls, reason: str) -> "GraphVote":
+        """Capture would work but not pay here: skipped under --graph auto, captured under --graph on."""
+        return cls(False, reason, advisory=True)
+
 
 @dataclass(frozen=True)
 class CastVote:
@@ -43,9 +53,10 @@ class CastVote:
     plugin: str
     allow: bool
     reason: str
+    advisory: bool = False
 
     def line(self) -> str:
-        verdict = "allows" if self.allow else "vetoes"
+        verdict = "allows" if self.allow else ("skips (no gain)" if self.advisory else "vetoes")
         return f"{self.plugin} {verdict}" + (f": {self.reason}" if self.reason else "")
 
 
@@ -60,17 +71,23 @@ class GraphDecision:
 
     @property
     def vetoes(self) -> tuple[CastVote, ...]:
-        return tuple(v for v in self.votes if not v.allow)
+        """The votes against capture that count under the request (an advisory one only under auto)."""
+        return tuple(v for v in self.votes if not v.allow and not (v.advisory and self.requested == "on"))
 
     def summary(self) -> str:
         mode = self.mode or "graph capture"
         if self.allowed:
+            overridden = [v.plugin for v in self.votes if v.advisory]
+            if overridden:
+                return f"{mode} on: requested (--graph on) over {', '.join(overridden)}'s no-gain vote"
             return f"{mode} on: no plugin vetoed ({len(self.votes)} vote{'s' if len(self.votes) != 1 else ''})"
         if self.requested == "off":
             return f"{mode} off: disabled by request (--graph off)"
         if not self.mode:
             return "graph capture off: the platform has no graph backend"
-        return f"{mode} off: " + "; ".join(f"{v.plugin} vetoed: {v.reason}" for v in self.vetoes)
+        return f"{mode} off: " + "; ".join(
+            f"{v.plugin} {'skipped (no gain; --graph on captures anyway)' if v.advisory else 'vetoed'}: {v.reason}" for v in self.vetoes
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -78,5 +95,5 @@ class GraphDecision:
             "mode": self.mode,
             "requested": self.requested,
             "summary": self.summary(),
-            "votes": [{"plugin": v.plugin, "allow": v.allow, "reason": v.reason} for v in self.votes],
+            "votes": [{"plugin": v.plugin, "allow": v.allow, "reason": v.reason, "advisory": v.advisory} for v in self.votes],
         }

@@ -66,6 +66,11 @@ class RunConfig:
     stream: bool = False
     # A platform to use instead of the selected one (as FD_PLATFORM does).
     platform: str | None = None
+    # Wall-clock time (time.time()) when `fd run` started; phases before a rank's own work and the
+    # time to first token are measured from it.
+    started_at: float | None = None
+    # When the ranks were started (spawned or forked), if they were.
+    spawned_at: float | None = None
 
 
 @dataclass
@@ -80,6 +85,19 @@ class Plan:
     # What to generate: prompts as ids, sampling, stops (fd_core.runtime.engine.Request), and the tokenizer if any.
     request: Any = None
     tokenizer: Any = None
+
+
+def process_start_time() -> float:
+    """When this process started, as time.time() (from /proc where there is one; else now)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        # Its age from the uptime, both in 10 ms steps (the boot time /proc/stat gives is whole seconds).
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.time()
 
 
 def peak_resident_bytes() -> int:
@@ -232,6 +250,9 @@ class ModelRunner:
     model: CausalModel | None = None
     decision: GraphDecision | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    # time.time() when the first generated token was known (after prefill), of the last generate().
+    first_token_at: float | None = None
+    decode_core_s: float = 0.0
 
     def _add_time(self, phase: str, seconds: float) -> None:
         self.timings[phase] = self.timings.get(phase, 0.0) + seconds
@@ -259,11 +280,12 @@ class ModelRunner:
         model = self.model
         shards = self._timed("load", self.read_weights)
         self._timed("load", lambda: model.load_weights(shards))
-        # A checkpoint streams into the parameters one tensor at a time and leaves nothing staged;
-        # seeded weights were staged whole, and the cleanup hooks may free them.
-        left = shards if isinstance(shards, dict) else {}
+        # Checkpoints and seeded weights both stream into the parameters a tensor (or a piece of
+        # one) at a time and leave nothing staged; the cleanup hooks get the (lazy) mapping loaded from.
+        left: Mapping[str, Any] = shards
         if isinstance(shards, CheckpointShards):
             shards.close()
+            left = {}
         self._timed("cleanup", lambda: self.backend.clean_memory_fragments(left))
 
     def decide(self) -> GraphDecision:
@@ -291,8 +313,9 @@ class ModelRunner:
         position = self.model.prefill_length(ids, image)
         token = _greedy(logits, 0)
         prefill_s = time.perf_counter() - start
+        self.first_token_at = time.time()
         tokens = [token]
-        start = time.perf_counter()
+        start, core_start = time.perf_counter(), time.process_time()
         last_report = start
         for step in range(steps - 1):
             progress.report("decode")
@@ -304,6 +327,8 @@ class ModelRunner:
                 self.log(f"decoded {step + 2}/{steps} tokens")
                 last_report = now
         decode_s = time.perf_counter() - start
+        # The core time this rank got while decoding: below decode_s, the machine was shared.
+        self.decode_core_s = time.process_time() - core_start
         self._add_time("prefill", prefill_s)
         self._add_time("decode", decode_s)
         return GenerationResult(tokens, prefill_s, decode_s)
@@ -384,15 +409,35 @@ def plugin_env(platform: str | None) -> Mapping[str, str]:
     return {**os.environ, "FD_PLATFORM": platform} if platform else os.environ
 
 
-def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None) -> dict[str, Any]:
-    """The whole job on one rank; rank 0's result carries the summary."""
+def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None, before: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """The whole job on one rank; rank 0's result carries the summary.
+
+    `before` holds phases the caller timed before this (the rendezvous), and their start as "at".
+    """
     from fd_core.runtime.worker import RankWorker, print_text
 
-    worker = RankWorker.start(run, rank, tp, group)
+    entered = time.time()
+    # What this rank holds before any work of its own: a forked rank shares its parent's imports
+    # and holds less than a freshly started process that imported paddle.
+    entry_rss = resident_bytes()
+    before = dict(before or {})
+    started = run.started_at if run.started_at is not None else entered
+    worker = RankWorker.start(run, rank, tp, group, entered=entered)
     runner, engine = worker.runner, worker.engine
+    # Start-up as phases: process start, imports and the plan up to starting the ranks; starting
+    # them; the rendezvous; then plugin discovery and the plan checked again on this rank ("setup").
+    rank_start = before.pop("at", entered)
+    spawned = run.spawned_at if run.spawned_at is not None else rank_start
+    # Before what the rank timed itself, in the order they happened.
+    early = {"start": max(0.0, spawned - started)}
+    if run.spawned_at is not None:
+        early["spawn"] = max(0.0, rank_start - spawned)
+    runner.timings = {**early, **before, **runner.timings}
     first = worker.generate(worker.plan.request, print_text if rank == 0 and run.stream else None)
     if rank == 0 and run.stream:
         print(flush=True)
+    first_token_s = (engine.first_token_at or time.time()) - started
+    worker.log(f"first token {first_token_s:.2f}s after start")
     cycles = []
     for cycle in range(run.reload_cycles):
         start = time.perf_counter()
@@ -410,11 +455,19 @@ def run_rank(run: RunConfig, rank: int = 0, tp: int = 1, group: Any = None) -> d
         )
         if not same:
             raise RuntimeError(f"reload cycle {cycle + 1} changed the output: {again[0].token_ids} != {first[0].token_ids}")
+    model = runner.model
     return {
         **worker.describe(),
+        # What the memory target compares the peak with: this rank's parameters and KV cache.
+        "weight_bytes": sum(p.numel().item() * p.element_size() for p in model.parameters()),  # type: ignore[union-attr]
+        "kv_cache_bytes": getattr(model, "cache_bytes", lambda: 0)(),
+        "entry_rss_bytes": entry_rss,
         "tokens": first[0].token_ids,
         "outputs": [c.to_dict() for c in first],
         "tokens_per_s": round(engine.tokens_per_s, 2),
+        "time_to_first_token_s": round(first_token_s, 4),
+        "decode_core_share": round(engine.decode_core_s / engine.decode_s, 3) if engine.decode_s > 0 else None,
+        "finished_at": time.time(),
         "reload_cycles": cycles,
         "rss_bytes": resident_bytes(),
         "peak_rss_bytes": peak_resident_bytes(),
@@ -427,8 +480,9 @@ def spawned_rank(run: RunConfig) -> dict[str, Any]:
 
     quiet_paddle_logs()
     progress.report("rendezvous")
+    at = time.time()
     rank, world = init_rank()
-    return run_rank(run, rank, world)
+    return run_rank(run, rank, world, before={"at": at, "rendezvous": time.time() - at})
 
 
 def save_random_checkpoint(
@@ -456,7 +510,9 @@ def save_random_checkpoint(
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype {dtype}: checkpoints are written as float32, bfloat16 or float16")
     backend = load_backend(ParallelConfig(), plugins=plugins)
-    specs = arch.build(config, backend).weight_specs()
+    model = arch.build(config, backend)
+    specs = model.weight_specs()
+    model.release_weights()  # only the specs are needed: the zero parameters would double the peak
     tensors = random_state_dict(specs, seed, std=init_std(config))
     return save_checkpoint(directory, {**data, "architectures": data.get("architectures") or [arch.name]}, tensors, dtype, files)
 
@@ -475,7 +531,11 @@ def summary_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:
         label = "tokens" if len(outputs) == 1 else f"tokens [{index + 1}]"
         lines.append(f"{label}: {' '.join(str(t) for t in output['ids'])}")
     lines.append(f"speed: {result['tokens_per_s']} tokens/s (decode)")
+    lines.append(f"time to first token: {result['time_to_first_token_s']:.2f}s after fd run started")
     lines.append("phases: " + ", ".join(f"{k} {v:.3f}s" for k, v in result["timings_s"].items()))
+    if "wall_s" in result:
+        named = sum(result["timings_s"].values())
+        lines.append(f"wall: {result['wall_s']:.2f}s, {named / result['wall_s']:.0%} of it in the phases above")
     lines.append("peak memory: " + ", ".join(f"rank {r['rank']} {r['peak_rss_bytes'] / 2**30:.2f} GiB" for r in results))
     if result["reload_cycles"]:
         same = all(c["tokens_match"] for c in result["reload_cycles"])
@@ -485,8 +545,15 @@ def summary_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def as_json(results: Sequence[Mapping[str, Any]]) -> str:
     """Rank 0's result as JSON, with every reporting rank's peak RSS."""
-    keys = ("platform", "model", "tp", "graph", "all_reduce", "tokens", "outputs", "tokens_per_s", "timings_s", "reload_cycles", "rss_bytes", "peak_rss_bytes")
+    keys = ("platform", "model", "tp", "graph", "all_reduce", "tokens", "outputs", "tokens_per_s", "time_to_first_token_s", "timings_s",
+            "reload_cycles", "rss_bytes", "peak_rss_bytes")
     data = {k: results[0][k] for k in keys}
+    if "wall_s" in results[0]:
+        data["wall_s"] = results[0]["wall_s"]
+    data["weight_bytes_by_rank"] = [r["weight_bytes"] for r in results]
+    data["kv_cache_bytes_by_rank"] = [r["kv_cache_bytes"] for r in results]
+    data["entry_rss_bytes_by_rank"] = [r["entry_rss_bytes"] for r in results]
+    data["decode_core_share_by_rank"] = [r["decode_core_share"] for r in results]
     data["peak_rss_bytes_by_rank"] = [r["peak_rss_bytes"] for r in results]
     return json.dumps(data, indent=2)
 

@@ -9,6 +9,7 @@ leaves a model half loaded, and loading holds one tensor at a time beside the pa
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import stat
@@ -27,6 +28,8 @@ from fd_core.errors import CheckpointError, NumericsError
 # Files that unpickle when loaded: refused, since loading them can run arbitrary code.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".pdparams")  # compared case-blind
 INDEX_NAME = "model.safetensors.index.json"
+# Largest piece of one tensor a loader reads at once (in the compute dtype): see CheckpointShards.chunks.
+CHUNK_BYTES = 32 << 20
 # safetensors dtype codes of the float types a checkpoint may store weights in; each converts to the compute dtype.
 FLOAT_CODES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
@@ -75,16 +78,30 @@ def random_full_tensor(name: str, spec: WeightSpec, seed: int, std: float | None
     return (rng.standard_normal(spec.shape, dtype=np.float32) * (spec.std if std is None else std)).astype(np.float32)
 
 
+class RandomShards(Mapping[str, Any]):
+    """Seeded random float32 weights, each tensor this rank's shard, drawn when it is read (one full tensor at a time)."""
+
+    def __init__(self, specs: Mapping[str, WeightSpec], seed: int, tp_rank: int = 0, tp_size: int = 1, std: float | None = None) -> None:
+        self.specs, self.seed, self.tp_rank, self.tp_size, self.std = dict(specs), seed, tp_rank, tp_size, std
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        import numpy as np
+
+        spec = self.specs[name]
+        return np.ascontiguousarray(shard(random_full_tensor(name, spec, self.seed, self.std), spec, self.tp_rank, self.tp_size))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+
 def random_state_dict(
     specs: Mapping[str, WeightSpec], seed: int, tp_rank: int = 0, tp_size: int = 1, std: float | None = None
-) -> dict[str, np.ndarray]:
-    """Seeded random float32 weights, each tensor already sliced to this rank's shard; `std` overrides the specs'."""
-    import numpy as np
-
-    return {
-        name: np.ascontiguousarray(shard(random_full_tensor(name, spec, seed, std), spec, tp_rank, tp_size))
-        for name, spec in specs.items()
-    }
+) -> RandomShards:
+    """Seeded random float32 weights, each tensor sliced to this rank's shard and drawn on access; `std` overrides the specs'."""
+    return RandomShards(specs, seed, tp_rank, tp_size, std)
 
 
 def _regular_file(path: Path, what: str) -> None:
@@ -157,16 +174,24 @@ def _mismatch(first: str, names: list[str]) -> str:
     return f"{first}{more}; the checkpoint does not match this architecture's config"
 
 
+def _read_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """(offset of the data, header) of a safetensors file; raises ValueError on a header that cannot be real."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if length > size:
+            raise ValueError(f"header length {length} exceeds the file size {size}")
+        header = json.loads(f.read(length))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    return 8 + length, header
+
+
 def _truncated_tensor(path: Path) -> tuple[str, int, int] | None:
     """(name, end, data size) of the first tensor cut off by a truncated safetensors file, if that is what is wrong."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-            if length > size:
-                return None
-            header = json.loads(f.read(length))
-        data = size - 8 - length
+        start, header = _read_header(path)
+        data = path.stat().st_size - start
         ends = sorted((info["data_offsets"][1], name) for name, info in header.items() if name != "__metadata__")
     except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
         return None  # not even the header is whole: the generic message has to do
@@ -212,6 +237,7 @@ class CheckpointShards(Mapping[str, Any]):
         index = self.directory / INDEX_NAME
         expected = _read_index(index) if index.exists() else None
         self._handles: dict[Path, Any] = {}
+        self._layouts: dict[Path, tuple[int, dict[str, Any]]] = {}
         self._where: dict[str, Path] = {}
         for path in files:
             handle = self._handles[path] = _open(path)
@@ -270,6 +296,50 @@ class CheckpointShards(Mapping[str, Any]):
                 )
         return tensor
 
+    def chunks(self, name: str, max_bytes: int | None = None) -> Iterator[tuple[int, Any]]:
+        """This rank's slice of `name` in pieces along its first axis: (first row, piece), each read within `max_bytes` of storage.
+
+        A loader assigns piece by piece, so reading a large tensor (an embedding) never stages it
+        whole. Float32 pieces are read from the file with pread into numpy arrays: safetensors maps
+        the whole file, and every page it reads stays in this process's resident set until the
+        file is closed (the whole checkpoint's worth, beside the parameters, at the peak).
+        """
+        import numpy as np
+
+        spec = self.specs[name]
+        if spec.dtype != "float32" or len(spec.shape) < 2:
+            yield 0, self[name]
+            return
+        path = self._where[name]
+        if path not in self._layouts:
+            self._layouts[path] = _read_header(path)
+        data_start, header = self._layouts[path]
+        info = header[name]
+        stored = _NUMPY_CODES[info["dtype"]]
+        index = shard_index(spec, self.tp_rank, self.tp_size)
+        row_bytes = math.prod(spec.shape[1:]) * stored[1]
+        count = spec.shard_shape(self.tp_size)[0]
+        step = max(1, (max_bytes or CHUNK_BYTES) // max(1, row_bytes * 2))
+        first = index[0].start or 0
+        with open(path, "rb", buffering=0) as f:
+            for start in range(0, count, step):
+                rows = min(count, start + step) - start
+                offset = data_start + info["data_offsets"][0] + (first + start) * row_bytes
+                try:
+                    raw = os.pread(f.fileno(), rows * row_bytes, offset)
+                except OSError as exc:
+                    raise CheckpointError(f"checkpoint {path}: tensor {name!r} cannot be read ({exc.strerror}); the file may be damaged") from None
+                if len(raw) != rows * row_bytes:
+                    raise CheckpointError(f"checkpoint {path}: tensor {name!r} cannot be read (short read); the file may be damaged")
+                progress.report("loading weights")
+                piece = _widen(raw, stored[0], (rows, *spec.shape[1:]))[(slice(None), *index[1:])]
+                if self.check_finite and not np.isfinite(piece).all():
+                    raise NumericsError(
+                        f"checkpoint {path}: tensor {name!r} holds NaN or Inf; re-save or re-download it "
+                        f"(fd run --allow-non-finite loads it anyway, for experiments)"
+                    )
+                yield start, piece
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.specs)
 
@@ -278,6 +348,19 @@ class CheckpointShards(Mapping[str, Any]):
 
     def close(self) -> None:
         self._handles.clear()
+
+
+# safetensors dtype code -> (numpy dtype of the stored bits, bytes an element).
+_NUMPY_CODES = {"F32": ("float32", 4), "F64": ("float64", 8), "F16": ("float16", 2), "BF16": ("bfloat16", 2)}
+
+
+def _widen(raw: bytes, stored: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Stored bytes as a float32 array of `shape`; bfloat16 is the high half of a float32, so widening is exact."""
+    import numpy as np
+
+    if stored == "bfloat16":
+        return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    return np.frombuffer(raw, stored).astype(np.float32, copy=False).reshape(shape)
 
 
 def _paddle_dtype(name: str) -> Any:
@@ -303,6 +386,38 @@ def check_new_directory(directory: Path) -> None:
         raise CheckpointError(f"{directory}: exists and is not empty; choose a new directory")
 
 
+# Stored dtype -> safetensors dtype code.
+_CODES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def _write_safetensors(path: Path, tensors: Mapping[str, Any], dtype: str) -> None:
+    """Write `tensors` as one safetensors file stored as `dtype`, converting and writing one tensor at a time.
+
+    The data goes to a side file first (a tensor's shape is known only once it is drawn), then
+    behind the header; so a lazy mapping (seeded weights) never holds more than one tensor.
+    """
+    import numpy as np
+    import paddle
+
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}  # what transformers looks for
+    data = path.with_name(path.name + ".data")
+    end = 0
+    with open(data, "wb") as out:
+        for name in sorted(tensors):
+            stored = paddle.to_tensor(np.ascontiguousarray(tensors[name])).astype(dtype)
+            raw = stored.numpy().tobytes()  # bfloat16 comes out as its uint16 bits
+            header[name] = {"dtype": _CODES[dtype], "shape": list(stored.shape), "data_offsets": [end, end + len(raw)]}
+            out.write(raw)
+            end += len(raw)
+            del stored, raw
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as out, open(data, "rb") as src:
+        out.write(len(text).to_bytes(8, "little") + text)
+        shutil.copyfileobj(src, out, 16 << 20)
+    data.unlink()
+
+
 def save_checkpoint(
     directory: str | Path, config: Mapping[str, Any], tensors: Mapping[str, np.ndarray], dtype: str = "float32",
     files: Mapping[str, Mapping[str, Any]] | None = None,
@@ -311,19 +426,12 @@ def save_checkpoint(
 
     The directory appears whole or not at all.
     """
-    import numpy as np
-    import paddle
-    import safetensors.paddle
-
     directory = Path(directory)
     check_new_directory(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
-        stored = {k: paddle.to_tensor(np.ascontiguousarray(v)).astype(dtype) for k, v in tensors.items()}  # type: ignore[arg-type]
-        # "format": "pt" is what transformers looks for before it loads a safetensors file.
-        safetensors.paddle.save_file(stored, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        del stored
+        _write_safetensors(staging / "model.safetensors", tensors, dtype)
         for name, content in {"config.json": config, **(files or {})}.items():
             (staging / name).write_text(json.dumps(dict(content), indent=2, sort_keys=True) + "\n")
         if directory.exists():

@@ -57,4 +57,4 @@ def tp_rank(arch_names: list[str]) -> dict[str, Any]:
 
     rank, world = init_rank()
     backend = load_backend(ParallelConfig(tp_size=world, tp_rank=rank))
-    return {name: {mode: generate(backend, name, mode) for mode in ("off", "auto")} for name in arch_names}
+    return {name: {mode: generate(backend, name, mode) for mode in ("off", "on")} for name in arch_names}

@@ -76,6 +76,10 @@ class Engine:
     _captured: dict[int, int] = field(default_factory=dict)
     decoded_tokens: int = 0
     decode_s: float = 0.0
+    # Core time this rank got while decoding (below decode_s: the machine was shared), and when the
+    # first token of the first request was chosen (time.time()), for the time to first token.
+    decode_core_s: float = 0.0
+    first_token_at: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -152,10 +156,13 @@ class Engine:
         logits = model.prefill(ids, image, pad=pads) if any(pads) else model.prefill(ids, image)
         self._add_time("prefill", time.perf_counter() - start)
         decode_s, decoded = 0.0, 0
+        core_start = time.process_time()
         for step in range(params.max_new_tokens):
             start = time.perf_counter()
             progress.report("decode")
             chosen = sampler.choose(finite_logits(logits, step, [reasons[b] is None for b in range(len(rows))]))
+            if self.first_token_at is None:
+                self.first_token_at = time.time()
             for b, token in enumerate(chosen):
                 if reasons[b] is not None:
                     continue
@@ -182,6 +189,7 @@ class Engine:
             decode_s += time.perf_counter() - start
         self._add_time("decode", decode_s)
         self.decode_s += decode_s
+        self.decode_core_s += time.process_time() - core_start
         self.decoded_tokens += decoded
         completions = []
         for b, row in enumerate(rows):

@@ -34,8 +34,14 @@ class RankWorker:
     log: Callable[[str], None]
 
     @classmethod
-    def start(cls, run: "RunConfig", rank: int = 0, tp: int = 1, group: Any = None) -> "RankWorker":
-        """Select the platform, check the run, load the model and decide on graphs; progress lines from rank 0."""
+    def start(cls, run: "RunConfig", rank: int = 0, tp: int = 1, group: Any = None, entered: float | None = None) -> "RankWorker":
+        """Select the platform, check the run, load the model and decide on graphs; progress lines from rank 0.
+
+        `entered` (time.time()) is when this rank's work began: the time up to the model's build is its "setup" phase.
+        """
+        import time
+
+        entered = time.time() if entered is None else entered
         from fd_core.backend import load_backend
         from fd_core.config import ParallelConfig
         from fd_core.plugins import load_plugins
@@ -61,6 +67,7 @@ class RankWorker:
         progress.report("checking the all-reduce")
         backend.check_collective()
         runner = ModelRunner(backend, plan.arch, plan.config, run.checkpoint, run.seed, run.graph, log, run.allow_non_finite)
+        runner.timings["setup"] = time.time() - entered
         log(f"loading {plan.arch.name} ({run.checkpoint or 'seeded random weights'}) on {backend.platform}, tp={tp}")
         progress.report("loading weights")
         runner.load()

@@ -66,7 +66,7 @@ def all_reduce_on_rank(platform: str, cases: Sequence[Case], with_graph: bool) -
         )
     graph: dict[str, Any] | None = None
     if with_graph:
-        decision = backend.graph_decision(ModelConfig(architecture="conformance_probe"))
+        decision = backend.graph_decision(ModelConfig(architecture="conformance_probe"), requested="on")
         graph = {"allowed": decision.allowed, "summary": decision.summary()}
         if decision.allowed:
             weight = paddle.full([4, 4], float(rank + 1))

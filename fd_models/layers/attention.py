@@ -1,9 +1,10 @@
-"""Grouped-query attention over a preallocated KV cache, written without data-dependent shapes.
+"""Grouped-query attention over a preallocated KV cache, with shapes fixed by the caller.
 
-Prefill and decode share one path: the new keys/values are placed into the cache by a one-hot
-matrix `place` [S, max_len] (row i is one-hot at token i's position), and every query attends
-over the whole cache under an additive mask (key index <= query position). Shapes depend only on
-the batch size and max_len, so the decode step can be captured as a static graph.
+The cache of one layer is [max_len, B, kv_h, d]: position-major, so that writing the new keys and
+values is one in-place `index_put_` at their positions (a cost that does not grow with max_len, and
+an op a Paddle static graph captures). Queries attend over the first L positions only, where
+`slots` = arange(L) is an input: eagerly L is the positions in use; a captured graph takes L from
+the bucket it was traced for (its input shape), and the mask hides the positions past the query.
 """
 
 from __future__ import annotations
@@ -21,21 +22,30 @@ from fd_models.layers.rotary import apply_rope
 
 
 def attend(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: paddle.Tensor | None) -> paddle.Tensor:
-    """softmax(q k^T / sqrt(d) + mask) v for q [B, h, S, d] and k, v [B, kv_h, T, d] (h a multiple of kv_h)."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = paddle.repeat_interleave(k, groups, axis=1)
-        v = paddle.repeat_interleave(v, groups, axis=1)
-    scores = paddle.matmul(q, k, transpose_y=True).astype("float32") * (1.0 / math.sqrt(q.shape[-1]))
+    """softmax(q k^T / sqrt(d) + mask) v for q [B, h, S, d], k, v [B, kv_h, T, d] (h a multiple of kv_h), mask [S, T].
+
+    The query heads of one kv head are folded into its rows ([B, kv_h, g * S, d]), so k and v are
+    read once, not repeated g times.
+    """
+    batch, heads, length, dim = q.shape
+    kv_heads = k.shape[1]
+    groups = heads // kv_heads
+    q = q.reshape([batch, kv_heads, groups * length, dim])
+    scores = paddle.matmul(q, k, transpose_y=True).astype("float32") * (1.0 / math.sqrt(dim))
     if mask is not None:
-        scores = scores + mask
-    return paddle.matmul(F.softmax(scores, axis=-1).astype(v.dtype), v)
+        scores = (scores.reshape([batch, kv_heads, groups, length, -1]) + mask).reshape([batch, kv_heads, groups * length, -1])
+    out = paddle.matmul(F.softmax(scores, axis=-1).astype(v.dtype), v)
+    return out.reshape([batch, heads, length, dim])
 
 
-def write_cache(cache: paddle.Tensor, new: paddle.Tensor, place: paddle.Tensor) -> paddle.Tensor:
-    """cache [B, kv_h, T, d] with rows `place` [S, T] replaced by new [B, kv_h, S, d] (exact: a one-hot blend)."""
-    keep = (1.0 - paddle.sum(place, axis=0)).reshape([1, 1, -1, 1])
-    return cache * keep + paddle.matmul(place, new, transpose_x=True)
+def write_cache(cache: paddle.Tensor, new: paddle.Tensor, positions: paddle.Tensor) -> None:
+    """cache [T, B, kv_h, d] at `positions` [S] := new [B, S, kv_h, d], in place."""
+    paddle.index_put_(cache, (positions,), new.transpose([1, 0, 2, 3]))
+
+
+def cached(cache: paddle.Tensor, length: int) -> paddle.Tensor:
+    """The first `length` positions of a cache [T, B, kv_h, d] as [B, kv_h, length, d]."""
+    return cache[:length].transpose([1, 2, 0, 3])
 
 
 def split_heads(x: paddle.Tensor, heads: int, head_dim: int) -> paddle.Tensor:
@@ -68,17 +78,22 @@ class Attention(nn.Layer):
         self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype) if qk_norm_eps is not None else None
 
     def forward(
-        self, x: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor], place: paddle.Tensor,
+        self, x: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor], positions: paddle.Tensor,
         mask: paddle.Tensor, cache_k: paddle.Tensor, cache_v: paddle.Tensor,
-    ) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
-        """x [B, S, H] -> (output [B, S, H], updated cache_k, updated cache_v)."""
+    ) -> paddle.Tensor:
+        """x [B, S, H] at cache `positions` [S], attending over the first mask.shape[-1] positions -> [B, S, H].
+
+        Writes this step's keys and values into cache_k / cache_v in place.
+        """
         q = self.q_proj(x).reshape([0, 0, self.heads, self.head_dim])
         k = self.k_proj(x).reshape([0, 0, self.kv_heads, self.head_dim])
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose([0, 2, 1, 3]), *rope, layout=self.rope_layout)
         k = apply_rope(k.transpose([0, 2, 1, 3]), *rope, layout=self.rope_layout)
-        v = split_heads(self.v_proj(x), self.kv_heads, self.head_dim)
-        cache_k, cache_v = write_cache(cache_k, k, place), write_cache(cache_v, v, place)
-        out = attend(q, cache_k, cache_v, mask)
-        return self.o_proj(merge_heads(out)), cache_k, cache_v
+        v = self.v_proj(x).reshape([0, 0, self.kv_heads, self.head_dim])
+        write_cache(cache_k, k.transpose([0, 2, 1, 3]), positions)
+        write_cache(cache_v, v, positions)
+        length = mask.shape[-1]
+        out = attend(q, cached(cache_k, length), cached(cache_v, length), mask)
+        return self.o_proj(merge_heads(out))

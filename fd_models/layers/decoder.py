@@ -25,6 +25,8 @@ from fd_models.layers.parallel import ParallelLMHead, VocabParallelEmbedding
 from fd_models.layers.rotary import rope_tables
 
 _MASKED = -1e9  # additive mask for keys after the query's position (float32 softmax gives them 0)
+# The shortest cache length a decode graph is captured for; each longer bucket doubles it (one trace each).
+BUCKET_MIN = 64
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,15 @@ def _with_positional_signature(fn: Any, names: Sequence[str]) -> Any:
     decode_fn.__signature__ = inspect.Signature([inspect.Parameter(n, kind) for n in names])
     decode_fn.__doc__ = fn.__doc__
     return decode_fn
+
+
+def cache_buckets(max_len: int) -> list[int]:
+    """The cache lengths a decode graph is captured for: powers of two from BUCKET_MIN below max_len, then max_len."""
+    sizes, size = [], BUCKET_MIN
+    while size < max_len:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, max_len]
 
 
 def as_int64(value: Any) -> paddle.Tensor:
@@ -77,11 +88,10 @@ class DecoderLayer(nn.Layer):
             self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, ctx, config.mlp_bias, dtype)
         self.mlp_takes_vision_mask = getattr(self.mlp, "takes_vision_mask", False)
 
-    def forward(self, x, rope, place, mask, cache_k, cache_v, vision_mask=None):  # noqa: ANN001, ANN201 - see Attention.forward
-        attn, cache_k, cache_v = self.self_attn(self.input_layernorm(x), rope, place, mask, cache_k, cache_v)
-        x = x + attn
+    def forward(self, x, rope, positions, mask, cache_k, cache_v, vision_mask=None):  # noqa: ANN001, ANN201 - see Attention.forward
+        x = x + self.self_attn(self.input_layernorm(x), rope, positions, mask, cache_k, cache_v)
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, vision_mask) if self.mlp_takes_vision_mask else self.mlp(h)), cache_k, cache_v
+        return x + (self.mlp(h, vision_mask) if self.mlp_takes_vision_mask else self.mlp(h))
 
 
 class TextModel(nn.Layer):
@@ -101,9 +111,12 @@ class TextModel(nn.Layer):
     def forward(
         self, embeds: paddle.Tensor, positions: paddle.Tensor, caches: Sequence[paddle.Tensor],
         rope_positions: paddle.Tensor | None = None, deepstack: Sequence[paddle.Tensor] = (),
-        vision_mask: paddle.Tensor | None = None, start: paddle.Tensor | None = None,
-    ) -> tuple[paddle.Tensor, list[paddle.Tensor]]:
-        """embeds [B, S, H] into cache slots `positions` [S] -> (hidden [B, S, H], new caches [k0, v0, k1, v1, ...]).
+        vision_mask: paddle.Tensor | None = None, slots: paddle.Tensor | None = None, start: paddle.Tensor | None = None,
+    ) -> paddle.Tensor:
+        """embeds [B, S, H] into cache slots `positions` [S] of `caches` [k0, v0, k1, v1, ...] (written in place) -> hidden [B, S, H].
+
+        Queries attend over the cache slots `slots` = arange(L) (default: up to the last position),
+        masked after each query's own position.
 
         `rope_positions` are the rotary positions when they differ from the slots: [S] (text after
         an image) or [3, S] (M-RoPE over an image). `deepstack[i]` [B, S, H] is added to the hidden
@@ -112,33 +125,34 @@ class TextModel(nn.Layer):
         `start` [B] is each sequence's first cache slot (its left padding; None: 0): earlier slots are
         masked and its rotary positions count from there, so a padded prompt computes what it would alone.
         """
+        if slots is None:
+            slots = paddle.arange(positions.shape[0], dtype="int64")  # prefill: slots [0, S)
         if start is None:
             start = paddle.zeros([embeds.shape[0]], dtype="int64")
-        slots = paddle.arange(caches[0].shape[2], dtype="int64").unsqueeze(0)
         where = positions.unsqueeze(-1)
-        place = (slots == where).astype(embeds.dtype)
         rope_at = positions if rope_positions is None else rope_positions
         section = self.mrope_section if len(rope_at.shape) == 2 else None
-        # Per sequence: mask [B, 1, S, T] and rotary tables [B, 1, S, d/2], broadcast over heads.
-        first = start.reshape([-1, 1, 1])
-        valid = paddle.logical_and(slots <= where, slots.unsqueeze(0) >= first)
-        mask = ((valid.astype("float32") - 1.0) * -_MASKED).unsqueeze(1)
+        # Per sequence: mask [B, 1, 1, S, L] (broadcast over kv heads and their query groups) and
+        # rotary tables [B, 1, S, d/2] (broadcast over heads).
+        valid = paddle.logical_and(slots.unsqueeze(0) <= where, slots.reshape([1, 1, -1]) >= start.reshape([-1, 1, 1]))
+        mask = ((valid.astype("float32") - 1.0) * -_MASKED).unsqueeze(1).unsqueeze(1)
         rows = rope_at.unsqueeze(-2) - start.reshape([-1, 1])  # [S] -> [B, S]; [3, S] -> [3, B, S]
         cos, sin = rope_tables(rows, self.config.resolved_head_dim, self.config.rope_theta, section, self.mrope_style)
         rope = (cos.unsqueeze(1), sin.unsqueeze(1))
-        x, new_caches = embeds, []
+        x = embeds
         for i, layer in enumerate(self.layers):
-            x, cache_k, cache_v = layer(x, rope, place, mask, caches[2 * i], caches[2 * i + 1], vision_mask)
+            x = layer(x, rope, positions, mask, caches[2 * i], caches[2 * i + 1], vision_mask)
             if i < len(deepstack):
                 x = x + deepstack[i]
-            new_caches += [cache_k, cache_v]
-        return self.norm(x), new_caches
+        return self.norm(x)
 
 
 class CausalLM(nn.Layer):
     """A decoder-only language model with a static-shape KV cache and an optional captured decode graph.
 
-    The model keeps only its caches and its graph backend; the caller passes every position.
+    The model keeps only its caches and its graph backend; the caller passes every position. A
+    decode step writes the caches in place and attends over the positions in use: eagerly exactly
+    those, in a captured graph the smallest captured bucket of cache length that holds them.
     """
 
     def __init__(self, config: ModelConfig, ctx: Any, options: DecoderOptions = DecoderOptions()) -> None:
@@ -156,8 +170,12 @@ class CausalLM(nn.Layer):
         # Each sequence's first cache slot [B] (its left padding in a batch of unequal prompts), set at prefill.
         self._start: paddle.Tensor | None = None
         cache_names = [f"cache_{i}_{kv}" for i in range(config.num_hidden_layers) for kv in "kv"]
-        # The pure step handed to graph backends: (token_ids, position, rope_position, start, cache_0_k, cache_0_v, ...).
-        self.decode_fn = _with_positional_signature(self._decode, ["token_ids", "position", "rope_position", "start", *cache_names])
+        # The step handed to graph backends: (token_ids, position, rope_position, slots, start, cache_0_k, cache_0_v, ...)
+        # -> logits; it writes the caches in place, so a backend must pass them through by reference.
+        self.decode_fn = _with_positional_signature(
+            self._decode, ["token_ids", "position", "rope_position", "slots", "start", *cache_names]
+        )
+        self._slots: dict[int, paddle.Tensor] = {}  # arange(L) per captured bucket length L
 
     # -- weights -------------------------------------------------------------------------
     def weight_specs(self) -> dict[str, WeightSpec]:
@@ -178,30 +196,39 @@ class CausalLM(nn.Layer):
 
     # -- cache and steps -----------------------------------------------------------------
     def cache_shape(self, batch_size: int, max_len: int) -> list[int]:
-        """[B, local kv heads, max_len, head_dim]: the shape of every per-layer k and v cache."""
+        """[max_len, B, local kv heads, head_dim]: the shape of every per-layer k and v cache (position-major: see attention)."""
         kv_heads = self.config.num_key_value_heads // self.ctx.parallel.tp_size
-        return [batch_size, kv_heads, max_len, self.config.resolved_head_dim]
+        return [max_len, batch_size, kv_heads, self.config.resolved_head_dim]
 
     def allocate_cache(self, batch_size: int, max_len: int) -> None:
-        """Preallocate zeroed k/v caches for every layer with fixed shapes."""
+        """Preallocate zeroed k/v caches for every layer with fixed shapes (the same tensors again when the shape is unchanged)."""
         shape = self.cache_shape(batch_size, max_len)
+        if self._caches is not None and list(self._caches[0].shape) == shape:
+            # A captured graph may hold these very tensors (see capture): keep them, zeroed.
+            for cache in self._caches:
+                cache.zero_()
+            return
         self._caches = [paddle.zeros(shape, dtype=self.config.dtype) for _ in range(2 * self.config.num_hidden_layers)]
+
+    def cache_bytes(self) -> int:
+        """Bytes the KV cache holds (0 before allocate_cache)."""
+        return sum(c.numel().item() * c.element_size() for c in self._caches or [])
 
     def _require_cache(self, batch_size: int, length: int = 1) -> list[paddle.Tensor]:
         if self._caches is None:
             raise RuntimeError("allocate_cache(batch_size, max_len) must be called before prefill/decode")
-        cached_batch, _, max_len, _ = self._caches[0].shape
+        max_len, cached_batch, _, _ = self._caches[0].shape
         if cached_batch != batch_size or length > max_len:
             raise ValueError(f"input batch {batch_size} x {length} tokens does not fit the cache [{cached_batch}, max_len={max_len}]")
         return self._caches
 
     def _decode(
-        self, token_ids: paddle.Tensor, position: paddle.Tensor, rope_position: paddle.Tensor, start: paddle.Tensor,
-        *caches: paddle.Tensor,
-    ) -> tuple[paddle.Tensor, ...]:
-        """Pure decode step: (token_ids [B, 1], cache slot [1], rotary position [1], first slots [B], *caches) -> (logits [B, vocab], *new caches)."""
-        hidden, new_caches = self.model(self.model.embed_tokens(token_ids), position, caches, rope_position, (), None, start)
-        return (self.lm_head(hidden[:, -1]), *new_caches)
+        self, token_ids: paddle.Tensor, position: paddle.Tensor, rope_position: paddle.Tensor, slots: paddle.Tensor,
+        start: paddle.Tensor, *caches: paddle.Tensor,
+    ) -> paddle.Tensor:
+        """Decode step: (token_ids [B, 1], cache slot [1], rotary position [1], slots attended arange(L), first slots [B], *caches) -> logits [B, vocab]."""
+        hidden = self.model(self.model.embed_tokens(token_ids), position, caches, rope_position, slots=slots, start=start)
+        return self.lm_head(hidden[:, -1])
 
     def prefill_embeds(
         self, embeds: paddle.Tensor, rope_positions: Any = None, deepstack: Sequence[paddle.Tensor] = (), rope_delta: int = 0,
@@ -220,7 +247,7 @@ class CausalLM(nn.Layer):
         positions = paddle.arange(embeds.shape[1], dtype="int64")
         rope = None if rope_positions is None else as_int64(rope_positions)
         mask = None if vision_mask is None else paddle.to_tensor(np.asarray(vision_mask, dtype=bool))
-        hidden, self._caches = self.model(embeds, positions, caches, rope, deepstack, mask, self._start)
+        hidden = self.model(embeds, positions, caches, rope, deepstack, mask, start=self._start)
         self.rope_delta = rope_delta
         return self.lm_head(hidden[:, -1])
 
@@ -241,25 +268,36 @@ class CausalLM(nn.Layer):
         caches = self._require_cache(ids.shape[0], position + 1)
         if self._start is None or self._start.shape[0] != ids.shape[0]:
             self._start = paddle.zeros([ids.shape[0]], dtype="int64")  # decoding without a prefill of this batch
-        inputs = [ids, slot, rope, self._start, *caches]
-        if self._graphs is not None and self._graphs.has(ids.shape[0]):
-            outputs = self._graphs.replay(ids.shape[0], inputs)
-        else:
-            outputs = self.decode_fn(*inputs)
-        self._caches = list(outputs[1:])
-        return outputs[0]
+        bucket = self._bucket(ids.shape[0], position + 1)
+        if bucket is not None:
+            inputs = [ids, slot, rope, self._slots[bucket], self._start, *caches]
+            return self._graphs.replay((ids.shape[0], bucket), inputs)  # type: ignore[union-attr]
+        return self.decode_fn(ids, slot, rope, paddle.arange(position + 1, dtype="int64"), self._start, *caches)
+
+    def _bucket(self, batch_size: int, length: int) -> int | None:
+        """The smallest captured cache length holding `length` positions for this batch size, None if none is."""
+        if self._graphs is None:
+            return None
+        return next((b for b in sorted(self._slots) if b >= length and self._graphs.has((batch_size, b))), None)
 
     # -- graphs --------------------------------------------------------------------------
     def capture(self, graph_backend: GraphBackend, batch_size: int) -> None:
-        """Capture decode_fn for `batch_size` through `graph_backend` (kept as this model's graph state)."""
+        """Capture decode_fn for `batch_size` through `graph_backend`, once per bucket of cache length (keys (batch, L))."""
         if self._caches is None:
             raise RuntimeError("allocate_cache(batch_size, max_len) must be called before capture")
-        max_len = self._caches[0].shape[2]
-        # Fresh zero caches: capturing must not disturb the live cache (or need its batch size).
-        caches = [paddle.zeros(self.cache_shape(batch_size, max_len), dtype=self.config.dtype) for _ in self._caches]
+        max_len, cached_batch = self._caches[0].shape[:2]
+        # The live caches when the batch size is theirs: a backend may keep the tensors it captured
+        # with (a device graph's fixed addresses), and the step writes them in place. The trace
+        # writes slot 0, which every prefill overwrites.
+        caches = self._caches if cached_batch == batch_size else [
+            paddle.zeros(self.cache_shape(batch_size, max_len), dtype=self.config.dtype) for _ in self._caches
+        ]
         position = paddle.zeros([1], dtype="int64")
-        example = [paddle.zeros([batch_size, 1], dtype="int64"), position, position, paddle.zeros([batch_size], dtype="int64"), *caches]
-        graph_backend.capture(batch_size, self.decode_fn, example)
+        start = paddle.zeros([batch_size], dtype="int64")
+        for length in cache_buckets(max_len):
+            slots = self._slots.setdefault(length, paddle.arange(length, dtype="int64"))
+            example = [paddle.zeros([batch_size, 1], dtype="int64"), position, position, slots, start, *caches]
+            graph_backend.capture((batch_size, length), self.decode_fn, example)
         self._graphs = graph_backend
 
     def clear_graph_opt_backend(self) -> None:

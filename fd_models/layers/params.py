@@ -74,17 +74,40 @@ def _tensor(value: Any, dtype: Any) -> paddle.Tensor:
     return value if value.dtype == dtype else value.astype(dtype)
 
 
+def _load_in_pieces(param: paddle.Tensor, name: str, pieces: Iterator[tuple[int, Any]]) -> None:
+    """Fill `param` from (first row, piece) pairs in place, re-creating storage that release_weights cleared."""
+    if not param._is_initialized():
+        # Storage of the parameter's own size, shared rather than copied (assign would stage a second one).
+        paddle.empty(param.shape, dtype=param.dtype)._share_buffer_to(param)
+    filled = 0
+    for start, piece in pieces:
+        value = _tensor(piece, param.dtype)
+        if tuple(value.shape[1:]) != tuple(param.shape[1:]) or start + value.shape[0] > param.shape[0]:
+            raise ValueError(f"load_weights: {name!r} piece at row {start} has shape {list(value.shape)}, expected rows of {list(param.shape)}")
+        param[start : start + value.shape[0]] = value
+        filled += value.shape[0]
+        del piece, value  # before the next piece is read (see CheckpointShards.chunks)
+    if filled != param.shape[0]:
+        raise ValueError(f"load_weights: {name!r} has {filled} rows, expected {param.shape[0]}")
+
+
 def load_weights(layer: nn.Layer, shards: Mapping[str, Any], renames: Renames = ()) -> None:
     """Assign this rank's shards (numpy arrays or paddle tensors) to the parameters; every parameter must be present.
 
     Each shard is fetched, converted to its parameter's dtype and assigned in turn, so a lazy
-    mapping (a checkpoint read on access) holds one parameter's tensors at a time.
+    mapping (a checkpoint read on access) holds one parameter's tensors at a time; a mapping with
+    `chunks(name)` (a checkpoint) is copied piece by piece into a large parameter, so not even one
+    whole tensor is staged beside it.
     """
     entries = list(_entries(layer, renames))
     missing = sorted({name for _, parts in entries for name, _ in parts} - set(shards))
     if missing:
         raise KeyError(f"load_weights: no shard for {missing[0]!r} ({len(missing)} missing)")
+    chunks = getattr(shards, "chunks", None)
     for param, parts in entries:
+        if chunks is not None and hasattr(param, "fd_spec") and len(param.shape) > 1:
+            _load_in_pieces(param, parts[0][0], chunks(parts[0][0]))
+            continue
         values = [_tensor(shards[name], param.dtype) for name, _ in parts]
         value = values[0] if hasattr(param, "fd_spec") else paddle.stack(values)
         if tuple(value.shape) != tuple(param.shape):

@@ -100,6 +100,10 @@ class Qwen3VLForConditionalGeneration(nn.Layer):
     def allocate_cache(self, batch_size: int, max_len: int) -> None:
         self.language_model.allocate_cache(batch_size, max_len)
 
+    def cache_bytes(self) -> int:
+        """Bytes the language model's KV cache holds."""
+        return self.language_model.cache_bytes()
+
     def decode_step(self, token_ids: Any, position: int) -> paddle.Tensor:
         """One text token per sequence at cache slot `position` (its rotary position is offset by the image's delta)."""
         return self.language_model.decode_step(token_ids, position)

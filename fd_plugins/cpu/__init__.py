@@ -1,1 +1,1 @@
-"""The cpu platform: gloo all-reduce, garbage-collector cleanup, Paddle static-graph capture."""
+"""The cpu platform: shared-memory all-reduce on one host (gloo across hosts), gc cleanup, Paddle static-graph capture."""

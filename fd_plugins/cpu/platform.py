@@ -15,8 +15,8 @@ FD_CAPABILITIES = Capabilities(
     graphs=True,
     in_place=True,
 )
-# gloo's float16 sum overflows to inf (seen with paddle 3.3.1), so half floats are summed in float32.
-_UPCAST = ("float16",)
+# One reducer per process group (None is the default group), made by the group's first eager all-reduce.
+_REDUCERS: dict[Any, Any] = {}
 
 
 @hookimpl
@@ -50,19 +50,57 @@ def _available_memory() -> int | None:
 
 @hookimpl
 def fd_all_reduce(tensor: Any, group: Any) -> Any:
-    """Sum over gloo; zero-size tensors return at once (gloo rejects them)."""
+    """Sum through shared memory when the group's ranks share this host and the tensor fits a slot, else over gloo."""
+    reducer = _REDUCERS.get(group)
+    if reducer is None:
+        # The group's set-up is collective and eager: it waits for an eager call, which every rank
+        # makes together (a static-graph trace or a zero-size tensor is not one: gloo serves those).
+        if 0 in tensor.shape or not _is_eager(tensor):
+            return gloo_all_reduce(tensor, group)
+        from fd_plugins.cpu.shm import setup_group
+
+        state = setup_group(group, gloo_all_reduce)
+        _share_cores(state.local_ranks)
+        reducer = _REDUCERS[group] = state.reducer()
+    return reducer(tensor)
+
+
+def _share_cores(local_ranks: int) -> None:
+    """Give this rank its share of the host's cores for paddle's math threads.
+
+    Each process would otherwise start a thread per core, and ranks on one host would run
+    cores x ranks spinning OpenMP threads: measured on 2 cores at tp=2, decode ran several times
+    slower. Called when the first process group is set up (at tp=1 there is none: all cores).
+    A user's OMP_NUM_THREADS is left as it is.
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    from paddle.base import core
+
+    core.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_ranks)))
+
+
+def gloo_all_reduce(tensor: Any, group: Any) -> Any:
+    """Sum over gloo (what a static graph traces, and the path across hosts and above the slot size)."""
     import paddle
     import paddle.distributed as dist
 
     if 0 in tensor.shape:
         return tensor
     if tensor.dtype == paddle.float16:
+        # gloo's float16 sum overflows to inf (seen with paddle 3.3.1): sum in float32.
         wide = tensor.astype("float32")
         dist.all_reduce(wide, group=group)
         paddle.assign(wide.astype(tensor.dtype), output=tensor)
         return tensor
     dist.all_reduce(tensor, group=group)
     return tensor
+
+
+def _is_eager(tensor: Any) -> bool:
+    import paddle
+
+    return isinstance(tensor, paddle.Tensor)
 
 
 @hookimpl
@@ -73,8 +111,14 @@ def fd_clean_memory_fragments(state_dict: dict[str, Any] | None) -> None:
 
 @hookimpl
 def fd_graph_eligibility(model_config: ModelConfig, parallel_config: ParallelConfig, graph_mode: str) -> GraphVote:
-    """Static graphs trace gloo all-reduce, so every model and tp may be captured."""
-    return GraphVote.ok("paddle static graph traces the model and its gloo all-reduce")
+    """Static graphs trace every model; at tp > 1 they gain nothing here, so auto skips them (--graph on captures)."""
+    if parallel_config.tp_size > 1:
+        # A traced program can only hold the gloo all-reduce (the shared-memory one runs in numpy),
+        # which costs milliseconds a call against microseconds eagerly; docs/benchmarks.md measures both.
+        return GraphVote.no_gain(
+            "a static program would trace the gloo all-reduce; eager decode uses the shared-memory one, far faster on one host"
+        )
+    return GraphVote.ok("paddle static graph traces the model")
 
 
 @hookimpl

@@ -14,7 +14,7 @@ class _Captured:
 
 
 class CudaGraphBackend:
-    """Captures into static input buffers; replay copies new inputs in and returns the static outputs."""
+    """Captures with the given inputs as its buffers; replay copies inputs that are other tensors in and returns the static outputs."""
 
     mode = "cuda_graph"
 
@@ -22,10 +22,11 @@ class CudaGraphBackend:
         self._graphs: dict[Hashable, _Captured] = {}
 
     def capture(self, key: Hashable, fn: Callable[..., Any], inputs: Sequence[Any]) -> None:
-        import paddle
         from paddle.device.cuda.graphs import CUDAGraph
 
-        static_inputs = [paddle.assign(t) for t in inputs]
+        # The tensors given at capture are the graph's buffers, by reference, not copies: a decode
+        # step writes its KV cache in place, and the caller passes the same cache tensors again.
+        static_inputs = list(inputs)
         # One eager run first, so lazily created kernels and workspaces are not captured half-made.
         fn(*static_inputs)
         graph = CUDAGraph()

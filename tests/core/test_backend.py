@@ -71,6 +71,14 @@ def fd_graph_eligibility(model_config):
     return GraphVote.veto("  ")
 """
 
+NO_GAIN = """
+from fd_core import GraphVote, hookimpl
+
+@hookimpl
+def fd_graph_eligibility(model_config):
+    return GraphVote.no_gain("eager is as fast here")
+"""
+
 
 @pytest.fixture
 def chip(install_plugin):
@@ -123,6 +131,20 @@ def test_graph_decision_keeps_every_vote_and_the_veto_reason(chip) -> None:
     assert allowed.allowed and [v.line() for v in allowed.votes] == ["fakechip allows: captures everything else"]
     off = backend.graph_decision(ModelConfig(architecture="text"), requested="off")
     assert not off.allowed and off.summary() == "chip_graph off: disabled by request (--graph off)"
+
+
+def test_a_no_gain_vote_skips_under_auto_and_yields_to_on_but_a_veto_never_does(chip, install_plugin) -> None:
+    install_plugin("slow", {"no_gain": NO_GAIN}, {"fd.plugins": {"nogain": "no_gain"}})
+    backend = load_backend(ParallelConfig(tp_size=1))
+    auto = backend.graph_decision(ModelConfig(architecture="text"))
+    assert not auto.allowed
+    assert auto.summary() == "chip_graph off: nogain skipped (no gain; --graph on captures anyway): eager is as fast here"
+    assert "nogain skips (no gain): eager is as fast here" in [v.line() for v in auto.votes]
+    assert {"plugin": "nogain", "allow": False, "reason": "eager is as fast here", "advisory": True} in auto.to_dict()["votes"]
+    on = backend.graph_decision(ModelConfig(architecture="text"), requested="on")
+    assert on.allowed and on.summary() == "chip_graph on: requested (--graph on) over nogain's no-gain vote"
+    vetoed = backend.graph_decision(ModelConfig(architecture="vl_model"), ParallelConfig(tp_size=2), requested="on")
+    assert not vetoed.allowed and "fakechip vetoed: vl_model with tp=2 fails under capture" in vetoed.summary()
 
 
 def test_a_veto_without_a_reason_is_a_contract_error(chip, install_plugin) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,15 +43,21 @@ def test_explain_prints_platform_binding_and_votes() -> None:
     assert "platform: cpu (" in done.stdout
     assert "model: qwen3_vl (registered by qwen3_vl), tp=2" in done.stdout
     assert "all-reduce: direct: cpu.fd_all_reduce" in done.stdout
-    assert "graph: static on: no plugin vetoed (1 vote)\n  cpu allows: paddle static graph traces" in done.stdout
+    # At tp=2 the cpu platform's vote is advisory: auto skips capture and says why; --graph on captures.
+    assert "graph: static off: cpu skipped (no gain; --graph on captures anyway): " in done.stdout
+    assert "\n  cpu skips (no gain): a static program would trace the gloo all-reduce" in done.stdout
+    on = run_fd(["explain", "--model", "qwen3_vl", "--tp", "2", "--graph", "on"])
+    assert "graph: static on: requested (--graph on) over cpu's no-gain vote" in on.stdout
+    one = run_fd(["explain", "--model", "qwen3_vl", "--tp", "1"])
+    assert "graph: static on: no plugin vetoed (1 vote)\n  cpu allows: paddle static graph traces" in one.stdout
     off = run_fd(["explain", "--graph", "off"])
     assert "graph: static off: disabled by request (--graph off)" in off.stdout
 
 
 def test_explain_json() -> None:
     data = json.loads(run_fd(["explain", "--json", "--tp", "2"]).stdout)
-    assert data["platform"] == "cpu" and data["tp"] == 2 and data["graph"]["allowed"] is True
-    assert data["graph"]["votes"][0]["plugin"] == "cpu"
+    assert data["platform"] == "cpu" and data["tp"] == 2 and data["graph"]["allowed"] is False
+    assert data["graph"]["votes"][0] == {"plugin": "cpu", "allow": False, "advisory": True, "reason": data["graph"]["votes"][0]["reason"]}
 
 
 def test_usage_errors_are_one_line_with_exit_2() -> None:
@@ -77,11 +84,16 @@ def test_the_console_script_is_installed() -> None:
 
 def test_run_json_for_each_model_and_a_checkpoint_round_trip(tmp_path: Path) -> None:
     """`fd run` at tp=2 as the README runs it; then the same weights written and read back as safetensors."""
-    first = run_fd(["run", "--steps", "6", "--json"])
+    first = run_fd(["run", "--steps", "6", "--json", "--graph", "on"])
     assert first.returncode == 0, first.stderr
     summary = json.loads(first.stdout)
     assert summary["platform"] == "cpu" and summary["tp"] == 2 and summary["graph"]["allowed"]
     assert len(summary["tokens"]) == 6 and set(summary["timings_s"]) >= {"load", "cleanup", "capture", "prefill", "decode"}
+    # Start-up is measured as phases too, from process start to teardown, and the first token's time.
+    assert set(summary["timings_s"]) >= {"start", "spawn", "rendezvous", "setup", "teardown"}
+    assert 0 < summary["time_to_first_token_s"] < summary["wall_s"]
+    assert sum(summary["timings_s"].values()) <= summary["wall_s"] * 1.05
+    assert all(w > 0 for w in summary["weight_bytes_by_rank"]) and all(c > 0 for c in summary["kv_cache_bytes_by_rank"])
     saved = run_fd(["save-random", "--model", "ernie4_5", str(tmp_path / "ckpt")])
     assert saved.returncode == 0, saved.stderr
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
@@ -112,3 +124,11 @@ def test_without_paddle_the_commands_that_need_it_say_which_extra_to_install(mon
         "fd: error: PaddlePaddle is not installed; pip install 'fd-backends[cpu]' or pip install 'fd-backends[gpu]' "
         "(one build only: each provides the same paddle package)"
     )
+def test_run_prints_time_to_first_token_and_what_the_phases_cover() -> None:
+    done = run_fd(["run", "--steps", "3"])
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^time to first token: \d+\.\d\ds after fd run started$", done.stdout, re.M), done.stdout
+    assert re.search(r"^phases: start [\d.]+s, spawn [\d.]+s, rendezvous [\d.]+s, setup ", done.stdout, re.M), done.stdout
+    assert re.search(r"^wall: [\d.]+s, \d+% of it in the phases above$", done.stdout, re.M), done.stdout
+    # The default run skips capture at tp=2 and says why.
+    assert "graph: static off: cpu skipped (no gain; --graph on captures anyway)" in done.stdout

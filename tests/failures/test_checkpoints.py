@@ -183,15 +183,14 @@ def test_save_random_refuses_a_non_empty_directory_and_leaves_it_alone(checkpoin
 
 def test_save_that_fails_midway_leaves_no_file_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """save_checkpoint writes into a staging directory and renames it whole: a failure leaves nothing."""
-    import safetensors.paddle
-
+    from fd_core import weights
     from fd_core.weights import save_checkpoint
 
-    def write_half_then_fail(tensors: dict, filename: str, metadata: dict | None = None) -> None:
-        Path(filename).write_bytes(b"\x00" * 100)
+    def write_half_then_fail(path: Path, tensors: dict, dtype: str) -> None:
+        Path(path).write_bytes(b"\x00" * 100)
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(safetensors.paddle, "save_file", write_half_then_fail)
+    monkeypatch.setattr(weights, "_write_safetensors", write_half_then_fail)
     with pytest.raises(OSError, match="No space left on device"):
         save_checkpoint(tmp_path / "ckpt", {"architectures": ["ernie4_5"]}, {"w": np.zeros(4, np.float32)})
     assert list(tmp_path.iterdir()) == []

@@ -145,7 +145,12 @@ def test_a_failing_rank_ends_the_run_within_seconds_naming_it(outcomes: dict, na
     # The culprit first; the peer it took down (its collective failed) may follow in parentheses.
     assert line.startswith(f"fd: error: rank {rank} failed: {message}"), line
     rest = line.removeprefix(f"fd: error: rank {rank} failed: {message}")
+    # An unexpected error (not a signal) names the file its whole traceback was kept in.
+    rest, _, trace = rest.partition("; its traceback is in ")
     assert rest == "" or rest.startswith(f" (then rank {1 - rank}: "), line
+    assert bool(trace) is ("RuntimeError" in message), line
+    if trace:
+        assert "failprobe: injected failure" in Path(trace).read_text()
     assert o.ended_at - o.failed_at(rank) < BOUND_S, f"took {o.ended_at - o.failed_at(rank):.1f}s after the failure"
     assert_quiet_stop(o)
 

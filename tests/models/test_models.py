@@ -68,10 +68,10 @@ def test_rank_of_two_decode_traces_like_eager(arch, kit) -> None:
 def _forbidden_after_capture(forward):
     """Wrap TextModel.forward: allowed for prefill (S > 1), an error for an eager decode step."""
 
-    def guarded(self, embeds, *args):
+    def guarded(self, embeds, *args, **kwargs):
         if embeds.shape[1] == 1:
             raise AssertionError("decode ran eagerly although a graph was captured for this batch size")
-        return forward(self, embeds, *args)
+        return forward(self, embeds, *args, **kwargs)
 
     return guarded
 
@@ -132,3 +132,74 @@ def test_prefill_requires_a_cache(arch, kit) -> None:
     ids, image = kit.prompt(arch)
     with pytest.raises(RuntimeError, match="allocate_cache"):
         model.prefill(ids, image)
+
+
+def test_captured_buckets_of_cache_length_match_eager(kit) -> None:
+    """A cache longer than the smallest bucket is captured once per bucket; decode crosses from one to the next."""
+    from fd_models.layers.decoder import BUCKET_MIN, cache_buckets
+
+    arch = kit.architectures()[0]
+    max_len = BUCKET_MIN + 8
+    assert cache_buckets(max_len) == [BUCKET_MIN, max_len]
+    ids = np.arange(1, BUCKET_MIN - 2, dtype=np.int64).reshape(1, -1)  # decode passes position BUCKET_MIN
+
+    def decode(model) -> list[np.ndarray]:
+        model.allocate_cache(1, max_len)
+        logits, out = model.prefill(ids), []
+        for step in range(6):
+            token = logits.argmax(-1, keepdim=True)
+            logits = model.decode_step(token, ids.shape[1] + step)
+            out.append(logits.numpy())
+        return out
+
+    eager = decode(kit.build_loaded(arch))
+    model = kit.build_loaded(arch)
+    graphs = kit.ToStaticGraphs()
+    model.allocate_cache(1, max_len)
+    model.capture(graphs, 1)
+    assert sorted(graphs.graphs) == [(1, BUCKET_MIN), (1, max_len)]
+    captured = decode(model)
+    assert graphs.replays == 6
+    for got, want in zip(captured, eager):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_decode_writes_the_cache_in_place(kit) -> None:
+    """The step writes its keys and values into the same cache tensors, at its position only."""
+    arch = kit.architectures()[0]
+    model = kit.build_loaded(arch)
+    ids, _ = kit.prompt(arch)
+    model.allocate_cache(ids.shape[0], 40)
+    model.prefill(ids)
+    caches = list(model._caches)
+    before = caches[0].numpy().copy()
+    model.decode_step(np.zeros((ids.shape[0], 1), dtype=np.int64), ids.shape[1])
+    assert all(a is b for a, b in zip(model._caches, caches))
+    after = caches[0].numpy()
+    changed = np.flatnonzero(np.any(after != before, axis=(1, 2, 3)))
+    assert changed.tolist() == [ids.shape[1]]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_checkpoint_pieces_fill_the_parameters_exactly(kit, tmp_path, monkeypatch, dtype: str, tp_rank: int) -> None:
+    """Pieces of a few rows each (read with pread, widened from bfloat16) fill every shard as one whole read does, after a release too."""
+    import paddle
+
+    from fd_core import weights
+
+    arch = kit.architectures()[0]
+    ctx = kit.make_ctx(2, tp_rank)
+    model = kit.build_loaded(arch, ctx)
+    state = weights.random_state_dict(model.weight_specs(), kit.seed)
+    weights.save_checkpoint(tmp_path / "ckpt", dict(arch.preset), {name: state[name] for name in state}, dtype)
+    shards = weights.load_checkpoint(tmp_path / "ckpt", model.weight_specs(), tp_rank, 2)
+    monkeypatch.setattr(weights, "CHUNK_BYTES", 4096)  # a few rows a piece
+    pieces = list(shards.chunks("model.embed_tokens.weight"))
+    assert len(pieces) > 2 and [start for start, _ in pieces] == sorted(start for start, _ in pieces)
+    model.release_weights()
+    model.load_weights(shards)
+    for name, param in model.named_parameters():
+        if hasattr(param, "fd_spec") and len(param.shape) > 1:
+            want = shards[name]
+            np.testing.assert_array_equal(param.numpy(), want.numpy() if isinstance(want, paddle.Tensor) else want, err_msg=name)

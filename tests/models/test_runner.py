@@ -25,22 +25,22 @@ def tp2() -> list[dict]:
 @pytest.fixture(scope="module")
 def tp1() -> dict:
     backend = load_backend(ParallelConfig(tp_size=1))
-    return {name: {mode: generate(backend, name, mode) for mode in ("off", "auto")} for name in ARCHS}
+    return {name: {mode: generate(backend, name, mode) for mode in ("off", "on")} for name in ARCHS}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tp2_logits_and_tokens_equal_tp1(tp1: dict, tp2: list[dict], arch: str) -> None:
     for rank in tp2:
-        for mode in ("off", "auto"):
+        for mode in ("off", "on"):
             np.testing.assert_allclose(rank[arch][mode]["logits"], tp1[arch]["off"]["logits"], atol=LOGIT_ATOL, rtol=0)
             assert rank[arch][mode]["tokens"] == tp1[arch]["off"]["tokens"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_graph_captured_decode_equals_eager(tp1: dict, tp2: list[dict], arch: str) -> None:
-    assert tp1[arch]["auto"]["graph"] and not tp1[arch]["off"]["graph"]
-    assert tp1[arch]["auto"]["tokens"] == tp1[arch]["off"]["tokens"]
-    assert all(rank[arch]["auto"]["graph"] for rank in tp2)
+    assert tp1[arch]["on"]["graph"] and not tp1[arch]["off"]["graph"]
+    assert tp1[arch]["on"]["tokens"] == tp1[arch]["off"]["tokens"]
+    assert all(rank[arch]["on"]["graph"] for rank in tp2)
 
 
 def test_tokens_are_not_degenerate(tp1: dict) -> None:

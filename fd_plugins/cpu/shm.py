@@ -1,4 +1,4 @@
-"""The shared-memory all-reduce: one segment per process group, numpy sums, no collective on the hot path.
+"""The cpu platform's same-host all-reduce: one shared-memory segment per process group, numpy sums, no collective on the hot path.
 
 Layout of a group's segment (W ranks, S bytes a slot, every offset 64-byte aligned):
 
@@ -51,7 +51,7 @@ AllReduce = Callable[[Any, Any], Any]
 # A sum that overflows to inf is the IEEE answer and gloo gives it silently; numpy would warn from
 # inside the decode loop. Filtering this module's RuntimeWarnings costs nothing per call, where
 # `with np.errstate(...)` costs ~1 us.
-warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"fd_shm_allreduce\.shm")
+warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"fd_plugins\.cpu\.shm")
 
 # x86 keeps stores in program order as seen by other cores (TSO) and loads likewise, so the counter
 # store cannot overtake the data copy before it. Weakly ordered CPUs (aarch64, ppc64le) may reorder
@@ -190,6 +190,7 @@ class _Segment:
             self.name = self._shm.name
             self.buf: Any = self._shm.buf
         else:
+            assert name is not None
             self.name = name
             self.buf = self._attach(name)
         self.size = len(self.buf)
@@ -252,10 +253,13 @@ class ShmGroup:
         self.slot_bytes = 0
         self.timeout = DEFAULT_TIMEOUT
         self.seq = 0
+        # Ranks of the group on this host, this one included (known after setup).
+        self.local_ranks = 1
         self.calls = {"shm": 0, "fallback": 0}
         self._segment: _Segment | None = None
         self._broken: str | None = None
         self._dtypes: dict[Any, Any] = {}
+        self._eager: Any = object
 
     # -- setup, once, on every rank together --
 
@@ -301,8 +305,9 @@ class ShmGroup:
         errors = [f"rank {r}: {e}" for r, (_, e, _) in enumerate(seen) if e]
         if errors:
             self.close()
-            raise ValueError("cpu_shm: bad settings: " + "; ".join(errors))
+            raise ValueError("cpu all-reduce: bad settings: " + "; ".join(errors))
         hosts = [h for h, _, _ in seen]
+        self.local_ranks = hosts.count(hosts[self.rank])
         offer = seen[0][2]
         ok, why = True, ""
         if offer is None:
@@ -416,7 +421,7 @@ class ShmGroup:
             if now > deadline:
                 late = [r for r, c in enumerate(counters) if c < seq]
                 self._broken = (
-                    f"cpu_shm all-reduce: rank(s) {', '.join(map(str, late))} of the group did not arrive at "
+                    f"cpu all-reduce (shared memory): rank(s) {', '.join(map(str, late))} of the group did not arrive at "
                     f"call {seq} within {self.timeout:g} s ({TIMEOUT_ENV}); they crashed, hang, or took another "
                     f"code path. The group's ranks are out of step; restart them."
                 )

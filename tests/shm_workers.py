@@ -1,4 +1,4 @@
-"""What each of two real ranks runs for the tests (importable, as spawned ranks need); returns plain data."""
+"""What each of two real ranks runs for the cpu platform's shared-memory all-reduce tests (importable, as spawned ranks need)."""
 
 from __future__ import annotations
 
@@ -41,10 +41,10 @@ def _as_float64(tensor: Any) -> np.ndarray:
 def _sums(rank: int, world: int, shm_reduce: Callable[[Any], Any], gloo_reduce: Callable[[Any], Any]) -> list[dict[str, Any]]:
     import paddle
 
-    from fd_shm_allreduce.platform import SUPPORTED_DTYPES
+    from fd_plugins.cpu.platform import FD_CAPABILITIES
 
     cases = []
-    for d, dtype in enumerate(SUPPORTED_DTYPES):
+    for d, dtype in enumerate(FD_CAPABILITIES.dtypes):
         for s, shape in enumerate(SHAPES):
             case = 10 * d + s
             tensor = paddle.to_tensor(rank_input(dtype, shape, rank, case)).astype(dtype)
@@ -93,9 +93,9 @@ def _repeat(rank: int, world: int, reduce: Callable[[Any], Any]) -> dict[str, An
 
 
 def _latency(reduce: Callable[[Any], Any], group_reduce: Callable[[Any], Any]) -> dict[str, dict[str, float]]:
-    """Median microseconds of cpu_shm and of paddle.distributed.all_reduce, interleaved call by call.
+    """Median microseconds of the shared-memory path and of paddle.distributed.all_reduce, interleaved call by call.
 
-    Each timed call starts with the ranks aligned by an untimed one-element cpu_shm all-reduce, so
+    Each timed call starts with the ranks aligned by an untimed one-element shared-memory all-reduce, so
     neither is charged for the skew the previous call left between the ranks (gloo's ranks return
     tens of microseconds apart).
     """
@@ -116,7 +116,7 @@ def _latency(reduce: Callable[[Any], Any], group_reduce: Callable[[Any], Any]) -
             start = time.perf_counter()
             group_reduce(tensor)
             gloo_t.append(time.perf_counter() - start)
-        out[str(nbytes)] = {"cpu_shm_us": float(np.median(shm_t) * 1e6), "gloo_us": float(np.median(gloo_t) * 1e6), "calls": len(shm_t)}
+        out[str(nbytes)] = {"shm_us": float(np.median(shm_t) * 1e6), "gloo_us": float(np.median(gloo_t) * 1e6), "calls": len(shm_t)}
     return out
 
 
@@ -130,15 +130,14 @@ def battery() -> dict[str, Any]:
     import paddle
     import paddle.distributed as dist
 
-    from fd_plugins.cpu import platform as cpu
-    from fd_shm_allreduce import platform, shm
+    from fd_plugins.cpu import platform, shm
 
     result: dict[str, Any] = {"rank": rank, "world": world}
     shm_world = lambda t: platform.fd_all_reduce(t, None)  # noqa: E731
-    gloo_world = lambda t: cpu.fd_all_reduce(t, None)  # noqa: E731
+    gloo_world = lambda t: platform.gloo_all_reduce(t, None)  # noqa: E731
 
     # Through fd_core, as an engine uses it: selection, the bound all-reduce and the graph vote.
-    os.environ["FD_PLATFORM"] = "cpu_shm"
+    os.environ["FD_PLATFORM"] = "cpu"
     from fd_core import ModelConfig, ParallelConfig
     from fd_core.backend import load_backend
 
