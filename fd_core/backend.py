@@ -157,6 +157,9 @@ class Backend:
         parallel_config = parallel_config or self.parallel
         mode = self.graph_mode
         votes: list[CastVote] = []
+        if requested == "off":
+            # Nobody is asked: a report of votes that could not change anything would read as if they had.
+            return GraphDecision(allowed=False, mode=mode, votes=(), requested=requested)
         registry = self.plugins.registry
         if model_config.architecture in registry:
             arch = registry.get(model_config.architecture)
@@ -240,4 +243,7 @@ def load_backend(
     plugins: PluginSet | None = None,
 ) -> Backend:
     """Discover plugins, select the platform and bind its ops for this rank."""
+    from fd_core.distributed import quiet_paddle_logs
+
+    quiet_paddle_logs()  # before a hook imports paddle: its C++ logs and import notices stay off the caller's terminal
     return Backend(plugins or load_plugins(os.environ if env is None else env), parallel)

@@ -68,31 +68,58 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     if args.json:
         _print_json({"platform": plugins.platform, "selection": plugins.selection, "plugins": rows, "problems": plugins.problems})
     else:
-        print(f"platform: {plugins.platform} ({plugins.selection})")
-        for kind in ("platform", "model", "extension"):
-            group = [r for r in plugins.records if r.kind == kind]
-            if not group:
-                continue
-            print(f"\n{kind} plugins:")
-            for r in group:
-                origin = f"{r.distribution} {r.version}" if r.distribution else "(not installed: passed in)"
-                print(f"  {r.name:<12} {origin:<24} {r.status}")
-                if r.load_error:
-                    print(f"  {'':<12} error: {r.load_error}")
-                if r.hooks:
-                    print(f"  {'':<12} hooks: {', '.join(r.hooks)}")
-        if plugins.registry:
-            print("\narchitectures: " + ", ".join(f"{a.name} ({a.package})" for a in plugins.registry))
+        print("\n".join(_plugin_listing(plugins)))
     if plugins.problems:
         # The listing is printed; the exit code and the last line say the set is not usable for a run.
         plugins.require_usable()
     return 0
 
 
+WIDTH = 100  # human output wraps here; --json is the form for wider needs
+
+
+def _wrapped(text: str, indent: int, hang: int = 0) -> list[str]:
+    """`text` indented by `indent` and wrapped at WIDTH, continuation lines `hang` further in."""
+    import textwrap
+
+    return textwrap.wrap(text, WIDTH, initial_indent=" " * indent, subsequent_indent=" " * (indent + hang),
+                         break_long_words=False, break_on_hyphens=False) or [" " * indent]
+
+
+def _plugin_listing(plugins: Any) -> list[str]:
+    """`fd plugins` as text: each plugin's name and origin, then its status, error and hooks beneath it."""
+    lines = _wrapped(f"platform: {plugins.platform} ({plugins.selection})", 0, 2)
+    width = max((len(r.name) for r in plugins.records), default=0) + 2
+    for kind in ("platform", "model", "extension"):
+        group = [r for r in plugins.records if r.kind == kind]
+        if not group:
+            continue
+        lines += ["", f"{kind} plugins:"]
+        for r in group:
+            origin = f"{r.distribution} {r.version}" if r.distribution else "(not installed: passed in)"
+            lines.append(f"  {r.name:<{width}}{origin}")
+            lines += _wrapped(r.status, 2 + width, 2)
+            if r.load_error:
+                lines += _wrapped(f"error: {r.load_error}", 2 + width, 7)
+            if r.hooks:
+                lines += _wrapped(f"hooks: {', '.join(r.hooks)}", 2 + width, 7)
+    if plugins.registry:
+        # The name fd takes (--model), the names checkpoints' config.json use for it, and the plugin it came from.
+        lines += ["", "architectures:"]
+        width = max(len(a.name) for a in plugins.registry) + 2
+        for a in plugins.registry:
+            aliases = f"aliases: {', '.join(a.aliases)}; " if a.aliases else ""
+            lines += _wrapped(f"{a.name:<{width}}{aliases}from plugin {a.package}", 2, width)
+            if a.description:
+                lines += _wrapped(a.description, 2 + width)
+    return lines
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     from fd_core.backend import load_backend
     from fd_core.config import ModelConfig, ParallelConfig
     from fd_core.plugins import load_plugins
+    from fd_core.runner import check_tp
 
     plugins = load_plugins()
     parallel = ParallelConfig(tp_size=args.tp)
@@ -101,6 +128,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if len(registry):
         arch = registry.get(args.model)  # an unknown name raises, listing the registered architectures
         config = arch.preset_config()
+        # The layout fd run would refuse is refused here too, in the same words: no decision is shown for it.
+        check_tp(args.tp, config, arch, backend)
         model_line = f"{arch.name} (registered by {arch.package})"
     else:
         config = ModelConfig(architecture=args.model)
@@ -286,6 +315,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from fd_core.testing import check_module
 
     _require_paddle()
+    distributed.quiet_paddle_logs()
     from fd_core.testing.pytest_plugin import ResultTable
 
     if args.platform is None:
@@ -303,14 +333,21 @@ def cmd_check(args: argparse.Namespace) -> int:
     # installs its own handler when imported, so import it first and install ours over it.
     import paddle  # noqa: F401
 
-    previous = signal.signal(signal.SIGTERM, distributed.raise_terminated)
+    def on_signal(signum: int, frame: Any) -> None:
+        table.interrupted = signal.Signals(signum).name
+        if signum == signal.SIGTERM:
+            distributed.raise_terminated(signum, frame)
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         code = pytest.main(
             ["-p", "no:terminal", "-p", "no:cacheprovider", f"--rootdir={module.parent}", "--fd-platform", platform, *extra, str(module)],
             plugins=[table],
         )
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     print(f"conformance of platform {platform!r}:")
     names = [r.check.rsplit("::", 1)[-1] for r in table.rows]
     width = max(map(len, names), default=10)
@@ -318,7 +355,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"  {row.outcome:<8} {name:<{width}}  {row.detail}".rstrip())
     counts = table.counts()
     print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
-    if code == pytest.ExitCode.INTERRUPTED:
+    if code == pytest.ExitCode.INTERRUPTED or table.interrupted:
         print("verdict: interrupted: the checks above are all that ran; nothing is verified", file=sys.stderr)
         return EXIT_TERMINATED if distributed.sigterm_received else EXIT_INTERRUPTED
     if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) and not table.rows:
@@ -350,6 +387,8 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None) -> 
     """The parser of `fd`'s own subcommands, and the names and help of those plugins add (they parse their own options)."""
     parser = _Parser(prog="fd", description="Pluggable hardware backends for PaddlePaddle inference.")
     parser.add_argument("--version", action="version", version=f"fd {_version()}")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="let Paddle's own logs and warnings through (default: kept off the terminal; sets FD_VERBOSE=1)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
 
     p = sub.add_parser("help", help="show help for fd or for one command")
@@ -362,7 +401,7 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None) -> 
 
     p = sub.add_parser("explain", help="show the chosen platform and the graph decision with every vote")
     p.add_argument("--model", default="ernie4_5", help="architecture name (default: ernie4_5)")
-    p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size (default: 1)")
+    p.add_argument("--tp", type=_positive, default=2, help="tensor-parallel ranks, as fd run takes them (default: 2)")
     p.add_argument("--graph", choices=("auto", "on", "off"), default="auto",
                    help="auto: capture unless a plugin vetoes or reports no gain; on: capture unless a plugin vetoes; off: eager")
     p.add_argument("--json", action="store_true")
@@ -449,6 +488,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(commands[argv[0]][1](argv[1:]) or 0)
         parser = build_parser(commands)
         args = parser.parse_args(argv)
+        if args.verbose:
+            os.environ["FD_VERBOSE"] = "1"  # the ranks inherit it
         func: Callable[[argparse.Namespace], int] = args.func
         return func(args)
     except FdError as exc:

@@ -27,7 +27,9 @@ LOOPBACK = "127.0.0.1"
 
 
 def quiet_paddle_logs() -> None:
-    """Keep paddle's C++ info logs and import-time warnings off a user's terminal (user settings win)."""
+    """Keep paddle's C++ info logs and import-time warnings off a user's terminal (user settings and `fd --verbose` win)."""
+    if os.environ.get("FD_VERBOSE"):
+        return
     os.environ.setdefault("GLOG_minloglevel", "2")
     os.environ.setdefault("GLOG_v", "0")
     # Spawned ranks import paddle before any code of ours runs: filter through the environment.

@@ -167,7 +167,7 @@ def compute_dtype(requested: str | None, backend: Backend) -> str:
     return requested
 
 
-def _check_tp(tp: int, config: ModelConfig, arch: Architecture, backend: Backend) -> None:
+def check_tp(tp: int, config: ModelConfig, arch: Architecture, backend: Backend) -> None:
     """The model's divisibility and the platform's rank limit, both in one line when both fail:
     fixing one at a time would cost the user a second failed start."""
     problems: list[FdError] = []
@@ -203,7 +203,7 @@ def plan_run(run: RunConfig, plugins: PluginSet | None = None) -> Plan:
         model = found
     arch = plugins.registry.get(model or "ernie4_5")
     config = model_config_for(arch, run.checkpoint, compute_dtype(run.dtype, backend))
-    _check_tp(run.tp, config, arch, backend)
+    check_tp(run.tp, config, arch, backend)
     if run.images and not arch.multimodal:
         raise ConfigError(f"{arch.name} takes no image; drop --image or choose a VL model")
     from fd_core.runtime.prompts import plan_request
@@ -532,7 +532,10 @@ def summary_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:
         lines.append(f"{label}: {' '.join(str(t) for t in output['ids'])}")
     lines.append(f"speed: {result['tokens_per_s']} tokens/s (decode)")
     lines.append(f"time to first token: {result['time_to_first_token_s']:.2f}s after fd run started")
-    lines.append("phases: " + ", ".join(f"{k} {v:.3f}s" for k, v in result["timings_s"].items()))
+    cycles = len(result["reload_cycles"])
+    # After reload cycles a phase's time is its sum over the first run and every cycle; the label says so.
+    label = f"phases (totals over the first run and {cycles} reload cycle{'s' if cycles != 1 else ''})" if cycles else "phases"
+    lines.append(f"{label}: " + ", ".join(f"{k} {v:.3f}s" for k, v in result["timings_s"].items()))
     if "wall_s" in result:
         named = sum(result["timings_s"].values())
         lines.append(f"wall: {result['wall_s']:.2f}s, {named / result['wall_s']:.0%} of it in the phases above")

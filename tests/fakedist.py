@@ -42,3 +42,20 @@ def run_fd(args: list[str], path: Path | None = None, env: Mapping[str, str] | N
     return subprocess.run(
         [sys.executable, "-m", "fd_core.cli", *args], capture_output=True, text=True, env=full, timeout=timeout
     )
+
+
+def listing(stdout: str) -> dict[str, dict[str, str]]:
+    """`fd plugins` text read back: section ("platform plugins", "architectures", ...) -> entry name ->
+    the entry's lines joined with single spaces (the listing wraps at 100 columns)."""
+    sections: dict[str, dict[str, str]] = {}
+    section: dict[str, str] = {}
+    name = ""
+    for line in stdout.splitlines():
+        if line and not line.startswith(" "):
+            section = sections.setdefault(line.rstrip(":"), {})
+        elif line.startswith("  ") and not line.startswith("   "):
+            name = line.split()[0]
+            section[name] = " ".join(line.split())
+        elif line.strip():
+            section[name] += " " + " ".join(line.split())
+    return sections

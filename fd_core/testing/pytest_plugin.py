@@ -25,6 +25,19 @@ class ResultTable:
     """Collects one row per check: passed, skipped with its reason, or failed with its message."""
 
     rows: list[Row] = field(default_factory=list)
+    # Set by `fd check`'s signal handlers. The interrupt they raise can be caught on its way out (Paddle
+    # re-raises what interrupts a dy2static program as a SystemError), so the session stops on the flag.
+    interrupted: str | None = None
+    session: Any = None
+
+    @pytest.hookimpl
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        self.session = session
+
+    @pytest.hookimpl
+    def pytest_runtest_logfinish(self) -> None:
+        if self.interrupted and self.session is not None:
+            self.session.shouldstop = f"interrupted by {self.interrupted}"
 
     @pytest.hookimpl
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:

@@ -131,6 +131,7 @@ def test_graph_decision_keeps_every_vote_and_the_veto_reason(chip) -> None:
     assert allowed.allowed and [v.line() for v in allowed.votes] == ["fakechip allows: captures everything else"]
     off = backend.graph_decision(ModelConfig(architecture="text"), requested="off")
     assert not off.allowed and off.summary() == "chip_graph off: disabled by request (--graph off)"
+    assert off.votes == ()  # nobody is asked: votes that cannot change anything are not reported
 
 
 def test_a_no_gain_vote_skips_under_auto_and_yields_to_on_but_a_veto_never_does(chip, install_plugin) -> None:

@@ -9,20 +9,24 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fakedist import run_fd
+from fakedist import listing, run_fd
 
 
 def test_plugins_lists_cpu_active_and_the_others_not_detected_with_the_reason() -> None:
     done = run_fd(["plugins"])
     assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
-    assert lines[0].startswith("platform: cpu (")
-    row = {line.split()[0]: line for line in lines if line.startswith("  ") and not line.strip().startswith(("hooks:", "error:"))}
-    assert "active: " in row["cpu"] and "fd-backends 0.1.0" in row["cpu"]
+    assert done.stdout.startswith("platform: cpu (")
+    assert max(map(len, done.stdout.splitlines())) <= 100  # wrapped for a terminal
+    row = listing(done.stdout)["platform plugins"]
+    assert row["cpu"].startswith("cpu fd-backends 0.1.0 active: ")
     assert "not active: not detected: paddlepaddle-gpu is not installed" in row["cuda"]
     assert "not active: not detected: paddle-iluvatar-gpu is not installed" in row["iluvatar"]
-    assert "hooks: fd_all_reduce, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility, fd_platform_detect" in done.stdout
-    assert "architectures: ernie4_5 (ernie4_5), ernie4_5_vl (ernie4_5_vl), qwen3_vl (qwen3_vl)" in done.stdout
+    assert row["cpu"].endswith("hooks: fd_all_reduce, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility, fd_platform_detect")
+    # Each architecture with the names checkpoints use for it (aliases) and, named as such, the plugin it came from.
+    archs = listing(done.stdout)["architectures"]
+    assert archs["ernie4_5"].startswith("ernie4_5 aliases: Ernie4_5ForCausalLM; from plugin ernie4_5 ERNIE-4.5 dense decoder")
+    assert archs["qwen3_vl"].startswith("qwen3_vl aliases: Qwen3VLForConditionalGeneration; from plugin qwen3_vl ")
+    assert set(archs) == {"ernie4_5", "ernie4_5_vl", "qwen3_vl"}
 
 
 def test_plugins_json_has_every_field() -> None:
@@ -52,6 +56,14 @@ def test_explain_prints_platform_binding_and_votes() -> None:
     assert "graph: static on: no plugin vetoed (1 vote)\n  cpu allows: paddle static graph traces" in one.stdout
     off = run_fd(["explain", "--graph", "off"])
     assert "graph: static off: disabled by request (--graph off)" in off.stdout
+    assert "cpu allows" not in off.stdout and "cpu skips" not in off.stdout  # no vote is shown as if it mattered
+
+
+def test_explain_defaults_to_run_tp_and_refuses_what_run_refuses() -> None:
+    assert "model: ernie4_5 (registered by ernie4_5), tp=2" in run_fd(["explain"]).stdout
+    explained, ran = run_fd(["explain", "--tp", "3"]), run_fd(["run", "--tp", "3"])
+    assert explained.returncode == ran.returncode == 2 and explained.stdout == ""
+    assert explained.stderr == ran.stderr and "tp=3 does not divide num_attention_heads=4" in explained.stderr
 
 
 def test_explain_json() -> None:
@@ -132,3 +144,41 @@ def test_run_prints_time_to_first_token_and_what_the_phases_cover() -> None:
     assert re.search(r"^wall: [\d.]+s, \d+% of it in the phases above$", done.stdout, re.M), done.stdout
     # The default run skips capture at tp=2 and says why.
     assert "graph: static off: cpu skipped (no gain; --graph on captures anyway)" in done.stdout
+
+
+def test_run_labels_phase_totals_after_reload_cycles_and_shows_no_vote_under_graph_off() -> None:
+    done = run_fd(["run", "--tp", "1", "--steps", "2", "--graph", "off", "--reload-cycles", "2"])
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^phases \(totals over the first run and 2 reload cycles\): start [\d.]+s", done.stdout, re.M), done.stdout
+    assert "graph: static off: disabled by request (--graph off)\ntokens: " in done.stdout  # no vote line between
+    plain = run_fd(["run", "--tp", "1", "--steps", "2", "--graph", "off"])
+    assert re.search(r"^phases: start ", plain.stdout, re.M), plain.stdout
+
+
+NOISE = re.compile(r"Warning|ccache|^[IWE]\d{4} \d\d:\d\d", re.M)  # a Python warning or a glog line
+
+
+def test_no_paddle_warning_or_glog_line_reaches_the_terminal_unless_asked_for(tmp_path: Path) -> None:
+    # The user's environment as a fresh shell has it: no glog or warning settings of its own.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FD_", "GLOG_", "PYTHONWARNINGS"))}
+    api = (
+        "from fd_core import ParallelConfig, load_backend\n"
+        "from fd_core.runtime import LLM, SamplingParams\n"
+        "load_backend(ParallelConfig(tp_size=1))\n"
+        "import paddle\n"
+        f"with LLM({str(tmp_path / 'ckpt')!r}, tp=2) as llm:\n"
+        "    print(llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))[0].token_ids)\n"
+    )
+    commands = [
+        ["-m", "fd_core.cli", "save-random", str(tmp_path / "ckpt")],
+        ["-m", "fd_core.cli", "run", "--tp", "2", "--steps", "2", "--checkpoint", str(tmp_path / "ckpt")],
+        ["-c", api],
+    ]
+    for command in commands:
+        done = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert not NOISE.search(done.stdout + done.stderr), (command, done.stdout + done.stderr)
+    # Asked for: --verbose lets Paddle's own lines through (the gloo rendezvous logs at info level).
+    loud = subprocess.run([sys.executable, "-m", "fd_core.cli", "--verbose", "run", "--tp", "2", "--steps", "2"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert loud.returncode == 0 and NOISE.search(loud.stderr), loud.stderr
