@@ -46,12 +46,21 @@ def _repo_root(start: Path) -> Path | None:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="fd bench", description=__doc__.splitlines()[0])
+    from fd_core.cli import CommandParser
+
+    parser = CommandParser(prog="fd bench", description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="short CI mode (< 60 s): proves every row runs; its numbers are not the record")
     parser.add_argument("--json", metavar="PATH", default=None,
                         help=f"write the results as JSON (default inside the repository: {DEFAULT_JSON}, or {DEFAULT_SMOKE_JSON} with --smoke; outside it: none; '-' prints the JSON to stdout)")
     parser.add_argument("--rows", default=None, help=f"comma-separated rows to run (default: all): {','.join(ROWS)}")
     args = parser.parse_args(argv)
+    if args.json not in (None, "-"):
+        # Named by the user: written where they said, never into directories made up on the way.
+        parent = Path(args.json).parent
+        if not parent.is_dir():
+            parser.error(f"--json {args.json}: directory {parent} does not exist; create it or choose another path")
+        if Path(args.json).is_dir():
+            parser.error(f"--json {args.json} is a directory; name a file in it")
     if args.rows is None:
         args.selected = list(ROWS)
     else:
@@ -105,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     prog = "python -m fd_bench" if sys.argv and sys.argv[0].endswith("__main__.py") else "fd bench"
     command = " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
     info = machine()
+    # With `--json -`, stdout holds the JSON and nothing else; the human report goes to stderr.
+    out = sys.stderr if args.json == "-" else sys.stdout
     print(f"fd bench ({'smoke' if args.smoke else 'full'}): {info['nproc']} cpus, {info['cpu_model']}, "
-          f"Python {info['python']}, paddle {info['paddlepaddle']}", flush=True)
+          f"Python {info['python']}, paddle {info['paddlepaddle']}", file=out, flush=True)
     lines: list[Line] = []
     errors: dict[str, str] = {}
     timings: dict[str, float] = {}
@@ -125,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         timings[",".join(rows)] = time.perf_counter() - t0
     order = {r: i for i, r in enumerate(ROWS)}
     lines.sort(key=lambda ln: order[ln.row])
-    print()
-    print(table(lines, args.smoke))
+    print(file=out)
+    print(table(lines, args.smoke), file=out)
     total = time.perf_counter() - started
     checked = [ln for ln in lines if ln.met is not None]
     summary = {
@@ -135,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         "reported": sorted({ln.row for ln in lines if ln.met is None}, key=order.get),
     }
     print(f"\n{'smoke run: numbers are not the record; ' if args.smoke else ''}targets met: {', '.join(summary['met']) or 'none'}; "
-          f"missed: {', '.join(summary['missed']) or 'none'}; total {total:.1f} s")
+          f"missed: {', '.join(summary['missed']) or 'none'}; total {total:.1f} s", file=out)
     doc = {
         "mode": "smoke" if args.smoke else "full",
         "command": command,
@@ -157,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(doc, indent=2))
     elif target is not None:
         path = Path(target)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if args.json is None:
+            path.parent.mkdir(parents=True, exist_ok=True)  # the repository's own results directory
         path.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"results: {path}")
+        print(f"results: {path}", file=out)
     return 1 if errors else 0

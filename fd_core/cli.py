@@ -20,8 +20,10 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, exit 2, as every other fd error
+class CommandParser(argparse.ArgumentParser):
+    """argparse with fd's usage errors: one line, exit 2, pointing to --help. For plugins' commands too."""
+
+    def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"fd: error: {message} (see {self.prog} --help)\n")
 
 
@@ -383,79 +385,104 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None) -> argparse.ArgumentParser:
-    """The parser of `fd`'s own subcommands, and the names and help of those plugins add (they parse their own options)."""
-    parser = _Parser(prog="fd", description="Pluggable hardware backends for PaddlePaddle inference.")
+def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, architectures: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser of `fd`'s own subcommands, and the names and help of those plugins add (they parse their own options).
+
+    `architectures` (lines naming each registered architecture) close the help of the commands taking --model.
+    """
+    parser = CommandParser(prog="fd", description="Pluggable hardware backends for PaddlePaddle inference.",
+                           epilog="fd help COMMAND shows a command's options; docs: README.md and docs/ in the repository.")
     parser.add_argument("--version", action="version", version=f"fd {_version()}")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="let Paddle's own logs and warnings through (default: kept off the terminal; sets FD_VERBOSE=1)")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser, metavar="COMMAND")
+    models = {"epilog": "architectures (--model takes a name or an alias):\n" + "\n".join(architectures) if architectures else None,
+              "formatter_class": argparse.RawDescriptionHelpFormatter}
+    graph_help = ("auto: capture unless a plugin vetoes or reports no gain; on: capture unless a plugin vetoes; "
+                  "off: eager, no plugin asked (default: auto)")
 
     p = sub.add_parser("help", help="show help for fd or for one command")
-    p.add_argument("topic", nargs="?", default=None, help="a command (default: fd itself)")
+    p.add_argument("topic", nargs="?", default=None, metavar="COMMAND", help="a command (default: fd itself)")
     p.set_defaults(func=lambda args: _help(parser, sub, args.topic))
 
     p = sub.add_parser("plugins", help="list every discovered plugin, its hooks and its detection answer")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the listing")
     p.set_defaults(func=cmd_plugins)
 
-    p = sub.add_parser("explain", help="show the chosen platform and the graph decision with every vote")
-    p.add_argument("--model", default="ernie4_5", help="architecture name (default: ernie4_5)")
-    p.add_argument("--tp", type=_positive, default=2, help="tensor-parallel ranks, as fd run takes them (default: 2)")
-    p.add_argument("--graph", choices=("auto", "on", "off"), default="auto",
-                   help="auto: capture unless a plugin vetoes or reports no gain; on: capture unless a plugin vetoes; off: eager")
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("explain", help="show the chosen platform and the graph decision with every vote", **models)
+    p.add_argument("--model", default="ernie4_5", metavar="ARCH", help="architecture name or alias (default: ernie4_5)")
+    p.add_argument("--tp", type=_positive, default=2, metavar="N", help="tensor-parallel ranks, as fd run takes them (default: 2)")
+    p.add_argument("--graph", choices=("auto", "on", "off"), default="auto", help=graph_help)
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_explain)
 
-    p = sub.add_parser("run", help="run a model: load, clean, decide, capture, generate")
-    p.add_argument("--model", default=None, help="architecture (default: the checkpoint's, else ernie4_5)")
-    p.add_argument("--tp", type=_positive, default=None, help="tensor-parallel ranks (default: 2; under a launcher, its world size)")
-    p.add_argument("--max-new-tokens", "--steps", dest="steps", type=_positive, default=16, help="most tokens to generate per prompt (default: 16)")
-    p.add_argument("--prompt", action="append", default=None, metavar="TEXT", help="a text prompt (repeat for a batch); needs the checkpoint's tokenizer")
-    p.add_argument("--prompts", default=None, metavar="FILE", help="a file of text prompts, one per line")
+    p = sub.add_parser("run", help="run a model: load, clean, decide, capture, generate", **models)
+    p.add_argument("--model", default=None, metavar="ARCH", help="architecture name or alias (default: the checkpoint's, else ernie4_5)")
+    p.add_argument("--tp", type=_positive, default=None, metavar="N", help="tensor-parallel ranks (default: 2; under a launcher, its world size)")
+    p.add_argument("--max-new-tokens", "--steps", dest="steps", type=_positive, default=16, metavar="N",
+                   help="most tokens to generate per prompt (default: 16)")
+    p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                   help="a text prompt (repeat for a batch); needs the checkpoint's tokenizer (default: none; the --prompt-ids default is used)")
+    p.add_argument("--prompts", default=None, metavar="FILE", help="a file of text prompts, one per line (default: none)")
     p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template to each prompt (a user message)")
     p.add_argument("--prompt-ids", action="append", default=None, metavar="IDS",
-                   help="comma-separated prompt token ids (repeat for a batch; default: 1,2,3,4); needs no tokenizer")
-    p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="end a prompt's output at this text (repeatable)")
-    p.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy, or generation_config.json's)")
-    p.add_argument("--top-p", type=float, default=None, help="sample from the smallest set of tokens with this much probability")
-    p.add_argument("--top-k", type=_non_negative, default=None, help="sample from the k most likely tokens (0: all)")
-    p.add_argument("--max-batch", type=_positive, default=8, help="most prompts decoded together (default: 8)")
+                   help="comma-separated prompt token ids (repeat for a batch); needs no tokenizer (default: 1,2,3,4)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="end a prompt's output at this text (repeatable; default: none)")
+    p.add_argument("--temperature", type=float, default=None, metavar="T",
+                   help="sample at this temperature; 0 is greedy (default: generation_config.json's, else 0)")
+    p.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="sample from the smallest set of tokens with this much probability (default: generation_config.json's, else 1.0)")
+    p.add_argument("--top-k", type=_non_negative, default=None, metavar="K",
+                   help="sample from the k most likely tokens; 0 is all (default: generation_config.json's, else 0)")
+    p.add_argument("--max-batch", type=_positive, default=8, metavar="N", help="most prompts decoded together (default: 8)")
     p.add_argument("--image", action="append", default=None, metavar="PATH",
-                   help="a picture for a VL model: PNG, JPEG, or .npy [C,H,W] in [0,1]; repeat for several images, in the order of their placeholders")
-    p.add_argument("--checkpoint", default=None, help="a checkpoint directory as transformers saves it (config.json, *.safetensors)")
+                   help="a picture for a VL model: PNG, JPEG, or .npy [C,H,W] in [0,1]; repeat for several, in the order of their placeholders (default: none)")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="a checkpoint directory as transformers saves it: config.json, *.safetensors (default: seeded random weights)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16", "float64"),
                    help="compute dtype (default: the platform's preferred one, the first it lists; see fd plugins)")
-    p.add_argument("--graph", choices=("auto", "on", "off"), default="auto",
-                   help="auto: capture unless a plugin vetoes or reports no gain; on: capture unless a plugin vetoes; off: eager")
-    p.add_argument("--reload-cycles", type=_non_negative, default=0, help="weight-update cycles after the first run")
-    p.add_argument("--seed", type=_non_negative, default=0, help="seeds sampling (and a preset's random weights) (default: 0)")
-    p.add_argument("--json", action="store_true", help="print a machine-readable summary (text and ids per prompt)")
-    p.add_argument("--rank-timeout", type=_seconds, default=30.0, help="seconds to wait for the other ranks once one has failed (default: 30)")
-    p.add_argument("--stall-timeout", type=_seconds, default=60.0,
-                   help="seconds a rank may go without progress (stuck in a collective, a hung plugin) before the run stops (default: 60)")
+    p.add_argument("--graph", choices=("auto", "on", "off"), default="auto", help=graph_help)
+    p.add_argument("--reload-cycles", type=_non_negative, default=0, metavar="N", help="weight-update cycles after the first run (default: 0)")
+    p.add_argument("--seed", type=_non_negative, default=0, metavar="N", help="seeds sampling and a preset's random weights (default: 0)")
+    p.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout (text and ids per prompt)")
+    p.add_argument("--rank-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                   help="how long to wait for the other ranks once one has failed (default: 30)")
+    p.add_argument("--stall-timeout", type=_seconds, default=60.0, metavar="SECONDS",
+                   help="how long a rank may go without progress (stuck in a collective, a hung plugin) before the run stops (default: 60)")
     p.add_argument("--allow-non-finite", action="store_true", help="load weights holding NaN or Inf instead of refusing them (experiments only)")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("check", help="run the conformance suite against an installed platform")
+    p = sub.add_parser("check", help="run the conformance suite against an installed platform (needs pytest: the [test] extra)")
     p.add_argument("platform", nargs="?", default=None, help="platform name (default: the active one)")
-    p.add_argument("-k", default=None, help="only checks matching this pytest -k expression")
+    p.add_argument("-k", default=None, metavar="EXPR", help="only checks matching this pytest -k expression (default: all)")
     p.add_argument("--allow-unverified", action="store_true",
                    help="exit 0 when nothing failed but the checks that need the hardware were skipped (default: exit 3)")
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("save-random", help="write a seeded random checkpoint in the published layout (safetensors + config.json)")
-    p.add_argument("--model", default="ernie4_5", help="architecture whose tiny preset to use (default: ernie4_5)")
-    p.add_argument("--config", default=None, help="a config.json to use instead of the preset (e.g. a published model's)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="dtype the tensors are stored in")
-    p.add_argument("--seed", type=_non_negative, default=0, help="seed of the random weights (default: 0)")
-    p.add_argument("directory")
+    p = sub.add_parser("save-random", help="write a seeded random checkpoint in the published layout (safetensors + config.json)", **models)
+    p.add_argument("--model", default="ernie4_5", metavar="ARCH", help="architecture whose tiny preset to use (default: ernie4_5)")
+    p.add_argument("--config", default=None, metavar="FILE", help="a config.json to use instead of the preset, e.g. a published model's (default: none)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="dtype the tensors are stored in (default: float32)")
+    p.add_argument("--seed", type=_non_negative, default=0, metavar="N", help="seed of the random weights (default: 0)")
+    p.add_argument("directory", metavar="DIR", help="where to write it: a new or empty directory")
     p.set_defaults(func=cmd_save_random)
 
     for name, (summary, _run, owner) in sorted((commands or {}).items()):
         p = sub.add_parser(name, help=f"{summary} [from plugin {owner}]", add_help=False)
         p.add_argument("args", nargs=argparse.REMAINDER)
     return parser
+
+
+def _architecture_lines() -> list[str]:
+    """One line per registered architecture for --help (empty if the plugins cannot be loaded: help still works)."""
+    from fd_core.plugins import load_plugins
+
+    try:
+        registry = load_plugins(strict=False).registry
+    except FdError:
+        return []
+    width = max((len(a.name) for a in registry), default=0) + 2
+    return [f"  {a.name:<{width}}{', '.join(a.aliases) or '-'}" + (" (vision-language)" if a.multimodal else "") for a in registry]
 
 
 def _help(parser: argparse.ArgumentParser, sub: Any, topic: str | None) -> int:
@@ -486,7 +513,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv and argv[0] in commands:
             # A plugin's command parses its own options (argparse.REMAINDER would drop a leading --option).
             return int(commands[argv[0]][1](argv[1:]) or 0)
-        parser = build_parser(commands)
+        wants_help = bool({"-h", "--help"} & set(argv)) or argv[:1] == ["help"]
+        parser = build_parser(commands, _architecture_lines() if wants_help else ())
         args = parser.parse_args(argv)
         if args.verbose:
             os.environ["FD_VERBOSE"] = "1"  # the ranks inherit it

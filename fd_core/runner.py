@@ -510,9 +510,9 @@ def save_random_checkpoint(
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype {dtype}: checkpoints are written as float32, bfloat16 or float16")
     backend = load_backend(ParallelConfig(), plugins=plugins)
-    model = arch.build(config, backend)
-    specs = model.weight_specs()
-    model.release_weights()  # only the specs are needed: the zero parameters would double the peak
+    built = arch.build(config, backend)
+    specs = built.weight_specs()
+    built.release_weights()  # only the specs are needed: the zero parameters would double the peak
     tensors = random_state_dict(specs, seed, std=init_std(config))
     return save_checkpoint(directory, {**data, "architectures": data.get("architectures") or [arch.name]}, tensors, dtype, files)
 

@@ -404,7 +404,7 @@ def _write_safetensors(path: Path, tensors: Mapping[str, Any], dtype: str) -> No
     end = 0
     with open(data, "wb") as out:
         for name in sorted(tensors):
-            stored = paddle.to_tensor(np.ascontiguousarray(tensors[name])).astype(dtype)
+            stored = paddle.to_tensor(np.ascontiguousarray(tensors[name])).astype(dtype)  # type: ignore[arg-type]  # a dtype name paddle accepts
             raw = stored.numpy().tobytes()  # bfloat16 comes out as its uint16 bits
             header[name] = {"dtype": _CODES[dtype], "shape": list(stored.shape), "data_offsets": [end, end + len(raw)]}
             out.write(raw)

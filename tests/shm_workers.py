@@ -10,8 +10,6 @@ import numpy as np
 
 SHAPES: tuple[tuple[int, ...], ...] = ((0,), (1,), (1000,), (4, 5, 6), ())
 REPEATS = 1000
-LATENCY_SIZES = (1 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20)
-LATENCY_CALLS = {1 << 10: 300, 64 << 10: 300, 256 << 10: 60, 1 << 20: 40, 4 << 20: 30}
 SMALL_SLOT = 4096
 
 
@@ -90,34 +88,6 @@ def _repeat(rank: int, world: int, reduce: Callable[[Any], Any]) -> dict[str, An
         if not np.array_equal(out.numpy(), want.astype(dtype)):
             wrong.append(f"call {i}: {dtype}[{n}] got {out.numpy()[:4].tolist()}..., want {want[:4].tolist()}...")
     return {"calls": REPEATS, "wrong": wrong[:5], "wrong_count": len(wrong)}
-
-
-def _latency(reduce: Callable[[Any], Any], group_reduce: Callable[[Any], Any]) -> dict[str, dict[str, float]]:
-    """Median microseconds of the shared-memory path and of paddle.distributed.all_reduce, interleaved call by call.
-
-    Each timed call starts with the ranks aligned by an untimed one-element shared-memory all-reduce, so
-    neither is charged for the skew the previous call left between the ranks (gloo's ranks return
-    tens of microseconds apart).
-    """
-    import paddle
-
-    align = paddle.zeros([1])
-    out: dict[str, dict[str, float]] = {}
-    for nbytes in LATENCY_SIZES:
-        tensor = paddle.zeros([nbytes // 4], dtype="float32")
-        shm_t: list[float] = []
-        gloo_t: list[float] = []
-        for _ in range(LATENCY_CALLS[nbytes]):
-            reduce(align)
-            start = time.perf_counter()
-            reduce(tensor)
-            shm_t.append(time.perf_counter() - start)
-            reduce(align)
-            start = time.perf_counter()
-            group_reduce(tensor)
-            gloo_t.append(time.perf_counter() - start)
-        out[str(nbytes)] = {"shm_us": float(np.median(shm_t) * 1e6), "gloo_us": float(np.median(gloo_t) * 1e6), "calls": len(shm_t)}
-    return out
 
 
 def battery() -> dict[str, Any]:
@@ -221,7 +191,6 @@ def battery() -> dict[str, Any]:
         result["bad_setting"] = str(exc)
     os.environ.pop("FD_SHM_TIMEOUT", None)
 
-    result["latency"] = _latency(shm_world, lambda t: dist.all_reduce(t))
 
     # Last, as it leaves its group out of step: rank 1 skips a call and rank 0 must time out, naming it.
     os.environ["FD_SHM_TIMEOUT"] = "0.3"

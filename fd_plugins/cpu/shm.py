@@ -205,7 +205,7 @@ class _Segment:
             self._shm = shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg]
             return self._shm.buf
         try:
-            import _posixshmem
+            import _posixshmem  # type: ignore[import-not-found]  # CPython's own module; no stub
         except ImportError:  # Windows: named mappings, never tracked
             self._shm = shared_memory.SharedMemory(name=name)
             return self._shm.buf

@@ -18,6 +18,7 @@ LINE_KEYS = {"row", "case", "a", "b", "a_value", "b_value", "unit", "ratio", "ra
 
 
 def test_smoke_prints_every_row_and_writes_json(tmp_path: Path) -> None:
+    (tmp_path / "results").mkdir()
     out = tmp_path / "results" / "smoke.json"
     env = {k: v for k, v in os.environ.items() if k not in ("FD_PLATFORM", "FD_PLUGINS")}
     # The checkout first, so the benchmark under test is this one even before a reinstall.
@@ -63,3 +64,25 @@ def test_rows_option_selects_rows(tmp_path: Path) -> None:
     assert {line["row"] for line in json.loads(out.read_text())["lines"]} == {"dispatch", "tp1"}
     bad = subprocess.run([sys.executable, "-m", "fd_bench", "--rows", "nosuchrow"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "nosuchrow" in bad.stderr
+
+
+def test_json_to_stdout_is_only_json_and_errors_are_one_line(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+
+    def bench(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "fd_core.cli", "bench", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    piped = bench("--smoke", "--rows", "tp1", "--json", "-")
+    assert piped.returncode == 0, piped.stderr[-3000:]
+    assert json.loads(piped.stdout)["rows"] == ["tp1"]  # the whole of stdout is the JSON document
+    assert "| tp1" in piped.stderr  # the table went to stderr
+    missing = tmp_path / "nosuch" / "dir" / "x.json"
+    for args, message in [
+        (("--json", str(missing)), f"fd: error: --json {missing}: directory {missing.parent} does not exist; create it or choose another path (see fd bench --help)"),
+        (("--json", str(tmp_path)), f"fd: error: --json {tmp_path} is a directory; name a file in it (see fd bench --help)"),
+        (("--frobnicate",), "fd: error: unrecognized arguments: --frobnicate (see fd bench --help)"),
+    ]:
+        done = bench(*args)
+        assert (done.returncode, done.stdout, done.stderr) == (2, "", message + "\n")
+    assert not missing.parent.exists()  # nothing was made on the way

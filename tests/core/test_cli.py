@@ -182,3 +182,34 @@ def test_no_paddle_warning_or_glog_line_reaches_the_terminal_unless_asked_for(tm
     loud = subprocess.run([sys.executable, "-m", "fd_core.cli", "--verbose", "run", "--tp", "2", "--steps", "2"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert loud.returncode == 0 and NOISE.search(loud.stderr), loud.stderr
+
+
+def test_every_option_of_every_command_says_what_it_does_and_its_default() -> None:
+    import argparse
+
+    from fd_core.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, command in commands.items():
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            where = f"fd {name} {'/'.join(action.option_strings) or action.dest}"
+            assert action.help, f"{where} has no help text"
+            takes_value = action.nargs != 0 and action.option_strings
+            if takes_value and not action.choices:
+                assert "(default: " in action.help or "default: " in action.help, f"{where} does not state its default"
+                assert action.metavar, f"{where} shows its dest as its value name"
+            if action.choices:
+                assert "default" in action.help, f"{where} does not state its default"
+
+
+def test_help_lists_the_architectures_with_their_aliases() -> None:
+    done = run_fd(["help", "run"])
+    assert done.returncode == 0, done.stderr
+    tail = done.stdout.split("architectures (--model takes a name or an alias):\n", 1)[1]
+    assert tail.split() == ["ernie4_5", "Ernie4_5ForCausalLM", "ernie4_5_vl", "Ernie4_5_VLMoeForConditionalGeneration", "(vision-language)",
+                            "qwen3_vl", "Qwen3VLForConditionalGeneration", "(vision-language)"]
+    assert "--max-new-tokens N, --steps N" in done.stdout and "(default: 1,2,3,4)" in done.stdout
+    assert "architectures (--model" in run_fd(["explain", "--help"]).stdout

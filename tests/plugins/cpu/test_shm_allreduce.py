@@ -119,19 +119,3 @@ def test_a_missing_peer_times_out_naming_it(ranks: list[dict[str, Any]]) -> None
     first, second = t["waits_s"]
     assert 0.25 <= first < 5, first
     assert second < 0.1, "after a timeout the group must fail at once, not wait again"
-
-
-def test_latency_against_gloo(ranks: list[dict[str, Any]], capsys: pytest.CaptureFixture[str]) -> None:
-    """Printed, not asserted: timings depend on the machine and its load."""
-    lines = ["", "all-reduce latency, 2 ranks, medians (shared memory vs paddle.distributed.all_reduce over gloo, interleaved):"]
-    for run in ranks:
-        for nbytes, m in run["latency"].items():
-            size = int(nbytes)
-            label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
-            path = "shared memory" if size <= run["world_group"]["slot_bytes"] else "gloo fallback"
-            lines.append(
-                f"  rank {run['rank']} {label:>7}: shm {m['shm_us']:8.1f} us   gloo {m['gloo_us']:8.1f} us   "
-                f"x{m['gloo_us'] / m['shm_us']:5.1f}   ({path}, {m['calls']} calls)"
-            )
-    with capsys.disabled():
-        print("\n".join(lines))
