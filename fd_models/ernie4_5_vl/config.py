@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from fd_core.errors import ConfigError
 from fd_models.activations import VISION_ACTIVATIONS
-
-if TYPE_CHECKING:
-    from fd_models.layers.images import ImageSettings
+from fd_models.picture_prompts import PicturePrompts
 
 # The published image processor's defaults, used when a checkpoint has no preprocessor_config.json.
 IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -132,29 +130,6 @@ def sharded_sizes(config: Any) -> dict[str, int]:
     return sizes
 
 
-def image_settings(config: Any, vision: VisionConfig) -> "ImageSettings":
-    """How pictures are resized and normalised: the checkpoint's preprocessor_config.json over the published defaults."""
-    from fd_models.layers.images import (
-        ImageSettings,  # numpy: imported on use, so listing plugins stays light
-    )
-
-    return ImageSettings.from_config(config.extra.get("preprocessor_config"), vision.unit, MIN_PIXELS, MAX_PIXELS, IMAGE_MEAN, IMAGE_STD)
-
-
-def check_prompt(config: Any, prompt: Any, shapes: Any) -> None:
-    """Raise ConfigError unless the prompt holds a run of placeholders of the right length for each picture [C, H, W]."""
-    from fd_models.layers.images import check_prompt as check
-
-    vision = VisionConfig.from_dict(config.extra["vision_config"])
-    try:
-        check(prompt, config.extra["image_token_id"], shapes, image_settings(config, vision), vision.patch_size)
-    except ValueError as exc:
-        raise ConfigError(f"{exc}; put one run of image tokens per --image in the prompt") from None
-
-
-def image_tokens(config: Any, shape: Any) -> int:
-    """How many placeholder tokens the picture [C, H, W] takes in a prompt (what the reference processor expands it to)."""
-    from fd_models.layers.images import placeholder_count
-
-    vision = VisionConfig.from_dict(config.extra["vision_config"])
-    return placeholder_count(shape, image_settings(config, vision), vision.patch_size)
+# The picture side of a prompt: resizing and normalising, the placeholder check and count.
+PROMPTS = PicturePrompts(VisionConfig, MIN_PIXELS, MAX_PIXELS, IMAGE_MEAN, IMAGE_STD)
+image_settings, check_prompt, image_tokens = PROMPTS.image_settings, PROMPTS.check_prompt, PROMPTS.image_tokens
