@@ -7,29 +7,24 @@ test environment. The package is really installed with pip and uninstalled after
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "writing-a-model.md"
+from walkthrough import DOCS, blocks, walk_env
+
+DOC = DOCS / "writing-a-model.md"
 
 
 def test_the_walkthrough_runs_as_written(tmp_path: Path) -> None:
-    bin_dir = os.path.dirname(sys.executable)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FD_")}
-    env.update(PIP_NO_DEPS="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PATH=os.pathsep.join([bin_dir, env.get("PATH", "")]))
-    try:
+    with walk_env("fd-mini-llama") as env:
         _walk(tmp_path, env)
-    finally:
-        subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "fd-mini-llama"], capture_output=True, timeout=120)
 
 
 def _walk(tmp_path: Path, env: dict[str, str]) -> None:
     ran = {"files": 0, "commands": 0}
     tokens = {}
-    for lang, body in re.findall(r"```(\w+)\n(.*?)```", DOC.read_text(), re.S):
+    for lang, body in blocks(DOC):
         if lang in ("python", "toml"):
             first, _, rest = body.partition("\n")
             assert first.startswith("# file: "), f"a {lang} block without a '# file:' line: {first!r}"

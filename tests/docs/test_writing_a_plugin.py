@@ -7,32 +7,23 @@ environment is left as it was (its priority is below cpu's, so it never changes 
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "writing-a-plugin.md"
+from walkthrough import DOCS, blocks, walk_env
 
-
-def blocks() -> list[tuple[str, str]]:
-    return re.findall(r"```(\w+)\n(.*?)```", DOC.read_text(), re.S)
+DOC = DOCS / "writing-a-plugin.md"
 
 
 def test_the_walkthrough_runs_as_written(tmp_path: Path) -> None:
-    bin_dir = os.path.dirname(sys.executable)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FD_")}
-    env.update(PIP_NO_DEPS="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PATH=os.pathsep.join([bin_dir, env.get("PATH", "")]))
-    try:
+    with walk_env("fd-mychip") as env:
         _walk(tmp_path, env)
-    finally:
-        subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "fd-mychip"], capture_output=True, timeout=120)
 
 
 def _walk(tmp_path: Path, env: dict[str, str]) -> None:
     ran = {"files": 0, "commands": 0}
-    for lang, body in blocks():
+    for lang, body in blocks(DOC):
         if lang in ("python", "toml"):
             first, _, rest = body.partition("\n")
             assert first.startswith("# file: "), f"a {lang} block without a '# file:' line: {first!r}"
