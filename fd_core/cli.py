@@ -88,6 +88,15 @@ def _wrapped(text: str, indent: int, hang: int = 0) -> list[str]:
                          break_long_words=False, break_on_hyphens=False) or [" " * indent]
 
 
+def _fit(lines: Sequence[str]) -> str:
+    """Report lines wrapped at WIDTH: a line's continuation sits two columns in from where it starts."""
+    out: list[str] = []
+    for line in lines:
+        indent = len(line) - len(line.lstrip(" "))
+        out += _wrapped(line.strip(), indent, 2) if len(line) > WIDTH else [line]
+    return "\n".join(out)
+
+
 def _plugin_listing(plugins: Any) -> list[str]:
     """`fd plugins` as text: each plugin's name and origin, then its status, error and hooks beneath it."""
     lines = _wrapped(f"platform: {plugins.platform} ({plugins.selection})", 0, 2)
@@ -141,17 +150,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
         _print_json({**backend.describe(), "model": config.architecture, "graph": decision.to_dict()})
         return 0
     det = backend.detection
-    print(f"platform: {backend.platform} ({plugins.selection})")
-    state = "detected" if det.detected else "not detected"
-    print(f"  {state}: {det.reason or '-'}")
-    others = [r for r in plugins.records if r.kind == "platform" and not r.active]
-    for r in others:
-        print(f"  {r.name}: {r.status}")
-    print(f"model: {model_line}, tp={args.tp}")
-    print(f"all-reduce: {backend.all_reduce_binding}")
-    print(f"graph: {decision.summary()}")
-    for vote in decision.votes:
-        print(f"  {vote.line()}")
+    lines = [f"platform: {backend.platform} ({plugins.selection})", f"  {'detected' if det.detected else 'not detected'}: {det.reason or '-'}"]
+    lines += [f"  {r.name}: {r.status}" for r in plugins.records if r.kind == "platform" and not r.active]
+    lines += [f"model: {model_line}, tp={args.tp}", f"all-reduce: {backend.all_reduce_binding}", f"graph: {decision.summary()}"]
+    lines += [f"  {vote.line()}" for vote in decision.votes]
+    print(_fit(lines))
     return 0
 
 
@@ -273,9 +276,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             # The text is the output; the report goes to stderr, so `fd run --prompt ... > out.txt` keeps only text.
             if not run.stream:
                 print("\n\n".join(o["text"] for o in results[0]["outputs"]))
-            print("\n".join(summary_lines(results)), file=sys.stderr)
+            print(_fit(summary_lines(results)), file=sys.stderr)
         else:
-            print("\n".join(summary_lines(results)))
+            print(_fit(summary_lines(results)))
     return 0
 
 

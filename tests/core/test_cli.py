@@ -213,3 +213,10 @@ def test_help_lists_the_architectures_with_their_aliases() -> None:
                             "qwen3_vl", "Qwen3VLForConditionalGeneration", "(vision-language)"]
     assert "--max-new-tokens N, --steps N" in done.stdout and "(default: 1,2,3,4)" in done.stdout
     assert "architectures (--model" in run_fd(["explain", "--help"]).stdout
+
+
+def test_human_reports_fit_100_columns() -> None:
+    for args in (["plugins"], ["explain"], ["run", "--steps", "40"], ["help", "run"]):
+        done = run_fd(args, env={"COLUMNS": "100"})
+        assert done.returncode == 0, done.stderr
+        assert max(map(len, done.stdout.splitlines())) <= 100, (args, done.stdout)

@@ -75,9 +75,10 @@ def test_the_backend_decision_carries_the_veto_and_its_reason() -> None:
 def test_fd_explain_shows_the_veto_for_the_registered_architecture() -> None:
     done = run_fd(["explain", "--model", "ernie4_5_vl", "--tp", "2"], env={"FD_PLATFORM": "iluvatar"})
     assert done.returncode == 0, done.stderr
-    assert "platform: iluvatar (forced by FD_PLATFORM=iluvatar; its hardware is not detected here: paddle-iluvatar-gpu is not installed)" in done.stdout
-    assert "model: ernie4_5_vl (registered by ernie4_5_vl), tp=2" in done.stdout
-    assert "graph: cuda_graph off: iluvatar vetoed: ERNIE-4.5-VL (Ernie4_5_VLMoeForConditionalGeneration) with tp=2 fails under CUDA graph capture on Iluvatar" in done.stdout
+    text = " ".join(done.stdout.split())  # the report wraps at 100 columns
+    assert "platform: iluvatar (forced by FD_PLATFORM=iluvatar; its hardware is not detected here: paddle-iluvatar-gpu is not installed)" in text
+    assert "model: ernie4_5_vl (registered by ernie4_5_vl), tp=2" in text
+    assert "graph: cuda_graph off: iluvatar vetoed: ERNIE-4.5-VL (Ernie4_5_VLMoeForConditionalGeneration) with tp=2 fails under CUDA graph capture on Iluvatar" in text
 
 
 def test_cleanup_frees_the_state_dict_then_empties_the_custom_device_cache(monkeypatch: pytest.MonkeyPatch) -> None:
