@@ -353,30 +353,36 @@ def cmd_check(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    print(f"conformance of platform {platform!r}:")
-    names = [r.check.rsplit("::", 1)[-1] for r in table.rows]
-    width = max(map(len, names), default=10)
-    for name, row in sorted(zip(names, table.rows), key=lambda pair: pair[0]):
-        print(f"  {row.outcome:<8} {name:<{width}}  {row.detail}".rstrip())
     counts = table.counts()
-    print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
-    if code == pytest.ExitCode.INTERRUPTED or table.interrupted:
-        print("verdict: interrupted: the checks above are all that ran; nothing is verified", file=sys.stderr)
-        return EXIT_TERMINATED if distributed.sigterm_received else EXIT_INTERRUPTED
-    if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) and not table.rows:
+    if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.INTERRUPTED) and not table.rows and not table.interrupted:
         print(f"fd: error: the conformance suite did not run (pytest exit code {int(code)})", file=sys.stderr)
         return 1
-    if counts["failed"] or code == pytest.ExitCode.TESTS_FAILED:
-        print(f"verdict: failed ({counts['failed']} check(s))")
-        return 1
     unverified = [r for r in table.rows if r.outcome == "skipped" and "hardware not detected here" in r.detail]
-    if unverified:
-        print(f"verdict: not verified: {len(unverified)} check(s) need {platform}'s hardware, which is not here")
-        if not args.allow_unverified:
-            return EXIT_NOT_VERIFIED
-        return 0
-    print("verdict: passed")
-    return 0
+    if code == pytest.ExitCode.INTERRUPTED or table.interrupted:
+        verdict, status = "interrupted: only the checks listed ran; nothing is verified", (
+            EXIT_TERMINATED if distributed.sigterm_received else EXIT_INTERRUPTED)
+    elif counts["failed"] or code == pytest.ExitCode.TESTS_FAILED:
+        verdict, status = f"failed ({counts['failed']} check(s))", 1
+    elif unverified:
+        verdict = f"not verified: {len(unverified)} check(s) need {platform}'s hardware, which is not here"
+        status = 0 if args.allow_unverified else EXIT_NOT_VERIFIED
+    else:
+        verdict, status = "passed", 0
+    names = [r.check.rsplit("::", 1)[-1] for r in table.rows]
+    ordered = sorted(zip(names, table.rows), key=lambda pair: pair[0])
+    if args.json:
+        rows = [{"check": name, "outcome": row.outcome, "detail": row.detail} for name, row in ordered]
+        _print_json({"platform": platform, "checks": rows, "counts": counts, "verdict": verdict, "exit_code": status})
+        return status
+    # One row a check, never wrapped, so that grep finds a check with its outcome and detail
+    # (pytest's own summary lines are the same); --json is the form to parse.
+    width = max(map(len, names), default=10)
+    print(f"conformance of platform {platform!r}:")
+    for name, row in ordered:
+        print(f"  {row.outcome:<8} {name:<{width}}  {row.detail}".rstrip())
+    print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
+    print(f"verdict: {verdict}", file=sys.stderr if status in (EXIT_INTERRUPTED, EXIT_TERMINATED) else sys.stdout)
+    return status
 
 
 def _version() -> str:
@@ -460,6 +466,7 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
     p.add_argument("-k", default=None, metavar="EXPR", help="only checks matching this pytest -k expression (default: all)")
     p.add_argument("--allow-unverified", action="store_true",
                    help="exit 0 when nothing failed but the checks that need the hardware were skipped (default: exit 3)")
+    p.add_argument("--json", action="store_true", help="print JSON (every check, its outcome and detail, the verdict) instead of the table")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("save-random", help="write a seeded random checkpoint in the published layout (safetensors + config.json)", **models)

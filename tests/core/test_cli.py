@@ -220,3 +220,11 @@ def test_human_reports_fit_100_columns() -> None:
         done = run_fd(args, env={"COLUMNS": "100"})
         assert done.returncode == 0, done.stderr
         assert max(map(len, done.stdout.splitlines())) <= 100, (args, done.stdout)
+
+
+def test_check_json_is_the_whole_of_stdout_with_the_verdict_and_exit_code() -> None:
+    done = run_fd(["check", "cuda", "--json", "-k", "two_ranks_sum"], timeout=300)
+    data = json.loads(done.stdout)
+    assert done.returncode == data["exit_code"] == 3
+    assert data["verdict"].startswith("not verified: ") and data["counts"]["skipped"] == len(data["checks"]) > 0
+    assert all(c["outcome"] == "skipped" and c["detail"].startswith("cuda: hardware not detected here") for c in data["checks"])

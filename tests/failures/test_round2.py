@@ -232,7 +232,7 @@ def test_an_interrupted_fd_check_is_never_a_pass(sig: signal.Signals, code: int)
     os.killpg(proc.pid, sig) if sig == signal.SIGINT else os.kill(proc.pid, sig)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == code, (out, err)
-    assert "verdict: interrupted: the checks above are all that ran; nothing is verified" in err
+    assert "verdict: interrupted: only the checks listed ran; nothing is verified" in err
     assert "verdict: passed" not in out and "Traceback" not in err
     assert left_over(marker) == []
 
