@@ -56,11 +56,15 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.json not in (None, "-"):
         # Named by the user: written where they said, never into directories made up on the way.
-        parent = Path(args.json).parent
-        if not parent.is_dir():
-            parser.error(f"--json {args.json}: directory {parent} does not exist; create it or choose another path")
-        if Path(args.json).is_dir():
+        path = Path(args.json)
+        if not args.json.strip():
+            parser.error("--json needs a file name, or - for stdout")
+        if path.is_dir() or args.json.endswith(("/", "\\")):
             parser.error(f"--json {args.json} is a directory; name a file in it")
+        if path.parent.exists() and not path.parent.is_dir():
+            parser.error(f"--json {args.json}: {path.parent} is not a directory; choose another path")
+        if not path.parent.is_dir():
+            parser.error(f"--json {args.json}: directory {path.parent} does not exist; create it or choose another path")
     if args.rows is None:
         args.selected = list(ROWS)
     else:

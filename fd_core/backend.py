@@ -153,12 +153,13 @@ class Backend:
     def graph_decision(
         self, model_config: ModelConfig, parallel_config: ParallelConfig | None = None, requested: str = "auto"
     ) -> GraphDecision:
-        """Ask every plugin; any veto wins (an advisory no-gain vote too, unless `requested` is "on"); every answer is kept."""
+        """Ask every plugin to vote (none under `requested` "off"); any veto wins (an advisory no-gain vote too, unless
+        `requested` is "on"); every answer is kept."""
         parallel_config = parallel_config or self.parallel
         mode = self.graph_mode
         votes: list[CastVote] = []
         if requested == "off":
-            # Nobody is asked: a report of votes that could not change anything would read as if they had.
+            # No plugin votes: a report of votes that could not change anything would read as if they had.
             return GraphDecision(allowed=False, mode=mode, votes=(), requested=requested)
         registry = self.plugins.registry
         if model_config.architecture in registry:
@@ -182,7 +183,7 @@ class Backend:
             for answer in answers:  # one per voter; more only if a wrapper added votes
                 votes.append(_checked_vote(name, answer))
         decision = GraphDecision(allowed=False, mode=mode, votes=tuple(votes), requested=requested)
-        allowed = requested != "off" and mode is not None and not decision.vetoes
+        allowed = mode is not None and not decision.vetoes
         return dataclasses.replace(decision, allowed=allowed)
 
     @property

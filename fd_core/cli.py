@@ -89,18 +89,20 @@ def _wrapped(text: str, indent: int, hang: int = 0) -> list[str]:
 
 
 def _fit(lines: Sequence[str]) -> str:
-    """Report lines wrapped at WIDTH: a line's continuation sits two columns in from where it starts."""
+    """Report lines wrapped at WIDTH: a line's continuation sits four columns in from where it starts,
+    deeper than the two-column sub-lines (votes, other platforms) so that it never reads as one of them."""
     out: list[str] = []
     for line in lines:
         indent = len(line) - len(line.lstrip(" "))
-        out += _wrapped(line.strip(), indent, 2) if len(line) > WIDTH else [line]
+        out += _wrapped(line.strip(), indent, 4) if len(line) > WIDTH else [line]
     return "\n".join(out)
 
 
 def _plugin_listing(plugins: Any) -> list[str]:
     """`fd plugins` as text: each plugin's name and origin, then its status, error and hooks beneath it."""
     lines = _wrapped(f"platform: {plugins.platform} ({plugins.selection})", 0, 2)
-    width = max((len(r.name) for r in plugins.records), default=0) + 2
+    # Capped: one long third-party name must not push every status towards the right margin.
+    width = min(max((len(r.name) for r in plugins.records), default=0), 20) + 2
     for kind in ("platform", "model", "extension"):
         group = [r for r in plugins.records if r.kind == kind]
         if not group:
@@ -108,7 +110,7 @@ def _plugin_listing(plugins: Any) -> list[str]:
         lines += ["", f"{kind} plugins:"]
         for r in group:
             origin = f"{r.distribution} {r.version}" if r.distribution else "(not installed: passed in)"
-            lines.append(f"  {r.name:<{width}}{origin}")
+            lines.append(f"  {r.name:<{width - 1}} {origin}")
             lines += _wrapped(r.status, 2 + width, 2)
             if r.load_error:
                 lines += _wrapped(f"error: {r.load_error}", 2 + width, 7)
@@ -354,6 +356,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     counts = table.counts()
+    if code == pytest.ExitCode.NO_TESTS_COLLECTED and args.k:
+        raise ConfigError(f"no check of the conformance suite matches -k {args.k!r}; run fd check {platform} without -k to see them all")
     if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.INTERRUPTED) and not table.rows and not table.interrupted:
         print(f"fd: error: the conformance suite did not run (pytest exit code {int(code)})", file=sys.stderr)
         return 1
@@ -518,6 +522,10 @@ def _plugin_commands(argv: Sequence[str]) -> dict[str, tuple[str, Any, str]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # fd's own options come before the command; taken off first so that `fd -v bench ...` reaches the plugin's command.
+    while argv[:1] and argv[0] in ("-v", "--verbose"):
+        os.environ["FD_VERBOSE"] = "1"  # the ranks inherit it
+        argv.pop(0)
     commands = _plugin_commands(argv)
     try:
         if argv and argv[0] in commands:
@@ -526,8 +534,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         wants_help = bool({"-h", "--help"} & set(argv)) or argv[:1] == ["help"]
         parser = build_parser(commands, _architecture_lines() if wants_help else ())
         args = parser.parse_args(argv)
-        if args.verbose:
-            os.environ["FD_VERBOSE"] = "1"  # the ranks inherit it
         func: Callable[[argparse.Namespace], int] = args.func
         return func(args)
     except FdError as exc:

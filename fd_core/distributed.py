@@ -28,7 +28,7 @@ LOOPBACK = "127.0.0.1"
 
 def quiet_paddle_logs() -> None:
     """Keep paddle's C++ info logs and import-time warnings off a user's terminal (user settings and `fd --verbose` win)."""
-    if os.environ.get("FD_VERBOSE"):
+    if os.environ.get("FD_VERBOSE", "0") not in ("", "0"):
         return
     os.environ.setdefault("GLOG_minloglevel", "2")
     os.environ.setdefault("GLOG_v", "0")

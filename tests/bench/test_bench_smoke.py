@@ -78,11 +78,19 @@ def test_json_to_stdout_is_only_json_and_errors_are_one_line(tmp_path: Path) -> 
     assert json.loads(piped.stdout)["rows"] == ["tp1"]  # the whole of stdout is the JSON document
     assert "| tp1" in piped.stderr  # the table went to stderr
     missing = tmp_path / "nosuch" / "dir" / "x.json"
+    (tmp_path / "afile").write_text("")
     for args, message in [
         (("--json", str(missing)), f"fd: error: --json {missing}: directory {missing.parent} does not exist; create it or choose another path (see fd bench --help)"),
         (("--json", str(tmp_path)), f"fd: error: --json {tmp_path} is a directory; name a file in it (see fd bench --help)"),
         (("--frobnicate",), "fd: error: unrecognized arguments: --frobnicate (see fd bench --help)"),
+        (("--json", ""), "fd: error: --json needs a file name, or - for stdout (see fd bench --help)"),
+        (("--json", "nosuch/"), "fd: error: --json nosuch/ is a directory; name a file in it (see fd bench --help)"),
+        (("--json", str(tmp_path / "afile" / "x.json")), f"fd: error: --json {tmp_path / 'afile' / 'x.json'}: {tmp_path / 'afile'} is not a directory; choose another path (see fd bench --help)"),
     ]:
         done = bench(*args)
         assert (done.returncode, done.stdout, done.stderr) == (2, "", message + "\n")
-    assert not missing.parent.exists()  # nothing was made on the way
+    assert not missing.parent.exists() and not (tmp_path / "nosuch").exists()  # nothing was made on the way
+    # fd's own -v before a plugin's command reaches the command.
+    verbose = subprocess.run([sys.executable, "-m", "fd_core.cli", "-v", "bench", "--smoke", "--rows", "tp1", "--json", "-"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert verbose.returncode == 0 and json.loads(verbose.stdout)["rows"] == ["tp1"], verbose.stderr[-3000:]

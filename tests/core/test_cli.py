@@ -228,3 +228,6 @@ def test_check_json_is_the_whole_of_stdout_with_the_verdict_and_exit_code() -> N
     assert done.returncode == data["exit_code"] == 3
     assert data["verdict"].startswith("not verified: ") and data["counts"]["skipped"] == len(data["checks"]) > 0
     assert all(c["outcome"] == "skipped" and c["detail"].startswith("cuda: hardware not detected here") for c in data["checks"])
+    none = run_fd(["check", "cpu", "-k", "nosuchcheck"], timeout=300)
+    assert (none.returncode, none.stdout) == (2, "")
+    assert none.stderr.strip() == "fd: error: no check of the conformance suite matches -k 'nosuchcheck'; run fd check cpu without -k to see them all"
