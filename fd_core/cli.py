@@ -409,7 +409,7 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="let Paddle's own logs and warnings through (default: kept off the terminal; sets FD_VERBOSE=1)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser, metavar="COMMAND")
-    models = {"epilog": "architectures (--model takes a name or an alias):\n" + "\n".join(architectures) if architectures else None,
+    models: dict[str, Any] = {"epilog": "architectures (--model takes a name or an alias):\n" + "\n".join(architectures) if architectures else None,
               "formatter_class": argparse.RawDescriptionHelpFormatter}
     graph_help = ("auto: capture unless a plugin vetoes or reports no gain; on: capture unless a plugin vetoes; "
                   "off: eager, no plugin asked (default: auto)")
