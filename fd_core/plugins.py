@@ -398,36 +398,54 @@ def _caller_for(pm: pluggy.PluginManager, hook: str, plugin_name: str) -> Any:
     return pm.subset_hook_caller(hook, remove_plugins=others)
 
 
-def _register_models(pm: pluggy.PluginManager, registry: ModelRegistry, records: list[PluginRecord]) -> list[str]:
-    """Each model package's fd_register_models, through pluggy; a package that fails is marked, not fatal here."""
-    problems = []
+def _call_each(
+    pm: pluggy.PluginManager,
+    hook: str,
+    records: list[PluginRecord],
+    register_for: Callable[[str], Callable[..., None]],
+    undo: Callable[[str], None],
+    builtins_first: bool = False,
+) -> list[str]:
+    """Call `hook` plugin by plugin, through pluggy with every wrapper around each, passing
+    `register=register_for(plugin)`. A plugin that fails is undone (`undo(plugin)`) and marked on its
+    record, and its message returned: a failure is that plugin's, never fatal here."""
     by_name = {r.name: r for r in records if r.module is not None}
-    impls = [i for i in reversed(pm.hook.fd_register_models.get_hookimpls()) if not (i.wrapper or i.hookwrapper)]
-    # Built-ins first, so that a name clash blames the newcomer.
-    impls.sort(key=lambda i: not (by_name.get(i.plugin_name) and by_name[i.plugin_name].builtin))
+    impls = [i for i in reversed(getattr(pm.hook, hook).get_hookimpls()) if not (i.wrapper or i.hookwrapper)]
+    if builtins_first:  # so that a name clash blames the newcomer
+        impls.sort(key=lambda i: not (i.plugin_name in by_name and by_name[i.plugin_name].builtin))
+    problems = []
     for impl in impls:
         owner = impl.plugin_name
-        has_clear = _impl_function(impl.plugin, "fd_clear_graphs") is not None
-        record = by_name.get(owner)
-
-        def register(arch: Architecture, _owner: str = owner, _has_clear: bool = has_clear) -> None:
-            if not isinstance(arch, Architecture):
-                raise PluginError(f"plugin {_owner!r}: fd_register_models passed {type(arch).__name__} to register(); pass fd_core.Architecture")
-            registry.add(replace(arch, package=_owner), has_clear_hook=_has_clear, builtin=bool(record and record.builtin))
-
         try:
-            _caller_for(pm, "fd_register_models", owner)(register=register)
+            _caller_for(pm, hook, owner)(register=register_for(owner))
         except PluginError as exc:
             message = str(exc)
-        except Exception as exc:  # noqa: BLE001 - a package's own error while registering
-            message = f"plugin {owner!r}: fd_register_models raised {type(exc).__name__}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - the plugin's own error
+            message = f"plugin {owner!r}: {hook} raised {type(exc).__name__}: {exc}"
         else:
             continue
         problems.append(message)
-        registry.remove_package(owner)
-        if record is not None:
-            record.error = message
+        undo(owner)
+        if owner in by_name:
+            by_name[owner].error = message
     return problems
+
+
+def _register_models(pm: pluggy.PluginManager, registry: ModelRegistry, records: list[PluginRecord]) -> list[str]:
+    """Each model package's fd_register_models; a package that fails is marked and its architectures removed."""
+    builtin = {r.name for r in records if r.module is not None and r.builtin}
+
+    def register_for(owner: str) -> Callable[[Architecture], None]:
+        has_clear = _impl_function(pm.get_plugin(owner), "fd_clear_graphs") is not None
+
+        def register(arch: Architecture) -> None:
+            if not isinstance(arch, Architecture):
+                raise PluginError(f"plugin {owner!r}: fd_register_models passed {type(arch).__name__} to register(); pass fd_core.Architecture")
+            registry.add(replace(arch, package=owner), has_clear_hook=has_clear, builtin=owner in builtin)
+
+        return register
+
+    return _call_each(pm, "fd_register_models", records, register_for, registry.remove_package, builtins_first=True)
 
 
 # Subcommands of `fd` itself; a plugin may not take these names.
@@ -435,37 +453,25 @@ CORE_COMMANDS = ("plugins", "explain", "run", "save-random", "check", "help")
 
 
 def _register_commands(pm: pluggy.PluginManager, records: list[PluginRecord]) -> tuple[dict[str, Any], list[str]]:
-    """Each plugin's fd_register_commands, through pluggy; a clash with a core or another plugin's command is that plugin's error."""
+    """Each plugin's fd_register_commands; a clash with a core or another plugin's command is that plugin's error."""
     commands: dict[str, tuple[str, Callable[[list[str]], int], str]] = {}
-    problems: list[str] = []
-    by_name = {r.name: r for r in records if r.module is not None}
-    for impl in reversed(pm.hook.fd_register_commands.get_hookimpls()):
-        if impl.wrapper or impl.hookwrapper:
-            continue
-        owner = impl.plugin_name
 
-        def register(name: str, help: str, run: Callable[[list[str]], int], _owner: str = owner) -> None:  # noqa: A002 - argparse's word
+    def register_for(owner: str) -> Callable[..., None]:
+        def register(name: str, help: str, run: Callable[[list[str]], int]) -> None:  # noqa: A002 - argparse's word
             if not (isinstance(name, str) and name.replace("-", "").isalnum() and callable(run)):
-                raise PluginError(f"plugin {_owner!r}: fd_register_commands passed name={name!r}, run={run!r}; pass a word and a callable")
+                raise PluginError(f"plugin {owner!r}: fd_register_commands passed name={name!r}, run={run!r}; pass a word and a callable")
             taken = "fd itself" if name in CORE_COMMANDS else commands[name][2] if name in commands else None
             if taken is not None:
-                raise PluginError(f"plugin {_owner!r} adds command {name!r}, which {taken!r} already provides; rename it in {_owner!r}")
-            commands[name] = (str(help), run, _owner)
+                raise PluginError(f"plugin {owner!r} adds command {name!r}, which {taken!r} already provides; rename it in {owner!r}")
+            commands[name] = (str(help), run, owner)
 
-        try:
-            _caller_for(pm, "fd_register_commands", owner)(register=register)
-        except PluginError as exc:
-            message = str(exc)
-        except Exception as exc:  # noqa: BLE001 - the plugin's own error
-            message = f"plugin {owner!r}: fd_register_commands raised {type(exc).__name__}: {exc}"
-        else:
-            continue
-        problems.append(message)
+        return register
+
+    def undo(owner: str) -> None:
         for name in [n for n, c in commands.items() if c[2] == owner]:
             del commands[name]
-        if owner in by_name:
-            by_name[owner].error = message
-    return commands, problems
+
+    return commands, _call_each(pm, "fd_register_commands", records, register_for, undo)
 
 
 def load_plugins(
@@ -522,8 +528,7 @@ def load_plugins(
     except pluggy.PluginValidationError as exc:
         raise PluginError(" ".join(str(exc).split())) from None
     registry = ModelRegistry()
-    for message in _register_models(pm, registry, records):
-        problems.append(message)
+    problems += _register_models(pm, registry, records)
     commands, command_problems = _register_commands(pm, records)
     problems += command_problems
     for record in records:
