@@ -17,11 +17,12 @@ from paddle import nn
 
 from fd_core.config import ModelConfig
 from fd_models.ernie4_5_vl.config import MoEConfig, VisionConfig, image_settings
-from fd_models.ernie4_5_vl.vision import Resampler, VisionTransformer, patchify
+from fd_models.ernie4_5_vl.vision import Resampler, VisionTransformer
 from fd_models.layers.decoder import CausalLM, DecoderOptions
 from fd_models.layers.images import preprocess
 from fd_models.layers.mlp import SwiGLUMLP
 from fd_models.layers.moe import MoEBlock
+from fd_models.layers.vision import patchify
 from fd_models.layers.vl_model import PictureTextModel
 
 

@@ -6,7 +6,12 @@ from typing import Any, Callable
 
 from fd_core import Architecture, hookimpl
 from fd_models._plugin import clear_graphs, lazy_build
-from fd_models.ernie4_5_vl.config import check_config, check_prompt, image_tokens, sharded_sizes
+from fd_models.ernie4_5_vl.config import (
+    check_config,
+    check_prompt,
+    image_tokens,
+    sharded_sizes,
+)
 from fd_models.presets import TINY_ERNIE_VL, TINY_ERNIE_VL_PREPROCESSOR
 
 _MODULE = "fd_models.ernie4_5_vl.model"

@@ -1,4 +1,4 @@
-"""ERNIE-4.5-VL's vision tower and resampler as published, and its image preprocessing.
+"""ERNIE-4.5-VL's vision tower and resampler as published (patches come from layers.vision.patchify).
 
 Tower: a bias-free linear patch embedding, ViT blocks with 2-D rotary attention and quick-GELU,
 a final LayerNorm (`model.vision_model.`). Resampler (`model.resampler_model.`): each 2x2 block of
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import paddle
 import paddle.nn.functional as F
 from paddle import nn
@@ -21,20 +20,6 @@ from fd_models.layers.norm import LayerNorm, RMSNorm
 from fd_models.layers.parallel import ReplicatedLinear
 from fd_models.layers.params import new_param
 from fd_models.layers.vision import VisionBlock, axial_rope
-
-
-def patchify(image: np.ndarray, config: VisionConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """A normalised image [C, H, W] -> (patches [N, C*p*p], grid (1, h, w)) as the published processor orders them."""
-    channels, height, width = image.shape
-    p, m = config.patch_size, config.spatial_merge_size
-    if channels != config.in_channels:
-        raise ValueError(f"image has {channels} channels, expected {config.in_channels}")
-    if height % config.unit or width % config.unit or height == 0 or width == 0:
-        raise ValueError(f"image {height}x{width} is not a multiple of {config.unit} (patch {p} x merge {m}) on each side; resize it")
-    pixels = image.astype(np.float32)
-    gh, gw = height // p, width // p
-    blocks = pixels.reshape(channels, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # bh, bw, mh, mw, C, p, p
-    return np.ascontiguousarray(blocks.reshape(gh * gw, channels * p * p)), (1, gh, gw)
 
 
 class VisionTransformer(nn.Layer):

@@ -48,11 +48,6 @@ def cached(cache: paddle.Tensor, length: int) -> paddle.Tensor:
     return cache[:length].transpose([1, 2, 0, 3])
 
 
-def split_heads(x: paddle.Tensor, heads: int, head_dim: int) -> paddle.Tensor:
-    """[B, S, heads * head_dim] -> [B, heads, S, head_dim]."""
-    return x.reshape([0, 0, heads, head_dim]).transpose([0, 2, 1, 3])
-
-
 def merge_heads(x: paddle.Tensor) -> paddle.Tensor:
     """[B, heads, S, head_dim] -> [B, S, heads * head_dim]."""
     return x.transpose([0, 2, 1, 3]).reshape([0, 0, -1])

@@ -89,13 +89,17 @@ class MoEBlock(nn.Layer):
         out = paddle.matmul(F.silu(gate) * up, paddle.gather(experts.down, flat), transpose_y=True)  # [T*k, 1, H]
         return paddle.sum(out.reshape([tokens, self.top_k, -1]) * weights.unsqueeze(-1), axis=1)
 
-    def _looped(self, x: paddle.Tensor, experts: _Experts, chosen: paddle.Tensor, weights: paddle.Tensor) -> paddle.Tensor:
-        """Prefill: each expert runs on the tokens routed to it only (shapes depend on the routing)."""
+    def _looped(
+        self, x: paddle.Tensor, experts: _Experts, chosen: paddle.Tensor, weights: paddle.Tensor, only: paddle.Tensor | None = None
+    ) -> paddle.Tensor:
+        """Prefill: each expert runs on the tokens routed to it only (shapes depend on the routing); with
+        `only` [T] bool, on those of them it marks (the rest of `out` stays zero)."""
         out = paddle.zeros_like(x)
         for e in range(self.experts):
             hit = chosen == e
             token_weight = paddle.sum(weights * hit.astype(weights.dtype), axis=-1)
-            rows = paddle.nonzero(paddle.any(hit, axis=-1)).reshape([-1])
+            taken = paddle.any(hit, axis=-1)
+            rows = paddle.nonzero(taken if only is None else taken & only).reshape([-1])
             if rows.shape[0] == 0:
                 continue
             xe = paddle.gather(x, rows)
@@ -104,9 +108,11 @@ class MoEBlock(nn.Layer):
             out = paddle.scatter(out, rows, paddle.gather(out, rows) + ye)
         return out
 
-    def _experts(self, x: paddle.Tensor, experts: _Experts, router: paddle.Tensor, bias: paddle.Tensor, one_step: bool) -> paddle.Tensor:
+    def _experts(
+        self, x: paddle.Tensor, experts: _Experts, router: paddle.Tensor, bias: paddle.Tensor, one_step: bool, only: paddle.Tensor | None = None
+    ) -> paddle.Tensor:
         chosen, weights = self._route(x, router, bias)
-        return self._gathered(x, experts, chosen, weights) if one_step else self._looped(x, experts, chosen, weights)
+        return self._gathered(x, experts, chosen, weights) if one_step else self._looped(x, experts, chosen, weights, only)
 
     def forward(self, x: paddle.Tensor, vision_mask: paddle.Tensor | None = None) -> paddle.Tensor:
         """x [B, S, H]; `vision_mask` [B, S] (True for image tokens) or None (all text, as in decode) -> [B, S, H]."""
@@ -114,10 +120,14 @@ class MoEBlock(nn.Layer):
         flat = x.reshape([-1, hidden])
         one_step = length == 1  # a decode step: fixed shapes, capturable
         bias = self.moe_statics.e_score_correction_bias
-        out = self._experts(flat, self.text, self.gate.weight, bias[0], one_step)
-        if vision_mask is not None:
-            vision = self._experts(flat, self.vision, self.gate.weight_1, bias[1], one_step)
-            out = paddle.where(vision_mask.reshape([-1, 1]), vision, out)
+        if vision_mask is None:
+            out = self._experts(flat, self.text, self.gate.weight, bias[0], one_step)
+        else:
+            # Each set of experts computes only its own tokens (the other set's rows are taken from it below).
+            is_vision = vision_mask.reshape([-1])
+            out = self._experts(flat, self.text, self.gate.weight, bias[0], one_step, ~is_vision)
+            vision = self._experts(flat, self.vision, self.gate.weight_1, bias[1], one_step, is_vision)
+            out = paddle.where(is_vision.reshape([-1, 1]), vision, out)
         if self.shared:
             s = self.shared_experts
             inner = F.silu(_project(flat, s.gate_proj)) * _project(flat, s.up_proj)

@@ -21,6 +21,26 @@ from fd_models.layers.parallel import ReplicatedLinear
 from fd_models.layers.rotary import apply_rope
 
 
+def patchify(image: np.ndarray, config: Any, temporal: int = 1) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """A normalised image [C, H, W] -> (patches [N, C*T*p*p], grid (1, h, w)) as the published processors order them.
+
+    `temporal` is T, the frames a patch spans: a still image is repeated over them (Qwen3-VL's two; ERNIE's
+    one). Patches are listed merge-block by merge-block (each merge x merge block of patches is contiguous).
+    `config` is a VisionConfig (in_channels, patch_size, spatial_merge_size, unit).
+    """
+    channels, height, width = image.shape
+    p, m, t = config.patch_size, config.spatial_merge_size, temporal
+    if channels != config.in_channels:
+        raise ValueError(f"image has {channels} channels, expected {config.in_channels}")
+    if height % config.unit or width % config.unit or height == 0 or width == 0:
+        raise ValueError(f"image {height}x{width} is not a multiple of {config.unit} (patch {p} x merge {m}) on each side; resize it")
+    frames = np.repeat(image.astype(np.float32)[None], t, axis=0)  # [T, C, H, W]
+    gh, gw = height // p, width // p
+    blocks = frames.reshape(1, t, channels, gh // m, m, p, gw // m, m, p)
+    blocks = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # grid_t, bh, bw, mh, mw, C, T, p, p
+    return np.ascontiguousarray(blocks.reshape(gh * gw, channels * t * p * p)), (1, gh, gw)
+
+
 def activate(x: paddle.Tensor, act: str) -> paddle.Tensor:
     """The activations the published vision configs name."""
     if act in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
@@ -29,7 +49,9 @@ def activate(x: paddle.Tensor, act: str) -> paddle.Tensor:
         return F.gelu(x)
     if act == "quick_gelu":
         return x * F.sigmoid(1.702 * x)
-    raise ValueError(f"vision hidden_act {act!r} is not supported; use gelu, gelu_pytorch_tanh or quick_gelu")
+    from fd_models.activations import VISION_ACTIVATIONS
+
+    raise ValueError(f"vision hidden_act {act!r} is not supported; use one of {', '.join(sorted(VISION_ACTIVATIONS))}")
 
 
 def block_order_positions(gh: int, gw: int, merge: int) -> np.ndarray:

@@ -17,9 +17,10 @@ from fd_core.config import ModelConfig
 from fd_models.layers.decoder import CausalLM, DecoderOptions
 from fd_models.layers.images import preprocess
 from fd_models.layers.multimodal import scatter_rows
+from fd_models.layers.vision import patchify
 from fd_models.layers.vl_model import PictureTextModel
 from fd_models.qwen3_vl.config import VisionConfig, image_settings
-from fd_models.qwen3_vl.vision import Qwen3VLVisionModel, patchify
+from fd_models.qwen3_vl.vision import Qwen3VLVisionModel
 
 
 class Qwen3VLForConditionalGeneration(PictureTextModel):
@@ -51,7 +52,7 @@ class Qwen3VLForConditionalGeneration(PictureTextModel):
 
     def _encode(self, picture: np.ndarray) -> tuple[tuple[int, int, int], list[paddle.Tensor]]:
         """One picture -> (its grid, [merged embeddings, DeepStack features...])."""
-        patches, grid = patchify(preprocess(picture, self.image_settings), self.vision_config)
+        patches, grid = patchify(preprocess(picture, self.image_settings), self.vision_config, self.vision_config.temporal_patch_size)
         merged, deepstack = self.visual(paddle.to_tensor(patches), grid)
         return grid, [merged, *deepstack]
 

@@ -1,5 +1,5 @@
 """Qwen3-VL's vision tower as published: patch embedding, interpolated learned positions, 2-D rotary
-attention blocks, the 2x2 patch merger and the DeepStack mergers; plus the image preprocessing.
+attention blocks, the 2x2 patch merger and the DeepStack mergers (patches come from layers.vision.patchify).
 
 The tower is replicated on every tp rank and runs only at prefill (eagerly), so shapes may depend
 on the image. Weight names follow the published checkpoints under `model.visual.`.
@@ -23,27 +23,6 @@ from fd_models.layers.vision import VisionBlock, axial_rope, block_order_positio
 from fd_models.qwen3_vl.config import VisionConfig
 
 _EPS = 1e-6
-
-
-def patchify(image: np.ndarray, config: VisionConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """A normalised image [C, H, W] -> (patches [N, C*T*p*p], grid (t, h, w)) as the published processor orders them.
-
-    The processor repeats a still image over the temporal patch and lists patches merge-block by
-    merge-block (each 2x2 block of patches is contiguous).
-    """
-    channels, height, width = image.shape
-    p, m, t = config.patch_size, config.spatial_merge_size, config.temporal_patch_size
-    if channels != config.in_channels:
-        raise ValueError(f"image has {channels} channels, expected {config.in_channels}")
-    if height % config.unit or width % config.unit or height == 0 or width == 0:
-        raise ValueError(
-            f"image {height}x{width} is not a multiple of {config.unit} (patch {p} x merge {m}) on each side; resize it"
-        )
-    frames = np.repeat(image.astype(np.float32)[None], t, axis=0)  # [T, C, H, W]
-    gh, gw = height // p, width // p
-    blocks = frames.reshape(1, t, channels, gh // m, m, p, gw // m, m, p)
-    blocks = blocks.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)  # grid_t, bh, bw, mh, mw, C, T, p, p
-    return np.ascontiguousarray(blocks.reshape(gh * gw, channels * t * p * p)), (1, gh, gw)
 
 
 def interpolation_taps(gh: int, gw: int, merge: int, side: int) -> tuple[np.ndarray, np.ndarray]:
