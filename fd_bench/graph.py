@@ -12,7 +12,7 @@ from fd_bench.report import Line
 def graph_rows(smoke: bool) -> list[Line]:
     import numpy as np
 
-    from fd_bench.ranks import _model, decode_setup
+    from fd_bench.ranks import decode_setup, seeded_model
     from fd_core import ParallelConfig
     from fd_core.backend import load_backend
 
@@ -20,7 +20,7 @@ def graph_rows(smoke: bool) -> list[Line]:
     env["FD_PLATFORM"] = "cpu"
     backend = load_backend(ParallelConfig(), env=env)
     arch, config, prompt, steps, samples, warm, max_len = decode_setup(backend, smoke)
-    models = {"static": _model(arch, config, backend, 0, 1, max_len), "eager": _model(arch, config, backend, 0, 1, max_len)}
+    models = {"static": seeded_model(arch, config, backend, 0, 1, max_len), "eager": seeded_model(arch, config, backend, 0, 1, max_len)}
     start = time.perf_counter()
     models["static"].capture(backend.graph_backend(), 1)
     capture_s = time.perf_counter() - start

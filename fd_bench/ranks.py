@@ -46,9 +46,9 @@ def _backend(platform: str, rank: int, world: int) -> Any:
     return load_backend(ParallelConfig(tp_size=world, tp_rank=rank), env=env)
 
 
-def _model(arch: Any, config: Any, ctx: Any, rank: int, world: int, max_len: int) -> Any:
-    from fd_core.runner import init_std
-    from fd_core.weights import random_state_dict
+def seeded_model(arch: Any, config: Any, ctx: Any, rank: int, world: int, max_len: int) -> Any:
+    from fd_core.runtime.lifecycle import init_std
+    from fd_core.runtime.weights import random_state_dict
 
     model = arch.build(config, ctx)
     model.load_weights(random_state_dict(model.weight_specs(), 0, rank, world, init_std(config)))
@@ -60,7 +60,7 @@ def decode_setup(backend: Any, smoke: bool) -> tuple[Any, Any, Any, int, int, in
     """The tiny ERNIE-4.5 decode benchmark's setting: architecture, config, prompt, steps, samples, warm-up, cache length."""
     import numpy as np
 
-    from fd_core.runner import model_config_for
+    from fd_core.runtime.plan import model_config_for
 
     arch = backend.plugins.registry.get("ernie4_5")
     config = model_config_for(arch, None)
@@ -80,12 +80,14 @@ def decode(rank: int, world: int, smoke: bool, modes: tuple[str, ...] = ("eager"
     """
     import numpy as np
 
+    from fd_plugins.cpu.static_graph import forget_traces
+
     backend = _backend("cpu", rank, world)
     arch, config, prompt, steps, samples, warm, max_len = decode_setup(backend, smoke)
     direct = DirectCtx(backend.parallel)
     out: dict[str, Any] = {"binding": backend.all_reduce_binding, "steps_per_side": samples}
     for mode in modes:
-        model = _model(arch, config, backend, rank, world, max_len)
+        model = seeded_model(arch, config, backend, rank, world, max_len)
         holders = [layer for layer in (model, *model.sublayers()) if getattr(layer, "ctx", None) is backend]
         # fd_control is the fd wiring again (its own graph in static mode): an A/A control whose gap
         # to fd is the noise band of this run.
@@ -96,7 +98,7 @@ def decode(rank: int, world: int, smoke: bool, modes: tuple[str, ...] = ("eager"
             for layer in holders:
                 layer.ctx = ctxs[name]
             if name in graphs:
-                model._graphs = graphs[name]
+                model.use_graphs(graphs[name])
 
         try:
             if mode == "static":
@@ -104,9 +106,9 @@ def decode(rank: int, world: int, smoke: bool, modes: tuple[str, ...] = ("eager"
                     wire(name)
                     # The cpu static-graph backend keeps one traced program per function and shapes
                     # (on the function): dropped here, so that each side traces its own all-reduce.
-                    vars(model.decode_fn).pop("_fd_static_programs", None)
+                    forget_traces(model.decode_fn)
                     model.capture(backend.graph_backend(), 1)
-                    graphs[name] = model._graphs
+                    graphs[name] = model.graphs
         except Exception as exc:  # noqa: BLE001 - reported in the row, the eager numbers stand
             out[mode] = {"error": f"{type(exc).__name__}: {exc}"}
             continue
@@ -174,9 +176,9 @@ def allreduce(rank: int, world: int, smoke: bool) -> dict[str, Any]:
                 fn(tensor)
                 times[name].append(perf_counter_ns() - start)
         out["sizes"][nbytes] = {n: statistics.median(v) for n, v in times.items()} | {"calls": calls[nbytes]}
-    from fd_plugins.cpu import shm as shm_mod
+    from fd_plugins.cpu.shm import group_state
 
-    state = shm_mod.GROUPS.get(group)
+    state = group_state(group)
     out["shm_state"] = {"usable": state.usable, "slot_bytes": state.slot_bytes, "calls": dict(state.calls)} if state else None
     return out
 
@@ -186,7 +188,8 @@ TASKS: dict[str, Callable[..., dict[str, Any]]] = {"decode": decode, "allreduce"
 
 def run_rank(tasks: tuple[str, ...], smoke: bool) -> dict[str, Any]:
     """Entry point of a spawned rank."""
-    from fd_core.distributed import init_rank, quiet_paddle_logs
+    from fd_core.paddle_logs import quiet_paddle_logs
+    from fd_core.runtime.distributed import init_rank
 
     quiet_paddle_logs()
     rank, world = init_rank()

@@ -1,4 +1,4 @@
-"""Reload row: time and resident memory across weight-reload cycles of fd_core.runner.ModelRunner.
+"""Reload row: time and resident memory across weight-reload cycles (fd_core.runtime.lifecycle.ModelRunner, generating through the engine).
 
 Runs in a fresh process (`python -m fd_bench.reload CYCLES STEPS`), so the RSS is the runner's alone.
 """
@@ -16,33 +16,35 @@ from fd_bench.report import Line
 
 
 def measure(cycles: int, steps: int, graph: str = "auto") -> dict:
-    """One tp=1 runner on the cpu platform; graphs on auto (the row: a static-graph capture every prepare) or off."""
-    from fd_core.distributed import quiet_paddle_logs
+    """One tp=1 runner on the cpu platform; graphs on auto (the row: a static-graph capture after every reload) or off."""
+    from fd_core.paddle_logs import quiet_paddle_logs
 
     quiet_paddle_logs()
     from fd_core import ParallelConfig
     from fd_core.backend import load_backend
-    from fd_core.runner import ModelRunner, model_config_for, resident_bytes
+    from fd_core.runtime.engine import Engine
+    from fd_core.runtime.lifecycle import ModelRunner
+    from fd_core.runtime.plan import model_config_for
+    from fd_core.runtime.procstats import resident_bytes
+    from fd_core.runtime.request import Request
 
     env = dict(os.environ)
     env["FD_PLATFORM"] = "cpu"
     backend = load_backend(ParallelConfig(), env=env)
     arch = backend.plugins.registry.get("ernie4_5")
     runner = ModelRunner(backend, arch, model_config_for(arch, None), graph=graph)
-    prompt = [1, 2, 3, 4]
-    max_len = len(prompt) + steps
+    request = Request.greedy([[1, 2, 3, 4]], steps)
+    engine = Engine(runner)
     start = time.perf_counter()
     runner.load()
     decision = runner.decide()
-    runner.prepare(max_len)
-    first = runner.generate(prompt, steps)
+    first = engine.generate(request)[0].token_ids
     record = [{"cycle": 0, "seconds": time.perf_counter() - start, "rss_bytes": resident_bytes(), "same_tokens": True}]
     for cycle in range(1, cycles + 1):
         start = time.perf_counter()
         runner.reload()
-        runner.prepare(max_len)
-        again = runner.generate(prompt, steps)
-        record.append({"cycle": cycle, "seconds": time.perf_counter() - start, "rss_bytes": resident_bytes(), "same_tokens": again.tokens == first.tokens})
+        again = engine.generate(request)[0].token_ids
+        record.append({"cycle": cycle, "seconds": time.perf_counter() - start, "rss_bytes": resident_bytes(), "same_tokens": again == first})
     return {"graph": f"{decision.mode} {'on' if decision.allowed else 'off'}", "graph_summary": decision.summary(), "steps": steps, "cycles": record}
 
 

@@ -3,13 +3,12 @@
 from typing import TYPE_CHECKING, Any
 
 from fd_core.capabilities import Capabilities
-from fd_core.config import GraphConfig, ModelConfig, ParallelConfig
+from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.detection import Detection
 from fd_core.errors import CheckpointError, ConfigError, FdError, PlatformError, PluginError, RankError
 from fd_core.markers import hookimpl
 from fd_core.graphs import GraphBackend, GraphDecision, GraphVote
-from fd_core.models import Architecture, CausalModel
-from fd_core.weights import WeightSpec
+from fd_core.models import Architecture, CausalModel, WeightSpec
 
 if TYPE_CHECKING:
     from fd_core.backend import Backend, load_backend
@@ -34,7 +33,6 @@ __all__ = [
     "Detection",
     "FdError",
     "GraphBackend",
-    "GraphConfig",
     "GraphDecision",
     "GraphVote",
     "ModelConfig",

@@ -11,7 +11,7 @@ from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.detection import Detection
 from fd_core.errors import NumericsError, PlatformError, PluginError
 from fd_core.graphs import CastVote, GraphBackend, GraphDecision, GraphVote
-from fd_core.plugins import PluginSet, _caller_for, call_bounded, hook_timeout, load_plugins
+from fd_core.plugins import PluginSet, caller_for, call_bounded, hook_timeout, load_plugins
 
 AllReduce = Callable[[Any], Any]
 
@@ -118,7 +118,7 @@ class Backend:
             if impl.wrapper or impl.hookwrapper:
                 continue
             try:
-                _caller_for(self.plugins.pm, "fd_clean_memory_fragments", impl.plugin_name)(state_dict=state_dict)
+                caller_for(self.plugins.pm, "fd_clean_memory_fragments", impl.plugin_name)(state_dict=state_dict)
             except Exception as exc:  # noqa: BLE001 - a third party's error, named for whoever must fix it
                 raise PluginError(
                     f"plugin {impl.plugin_name!r}: fd_clean_memory_fragments raised {type(exc).__name__}: {exc}; fix or uninstall the plugin"
@@ -172,7 +172,7 @@ class Backend:
             if impl.wrapper or impl.hookwrapper:
                 continue
             name = impl.plugin_name
-            caller = _caller_for(self.plugins.pm, "fd_graph_eligibility", name)
+            caller = caller_for(self.plugins.pm, "fd_graph_eligibility", name)
             try:
                 answers = call_bounded(lambda: caller(**args), timeout, f"plugin {name!r}: fd_graph_eligibility")
             except PluginError:
@@ -244,7 +244,7 @@ def load_backend(
     plugins: PluginSet | None = None,
 ) -> Backend:
     """Discover plugins, select the platform and bind its ops for this rank."""
-    from fd_core.distributed import quiet_paddle_logs
+    from fd_core.paddle_logs import quiet_paddle_logs
 
     quiet_paddle_logs()  # before a hook imports paddle: its C++ logs and import notices stay off the caller's terminal
     return Backend(plugins or load_plugins(os.environ if env is None else env), parallel)

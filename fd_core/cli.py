@@ -132,7 +132,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from fd_core.backend import load_backend
     from fd_core.config import ModelConfig, ParallelConfig
     from fd_core.plugins import load_plugins
-    from fd_core.runner import check_tp
+    from fd_core.runtime.plan import check_tp
 
     plugins = load_plugins()
     parallel = ParallelConfig(tp_size=args.tp)
@@ -207,8 +207,12 @@ def _require_paddle() -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fd_core.distributed import Terminated, launched_rank, quiet_paddle_logs, run_here, spawn_ranks
-    from fd_core.runner import RunConfig, as_json, plan_run, process_start_time, run_rank, spawned_rank, summary_lines
+    from fd_core.paddle_logs import quiet_paddle_logs
+    from fd_core.plugins import load_plugins
+    from fd_core.runtime.distributed import Terminated, launched_rank, run_here, spawn_ranks
+    from fd_core.runtime.launch import run_rank, spawned_rank
+    from fd_core.runtime.plan import RunConfig, plan_run, plugin_env
+    from fd_core.runtime.procstats import process_start_time
 
     _require_paddle()
 
@@ -245,32 +249,35 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     if texts and id_prompts:
         raise ConfigError("pass text prompts (--prompt, --prompts) or token ids (--prompt-ids), not both")
+    # Planned once, here: the ranks receive the plan (and, in this process, the plugins it was made with).
+    plugins = load_plugins(plugin_env(run.platform))
+    plan = plan_run(run, plugins)
     if launched:
         # Started by paddle.distributed.launch: this process is one rank; rank 0 reports.
-        result = spawned_rank(run)
+        result = spawned_rank(plan, plugins)
         results = [result] if launched[0] == 0 else []
+    elif run.tp == 1:
+        results = [run_here(run_rank, plan, 0, 1, None, None, plugins)]
     else:
-        plan = plan_run(run)
-        if run.tp == 1:
-            results = [run_here(run_rank, run)]
-        else:
-            print(f"fd: starting {run.tp} ranks on {plan.platform} ({plan.dist_backend})", file=sys.stderr, flush=True)
-            try:
-                # Forked, not spawned: this process has imported paddle but run nothing with it, and a
-                # forked rank starts with that import done instead of paying it again (seconds here).
-                import paddle.distributed  # noqa: F401 - before the clock: spawning needs it, and its import belongs to "start"
+        print(f"fd: starting {run.tp} ranks on {plan.platform} ({plan.dist_backend})", file=sys.stderr, flush=True)
+        try:
+            # Forked, not spawned: this process has imported paddle but run nothing with it, and a
+            # forked rank starts with that import done instead of paying it again (seconds here).
+            import paddle.distributed  # noqa: F401 - before the clock: spawning needs it, and its import belongs to "start"
 
-                run = dataclasses.replace(run, spawned_at=time.time())
-                results = spawn_ranks(
-                    spawned_rank, (run,), run.tp, plan.dist_backend, grace=args.rank_timeout, stall=args.stall_timeout, start_method="fork"
-                )
-            except Terminated:
-                print("fd: terminated; every rank was stopped", file=sys.stderr)
-                return EXIT_TERMINATED
-            diverged = [r["rank"] for r in results if r["outputs"] != results[0]["outputs"]]
-            if diverged:
-                raise RankError(f"rank {diverged[0]} generated different tokens than rank 0; the ranks disagree")
+            plan = dataclasses.replace(plan, run=dataclasses.replace(run, spawned_at=time.time()))
+            results = spawn_ranks(
+                spawned_rank, (plan,), run.tp, plan.dist_backend, grace=args.rank_timeout, stall=args.stall_timeout, start_method="fork"
+            )
+        except Terminated:
+            print("fd: terminated; every rank was stopped", file=sys.stderr)
+            return EXIT_TERMINATED
+        diverged = [r["rank"] for r in results if r["outputs"] != results[0]["outputs"]]
+        if diverged:
+            raise RankError(f"rank {diverged[0]} generated different tokens than rank 0; the ranks disagree")
     if results:
+        from fd_core.runtime.report import as_json, summary_lines
+
         _add_wall_time(results[0], run.started_at)
         if args.json:
             print(as_json(results))
@@ -296,8 +303,8 @@ def _add_wall_time(result: dict[str, Any], started_at: float | None) -> None:
 
 
 def cmd_save_random(args: argparse.Namespace) -> int:
-    from fd_core.distributed import quiet_paddle_logs
-    from fd_core.runner import save_random_checkpoint
+    from fd_core.paddle_logs import quiet_paddle_logs
+    from fd_core.runtime.save_random import save_random_checkpoint
 
     _require_paddle()
 
@@ -317,12 +324,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     except ImportError:
         raise FdError("fd check runs the conformance suite with pytest, which is not installed; pip install 'fd-backends[test]'") from None
 
-    from fd_core import distributed
+    from fd_core.paddle_logs import quiet_paddle_logs
     from fd_core.plugins import load_plugins
+    from fd_core.runtime import distributed
     from fd_core.testing import check_module
 
     _require_paddle()
-    distributed.quiet_paddle_logs()
+    quiet_paddle_logs()
     from fd_core.testing.pytest_plugin import ResultTable
 
     if args.platform is None:

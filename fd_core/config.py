@@ -6,11 +6,10 @@ import json
 import math
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
 from fd_core.errors import ConfigError
 
-GraphMode = Literal["auto", "off"]
 
 # Floating-point dtypes a model may compute in (the platform says which of them it can).
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -90,13 +89,6 @@ class ModelConfig:
             raise ConfigError(f"{source}: malformed config for {architecture!r}: {exc}") from None
         config.check(source)
         return config
-
-    @classmethod
-    def from_json(
-        cls, architecture: str, path: str | Path, defaults: Mapping[str, Any] | None = None
-    ) -> "ModelConfig":
-        path = Path(path)
-        return cls.from_dict(architecture, read_config_json(path), defaults, source=str(path))
 
     def check(self, source: str = "config") -> None:
         """Raise ConfigError naming the first setting that is of the wrong type, out of range or inconsistent."""
@@ -216,15 +208,3 @@ class ParallelConfig:
             raise ConfigError(f"tensor-parallel size must be >= 1, got {self.tp_size}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"tp_rank {self.tp_rank} is outside 0..{self.tp_size - 1}")
-
-
-@dataclass(frozen=True)
-class GraphConfig:
-    """Whether to capture graphs and for which batch sizes (one capture each)."""
-
-    mode: GraphMode = "auto"
-    batch_sizes: tuple[int, ...] = (1,)
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("auto", "off"):
-            raise ConfigError(f"graph mode must be 'auto' or 'off', got {self.mode!r}")

@@ -1,9 +1,9 @@
-"""The architecture registry and the model protocol the runner drives."""
+"""The architecture registry, the model protocol the runtime drives, and the weight specs a model declares."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping, Protocol, Sequence
 
 from fd_core.errors import ConfigError, PluginError
 from fd_core.graphs import GraphBackend
@@ -12,7 +12,24 @@ if TYPE_CHECKING:
     import numpy as np
 
     from fd_core.config import ModelConfig
-    from fd_core.weights import WeightSpec
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """One checkpoint tensor: its full (unsharded) shape, the axis split across tp ranks, its dtype and init."""
+
+    shape: tuple[int, ...]
+    split_axis: int | None = None
+    dtype: str = "float32"
+    init: Literal["normal", "ones", "zeros"] = "normal"
+    std: float = 0.02
+
+    def shard_shape(self, tp_size: int) -> tuple[int, ...]:
+        if self.split_axis is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.split_axis] //= tp_size
+        return tuple(shape)
 
 
 class CausalModel(Protocol):

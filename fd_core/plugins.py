@@ -56,7 +56,7 @@ class PluginRecord:
     def hooks(self) -> list[str]:
         if self.module is None:
             return []
-        return sorted(n for n in HOOK_NAMES if _impl_function(self.module, n) is not None)
+        return sorted(n for n in HOOK_NAMES if impl_function(self.module, n) is not None)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -118,7 +118,7 @@ def _normalise(name: str | None) -> str | None:
 _PARSER = pluggy.PluginManager(PROJECT)
 
 
-def _impl_function(module: object, hook: str) -> Any:
+def impl_function(module: object, hook: str) -> Any:
     """`module`'s implementation of `hook` if it is marked with @hookimpl (pluggy's own parsing), else None."""
     fn = getattr(module, hook, None)
     return fn if callable(fn) and _PARSER.parse_hookimpl_opts(module, hook) is not None else None  # type: ignore[arg-type]
@@ -333,7 +333,7 @@ def call_bounded(fn: Callable[[], T], timeout: float, what: str) -> T:
 
 
 def _detect(record: PluginRecord, timeout: float) -> None:
-    fn = _impl_function(record.module, "fd_platform_detect")
+    fn = impl_function(record.module, "fd_platform_detect")
     if fn is None:
         record.detect_error = "implements no fd_platform_detect; add one so it can be selected"
         return
@@ -391,7 +391,7 @@ def select_platform(records: list[PluginRecord], env: Mapping[str, str]) -> tupl
     return best[0].name, f"detected with the highest priority ({top}): {best[0].detection.reason}"  # type: ignore[union-attr]
 
 
-def _caller_for(pm: pluggy.PluginManager, hook: str, plugin_name: str) -> Any:
+def caller_for(pm: pluggy.PluginManager, hook: str, plugin_name: str) -> Any:
     """A hook caller that runs `plugin_name`'s implementation of `hook` with every wrapper around it (pluggy's own API)."""
     others = [i.plugin for i in getattr(pm.hook, hook).get_hookimpls()
               if i.plugin_name != plugin_name and not (i.wrapper or i.hookwrapper)]
@@ -417,7 +417,7 @@ def _call_each(
     for impl in impls:
         owner = impl.plugin_name
         try:
-            _caller_for(pm, hook, owner)(register=register_for(owner))
+            caller_for(pm, hook, owner)(register=register_for(owner))
         except PluginError as exc:
             message = str(exc)
         except Exception as exc:  # noqa: BLE001 - the plugin's own error
@@ -436,7 +436,7 @@ def _register_models(pm: pluggy.PluginManager, registry: ModelRegistry, records:
     builtin = {r.name for r in records if r.module is not None and r.builtin}
 
     def register_for(owner: str) -> Callable[[Architecture], None]:
-        has_clear = _impl_function(pm.get_plugin(owner), "fd_clear_graphs") is not None
+        has_clear = impl_function(pm.get_plugin(owner), "fd_clear_graphs") is not None
 
         def register(arch: Architecture) -> None:
             if not isinstance(arch, Architecture):

@@ -92,7 +92,7 @@ def _repeat(rank: int, world: int, reduce: Callable[[Any], Any]) -> dict[str, An
 
 def battery() -> dict[str, Any]:
     """Everything the tests check, on one rank of a two-rank job (one spawn for the whole file)."""
-    from fd_core.distributed import init_rank
+    from fd_core.runtime.distributed import init_rank
 
     os.environ.pop("FD_SHM_BUFFER_BYTES", None)
     os.environ.pop("FD_SHM_TIMEOUT", None)
@@ -122,7 +122,7 @@ def battery() -> dict[str, Any]:
         "graph_summary": decision.summary(),
     }
 
-    state = shm.GROUPS[None]
+    state = shm.group_state(None)
     result["world_group"] = {"usable": state.usable, "reason": state.reason, "slot_bytes": state.slot_bytes}
     result["sums"] = _sums(rank, world, shm_world, gloo_world)
 
@@ -149,7 +149,7 @@ def battery() -> dict[str, Any]:
     at_slot = small(paddle.full([SMALL_SLOT // 4], float(rank + 1)))
     over_slot = small(paddle.full([SMALL_SLOT // 4 + 1], float(rank + 1)))
     os.environ.pop("FD_SHM_BUFFER_BYTES")
-    small_state = shm.GROUPS[small_group]
+    small_state = shm.group_state(small_group)
     result["small_group"] = {
         "slot_bytes": small_state.slot_bytes,
         "calls": dict(small_state.calls),
@@ -165,7 +165,7 @@ def battery() -> dict[str, Any]:
         apart = platform.fd_all_reduce(paddle.full([16], float(rank + 1)), hosts_group)
     finally:
         shm._host_id = real_host_id
-    hosts_state = shm.GROUPS[hosts_group]
+    hosts_state = shm.group_state(hosts_group)
     result["different_hosts"] = {
         "usable": hosts_state.usable,
         "reason": hosts_state.reason,
@@ -178,7 +178,7 @@ def battery() -> dict[str, Any]:
     off_group = dist.new_group(list(range(world)))
     off = platform.fd_all_reduce(paddle.full([16], float(rank + 1)), off_group)
     os.environ.pop("FD_SHM_BUFFER_BYTES")
-    result["buffer_off"] = {"usable": shm.GROUPS[off_group].usable, "reason": shm.GROUPS[off_group].reason, "sum_ok": bool(np.all(off.numpy() == 3.0))}
+    result["buffer_off"] = {"usable": shm.group_state(off_group).usable, "reason": shm.group_state(off_group).reason, "sum_ok": bool(np.all(off.numpy() == 3.0))}
 
     # A bad setting on one rank raises on every rank, naming it, instead of leaving peers in a collective.
     if rank == 1:

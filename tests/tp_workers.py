@@ -30,10 +30,13 @@ def prompt_for(arch: Any) -> list[int]:
 
 
 def generate(backend: Any, arch_name: str, graph: str, image_seed: int = 0) -> dict[str, Any]:
-    """Load the preset with seeded weights, take the decision, prefill logits and greedy tokens."""
+    """Load the preset with seeded weights, take the decision, prefill logits and greedy tokens (through the engine)."""
     import numpy as np
 
-    from fd_core.runner import ModelRunner, model_config_for
+    from fd_core.runtime.engine import Engine
+    from fd_core.runtime.lifecycle import ModelRunner
+    from fd_core.runtime.plan import model_config_for
+    from fd_core.runtime.request import Request
 
     arch = backend.plugins.registry.get(arch_name)
     config = model_config_for(arch, None)
@@ -43,9 +46,9 @@ def generate(backend: Any, arch_name: str, graph: str, image_seed: int = 0) -> d
     image = image_for(arch, image_seed)
     prompt = prompt_for(arch)
     ids = np.asarray([prompt], dtype="int64")
-    runner.prepare(runner.model.prefill_length(ids, image) + STEPS)
+    runner.prepare(1, runner.model.prefill_length(ids, image) + STEPS)
     logits = runner.model.prefill(ids, image).numpy()
-    tokens = runner.generate(prompt, STEPS, image).tokens
+    tokens = Engine(runner).generate(Request.greedy([prompt], STEPS, [] if image is None else [image[0]]))[0].token_ids
     return {"logits": logits, "tokens": tokens, "graph": decision.allowed}
 
 
@@ -53,7 +56,7 @@ def tp_rank(arch_names: list[str]) -> dict[str, Any]:
     """On each of the spawned ranks: every architecture, eager and with graphs."""
     from fd_core.backend import load_backend
     from fd_core.config import ParallelConfig
-    from fd_core.distributed import init_rank
+    from fd_core.runtime.distributed import init_rank
 
     rank, world = init_rank()
     backend = load_backend(ParallelConfig(tp_size=world, tp_rank=rank))

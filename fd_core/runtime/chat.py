@@ -9,16 +9,16 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from fd_core.errors import CheckpointError, ConfigError
-from fd_core.runtime.tokenizer import read_json
+from fd_core.runtime.tokenizer import JsonReader, read_json
 
 
-def load_chat_template(directory: str | Path) -> str | None:
+def load_chat_template(directory: str | Path, read: JsonReader = read_json) -> str | None:
     """The chat template of a checkpoint: chat_template.jinja, chat_template.json, or tokenizer_config.json's."""
     path = Path(directory)
     if (path / "chat_template.jinja").is_file():
         return (path / "chat_template.jinja").read_text(encoding="utf-8")
     for name in ("chat_template.json", "tokenizer_config.json"):
-        template = read_json(path / name).get("chat_template")
+        template = read(path / name).get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
             template = named.get("default")

@@ -4,30 +4,22 @@ sampling, and per-sequence stopping at end-of-sequence ids, stop strings or the 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
 
-from fd_core import progress
-from fd_core.runtime.sampling import Sampler, SamplingParams
+from fd_core.errors import NumericsError
+from fd_core.runtime import progress
+from fd_core.runtime.lifecycle import ModelRunner
+from fd_core.runtime.request import Request
+from fd_core.runtime.sampling import Sampler
 from fd_core.runtime.streaming import StreamDecoder, TextState
 
 if TYPE_CHECKING:
-    from fd_core.runner import ModelRunner
     from fd_core.runtime.tokenizer import Tokenizer
 
 # Cache lengths are rounded up to this, so that requests of similar lengths reuse one captured graph.
 CACHE_STEP = 32
 PAD_ID = 0  # what fills a shorter prompt's left padding (masked; any id in the vocabulary would do)
-
-
-@dataclass(frozen=True)
-class Request:
-    """Prompts as token ids, how to sample and stop, and the pictures every prompt holds (arrays [C, H, W] or paths)."""
-
-    prompts: tuple[tuple[int, ...], ...]
-    sampling: SamplingParams = SamplingParams()
-    eos_ids: tuple[int, ...] = ()
-    images: tuple[Any, ...] = ()
 
 
 @dataclass
@@ -51,8 +43,6 @@ def finite_logits(logits: Any, step: int, live: Sequence[bool]) -> Any:
     """logits [B, vocab] as numpy; non-finite logits of a sequence still generating stop the run instead of becoming a plausible token."""
     import numpy as np
 
-    from fd_core.errors import NumericsError
-
     rows = logits.numpy()
     bad = [b for b, alive in enumerate(live) if alive and not np.isfinite(rows[b]).all()]
     if bad:
@@ -66,14 +56,12 @@ def finite_logits(logits: Any, step: int, live: Sequence[bool]) -> Any:
 
 @dataclass
 class Engine:
-    """Generates for a Request with a loaded and decided ModelRunner; yields text as it is produced."""
+    """The one generation loop: every caller (fd run, LLM, fd check, the reference tests, the benchmarks)
+    generates through it, with a loaded and decided ModelRunner; it yields text as it is produced."""
 
-    runner: "ModelRunner"
+    runner: ModelRunner
     tokenizer: "Tokenizer | None" = None
     max_batch: int = 8
-    log: Callable[[str], None] = lambda message: None
-    # Batch size -> cache length the decode graph was captured for.
-    _captured: dict[int, int] = field(default_factory=dict)
     decoded_tokens: int = 0
     decode_s: float = 0.0
     # Core time this rank got while decoding (below decode_s: the machine was shared), and when the
@@ -85,10 +73,6 @@ class Engine:
     def tokens_per_s(self) -> float:
         """Decode throughput of everything generated so far (tokens from decode steps, all sequences)."""
         return self.decoded_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-    def forget_graphs(self) -> None:
-        """The model's graphs were cleared (a weight reload): capture again on next use."""
-        self._captured.clear()
 
     def generate(self, request: Request, on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
         """Every prompt's completion, in order; `on_text(prompt index, text)` as text is produced."""
@@ -103,9 +87,7 @@ class Engine:
 
     def stream(self, request: Request) -> Generator[tuple[int, str], None, list[Completion]]:
         """Yields (prompt index, new text) while generating; returns every completion."""
-        from fd_core.runner import load_image
-
-        pictures = [load_image(p) if isinstance(p, str) else p for p in request.images]
+        pictures = list(request.images)
         # Prompts with pictures run one at a time (their rotary positions are not padded); text in batches.
         size = 1 if pictures else self.max_batch
         results: list[Completion] = []
@@ -118,22 +100,6 @@ class Engine:
         limit = self.runner.config.max_position_embeddings
         return max(needed, min(-(-needed // CACHE_STEP) * CACHE_STEP, limit))
 
-    def _prepare(self, batch: int, max_len: int) -> None:
-        """A zeroed cache for this batch; the decode step captured for its size (again if the cache length changed)."""
-        model, decision = self.runner.model, self.runner.decision
-        assert model is not None and decision is not None, "load() and decide() come before generating"
-        model.allocate_cache(batch, max_len)
-        if decision.allowed and self._captured.get(batch) != max_len:
-            self.log(f"capturing the decode step for batch size {batch} ({decision.mode})")
-            progress.report("capturing")
-            start = time.perf_counter()
-            model.capture(self.runner.backend.graph_backend(), batch)
-            self._add_time("capture", time.perf_counter() - start)
-            self._captured[batch] = max_len
-
-    def _add_time(self, phase: str, seconds: float) -> None:
-        self.runner.timings[phase] = self.runner.timings.get(phase, 0.0) + seconds
-
     def _batch(self, request: Request, rows: Sequence[int], image: Any) -> Generator[tuple[int, str], None, list[Completion]]:
         import numpy as np
 
@@ -144,7 +110,7 @@ class Engine:
         pads = [width - len(p) for p in prompts]
         ids = np.asarray([[PAD_ID] * pad + p for pad, p in zip(pads, prompts)], dtype="int64")
         length = model.prefill_length(ids, image)
-        self._prepare(len(rows), self._cache_len(length + params.max_new_tokens))
+        self.runner.prepare(len(rows), self._cache_len(length + params.max_new_tokens))
         sampler = Sampler(params, rows)
         texts = [TextState(StreamDecoder(self.tokenizer), params.stop) if self.tokenizer else None for _ in rows]
         tokens: list[list[int]] = [[] for _ in rows]
@@ -154,7 +120,7 @@ class Engine:
         start = time.perf_counter()
         progress.report("prefill")
         logits = model.prefill(ids, image, pad=pads) if any(pads) else model.prefill(ids, image)
-        self._add_time("prefill", time.perf_counter() - start)
+        self.runner.add_time("prefill", time.perf_counter() - start)
         decode_s, decoded = 0.0, 0
         core_start = time.process_time()
         for step in range(params.max_new_tokens):
@@ -187,7 +153,7 @@ class Engine:
             # Finished sequences ride along (fixed batch shape for the captured graph); their tokens are dropped.
             logits = model.decode_step(np.asarray(chosen, dtype="int64").reshape(-1, 1), length + step)
             decode_s += time.perf_counter() - start
-        self._add_time("decode", decode_s)
+        self.runner.add_time("decode", decode_s)
         self.decode_s += decode_s
         self.decode_core_s += time.process_time() - core_start
         self.decoded_tokens += decoded

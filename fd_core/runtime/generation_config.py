@@ -30,7 +30,11 @@ class GenerationDefaults:
     @classmethod
     def read(cls, directory: str | Path | None, model_config: Mapping[str, Any] | None = None) -> "GenerationDefaults":
         """generation_config.json's settings, with config.json's eos/pad ids as transformers falls back to."""
-        data = read_json(Path(directory) / "generation_config.json") if directory is not None else {}
+        return cls.of(read_json(Path(directory) / "generation_config.json") if directory is not None else {}, model_config)
+
+    @classmethod
+    def of(cls, data: Mapping[str, Any], model_config: Mapping[str, Any] | None = None) -> "GenerationDefaults":
+        """The defaults in generation_config.json's `data`, with config.json's eos/pad ids as transformers falls back to."""
         model: dict[str, Any] = dict(model_config or {})
         nested = model.get("text_config")
         text: Mapping[str, Any] = nested if isinstance(nested, Mapping) else {}

@@ -9,25 +9,25 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from fd_core import progress
 from fd_core.errors import RankError
+from fd_core.paddle_logs import quiet_paddle_logs
+from fd_core.runtime import progress
+from fd_core.runtime.distributed import init_rank, spawn_ranks
+from fd_core.runtime.worker import RankWorker
 
 if TYPE_CHECKING:
-    from fd_core.runner import RunConfig
-    from fd_core.runtime.engine import Request
+    from fd_core.runtime.plan import Plan
+    from fd_core.runtime.request import Request
 
 POLL_S = 0.2
 
 
-def serve_rank(run: "RunConfig", pipes: Sequence[Any]) -> dict[str, Any]:
+def serve_rank(plan: "Plan", pipes: Sequence[Any]) -> dict[str, Any]:
     """A spawned rank: load, report ready, then generate for each request until told to close."""
-    from fd_core.distributed import init_rank, quiet_paddle_logs
-    from fd_core.runtime.worker import RankWorker
-
     quiet_paddle_logs()
     rank, world = init_rank()
     conn = pipes[rank]
-    worker = RankWorker.start(run, rank, world)
+    worker = RankWorker.start(plan, rank, world)
     conn.send(("ready", {**worker.describe(), "pid": os.getpid()}))
     while True:
         try:
@@ -47,14 +47,14 @@ def serve_rank(run: "RunConfig", pipes: Sequence[Any]) -> dict[str, Any]:
 class RankPool:
     """`tp` ranks serving requests; a rank that fails stops the others and the next call raises its RankError."""
 
-    def __init__(self, run: "RunConfig", tp: int, dist_backend: str, grace: float) -> None:
+    def __init__(self, plan: "Plan", tp: int, grace: float) -> None:
         context = multiprocessing.get_context("spawn")
         pairs = [context.Pipe() for _ in range(tp)]
         self.conns = [ours for ours, _ in pairs]
         theirs = tuple(end for _, end in pairs)
         self.error: BaseException | None = None
         self.pids: list[int] = []
-        self.thread = threading.Thread(target=self._spawn, args=(run, theirs, tp, dist_backend, grace), name="fd-ranks", daemon=True)
+        self.thread = threading.Thread(target=self._spawn, args=(plan, theirs, tp, grace), name="fd-ranks", daemon=True)
         self.thread.start()
         try:
             self.ready = [self._receive(rank, "ready") for rank in range(tp)]
@@ -66,12 +66,9 @@ class RankPool:
                 end.close()
         self.pids = [info[1]["pid"] for info in self.ready]
 
-    def _spawn(self, run: "RunConfig", pipes: tuple[Any, ...], tp: int, dist_backend: str, grace: float) -> None:
-        from fd_core.distributed import spawn_ranks
-        from fd_core.runtime.ranks import serve_rank
-
+    def _spawn(self, plan: "Plan", pipes: tuple[Any, ...], tp: int, grace: float) -> None:
         try:
-            spawn_ranks(serve_rank, (run, pipes), tp, dist_backend, grace=grace)
+            spawn_ranks(serve_rank, (plan, pipes), tp, plan.dist_backend, grace=grace)
         except BaseException as exc:  # re-raised in the caller's thread by its next call
             self.error = exc
 

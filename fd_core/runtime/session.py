@@ -8,8 +8,15 @@ from typing import TYPE_CHECKING, Any, Generator, Iterator, Sequence
 
 from fd_core.errors import ConfigError
 from fd_core.graphs import CastVote, GraphDecision
-from fd_core.runtime.engine import Completion, Request
+from fd_core.paddle_logs import quiet_paddle_logs
+from fd_core.plugins import load_plugins
+from fd_core.runtime.engine import Completion
+from fd_core.runtime.images import load_image
+from fd_core.runtime.plan import RunConfig, plan_run, plugin_env
+from fd_core.runtime.ranks import RankPool
+from fd_core.runtime.request import Request, build_request
 from fd_core.runtime.sampling import SamplingParams
+from fd_core.runtime.worker import RankWorker
 
 if TYPE_CHECKING:
     from fd_core.runtime.tokenizer import Tokenizer
@@ -30,41 +37,26 @@ class LLM:
         dtype: str | None = None, graph: str = "auto", seed: int = 0, max_batch: int = 8, progress: bool = False,
         rank_timeout: float = 30.0,
     ) -> None:
-        from fd_core.runner import RunConfig, plan_run
-        from fd_core.runtime.generation_config import GenerationDefaults
-        from fd_core.runtime.prompts import _raw_config
-
-        from fd_core.distributed import quiet_paddle_logs
-
         quiet_paddle_logs()  # before paddle is imported: its C++ logs stay off the caller's terminal
-        if graph not in ("auto", "off"):
-            raise ConfigError(f"graph must be 'auto' or 'off', got {graph!r}")
+        if graph not in ("auto", "off", "on"):
+            raise ConfigError(f"graph must be 'auto', 'off' or 'on', got {graph!r}")
         self.checkpoint = None if checkpoint is None else str(checkpoint)
         run = RunConfig(model=model or "", tp=tp, checkpoint=self.checkpoint, dtype=dtype, graph=graph, seed=seed,
                         max_batch=max_batch, progress=progress, platform=platform)
-        self._plan = plan_run(run)
-        self._run = run
-        self.tokenizer: Tokenizer | None = self._plan.tokenizer
-        if self.tokenizer is None and self.checkpoint is not None:
-            from fd_core.runtime.tokenizer import has_tokenizer, load_tokenizer
-
-            self.tokenizer = load_tokenizer(self.checkpoint) if has_tokenizer(self.checkpoint) else None
-        self._defaults = GenerationDefaults.read(self.checkpoint, _raw_config(self.checkpoint))
+        self._plugins = load_plugins(plugin_env(platform))
+        self._plan = plan_run(run, self._plugins)
+        self.tokenizer: Tokenizer | None = self._plan.checkpoint.tokenizer_if_any() if self._plan.checkpoint is not None else None
         self._worker: Any = None
         self._pool: Any = None
         if tp == 1:
-            from fd_core.runtime.worker import RankWorker
-
-            self._worker = RankWorker.start(run)
+            self._worker = RankWorker.start(self._plan, plugins=self._plugins)
             self._info = self._worker.describe()
         else:
-            from fd_core.runtime.ranks import RankPool
-
             if progress:
                 import sys
 
                 print(f"fd: starting {tp} ranks on {self._plan.platform} ({self._plan.dist_backend})", file=sys.stderr, flush=True)
-            self._pool = RankPool(run, tp, self._plan.dist_backend, rank_timeout)
+            self._pool = RankPool(self._plan, tp, rank_timeout)
             self._info = self._pool.ready[0][1]
 
     # -- what it is ----------------------------------------------------------------------
@@ -128,35 +120,23 @@ class LLM:
 
     def _request(self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None, chat: bool, images: Sequence[Any]) -> Request:
         """Prompts as checked token ids with the sampling settings and end-of-sequence ids: all before any rank sees them."""
-        from fd_core.runner import load_image
-        from fd_core.runtime.prompts import check_prompts, text_prompts, tokenizer_for
-
         plan = self._plan
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
         items: list[Any] = [prompts] if single else list(prompts)
         if not items:
             raise ConfigError("no prompt given; pass a string, a list of token ids, or a list of either")
         pictures = tuple(load_image(str(p)) if isinstance(p, (str, Path)) else p for p in images)
-        shapes: list[tuple[int, int, int]] = [(int(p.shape[0]), int(p.shape[1]), int(p.shape[2])) for p in pictures]
         texts = [p for p in items if isinstance(p, str)]
         if texts and len(texts) != len(items):
             raise ConfigError("pass text prompts or token-id prompts in one call, not both")
-        if texts:
-            # Without a tokenizer this raises the one-line error naming the files looked for.
-            tokenizer = self.tokenizer or tokenizer_for(self.checkpoint, plan.arch.name)
-            ids = text_prompts(texts, tokenizer, self.checkpoint or "", chat, plan.arch, plan.config, shapes)
-        else:
-            if chat:
-                raise ConfigError("chat=True applies the chat template to text; pass the message as a string")
-            ids = [list(p) for p in items]
-        sampling = sampling or SamplingParams().with_defaults(self._defaults.sampling, ())
-        if sampling.stop and self.tokenizer is None:
+        if not texts and chat:
+            raise ConfigError("chat=True applies the chat template to text; pass the message as a string")
+        if sampling is not None and sampling.stop and self.tokenizer is None:
             raise ConfigError("stop strings are matched in the text, and without a tokenizer there is none")
-        check_prompts(ids, sampling.max_new_tokens, plan.arch, plan.config, shapes)
-        eos = list(self._defaults.eos_ids)
-        if self.tokenizer is not None and self.tokenizer.role_id("eos_token") not in (None, *eos):
-            eos.append(int(self.tokenizer.role_id("eos_token")))  # type: ignore[arg-type]
-        return Request(tuple(tuple(int(t) for t in p) for p in ids), sampling, tuple(eos), pictures)
+        # Settings passed in are taken whole; without them, the checkpoint's generation_config.json decides.
+        given = () if sampling is None else ("temperature", "top_p", "top_k")
+        return build_request(items, sampling or SamplingParams(), arch=plan.architecture(self._plugins), config=plan.config, checkpoint=plan.checkpoint,
+                             chat=chat, images=pictures, given=given)
 
     # -- lifetime ------------------------------------------------------------------------
     def close(self) -> None:

@@ -6,13 +6,16 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from fd_core.errors import CheckpointError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 # The special-token roles transformers passes to a chat template, by their tokenizer_config.json keys.
 SPECIAL_ROLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+JsonReader = Callable[[Path], dict[str, Any]]
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -256,7 +259,7 @@ class SentencePieceTokenizer(Tokenizer):
         return self._special
 
 
-def _added_tokens(directory: Path, config: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
+def _added_tokens(directory: Path, config: Mapping[str, Any], read: JsonReader) -> dict[int, dict[str, Any]]:
     """Added tokens by id: tokenizer_config.json's `added_tokens_decoder`, then added_tokens.json (content -> id)."""
     added: dict[int, dict[str, Any]] = {}
     decoder = config.get("added_tokens_decoder") or {}
@@ -265,7 +268,7 @@ def _added_tokens(directory: Path, config: Mapping[str, Any]) -> dict[int, dict[
         if content is None or not str(key).isdigit():
             raise CheckpointError(f"{directory}/tokenizer_config.json: added_tokens_decoder entry {key!r} is malformed")
         added[int(key)] = {**entry, "content": content} if isinstance(entry, Mapping) else {"content": content, "special": True}
-    for content, token_id in read_json(directory / "added_tokens.json").items():
+    for content, token_id in read(directory / "added_tokens.json").items():
         if not isinstance(token_id, int):
             raise CheckpointError(f"{directory}/added_tokens.json: {content!r} maps to {token_id!r}, not a token id")
         added.setdefault(token_id, {"content": content, "special": False})
@@ -277,17 +280,20 @@ def has_tokenizer(directory: str | Path) -> bool:
     return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
 
 
-def load_tokenizer(directory: str | Path) -> Tokenizer:
-    """The tokenizer of a checkpoint directory: tokenizer.json if present, else tokenizer.model."""
+def load_tokenizer(directory: str | Path, read: JsonReader = read_json) -> Tokenizer:
+    """The tokenizer of a checkpoint directory: tokenizer.json if present, else tokenizer.model.
+
+    `read` reads its JSON files (a Checkpoint passes its own, which reads each file once).
+    """
     path = Path(directory)
     if not has_tokenizer(path):
         raise CheckpointError(
             f"{path} has no tokenizer (looked for {' and '.join(TOKENIZER_FILES)}); "
             f"pass token ids with --prompt-ids, which needs none"
         )
-    config = read_json(path / "tokenizer_config.json")
-    special_map = read_json(path / "special_tokens_map.json")
-    added = _added_tokens(path, config)
+    config = read(path / "tokenizer_config.json")
+    special_map = read(path / "special_tokens_map.json")
+    added = _added_tokens(path, config, read)
     if (path / "tokenizer.json").is_file():
         return JsonTokenizer(path, config, special_map, added)
     return SentencePieceTokenizer(path, config, special_map, added)

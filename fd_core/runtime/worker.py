@@ -1,17 +1,22 @@
-"""One rank's side of a run: plugins, backend, model loaded and decided, and its generation engine."""
+"""One rank's side of a run: from the plan it received, its plugins, backend, model loaded and decided,
+and its generation engine."""
 
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-from fd_core import progress
-from fd_core.runtime.engine import Completion, Engine, Request
-
-if TYPE_CHECKING:
-    from fd_core.backend import Backend
-    from fd_core.runner import ModelRunner, Plan, RunConfig
+from fd_core.backend import Backend, load_backend
+from fd_core.config import ParallelConfig
+from fd_core.errors import PlatformError
+from fd_core.plugins import PluginSet, load_plugins
+from fd_core.runtime import progress
+from fd_core.runtime.engine import Completion, Engine
+from fd_core.runtime.lifecycle import ModelRunner
+from fd_core.runtime.plan import Plan, plugin_env
+from fd_core.runtime.request import Request
 
 
 def print_text(index: int, text: str) -> None:
@@ -24,33 +29,37 @@ def print_text(index: int, text: str) -> None:
 class RankWorker:
     """A rank with its model loaded and its graph decision made, ready to generate."""
 
-    run: "RunConfig"
     rank: int
     tp: int
-    plan: "Plan"
-    backend: "Backend"
-    runner: "ModelRunner"
+    plan: Plan
+    backend: Backend
+    runner: ModelRunner
     engine: Engine
     log: Callable[[str], None]
 
     @classmethod
-    def start(cls, run: "RunConfig", rank: int = 0, tp: int = 1, group: Any = None, entered: float | None = None) -> "RankWorker":
-        """Select the platform, check the run, load the model and decide on graphs; progress lines from rank 0.
+    def start(
+        cls, plan: Plan, rank: int = 0, tp: int = 1, group: Any = None, entered: float | None = None, plugins: PluginSet | None = None
+    ) -> "RankWorker":
+        """Select the platform, load the planned model and decide on graphs; progress lines from rank 0.
 
-        `entered` (time.time()) is when this rank's work began: the time up to the model's build is its "setup" phase.
+        `plugins` are the planning process's own (a rank in it discovers none again); a rank in another
+        process discovers them once. `entered` (time.time()) is when this rank's work began: the time up
+        to the model's build is its "setup" phase.
         """
-        import time
-
         entered = time.time() if entered is None else entered
-        from fd_core.backend import load_backend
-        from fd_core.config import ParallelConfig
-        from fd_core.plugins import load_plugins
-        from fd_core.runner import ModelRunner, plan_run, plugin_env
-
-        progress.report("loading plugins")
-        plugins = load_plugins(plugin_env(run.platform))
+        run = plan.run
+        if plugins is None:
+            progress.report("loading plugins")
+            plugins = load_plugins(plugin_env(run.platform))
         backend = load_backend(ParallelConfig(tp_size=tp, tp_rank=rank, group=group), plugins=plugins)
-        plan = plan_run(run, plugins)
+        if backend.platform != plan.platform:
+            # Detection that answers differently from one call to the next would run ranks on two platforms.
+            raise PlatformError(
+                f"rank {rank} selected platform {backend.platform!r}, but the run was planned on {plan.platform!r}; "
+                f"a platform's fd_platform_detect must answer the same every time (or force one with FD_PLATFORM)"
+            )
+        arch = plan.architecture(plugins)
         if backend.detection.device:
             import paddle
 
@@ -66,14 +75,15 @@ class RankWorker:
         # Before any weight is read: a platform whose all-reduce does not sum stops the run here.
         progress.report("checking the all-reduce")
         backend.check_collective()
-        runner = ModelRunner(backend, plan.arch, plan.config, run.checkpoint, run.seed, run.graph, log, run.allow_non_finite)
+        runner = ModelRunner(backend, arch, plan.config, run.checkpoint, run.seed, run.graph, log, run.allow_non_finite)
         runner.timings["setup"] = time.time() - entered
-        log(f"loading {plan.arch.name} ({run.checkpoint or 'seeded random weights'}) on {backend.platform}, tp={tp}")
+        log(f"loading {arch.name} ({run.checkpoint or 'seeded random weights'}) on {backend.platform}, tp={tp}")
         progress.report("loading weights")
         runner.load()
-        log(f"loaded {plan.arch.name} on {backend.platform} (tp={tp}) in {runner.timings['load']:.2f}s")
+        log(f"loaded {arch.name} on {backend.platform} (tp={tp}) in {runner.timings['load']:.2f}s")
         runner.decide()
-        return cls(run, rank, tp, plan, backend, runner, Engine(runner, plan.tokenizer, run.max_batch, log), log)
+        tokenizer = plan.checkpoint.tokenizer_if_any() if plan.checkpoint is not None else None
+        return cls(rank, tp, plan, backend, runner, Engine(runner, tokenizer, run.max_batch), log)
 
     def generate(self, request: Request, on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
         """Every prompt's completion; progress lines around it."""
@@ -88,7 +98,7 @@ class RankWorker:
         return {
             "rank": self.rank,
             "platform": self.backend.platform,
-            "model": self.plan.arch.name,
+            "model": self.plan.model,
             "tp": self.tp,
             "graph": self.runner.decision.to_dict(),
             "all_reduce": self.backend.all_reduce_binding,

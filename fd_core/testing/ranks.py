@@ -38,7 +38,7 @@ def all_reduce_on_rank(platform: str, cases: Sequence[Case], with_graph: bool) -
     os.environ["FD_PLATFORM"] = platform
     from fd_core.backend import load_backend
     from fd_core.config import ModelConfig, ParallelConfig
-    from fd_core.distributed import init_rank
+    from fd_core.runtime.distributed import init_rank
 
     rank, world = init_rank()
     import paddle

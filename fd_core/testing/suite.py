@@ -10,7 +10,7 @@ import pytest
 from fd_core.capabilities import Capabilities
 from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.detection import Detection
-from fd_core.plugins import PluginSet, _impl_function, load_plugins, new_plugin_manager, validate_module
+from fd_core.plugins import PluginSet, impl_function, load_plugins, new_plugin_manager, validate_module
 
 ALL_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 SHAPES: tuple[tuple[int, ...], ...] = ((0,), (1,), (3, 5), (64, 64))
@@ -31,7 +31,7 @@ def _two_rank_results(platform: str, cases: tuple[Any, ...], with_graph: bool) -
     """Spawn two real ranks once per platform and case list; the results are shared by the checks."""
     key = (platform, cases, with_graph)
     if key not in _RANK_RUNS:
-        from fd_core.distributed import spawn_ranks
+        from fd_core.runtime.distributed import spawn_ranks
         from fd_core.testing.ranks import all_reduce_on_rank
 
         plugins = _plugins_for(platform)
@@ -87,7 +87,7 @@ class ContractTests(_Base):
     """Detection and the shape of the hook implementations."""
 
     def test_detection_is_well_formed(self, platform_module: Any, platform_name: str) -> None:
-        detect = _impl_function(platform_module, "fd_platform_detect")
+        detect = impl_function(platform_module, "fd_platform_detect")
         assert detect is not None, f"{platform_name}: implement fd_platform_detect()"
         answer = detect()
         assert isinstance(answer, Detection), f"{platform_name}: fd_platform_detect must return fd_core.Detection, got {type(answer).__name__}"
@@ -102,7 +102,7 @@ class ContractTests(_Base):
         pm.register(platform_module, name=platform_name)
         pm.check_pending()
         for hook in ("fd_platform_detect", "fd_all_reduce"):
-            assert _impl_function(platform_module, hook) is not None, f"{platform_name}: a platform must implement {hook}"
+            assert impl_function(platform_module, hook) is not None, f"{platform_name}: a platform must implement {hook}"
 
     def test_selected_by_fd_platform(self, plugins: PluginSet, platform_name: str) -> None:
         assert plugins.platform == platform_name
@@ -269,12 +269,15 @@ class ModelTests(_Base):
         for arch in plugins.registry:
             if arch.graph_capable:
                 owner = plugins.pm.get_plugin(arch.package)
-                assert _impl_function(owner, "fd_clear_graphs") is not None, f"{arch.name} ({arch.package}) has no fd_clear_graphs"
+                assert impl_function(owner, "fd_clear_graphs") is not None, f"{arch.name} ({arch.package}) has no fd_clear_graphs"
 
     def test_clear_hook_really_clears_each_captured_model(self, plugins: PluginSet, capabilities: Capabilities, hardware: Detection) -> None:
         """Through a recording graph backend: after fd_clear_graphs nothing is captured and decode does not replay."""
         from fd_core.backend import Backend
-        from fd_core.runner import ModelRunner, model_config_for
+        from fd_core.runtime.engine import Engine
+        from fd_core.runtime.lifecycle import ModelRunner
+        from fd_core.runtime.plan import model_config_for
+        from fd_core.runtime.request import Request
 
         backend = Backend(plugins)
         if not capabilities.graphs or backend.graph_mode is None:
@@ -287,22 +290,23 @@ class ModelTests(_Base):
             return spies[-1]
 
         backend.graph_backend = recording  # type: ignore[method-assign]
+        request = Request.greedy([[1, 2, 3]], 4)
         for arch in plugins.registry:
+            # The engine `fd run` generates through: what is checked here is what runs.
             runner = ModelRunner(backend, arch, model_config_for(arch, None))
             runner.load()
             if not runner.decide().allowed:
                 continue
-            runner.prepare(max_len=24)
+            engine = Engine(runner)
+            before = engine.generate(request)[0].token_ids
             spy = spies[-1]
-            before = runner.generate([1, 2, 3], steps=4).tokens
             assert spy.replays, f"{arch.name}: decode did not replay its captured graph"
             model = runner.model
             assert model is not None
             backend.clear_graphs(model)  # raises PluginError when no hook handles the model
             assert spy.clears and not any(spy.has(k) for k in spy.keys), f"{arch.name}: fd_clear_graphs returned True but the graphs are still captured"
             replays = spy.replays
-            model.allocate_cache(1, 24)
-            after = runner.generate([1, 2, 3], steps=4).tokens
+            after = engine.generate(request)[0].token_ids
             assert spy.replays == replays, f"{arch.name}: decode still replayed a graph after fd_clear_graphs"
             assert after == before, f"{arch.name}: decoding after fd_clear_graphs gives {after}, with graphs {before}"
 

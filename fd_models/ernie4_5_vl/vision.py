@@ -14,7 +14,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from fd_core.weights import WeightSpec
+from fd_core import WeightSpec
 from fd_models.ernie4_5_vl.config import VisionConfig
 from fd_models.layers.norm import LayerNorm, RMSNorm
 from fd_models.layers.parallel import ReplicatedLinear

@@ -16,7 +16,7 @@ from paddle import nn
 
 from fd_core.config import ModelConfig
 from fd_core.models import GraphBackend
-from fd_core.weights import WeightSpec
+from fd_core import WeightSpec
 from fd_models.layers import params
 from fd_models.layers.attention import Attention
 from fd_models.layers.mlp import SwiGLUMLP
@@ -299,6 +299,15 @@ class CausalLM(nn.Layer):
             example = [paddle.zeros([batch_size, 1], dtype="int64"), position, position, slots, start, *caches]
             graph_backend.capture((batch_size, length), self.decode_fn, example)
         self._graphs = graph_backend
+
+    @property
+    def graphs(self) -> GraphBackend | None:
+        """The graph backend decode steps replay from (set by `capture`); None while decode runs eagerly."""
+        return self._graphs
+
+    def use_graphs(self, graphs: GraphBackend | None) -> None:
+        """Replay decode steps from `graphs` (what `graphs` returned after an earlier `capture` of this model), or run eagerly with None."""
+        self._graphs = graphs
 
     def clear_graph_opt_backend(self) -> None:
         """Drop every captured graph; decode runs eagerly until `capture` is called again."""

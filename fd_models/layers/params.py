@@ -13,7 +13,7 @@ import numpy as np
 import paddle
 from paddle import nn
 
-from fd_core.weights import WeightSpec
+from fd_core import WeightSpec
 
 # (internal prefix, checkpoint prefix) pairs; the first matching pair renames a parameter.
 Renames = Sequence[tuple[str, str]]

@@ -15,7 +15,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from fd_core.weights import WeightSpec
+from fd_core import WeightSpec
 from fd_models.layers.norm import LayerNorm
 from fd_models.layers.parallel import ReplicatedLinear
 from fd_models.layers.params import new_param

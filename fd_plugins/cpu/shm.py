@@ -438,8 +438,13 @@ def _identity(tensor: Any) -> Any:
     return tensor
 
 
-# Every group set up in this process, by group object (None: the default group), for inspection.
-GROUPS: dict[Any, ShmGroup] = {}
+# Every group set up in this process, by group object (None: the default group); read through group_state.
+_GROUPS: dict[Any, ShmGroup] = {}
+
+
+def group_state(group: Any) -> ShmGroup | None:
+    """The shared-memory state of `group` set up in this process (usable, slot size, call counts), None if none was."""
+    return _GROUPS.get(group)
 
 
 def setup_group(group: Any, fallback: AllReduce) -> ShmGroup:
@@ -450,5 +455,5 @@ def setup_group(group: Any, fallback: AllReduce) -> ShmGroup:
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
         rank, world = group.rank, group.nranks
-    state = GROUPS[group] = ShmGroup(group, rank, world, fallback).setup()
+    state = _GROUPS[group] = ShmGroup(group, rank, world, fallback).setup()
     return state

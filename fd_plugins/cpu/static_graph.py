@@ -26,6 +26,14 @@ def _trace(fn: Callable[..., Any], specs: list[Any]) -> Callable[..., Any]:
     return cache[key]
 
 
+def forget_traces(fn: Callable[..., Any]) -> None:
+    """Drop the programs traced for `fn`'s owner, so that the next capture traces again (a benchmark
+    that rewires a model between captures needs each wiring's own program)."""
+    owner = getattr(fn, "__self__", fn)
+    if hasattr(owner, "__dict__"):
+        vars(owner).pop(_CACHE_ATTR, None)
+
+
 class StaticGraphBackend:
     """Traces a function into a static program once per key, then replays the program."""
 

@@ -37,7 +37,7 @@ def test_bench_is_a_plugin_command_and_the_core_imports_no_benchmark_code() -> N
     plugins = load_plugins({})
     summary, _, owner = plugins.commands["bench"]
     assert owner == "bench" and "benchmarks" in summary
-    code = "import sys, fd_core.cli, fd_core.runner, fd_core.backend\nassert not any(m.startswith('fd_bench') for m in sys.modules)"
+    code = "import sys, fd_core.cli, fd_core.runtime.plan, fd_core.backend\nassert not any(m.startswith('fd_bench') for m in sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -3,7 +3,7 @@
 Directory-level problems (no config.json, a pickle file, unreadable config.json) are found by
 `plan_run` in the `fd` process before any rank starts. Tensor-level problems need the model's
 weight specs, so each rank finds them while reading: it reads and checks every tensor into numpy
-arrays before a single parameter is assigned (fd_core.weights.load_checkpoint), and a rank that
+arrays before a single parameter is assigned (fd_core.runtime.weights.load_checkpoint), and a rank that
 fails stops the others.
 """
 
@@ -91,7 +91,8 @@ def test_tensor_problem_is_found_before_any_parameter_is_touched(checkpoints: di
     from fd_core.backend import load_backend
     from fd_core.config import ParallelConfig
     from fd_core.plugins import load_plugins
-    from fd_core.runner import ModelRunner, model_config_for
+    from fd_core.runtime.lifecycle import ModelRunner
+    from fd_core.runtime.plan import model_config_for
 
     directory = checkpoints[case]
     plugins = load_plugins({})
@@ -110,8 +111,8 @@ def test_every_rank_checks_every_tensor_not_only_its_shard(checkpoints: dict[str
     from fd_core.backend import load_backend
     from fd_core.config import ParallelConfig
     from fd_core.plugins import load_plugins
-    from fd_core.runner import model_config_for
-    from fd_core.weights import load_checkpoint
+    from fd_core.runtime.plan import model_config_for
+    from fd_core.runtime.weights import load_checkpoint
 
     plugins = load_plugins({})
     arch = plugins.registry.get("ernie4_5")
@@ -184,7 +185,7 @@ def test_save_random_refuses_a_non_empty_directory_and_leaves_it_alone(checkpoin
 def test_save_that_fails_midway_leaves_no_file_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """save_checkpoint writes into a staging directory and renames it whole: a failure leaves nothing."""
     from fd_core import weights
-    from fd_core.weights import save_checkpoint
+    from fd_core.runtime.weights import save_checkpoint
 
     def write_half_then_fail(path: Path, tensors: dict, dtype: str) -> None:
         Path(path).write_bytes(b"\x00" * 100)

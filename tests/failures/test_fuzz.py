@@ -32,7 +32,8 @@ WEIRD: list[Any] = [None, True, -1, 0, 1, 2**62, -(2**62), 1.5, math.nan, math.i
 def base(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from fd_core.backend import load_backend
     from fd_core.plugins import load_plugins
-    from fd_core.runner import model_config_for, save_random_checkpoint
+    from fd_core.runtime.plan import model_config_for
+    from fd_core.runtime.save_random import save_random_checkpoint
 
     root = tmp_path_factory.mktemp("fuzz")
     good = save_random_checkpoint("ernie4_5", str(root / "good"), seed=3)
@@ -93,7 +94,7 @@ def _checkpoint_mutations(rng: random.Random) -> list[tuple[str, Callable[[bytes
 
 
 def _load(directory: Path, specs: dict[str, Any]) -> None:
-    from fd_core.weights import load_checkpoint
+    from fd_core.runtime.weights import load_checkpoint
 
     shards = load_checkpoint(directory, specs, 0, 2, check_finite=True)
     for name in shards:  # read every tensor, as loading does

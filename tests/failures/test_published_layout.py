@@ -143,7 +143,8 @@ def test_index_naming_a_missing_file(saved: Path, tmp_path: Path) -> None:
 def _load(directory: Path) -> None:
     from fd_core.backend import load_backend
     from fd_core.plugins import load_plugins
-    from fd_core.runner import ModelRunner, model_config_for
+    from fd_core.runtime.lifecycle import ModelRunner
+    from fd_core.runtime.plan import model_config_for
 
     plugins = load_plugins({})
     arch = plugins.registry.get("ernie4_5")
@@ -199,7 +200,8 @@ def test_a_fifo_named_like_the_weights_is_refused_without_hanging(saved: Path, t
 
 def test_stored_float_types_widen_exactly(tmp_path: Path) -> None:
     """bfloat16 and float16 tensors read as float32 equal a conversion computed another way (bit shift, numpy)."""
-    from fd_core.weights import WeightSpec, load_checkpoint
+    from fd_core import WeightSpec
+    from fd_core.runtime.weights import load_checkpoint
 
     rng = np.random.default_rng(0)
     bits = rng.integers(0, 1 << 16, (6, 4), dtype=np.uint16)

@@ -12,7 +12,7 @@ import pytest
 
 from fd_core.config import ParallelConfig
 from fd_core.models import Architecture
-from fd_core.weights import random_state_dict
+from fd_core.runtime.weights import random_state_dict
 
 PLUGINS = ("fd_models.ernie4_5.plugin", "fd_models.ernie4_5_vl.plugin", "fd_models.qwen3_vl.plugin")
 BATCH, PROMPT, STEPS, MAX_LEN = 2, 6, 4, 40
@@ -33,7 +33,7 @@ def make_ctx(tp_size: int = 1, tp_rank: int = 0, all_reduce: Callable[[Any], Any
 
 def build_loaded(arch: Architecture, ctx: Any = None) -> Any:
     """Build `arch` from its preset for ctx's rank and load that rank's shard of the seeded weights."""
-    from fd_core.runner import model_config_for
+    from fd_core.runtime.plan import model_config_for
 
     ctx = ctx or make_ctx()
     model = arch.build(model_config_for(arch, None), ctx)

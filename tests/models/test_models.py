@@ -77,7 +77,7 @@ def _forbidden_after_capture(forward):
 
 
 def test_release_then_load_gives_same_output(arch, kit) -> None:
-    from fd_core.weights import random_state_dict
+    from fd_core.runtime.weights import random_state_dict
 
     model = kit.build_loaded(arch)
     ids, image = kit.prompt(arch)
@@ -101,7 +101,7 @@ def test_clear_graphs_hook_drops_graphs_and_recapture_works(arch, kit) -> None:
     assert plugin.fd_clear_graphs(model) is True
     assert graphs.clears == 1 and not graphs.graphs
     lm = getattr(model, "language_model", model)
-    assert lm._graphs is None
+    assert lm.graphs is None
     eager, _ = kit.greedy(model, ids, image, steps=2)
     assert graphs.replays == 1  # ran eagerly
 

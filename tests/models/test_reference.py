@@ -226,24 +226,22 @@ def test_seed_keeps_every_step_clear_of_a_tie(cases: dict[str, Case], name: str)
 
 
 def _fd_rank_result(case: Case, graph: str) -> tuple[list[int], np.ndarray, bool]:
-    """What `fd run --tp 1` computes (the runner in this process): tokens, first-step logits, whether a graph was captured."""
-    from fd_core.backend import load_backend
-    from fd_core.config import ParallelConfig
+    """What `fd run --tp 1` computes, through its plan, rank worker and engine in this process: tokens,
+    first-step logits (the model's prefill on the planned pictures), whether a graph was captured."""
     from fd_core.plugins import load_plugins
-    from fd_core.runner import ModelRunner, RunConfig, load_image, plan_run
+    from fd_core.runtime.plan import RunConfig, plan_run
+    from fd_core.runtime.worker import RankWorker
 
     run = RunConfig(model=None, tp=1, steps=STEPS, prompt_ids=tuple(case.prompt), checkpoint=str(case.directory),
                     images=tuple(map(str, case.images)), graph=graph, progress=False)
     plugins = load_plugins({})
     plan = plan_run(run, plugins)
-    runner = ModelRunner(load_backend(ParallelConfig(), plugins=plugins), plan.arch, plan.config, run.checkpoint, graph=graph)
-    runner.load()
-    decision = runner.decide()
-    image = [load_image(path) for path in run.images] or None
-    runner.prepare(len(case.prompt) + STEPS)
-    logits = runner.model.prefill(np.asarray([case.prompt]), image).numpy()[0]
-    runner.prepare(len(case.prompt) + STEPS)
-    return runner.generate(case.prompt, STEPS, image).tokens, logits, decision.allowed
+    worker = RankWorker.start(plan, plugins=plugins)
+    model, decision = worker.runner.model, worker.runner.decision
+    assert model is not None and decision is not None
+    tokens = worker.generate(plan.request)[0].token_ids
+    logits = model.prefill(np.asarray([case.prompt]), list(plan.request.images) or None).numpy()[0]
+    return tokens, logits, decision.allowed
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -300,12 +298,14 @@ def test_fd_run_matches_the_reference(cases: dict[str, Case], cli_runs: dict[tup
 @pytest.mark.parametrize(("model", "seed"), [("ernie4_5", 4), ("qwen3_vl", 1)])
 def test_save_random_writes_what_transformers_loads(tmp_path: Path, model: str, seed: int) -> None:
     """`fd save-random` writes the published layout: transformers reads it and generates fd's tokens."""
-    from fd_core.runner import RunConfig, run_rank, save_random_checkpoint
+    from fd_core.runtime.launch import run_rank
+    from fd_core.runtime.plan import RunConfig, plan_run
+    from fd_core.runtime.save_random import save_random_checkpoint
 
     directory = save_random_checkpoint(model, str(tmp_path / model), seed=seed, dtype="bfloat16")
     config = json.loads((directory / "config.json").read_text())
     reference = getattr(transformers, config["architectures"][0]).from_pretrained(str(directory), dtype=torch.float32).eval()
     tokens, _, margin = _reference(reference, PROMPT, None)
     assert margin > MIN_MARGIN, f"{model}: top-2 logits {margin:.2e} apart; choose another seed"
-    ours = run_rank(RunConfig(model=None, tp=1, steps=STEPS, prompt_ids=tuple(PROMPT), checkpoint=str(directory), progress=False))
+    ours = run_rank(plan_run(RunConfig(model=None, tp=1, steps=STEPS, prompt_ids=tuple(PROMPT), checkpoint=str(directory), progress=False)))
     assert ours["tokens"] == tokens

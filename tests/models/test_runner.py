@@ -7,9 +7,12 @@ import pytest
 
 from fd_core import ModelConfig, ParallelConfig, hookimpl
 from fd_core.backend import load_backend
-from fd_core.distributed import spawn_ranks
+from fd_core.runtime.distributed import spawn_ranks
 from fd_core.plugins import load_plugins
-from fd_core.runner import ModelRunner, model_config_for
+from fd_core.runtime.engine import Engine
+from fd_core.runtime.lifecycle import ModelRunner
+from fd_core.runtime.plan import model_config_for
+from fd_core.runtime.request import Request
 from tp_workers import generate, tp_rank
 
 ARCHS = ["ernie4_5", "ernie4_5_vl", "qwen3_vl"]
@@ -81,8 +84,8 @@ def test_reload_clears_graphs_before_releasing_weights_and_keeps_the_output(arch
     runner = ModelRunner(backend, spec, model_config_for(spec, None))
     runner.load()
     assert runner.decide().allowed
-    runner.prepare(40)
-    first = runner.generate([1, 2, 3], 5).tokens
+    engine, request = Engine(runner), Request.greedy([[1, 2, 3]], 5)
+    first = engine.generate(request)[0].token_ids
     model = runner.model
     for name in ("release_weights", "load_weights", "capture"):
         original = getattr(model, name)
@@ -95,9 +98,9 @@ def test_reload_clears_graphs_before_releasing_weights_and_keeps_the_output(arch
     for _ in range(3):
         order.calls.clear()
         runner.reload()
-        runner.prepare(40)
+        # The engine captures again on its next batch: the graph state was cleared where it is kept.
+        assert engine.generate(request)[0].token_ids == first
         assert order.calls == ["clear_graphs", "release_weights", "clean(None)", "load_weights", "clean(state)", "capture"]
-        assert runner.generate([1, 2, 3], 5).tokens == first
 
 
 def test_unknown_architecture_lists_the_registered_ones() -> None:

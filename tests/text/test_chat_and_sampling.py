@@ -11,7 +11,8 @@ import pytest
 from fd_core.errors import ConfigError
 from fd_core.runtime import SamplingParams, load_tokenizer
 from fd_core.runtime.chat import expand_placeholders, load_chat_template, render_chat, user_message
-from fd_core.runtime.prompts import chat_prompt
+from fd_core.runtime.checkpoint import Checkpoint
+from fd_core.runtime.request import chat_prompt
 from fd_core.runtime.sampling import Sampler
 from kit import tokenizer_dirs, transformers_tokenizer  # noqa: F401 - fixtures
 
@@ -28,7 +29,7 @@ def test_chat_template_renders_and_tokenizes_as_transformers(tokenizer_dirs: dic
         assert render_chat(load_chat_template(directory), messages, ours.special_tokens()) == want
         want_ids = reference.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         want_ids = want_ids["input_ids"] if not isinstance(want_ids, list) else want_ids
-        assert chat_prompt(ours, directory, text, images) == list(want_ids)
+        assert chat_prompt(ours, Checkpoint(str(directory), {}, {}, None), text, images) == list(want_ids)
 
 
 def test_templates_are_found_where_transformers_saves_them(tmp_path: Path) -> None:

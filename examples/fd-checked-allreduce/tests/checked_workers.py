@@ -11,7 +11,7 @@ def battery() -> dict[str, Any]:
     os.environ["FD_PLATFORM"] = "cpu_checked"
     from fd_core import ModelConfig, ParallelConfig
     from fd_core.backend import load_backend
-    from fd_core.distributed import init_rank
+    from fd_core.runtime.distributed import init_rank
 
     rank, world = init_rank()
     import paddle

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from fd_core.backend import load_backend
-from fd_core.runner import ModelRunner, model_config_for
+from fd_core.runtime.engine import Engine
+from fd_core.runtime.lifecycle import ModelRunner
+from fd_core.runtime.plan import model_config_for
+from fd_core.runtime.request import Request
 
-PROMPT, STEPS = [5, 6, 7], 6
+REQUEST = Request.greedy([[5, 6, 7]], 6)
 
 
 def runner_for(backend, graph: str, seed: int) -> ModelRunner:
@@ -13,8 +16,11 @@ def runner_for(backend, graph: str, seed: int) -> ModelRunner:
     runner = ModelRunner(backend, arch, model_config_for(arch, None), seed=seed, graph=graph)
     runner.load()
     runner.decide()
-    runner.prepare(len(PROMPT) + STEPS)
     return runner
+
+
+def tokens(runner: ModelRunner) -> list[int]:
+    return Engine(runner).generate(REQUEST)[0].token_ids
 
 
 def test_recapture_after_reloading_other_weights_decodes_with_the_new_weights(monkeypatch) -> None:
@@ -24,14 +30,13 @@ def test_recapture_after_reloading_other_weights_decodes_with_the_new_weights(mo
     to_static = paddle.jit.to_static
     monkeypatch.setattr(paddle.jit, "to_static", lambda *a, **k: traces.append(a) or to_static(*a, **k))
     backend = load_backend()
-    eager = {seed: runner_for(backend, "off", seed).generate(PROMPT, STEPS).tokens for seed in (0, 1)}
+    eager = {seed: tokens(runner_for(backend, "off", seed)) for seed in (0, 1)}
     assert eager[0] != eager[1], "the two seeds must give different tokens for this test to mean anything"
     runner = runner_for(backend, "auto", 0)
     assert runner.decision.allowed
-    assert runner.generate(PROMPT, STEPS).tokens == eager[0]
+    assert tokens(runner) == eager[0]
     for seed in (1, 0, 1):
         runner.seed = seed
         runner.reload()
-        runner.prepare(len(PROMPT) + STEPS)
-        assert runner.generate(PROMPT, STEPS).tokens == eager[seed], f"after reloading seed {seed}"
+        assert tokens(runner) == eager[seed], f"after reloading seed {seed}"
     assert len(traces) == 1, "every capture after the first must reuse the one traced program"

@@ -103,7 +103,7 @@ def test_all_reduce_reaches_paddles_process_group_with_the_calc_stream_flags() -
     refuses exactly the calc-stream mode the plugin asks for (XCCL takes it). Not on Iluvatar hardware."""
     from device_workers import all_reduce_on_rank
 
-    from fd_core.distributed import spawn_ranks
+    from fd_core.runtime.distributed import spawn_ranks
 
     results = spawn_ranks(all_reduce_on_rank, ("fd_plugins.iluvatar.platform",), 2, "gloo")
     for result in results:

@@ -16,30 +16,14 @@ import tempfile
 import threading
 import time
 import traceback
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal, Sequence
 
-from fd_core import progress
 from fd_core.errors import ConfigError, FdError, RankError
+from fd_core.paddle_logs import quiet_paddle_logs
+from fd_core.runtime import progress
 
 LOOPBACK = "127.0.0.1"
-
-
-def quiet_paddle_logs() -> None:
-    """Keep paddle's C++ info logs and import-time warnings off a user's terminal (user settings and `fd --verbose` win)."""
-    if os.environ.get("FD_VERBOSE", "0") not in ("", "0"):
-        return
-    os.environ.setdefault("GLOG_minloglevel", "2")
-    os.environ.setdefault("GLOG_v", "0")
-    # Spawned ranks import paddle before any code of ours runs: filter through the environment.
-    quiet = "ignore:No ccache found"
-    current = os.environ.get("PYTHONWARNINGS", "")
-    if quiet not in current:
-        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [current, quiet]))
-    warnings.filterwarnings("ignore", message="No ccache found")
-    # Paddle's notice that a host-only build runs without devices ("...ONLY mode").
-    warnings.filterwarnings("ignore", message=r".*[A-Z]{3}ONLY mode.*")
 
 
 def launched_rank() -> tuple[int, int] | None:
@@ -253,7 +237,7 @@ def spawn_ranks(
     When a rank fails, the others are stopped at once (they would otherwise wait in a collective
     until its timeout) and RankError names the rank that failed first, with the path of its full
     traceback. A rank that sits stopped (SIGSTOP) for STOPPED_S seconds, or notes no progress
-    (`fd_core.progress.report`) for `stall` seconds, ends the run the same way. Ctrl-C
+    (`fd_core.runtime.progress.report`) for `stall` seconds, ends the run the same way. Ctrl-C
     (KeyboardInterrupt) and SIGTERM (Terminated) stop every rank before they propagate; a rank also
     dies with this process if it is killed outright.
     """

@@ -1,4 +1,4 @@
-"""Weight specs, seeded random weights and safetensors checkpoints, sharded per tensor-parallel rank.
+"""Seeded random weights and safetensors checkpoints, sharded per tensor-parallel rank.
 
 A checkpoint is checked whole from its metadata (the files an index names, every tensor's name,
 shape, dtype and extent in its file) before any data is read; then each tensor is read on demand,
@@ -15,15 +15,15 @@ import shutil
 import stat
 import tempfile
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Collection, Iterator, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Collection, Iterator, Mapping
 
 if TYPE_CHECKING:
     import numpy as np
 
-from fd_core import progress
 from fd_core.errors import CheckpointError, NumericsError
+from fd_core.models import WeightSpec
+from fd_core.runtime import progress
 
 # Files that unpickle when loaded: refused, since loading them can run arbitrary code.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".pdparams")  # compared case-blind
@@ -32,24 +32,6 @@ INDEX_NAME = "model.safetensors.index.json"
 CHUNK_BYTES = 32 << 20
 # safetensors dtype codes of the float types a checkpoint may store weights in; each converts to the compute dtype.
 FLOAT_CODES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
-
-
-@dataclass(frozen=True)
-class WeightSpec:
-    """One checkpoint tensor: its full (unsharded) shape, the axis split across tp ranks, its dtype and init."""
-
-    shape: tuple[int, ...]
-    split_axis: int | None = None
-    dtype: str = "float32"
-    init: Literal["normal", "ones", "zeros"] = "normal"
-    std: float = 0.02
-
-    def shard_shape(self, tp_size: int) -> tuple[int, ...]:
-        if self.split_axis is None:
-            return self.shape
-        shape = list(self.shape)
-        shape[self.split_axis] //= tp_size
-        return tuple(shape)
 
 
 def shard_index(spec: WeightSpec, tp_rank: int, tp_size: int) -> tuple[slice, ...]:
@@ -269,10 +251,6 @@ class CheckpointShards(Mapping[str, Any]):
                 raise CheckpointError(
                     f"checkpoint {path}: tensor {name!r} has dtype {code}, expected a float type ({', '.join(FLOAT_CODES)})"
                 )
-
-    def stored_dtypes(self) -> dict[str, str]:
-        """The dtype each tensor has in the files, by name (e.g. "bfloat16")."""
-        return {name: FLOAT_CODES[self._handles[self._where[name]].get_slice(name).get_dtype()] for name in self.specs}
 
     def __getitem__(self, name: str) -> Any:
         from safetensors import SafetensorError

@@ -1,0 +1,106 @@
+"""A model's lifecycle on one rank: build, load, clean, decide, cache and capture, reload; and the graph
+state (the decision and what is captured for which batch and cache length), which it alone owns."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from fd_core.backend import Backend
+from fd_core.config import ModelConfig
+from fd_core.graphs import GraphDecision
+from fd_core.models import Architecture, CausalModel
+from fd_core.runtime import progress
+from fd_core.runtime.weights import CheckpointShards, load_checkpoint, random_state_dict
+
+
+def init_std(config: ModelConfig) -> float | None:
+    """The config's `initializer_range` (Hugging Face's name for the init std), if it sets one."""
+    value = config.extra.get("initializer_range")
+    return None if value is None else float(value)
+
+
+@dataclass
+class ModelRunner:
+    """Drives one model through the lifecycle on this rank; the order of steps lives here, not in models.
+
+    Generating is the Engine's (fd_core.runtime.engine): it asks `prepare` for a cache and a captured
+    decode step before each batch.
+    """
+
+    backend: Backend
+    arch: Architecture
+    config: ModelConfig
+    # The checkpoint directory, or None for seeded random weights.
+    checkpoint: str | None = None
+    seed: int = 0
+    graph: str = "auto"
+    log: Callable[[str], None] = lambda message: None
+    allow_non_finite: bool = False
+    model: CausalModel | None = None
+    decision: GraphDecision | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    # Batch size -> the cache length its decode step was captured for (cleared with the graphs).
+    captured: dict[int, int] = field(default_factory=dict)
+
+    def add_time(self, phase: str, seconds: float) -> None:
+        """Add `seconds` to a phase's total."""
+        self.timings[phase] = self.timings.get(phase, 0.0) + seconds
+
+    def _timed(self, phase: str, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        result = fn()
+        self.add_time(phase, time.perf_counter() - start)
+        return result
+
+    def read_weights(self) -> Mapping[str, Any]:
+        """This rank's shards from the seed (in memory), or from the checkpoint (checked whole, read on access)."""
+        assert self.model is not None
+        specs = self.model.weight_specs()
+        p = self.backend.parallel
+        if self.checkpoint is None:
+            return random_state_dict(specs, self.seed, p.tp_rank, p.tp_size, init_std(self.config))
+        ignored: set[str] = getattr(self.model, "ignored_tensors", lambda: set())()
+        return load_checkpoint(self.checkpoint, specs, p.tp_rank, p.tp_size, ignored, check_finite=not self.allow_non_finite)
+
+    def load(self) -> None:
+        """Build the model if needed, load weights, then clean memory fragments with what loading left behind."""
+        if self.model is None:
+            self.model = self._timed("build", lambda: self.arch.build(self.config, self.backend))
+        model = self.model
+        shards = self._timed("load", self.read_weights)
+        self._timed("load", lambda: model.load_weights(shards))
+        # Checkpoints and seeded weights both stream into the parameters a tensor (or a piece of
+        # one) at a time and leave nothing staged; the cleanup hooks get the (lazy) mapping loaded from.
+        left: Mapping[str, Any] = shards
+        if isinstance(shards, CheckpointShards):
+            shards.close()
+            left = {}
+        self._timed("cleanup", lambda: self.backend.clean_memory_fragments(left))
+
+    def decide(self) -> GraphDecision:
+        """Ask every voter whether decode steps may be captured here; the decision is kept."""
+        self.decision = self.backend.graph_decision(self.config, requested=self.graph)
+        return self.decision
+
+    def prepare(self, batch: int, max_len: int) -> None:
+        """A zeroed cache for this batch; the decode step captured for its size (again if the cache length changed)."""
+        model, decision = self.model, self.decision
+        assert model is not None and decision is not None, "load() and decide() come before prepare()"
+        model.allocate_cache(batch, max_len)
+        if decision.allowed and self.captured.get(batch) != max_len:
+            self.log(f"capturing the decode step for batch size {batch} ({decision.mode})")
+            progress.report("capturing")
+            self._timed("capture", lambda: model.capture(self.backend.graph_backend(), batch))
+            self.captured[batch] = max_len
+
+    def reload(self) -> None:
+        """A weight update: clear graphs, release weights, clean, load, clean (capture again on next use)."""
+        assert self.model is not None
+        # Graphs first: a captured graph still points at the weights (releasing first hung FastDeploy).
+        self._timed("clear", lambda: self.backend.clear_graphs(self.model))
+        self.captured.clear()
+        self._timed("release", self.model.release_weights)
+        self._timed("cleanup", lambda: self.backend.clean_memory_fragments(None))
+        self.load()

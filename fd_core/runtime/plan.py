@@ -1,0 +1,194 @@
+"""A run planned once, in the parent, as plain data the ranks receive: what was asked (RunConfig), checked
+against the installed plugins, the model's config and the checkpoint, with the request built (Plan)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from fd_core.backend import Backend
+from fd_core.config import ModelConfig
+from fd_core.errors import CheckpointError, ConfigError, FdError
+from fd_core.models import Architecture
+from fd_core.plugins import PluginSet, load_plugins
+from fd_core.runtime.checkpoint import Checkpoint
+from fd_core.runtime.images import load_image
+from fd_core.runtime.request import Request, build_request
+from fd_core.runtime.sampling import SamplingParams
+
+DEFAULT_MODEL = "ernie4_5"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What `fd run` was asked to do; plain data, so it crosses into spawned ranks."""
+
+    model: str
+    tp: int = 1
+    steps: int = 16
+    prompt_ids: tuple[int, ...] = (1, 2, 3, 4)
+    # Pictures for a VL prompt, in the order of its placeholder runs: PNG, JPEG or .npy [C, H, W] in [0, 1].
+    images: tuple[str, ...] = ()
+    checkpoint: str | None = None
+    # Compute dtype; None means the platform's preferred one (the first of its Detection.dtypes).
+    dtype: str | None = None
+    graph: str = "auto"
+    reload_cycles: int = 0
+    # Seeds a preset's random weights and the sampler.
+    seed: int = 0
+    progress: bool = True
+    # Load weights holding NaN or Inf (for experiments); by default they are refused, naming the tensor.
+    allow_non_finite: bool = False
+    # Text in, text out (fd_core.runtime): text prompts, several id prompts, chat template, sampling, stops.
+    prompts: tuple[str, ...] = ()
+    id_prompts: tuple[tuple[int, ...], ...] = ()
+    chat: bool = False
+    stop: tuple[str, ...] = ()
+    # None: generation_config.json's setting when it samples, else greedy.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_batch: int = 8
+    # Rank 0 writes text to stdout as it is produced (an interactive terminal).
+    stream: bool = False
+    # A platform to use instead of the selected one (as FD_PLATFORM does).
+    platform: str | None = None
+    # Wall-clock time (time.time()) when `fd run` started; phases before a rank's own work and the
+    # time to first token are measured from it.
+    started_at: float | None = None
+    # When the ranks were started (spawned or forked), if they were.
+    spawned_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A RunConfig checked against the installed plugins before any rank starts; plain data (it pickles).
+
+    `model` is the registered architecture's name: a rank looks it up in its own plugins.
+    """
+
+    run: RunConfig
+    model: str
+    config: ModelConfig
+    platform: str
+    dist_backend: str
+    # What to generate: prompts as ids, sampling, stops, pictures decoded.
+    request: Request
+    checkpoint: Checkpoint | None = None
+
+    def architecture(self, plugins: PluginSet) -> Architecture:
+        """The planned architecture as `plugins` registers it."""
+        return plugins.registry.get(self.model)
+
+
+def plugin_env(platform: str | None) -> Mapping[str, str]:
+    """The environment plugin selection reads, with `platform` forced when given."""
+    return {**os.environ, "FD_PLATFORM": platform} if platform else os.environ
+
+
+def model_config_for(arch: Architecture, checkpoint: Checkpoint | str | None, dtype: str = "float32") -> ModelConfig:
+    """The checkpoint's config.json (or the tiny preset) parsed and checked for `arch`, computing in `dtype`.
+
+    A VL checkpoint's `preprocessor_config.json` (the image processor's settings) joins `extra` as
+    "preprocessor_config"; the tiny preset brings its own.
+    """
+    if isinstance(checkpoint, str):
+        checkpoint = Checkpoint.open(checkpoint)
+    if checkpoint is None:
+        config = arch.preset_config()
+        preprocessor = arch.preset_files.get("preprocessor_config.json")
+    else:
+        config = arch.config_from(checkpoint.config, source=str(Path(checkpoint.directory) / "config.json"))
+        preprocessor = checkpoint.preprocessor
+    if preprocessor is not None:
+        config = config.with_overrides(extra={**config.extra, "preprocessor_config": dict(preprocessor)})
+    return config.with_overrides(dtype=dtype)
+
+
+def compute_dtype(requested: str | None, backend: Backend) -> str:
+    """`requested`, or the platform's preferred dtype; an error if the platform cannot compute in it."""
+    offered = backend.detection.dtypes
+    if requested is None:
+        return offered[0]
+    if requested not in offered:
+        raise ConfigError(
+            f"platform {backend.platform} cannot compute in {requested} (it offers {', '.join(offered)}); "
+            f"pass --dtype {offered[0]}"
+        )
+    return requested
+
+
+def check_tp(tp: int, config: ModelConfig, arch: Architecture, backend: Backend) -> None:
+    """The model's divisibility and the platform's rank limit, both in one line when both fail:
+    fixing one at a time would cost the user a second failed start."""
+    problems: list[FdError] = []
+    more = arch.sharded_sizes(config) if arch.sharded_sizes is not None else None
+    for check in (lambda: config.check_tensor_parallel(tp, more), lambda: backend.check_ranks(tp)):
+        try:
+            check()
+        except FdError as exc:
+            problems.append(exc)
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise ConfigError("; also ".join(str(p) for p in problems))
+
+
+def _run_request(run: RunConfig, arch: Architecture, config: ModelConfig, checkpoint: Checkpoint | None, pictures: list[Any]) -> Request:
+    """What `fd run` asked for as a checked Request; its flags' own errors first, in their words."""
+    if run.prompts and run.id_prompts:
+        raise ConfigError("pass text prompts (--prompt, --prompts) or token ids (--prompt-ids), not both")
+    if not run.prompts:
+        if run.chat:
+            raise ConfigError("--chat applies the chat template to text; pass the message with --prompt")
+        if run.stop and (checkpoint is None or not checkpoint.has_tokenizer()):
+            raise ConfigError("--stop strings are matched in the text, and without a tokenizer there is none; drop --stop")
+    given: dict[str, Any] = {"temperature": run.temperature, "top_p": run.top_p, "top_k": run.top_k}
+    # Token ids in, token ids out: exactly --max-new-tokens, as before text came in (a benchmark's and the
+    # reference tests' mode); text prompts end at an end-of-sequence id.
+    sampling = SamplingParams(max_new_tokens=run.steps, seed=run.seed, stop=run.stop, ignore_eos=not run.prompts,
+                              **{k: v for k, v in given.items() if v is not None})
+    prompts = run.prompts or run.id_prompts or (run.prompt_ids,)
+    return build_request(prompts, sampling, arch=arch, config=config, checkpoint=checkpoint, chat=run.chat, images=pictures,
+                         given=[k for k, v in given.items() if v is not None])
+
+
+def plan_run(run: RunConfig, plugins: PluginSet | None = None) -> Plan:
+    """Every check that can fail before a process starts: platform, model, tp, prompt, checkpoint."""
+    plugins = plugins or load_plugins(plugin_env(run.platform))
+    backend = Backend(plugins)
+    backend.require_hardware()
+    if run.steps < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {run.steps}")
+    model = run.model
+    checkpoint = None
+    if run.checkpoint is not None:
+        checkpoint = Checkpoint.open(run.checkpoint)
+        found = checkpoint.architecture
+        if found is None:
+            raise CheckpointError(f"checkpoint {run.checkpoint}/config.json names no architecture; add \"architectures\": [\"<name>\"]")
+        if found not in plugins.registry:
+            raise CheckpointError(f"checkpoint {run.checkpoint}: architecture {found!r} is not registered; {plugins.registry.listing()}")
+        if model and plugins.registry.get(model).name != plugins.registry.get(found).name:
+            raise ConfigError(f"--model {model} does not match the checkpoint's architecture {found}; drop --model or pick the right checkpoint")
+        model = found
+    arch = plugins.registry.get(model or DEFAULT_MODEL)
+    config = model_config_for(arch, checkpoint, compute_dtype(run.dtype, backend))
+    check_tp(run.tp, config, arch, backend)
+    if run.images and not arch.multimodal:
+        raise ConfigError(f"{arch.name} takes no image; drop --image or choose a VL model")
+    # Tokenizing, the chat template, a missing or malformed picture, a prompt too long for the context
+    # or whose placeholders do not fit the pictures: all fail here, before any rank starts.
+    pictures = [load_image(path) for path in run.images]
+    request = _run_request(run, arch, config, checkpoint, pictures)
+    memory = backend.detection.memory_bytes
+    longest = max(len(p) for p in request.prompts) + run.steps
+    needed = config.estimated_bytes(min(len(request.prompts), run.max_batch), longest)
+    if memory is not None and needed > memory:
+        raise ConfigError(
+            f"{arch.name} needs at least {needed / 2**30:.1f} GiB for its weights and cache, and platform "
+            f"{backend.platform!r} has {memory / 2**30:.1f} GiB available here; use a smaller model, a shorter run or more memory"
+        )
+    return Plan(run, arch.name, config, backend.platform, backend.detection.dist_backend, request, checkpoint)

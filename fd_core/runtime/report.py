@@ -1,0 +1,54 @@
+"""The reports of `fd run`: the human-readable lines and the JSON, from the ranks' results."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping, Sequence
+
+from fd_core.graphs import CastVote
+
+
+def summary_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The human-readable report: rank 0's result, and every reporting rank's peak memory."""
+    result = results[0]
+    graph = result["graph"]
+    lines = [
+        f"platform: {result['platform']}   model: {result['model']}   tp: {result['tp']}",
+        f"graph: {graph['summary']}",
+    ]
+    lines += [f"  {CastVote(**v).line()}" for v in graph["votes"]]
+    outputs = result.get("outputs") or [{"ids": result["tokens"]}]
+    for index, output in enumerate(outputs):
+        label = "tokens" if len(outputs) == 1 else f"tokens [{index + 1}]"
+        lines.append(f"{label}: {' '.join(str(t) for t in output['ids'])}")
+    lines.append(f"speed: {result['tokens_per_s']} tokens/s (decode)")
+    lines.append(f"time to first token: {result['time_to_first_token_s']:.2f}s after fd run started")
+    cycles = len(result["reload_cycles"])
+    # After reload cycles a phase's time is its sum over the first run and every cycle; the label says so.
+    label = f"phases (totals over the first run and {cycles} reload cycle{'s' if cycles != 1 else ''})" if cycles else "phases"
+    lines.append(f"{label}: " + ", ".join(f"{k} {v:.3f}s" for k, v in result["timings_s"].items()))
+    if "wall_s" in result:
+        named = sum(result["timings_s"].values())
+        lines.append(f"wall: {result['wall_s']:.2f}s, {named / result['wall_s']:.0%} of it in the phases above")
+    lines.append("peak memory: " + ", ".join(f"rank {r['rank']} {r['peak_rss_bytes'] / 2**30:.2f} GiB" for r in results))
+    if result["reload_cycles"]:
+        same = all(c["tokens_match"] for c in result["reload_cycles"])
+        lines.append(f"reload cycles: {len(result['reload_cycles'])}, output unchanged: {same}")
+    return lines
+
+
+def as_json(results: Sequence[Mapping[str, Any]]) -> str:
+    """Rank 0's result as JSON, with every reporting rank's peak RSS."""
+    keys = ("platform", "model", "tp", "graph", "all_reduce", "tokens", "outputs", "tokens_per_s", "time_to_first_token_s", "timings_s",
+            "reload_cycles", "rss_bytes", "peak_rss_bytes")
+    data = {k: results[0][k] for k in keys}
+    if "wall_s" in results[0]:
+        data["wall_s"] = results[0]["wall_s"]
+    data["weight_bytes_by_rank"] = [r["weight_bytes"] for r in results]
+    data["kv_cache_bytes_by_rank"] = [r["kv_cache_bytes"] for r in results]
+    data["entry_rss_bytes_by_rank"] = [r["entry_rss_bytes"] for r in results]
+    data["decode_core_share_by_rank"] = [r["decode_core_share"] for r in results]
+    data["peak_rss_bytes_by_rank"] = [r["peak_rss_bytes"] for r in results]
+    return json.dumps(data, indent=2)
+
+

@@ -1,0 +1,122 @@
+"""What to generate, built once before any rank starts, for `fd run` and the Python API alike: text
+through the tokenizer (and the chat template), image placeholders expanded per picture, every prompt
+checked against the model, the checkpoint's sampling defaults and end-of-sequence ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+from fd_core.errors import CheckpointError, ConfigError
+from fd_core.runtime.chat import expand_placeholders, render_chat, user_message
+from fd_core.runtime.generation_config import GenerationDefaults
+from fd_core.runtime.sampling import SamplingParams
+from fd_core.runtime.tokenizer import TOKENIZER_FILES, Tokenizer
+
+if TYPE_CHECKING:
+    from fd_core.config import ModelConfig
+    from fd_core.models import Architecture
+    from fd_core.runtime.checkpoint import Checkpoint
+
+# The sampling fields a checkpoint's generation_config.json may give defaults for.
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")
+
+
+@dataclass(frozen=True)
+class Request:
+    """Prompts as token ids, how to sample and stop, and the pictures every prompt holds (decoded arrays [C, H, W])."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    sampling: SamplingParams = SamplingParams()
+    eos_ids: tuple[int, ...] = ()
+    images: tuple[Any, ...] = ()
+
+    @classmethod
+    def greedy(cls, prompts: Sequence[Sequence[int]], max_new_tokens: int, images: Sequence[Any] = ()) -> "Request":
+        """Token ids in, exactly `max_new_tokens` greedy ids out (no end-of-sequence stop): the reference tests' mode."""
+        return cls(tuple(tuple(int(t) for t in p) for p in prompts), SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True), (), tuple(images))
+
+
+def tokenizer_for(checkpoint: "Checkpoint | None", arch_name: str) -> Tokenizer:
+    """The checkpoint's tokenizer; a preset (random weights) has none."""
+    if checkpoint is None:
+        raise ConfigError(
+            f"text prompts need a tokenizer, and the {arch_name} preset has none (a checkpoint directory holds "
+            f"{' or '.join(TOKENIZER_FILES)}); pass --checkpoint DIR, or token ids with --prompt-ids"
+        )
+    return checkpoint.tokenizer()
+
+
+def chat_prompt(tokenizer: Tokenizer, checkpoint: "Checkpoint", text: str, images: int = 0) -> list[int]:
+    """The ids of one user message rendered through the checkpoint's chat template (with a generation prompt)."""
+    template = checkpoint.chat_template()
+    if template is None:
+        raise CheckpointError(
+            f"{checkpoint.directory} has no chat template (looked for chat_template.jinja, chat_template.json and "
+            f"tokenizer_config.json's chat_template); drop --chat to send the prompt as it is"
+        )
+    rendered = render_chat(template, [user_message(text, images)], tokenizer.special_tokens())
+    # The template already holds every special token the model expects (as transformers encodes it).
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def text_prompts(
+    texts: Sequence[str], tokenizer: Tokenizer, checkpoint: "Checkpoint", chat: bool, arch: "Architecture", config: "ModelConfig",
+    image_shapes: Sequence[tuple[int, int, int]] = (),
+) -> list[list[int]]:
+    """Token ids of each text prompt; each image placeholder expanded to its picture's number of tokens."""
+    prompts = [chat_prompt(tokenizer, checkpoint, t, len(image_shapes)) if chat else tokenizer.encode(t) for t in texts]
+    if image_shapes and arch.image_tokens is not None:
+        token_id = int(config.extra["image_token_id"])
+        counts = [arch.image_tokens(config, shape) for shape in image_shapes]
+        prompts = [expand_placeholders(ids, token_id, counts) for ids in prompts]
+    return prompts
+
+
+def check_prompts(
+    prompts: Sequence[Sequence[int]], max_new_tokens: int, arch: "Architecture", config: "ModelConfig",
+    image_shapes: Sequence[tuple[int, int, int]] = (),
+) -> None:
+    """Every prompt non-empty, inside the vocabulary, within the context with the new tokens, and fitting the pictures."""
+    for index, ids in enumerate(prompts):
+        which = f"prompt {index + 1}" if len(prompts) > 1 else "the prompt"
+        if not ids:
+            raise ConfigError(f"{which} is empty; pass at least one token")
+        bad = [t for t in ids if not 0 <= t < config.vocab_size]
+        if bad:
+            owner = f"prompt {index + 1}" if len(prompts) > 1 else "prompt"
+            raise ConfigError(f"{owner} token id {bad[0]} is outside the vocabulary 0..{config.vocab_size - 1}")
+        if len(ids) + max_new_tokens > config.max_position_embeddings:
+            raise ConfigError(
+                f"{which} has {len(ids)} tokens and {max_new_tokens} new tokens are asked for: {len(ids) + max_new_tokens} "
+                f"exceed the model's context of {config.max_position_embeddings} (max_position_embeddings of {arch.name}); "
+                f"shorten the prompt or ask for fewer tokens"
+            )
+        if image_shapes and not arch.multimodal:
+            raise ConfigError(f"{arch.name} takes no image; drop --image or choose a VL model")
+        if arch.check_prompt is not None:
+            arch.check_prompt(config, list(ids), list(image_shapes))
+
+
+def build_request(
+    prompts: Sequence[str] | Sequence[Sequence[int]], sampling: SamplingParams, *, arch: "Architecture", config: "ModelConfig",
+    checkpoint: "Checkpoint | None", chat: bool = False, images: Sequence[Any] = (), given: Sequence[str] = SAMPLING_DEFAULTS,
+) -> Request:
+    """Text prompts (all str) or token-id prompts as a checked Request, with the checkpoint's defaults for the
+    sampling fields not in `given` and its end-of-sequence ids. `images` are decoded pictures [C, H, W]."""
+    shapes = [(int(p.shape[0]), int(p.shape[1]), int(p.shape[2])) for p in images]
+    texts = [p for p in prompts if isinstance(p, str)]
+    if texts:
+        tokenizer = tokenizer_for(checkpoint, arch.name)
+        assert checkpoint is not None
+        ids = text_prompts(texts, tokenizer, checkpoint, chat, arch, config, shapes)
+    else:
+        ids = [[int(t) for t in p] for p in prompts]
+    check_prompts(ids, sampling.max_new_tokens, arch, config, shapes)
+    defaults = checkpoint.generation_defaults() if checkpoint is not None else GenerationDefaults()
+    sampling = sampling.with_defaults(defaults.sampling, given)
+    eos = list(defaults.eos_ids)
+    tokenizer_eos = checkpoint.tokenizer().role_id("eos_token") if checkpoint is not None and checkpoint.has_tokenizer() else None
+    if tokenizer_eos is not None and tokenizer_eos not in eos:
+        eos.append(tokenizer_eos)
+    return Request(tuple(tuple(p) for p in ids), sampling, tuple(eos), tuple(images))

@@ -1,0 +1,46 @@
+"""`fd save-random`: seeded random weights written in the published layout, one tensor at a time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fd_core.backend import load_backend
+from fd_core.config import ParallelConfig, read_config_json
+from fd_core.errors import ConfigError
+from fd_core.plugins import load_plugins
+from fd_core.runtime.checkpoint import architecture_of
+from fd_core.runtime.lifecycle import init_std
+from fd_core.runtime.weights import check_new_directory, random_state_dict, save_checkpoint
+
+
+def save_random_checkpoint(
+    model: str, directory: str, seed: int = 0, config_path: str | None = None, dtype: str = "float32"
+) -> Path:
+    """Write seeded random weights in the published layout (config.json + model.safetensors, tensors as `dtype`).
+
+    The config is `model`'s tiny preset, or the config.json at `config_path` (a published model's
+    own, say), which then names the architecture.
+    """
+    check_new_directory(Path(directory))  # before paddle is imported or a tensor drawn
+    plugins = load_plugins()
+    files: dict[str, Any] = {}
+    if config_path is None:
+        arch = plugins.registry.get(model)
+        data = dict(arch.preset)
+        files = dict(arch.preset_files)
+    else:
+        data = read_config_json(Path(config_path))
+        found = architecture_of(data)
+        if found is None:
+            raise ConfigError(f"{config_path} names no architecture; add \"architectures\": [\"<name>\"]")
+        arch = plugins.registry.get(found)
+    config = arch.config_from(data, source=config_path or f"preset of {arch.name}")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"--dtype {dtype}: checkpoints are written as float32, bfloat16 or float16")
+    backend = load_backend(ParallelConfig(), plugins=plugins)
+    built = arch.build(config, backend)
+    specs = built.weight_specs()
+    built.release_weights()  # only the specs are needed: the zero parameters would double the peak
+    tensors = random_state_dict(specs, seed, std=init_std(config))
+    return save_checkpoint(directory, {**data, "architectures": data.get("architectures") or [arch.name]}, tensors, dtype, files)
