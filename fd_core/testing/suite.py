@@ -311,6 +311,41 @@ class ModelTests(_Base):
             assert after == before, f"{arch.name}: decoding after fd_clear_graphs gives {after}, with graphs {before}"
 
 
+    def test_the_engine_generates_what_the_model_computes_without_a_cache(self, plugins: PluginSet, hardware: Detection) -> None:
+        """Greedy tokens through the engine `fd run` uses (prefill, cached decode steps, graphs where the decision
+        allows them) equal the argmax of a full prefill of the growing sequence: no cache, no decode step, no engine."""
+        import numpy as np
+
+        from fd_core.backend import Backend
+        from fd_core.runtime.engine import Engine
+        from fd_core.runtime.lifecycle import ModelRunner
+        from fd_core.runtime.plan import model_config_for
+        from fd_core.runtime.request import Request
+
+        backend = Backend(plugins)
+        prompt, steps = [1, 2, 3], 4
+        for arch in plugins.registry:
+            runner = ModelRunner(backend, arch, model_config_for(arch, None))
+            runner.load()
+            runner.decide()
+            got = Engine(runner).generate(Request.greedy([prompt], steps))[0].token_ids
+            model = runner.model
+            assert model is not None
+            assert len(got) == steps, f"{arch.name}: the engine gave {len(got)} tokens for max_new_tokens={steps}"
+            model.allocate_cache(1, len(prompt) + steps)
+            ids = list(prompt)
+            for step, token in enumerate(got):
+                logits = np.asarray(model.prefill(np.asarray([ids], dtype="int64")).astype("float32").numpy()[0], dtype=np.float64)
+                top2 = np.sort(logits)[-2:]
+                # A near-tie may break either way between two correct computations; anything else is a wrong token.
+                tie = top2[1] - top2[0] <= 1e-3 * max(1.0, float(np.abs(top2).max()))
+                assert token == int(logits.argmax()) or tie, (
+                    f"{arch.name} on {backend.platform}: step {step} of the engine chose {token}, but a full prefill of "
+                    f"{ids} gives {int(logits.argmax())}; the decode step, the KV cache or a captured graph is wrong"
+                )
+                ids.append(token)
+
+
 class _RecordingGraphs:
     """The platform's graph backend, with its calls counted."""
 
