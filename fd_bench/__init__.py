@@ -51,7 +51,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = CommandParser(prog="fd bench", description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="short CI mode (< 60 s): proves every row runs; its numbers are not the record")
     parser.add_argument("--json", metavar="PATH", default=None,
-                        help=f"write the results as JSON (default inside the repository: {DEFAULT_JSON}, or {DEFAULT_SMOKE_JSON} with --smoke; outside it: none; '-' prints the JSON to stdout)")
+                        help=f"write the results as JSON (default inside the repository: {DEFAULT_JSON}, or {DEFAULT_SMOKE_JSON} "
+                             "with --smoke; outside it: none; '-' prints the JSON to stdout)")
     parser.add_argument("--rows", default=None, help=f"comma-separated rows to run (default: all): {','.join(ROWS)}")
     args = parser.parse_args(argv)
     if args.json not in (None, "-"):
@@ -145,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - started
     checked = [ln for ln in lines if ln.met is not None]
     summary = {
-        "met": sorted({ln.row for ln in checked if ln.met} - {ln.row for ln in checked if not ln.met}, key=order.get),
-        "missed": sorted({ln.row for ln in checked if not ln.met}, key=order.get),
-        "reported": sorted({ln.row for ln in lines if ln.met is None}, key=order.get),
+        "met": sorted({ln.row for ln in checked if ln.met} - {ln.row for ln in checked if not ln.met}, key=order.__getitem__),
+        "missed": sorted({ln.row for ln in checked if not ln.met}, key=order.__getitem__),
+        "reported": sorted({ln.row for ln in lines if ln.met is None}, key=order.__getitem__),
     }
     print(f"\n{'smoke run: numbers are not the record; ' if args.smoke else ''}targets met: {', '.join(summary['met']) or 'none'}; "
           f"missed: {', '.join(summary['missed']) or 'none'}; total {total:.1f} s", file=out)

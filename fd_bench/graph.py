@@ -43,7 +43,8 @@ def graph_rows(smoke: bool) -> list[Line]:
         row="graph", case="tp=1 (one rank: no all-reduce)", a="static graph replay", b="eager",
         a_value=med["static"] / 1000, b_value=med["eager"] / 1000, unit="us",
         ratio=med["eager"] / med["static"], ratio_label="eager / static", target="reported", met=None,
-        note=f"medians of {samples} steps per side, alternating step by step; static graph {'faster' if med['static'] < med['eager'] else 'slower'}; capture took {capture_s:.2f} s; last logits agree: {close}",
+        note=(f"medians of {samples} steps per side, alternating step by step; static graph {'faster' if med['static'] < med['eager'] else 'slower'}; "
+              f"capture took {capture_s:.2f} s; last logits agree: {close}"),
         details={"capture_s": capture_s, "steps_per_side": samples, "logits_agree": close,
                  "p10_us": {n: statistics.quantiles(v, n=10)[0] / 1000 for n, v in times.items()}},
     )]

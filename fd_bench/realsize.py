@@ -83,7 +83,6 @@ def realsize_rows(smoke: bool) -> list[Line]:
     same = all(r["tokens"] == res["fd tp=1"][0]["tokens"] for runs in res.values() for r in runs)
     common = f"medians of {rounds} interleaved round(s), {m['steps']} tokens each; same tokens on every side: {same}"
     hf = "transformers" in speed
-    reference = "transformers" if hf else "fd tp=1"
 
     bw = m["bandwidth"]
     shares = {n: [statistics.median(r["decode_core_share_by_rank"][i] for r in runs) for i in range(len(runs[0]["decode_core_share_by_rank"]))]
@@ -108,9 +107,11 @@ def realsize_rows(smoke: bool) -> list[Line]:
     for name, procs in (("fd tp=1", 1), ("fd tp=2", 2)):
         weights = sum(res[name][0]["weight_bytes_by_rank"])
         bound = m["bandwidth"][procs] * 1e9 / weights
-        lines.append(Line(row="realsize", case=f"{size} decode, {name} vs read bandwidth", a=name, b=f"bandwidth bound ({procs} process{'es' if procs > 1 else ''})",
+        lines.append(Line(row="realsize", case=f"{size} decode, {name} vs read bandwidth", a=name,
+                          b=f"bandwidth bound ({procs} process{'es' if procs > 1 else ''})",
                           a_value=speed[name], b_value=bound, unit="tok/s", ratio=speed[name] / bound, ratio_label="fd / bound", target="reported", met=None,
-                          note=f"bound = {m['bandwidth'][procs]:.1f} GB/s measured (float32 matrix-vector, {procs} process(es) at once) / {weights / 1e9:.3f} GB of weights per token"))
+                          note=(f"bound = {m['bandwidth'][procs]:.1f} GB/s measured (float32 matrix-vector, {procs} process(es) at once) "
+                                f"/ {weights / 1e9:.3f} GB of weights per token")))
     idle = m["idle_rss"]
     for name in ("fd tp=1", "fd tp=2"):
         runs = res[name]
@@ -129,7 +130,9 @@ def realsize_rows(smoke: bool) -> list[Line]:
                           target="<= 1.20", met=worst[0] <= 1.2,
                           note=f"idle paddle process {idle / 2**20:.0f} MiB (measured in this run); per rank: "
                                + ", ".join(f"{o[0]:.2f} ({o[1] / 2**20:.0f} MiB peak)" for o in over)
-                               + "; held at the rank's start: " + "/".join(f"{statistics.median(r['entry_rss_bytes_by_rank'][i] for r in runs) / 2**20:.0f}" for i in range(ranks)) + " MiB"))
+                               + "; held at the rank's start: "
+                               + "/".join(f"{statistics.median(r['entry_rss_bytes_by_rank'][i] for r in runs) / 2**20:.0f}" for i in range(ranks))
+                               + " MiB"))
     if hf:
         peak = statistics.median(r["peak_rss_bytes"] for r in res["transformers"])
         lines[-1].note += f"; transformers peaks at {peak / 2**20:.0f} MiB"

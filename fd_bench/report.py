@@ -95,6 +95,7 @@ def _cpu_model() -> str:
 
 def machine() -> dict[str, Any]:
     """What the numbers were measured on (no paddle import: versions come from the installed metadata)."""
+    usable: int | None
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:

@@ -70,7 +70,8 @@ def startup_rows(smoke: bool) -> list[Line]:
     lines = []
     for key, label, limit, leaked in (
         ("import", 'python -c "import fd_core"', 50.0, paddle_import),
-        ("plugins", " ".join(["fd"] + commands["plugins"][1:]) if commands["plugins"][0].endswith("fd") else " ".join(commands["plugins"]), 300.0, paddle_plugins),
+        ("plugins", " ".join(["fd"] + commands["plugins"][1:]) if commands["plugins"][0].endswith("fd") else " ".join(commands["plugins"]),
+         300.0, paddle_plugins),
     ):
         added = med[key] - med["pass"]
         lines.append(Line(

@@ -43,7 +43,8 @@ def decode_lines(results: list[dict[str, Any]]) -> list[Line]:
             note=(f"rank 0 medians of {r0['steps_per_side']} steps per side, alternating step by step; "
                   f"A/A control fd vs fd {control:.3f}{' (the gap is within that noise band)' if met and ratio > 1.02 else ''}; "
                   f"10th percentiles fd {d['fd_p10_ns'] / 1e6:.2f} ms, direct {d['direct_p10_ns'] / 1e6:.2f} ms; "
-                  f"rank 1 ratio {other['fd_step_ns'] / other['direct_step_ns']:.3f}; same logits both ways: {d['same_logits']}; one model, ctx of {d['rewired_layers']} layers switched per step; "
+                  f"rank 1 ratio {other['fd_step_ns'] / other['direct_step_ns']:.3f}; same logits both ways: {d['same_logits']}; "
+                  f"one model, ctx of {d['rewired_layers']} layers switched per step; "
                   f"binding: {r0['binding']}"),
             details={"rank0": d, "rank1": other},
         ))
@@ -73,7 +74,8 @@ def allreduce_lines(results: list[dict[str, Any]]) -> list[Line]:
             a="cpu Backend.all_reduce (shm)", b="cpu gloo_all_reduce",
             a_value=m["shm"] / 1000, b_value=m["gloo"] / 1000, unit="us",
             ratio=ratio, ratio_label="gloo / shm", target=target, met=met,
-            note=f"cpu platform path: {path}; {m['calls']} calls each, interleaved{noise}; rank 1: shm {other['shm'] / 1000:.1f} us, gloo {other['gloo'] / 1000:.1f} us",
+            note=(f"cpu platform path: {path}; {m['calls']} calls each, interleaved{noise}; "
+                  f"rank 1: shm {other['shm'] / 1000:.1f} us, gloo {other['gloo'] / 1000:.1f} us"),
             details={"rank0": m, "rank1": other},
         ))
     return lines

@@ -142,7 +142,9 @@ class Backend:
         try:
             result = self.all_reduce(paddle.to_tensor(base * (rank + 1)))
         except Exception as exc:  # noqa: BLE001 - the platform's own failure, named
-            raise PluginError(f"platform {self.platform!r}: fd_all_reduce failed on a known tensor: {type(exc).__name__}: {exc}; run fd check {self.platform}") from exc
+            raise PluginError(
+                f"platform {self.platform!r}: fd_all_reduce failed on a known tensor: {type(exc).__name__}: {exc}; run fd check {self.platform}"
+            ) from exc
         got = np.asarray(result.numpy() if hasattr(result, "numpy") else result, dtype=np.float64).reshape(-1)
         if got.shape != expected.shape or not np.array_equal(got, expected):
             raise NumericsError(
@@ -200,7 +202,9 @@ class Backend:
         missing = [m for m in ("capture", "replay", "has", "clear") if not callable(getattr(backend, m, None))]
         if missing or not isinstance(getattr(backend, "mode", None), str):
             what = f"lacks {', '.join(missing)}()" if missing else "has no string `mode`"
-            raise PluginError(f"platform {self.platform!r}: fd_graph_backend returned {type(backend).__name__}, which {what}; fix the plugin or use --graph off")
+            raise PluginError(
+                f"platform {self.platform!r}: fd_graph_backend returned {type(backend).__name__}, which {what}; fix the plugin or use --graph off"
+            )
         return backend
 
     def clear_graphs(self, model: Any) -> None:

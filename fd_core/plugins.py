@@ -326,7 +326,9 @@ def call_bounded(fn: Callable[[], T], timeout: float, what: str) -> T:
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        raise PluginError(f"{what} did not return within {timeout:g} s; fix or uninstall the plugin (FD_PLUGINS can leave it out, {HOOK_TIMEOUT_ENV} raises the limit)")
+        raise PluginError(
+            f"{what} did not return within {timeout:g} s; fix or uninstall the plugin (FD_PLUGINS can leave it out, {HOOK_TIMEOUT_ENV} raises the limit)"
+        )
     if "error" in box:
         raise box["error"]
     return box["value"]

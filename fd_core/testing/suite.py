@@ -149,7 +149,9 @@ class AllReduceTests(_Base):
             assert np.allclose(value, want, rtol=rtol), f"{where} returned a wrong sum: {_head(value)}, expected {_head(want)}"
             if capabilities.in_place or got["same_object"]:
                 after = np.asarray(got["input_after"]).reshape(shape)
-                assert np.allclose(after, want, rtol=rtol), f"{where}: the result is declared in place but the input tensor holds {_head(after)}, expected {_head(want)}"
+                assert np.allclose(after, want, rtol=rtol), (
+                    f"{where}: the result is declared in place but the input tensor holds {_head(after)}, expected {_head(want)}"
+                )
 
     def test_all_reduce_inside_a_captured_graph(self, two_ranks: list[dict[str, Any]], capabilities: Capabilities, platform_name: str) -> None:
         import numpy as np
@@ -163,7 +165,9 @@ class AllReduceTests(_Base):
             if not graph["allowed"]:
                 pytest.skip(f"{platform_name} does not capture graphs at tp=2: {graph['summary']}")
             assert graph["replay"] is not None, f"{platform_name}: graph backend has(key) is False right after capture"
-            assert np.allclose(graph["replay"], graph["eager"], rtol=1e-5), f"{platform_name}: replaying a captured all-reduce differs from eager on rank {run['rank']}"
+            assert np.allclose(graph["replay"], graph["eager"], rtol=1e-5), (
+                f"{platform_name}: replaying a captured all-reduce differs from eager on rank {run['rank']}"
+            )
 
 
 class CleanupTests(_Base):

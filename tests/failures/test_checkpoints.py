@@ -184,7 +184,7 @@ def test_save_random_refuses_a_non_empty_directory_and_leaves_it_alone(checkpoin
 
 def test_save_that_fails_midway_leaves_no_file_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """save_checkpoint writes into a staging directory and renames it whole: a failure leaves nothing."""
-    from fd_core import weights
+    from fd_core.runtime import weights
     from fd_core.runtime.weights import save_checkpoint
 
     def write_half_then_fail(path: Path, tensors: dict, dtype: str) -> None:

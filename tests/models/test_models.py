@@ -186,7 +186,7 @@ def test_checkpoint_pieces_fill_the_parameters_exactly(kit, tmp_path, monkeypatc
     """Pieces of a few rows each (read with pread, widened from bfloat16) fill every shard as one whole read does, after a release too."""
     import paddle
 
-    from fd_core import weights
+    from fd_core.runtime import weights
 
     arch = kit.architectures()[0]
     ctx = kit.make_ctx(2, tp_rank)
