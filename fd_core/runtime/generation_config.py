@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping
-
-from fd_core.runtime.tokenizer import read_json
 
 
 def _ids(value: Any) -> tuple[int, ...]:
@@ -26,11 +23,6 @@ class GenerationDefaults:
     eos_ids: tuple[int, ...] = ()
     pad_id: int | None = None
     sampling: Mapping[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def read(cls, directory: str | Path | None, model_config: Mapping[str, Any] | None = None) -> "GenerationDefaults":
-        """generation_config.json's settings, with config.json's eos/pad ids as transformers falls back to."""
-        return cls.of(read_json(Path(directory) / "generation_config.json") if directory is not None else {}, model_config)
 
     @classmethod
     def of(cls, data: Mapping[str, Any], model_config: Mapping[str, Any] | None = None) -> "GenerationDefaults":
