@@ -2,26 +2,38 @@
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fd_core import Detection, GraphVote, ModelConfig, ParallelConfig, hookimpl
+from fd_plugins.cuda.build import CPU_DISTRIBUTION, INSTALL_DOC, installed, paddle_build
 
 GPU_DISTRIBUTION = "paddlepaddle-gpu"
+# Public PyPI stops at paddlepaddle-gpu 2.6.2; the 3.x builds come from Paddle's index, one per CUDA version.
+INSTALL_ADVICE = f"install {GPU_DISTRIBUTION} for your CUDA version, see {INSTALL_DOC}"
 
 
 @hookimpl
 def fd_platform_detect() -> Detection:
     """Detected when paddle is a CUDA build and sees at least one device."""
-    try:
-        version(GPU_DISTRIBUTION)
-    except PackageNotFoundError:
-        # Without the GPU build there is nothing to find, and paddle need not be imported to know it.
-        return Detection(detected=False, reason=f"{GPU_DISTRIBUTION} is not installed (pip install 'fd-backends[gpu]')")
+    gpu = installed(GPU_DISTRIBUTION)
+    if gpu is None:
+        # Without the GPU build there is nothing to find, and the metadata says which build is here
+        # without importing paddle.
+        return Detection(detected=False, reason=f"paddle is {paddle_build()}: {INSTALL_ADVICE}")
+    if installed(CPU_DISTRIBUTION) is not None:
+        # Both ship the `paddle` package: whichever was installed last overwrote the other's files.
+        return Detection(
+            detected=False,
+            reason=f"{CPU_DISTRIBUTION} and {GPU_DISTRIBUTION} are both installed and overwrite each other's paddle: "
+            f"pip uninstall -y {CPU_DISTRIBUTION} {GPU_DISTRIBUTION}, then {INSTALL_ADVICE}",
+        )
     import paddle
 
     if not paddle.is_compiled_with_cuda():
-        return Detection(detected=False, reason="paddle is not compiled with CUDA")
+        return Detection(
+            detected=False,
+            reason=f"paddle is not a CUDA build ({GPU_DISTRIBUTION} {gpu}, is_compiled_with_cuda() is False): {INSTALL_ADVICE}",
+        )
     count = paddle.device.cuda.device_count()
     if count == 0:
         return Detection(detected=False, reason="paddle is a CUDA build but sees no CUDA device")

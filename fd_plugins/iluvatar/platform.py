@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fd_core import Detection, GraphVote, ModelConfig, ParallelConfig, hookimpl
+from fd_plugins.cuda.build import CPU_DISTRIBUTION, INSTALL_DOC, installed, paddle_build
 
 # The Iluvatar build serves paddle's CUDAGraph API, so capture is cuda's; its allocator is a custom
 # device's, so cleanup uses the device-generic call (paddle.device.cuda.empty_cache does nothing there).
@@ -15,7 +15,9 @@ from fd_plugins.cuda.platform import fd_graph_backend
 __all__ = ["fd_all_reduce", "fd_clean_memory_fragments", "fd_graph_backend", "fd_graph_eligibility", "fd_platform_detect"]
 
 DEVICE_TYPE = "iluvatar_gpu"
+# Paddle's Iluvatar support is a custom-device plugin installed over its CPU build, from Paddle's `ixuca` index.
 DISTRIBUTION = "paddle-iluvatar-gpu"
+INSTALL_ADVICE = f"Iluvatar GPUs need Paddle's CPU build ({CPU_DISTRIBUTION}) plus its {DISTRIBUTION} custom-device plugin, see {INSTALL_DOC}"
 # Architectures whose decode fails under CUDA graph capture on Iluvatar when tp > 1.
 _VL_GRAPH_UNSAFE = ("ernie4_5_vl", "Ernie4_5_VLMoeForConditionalGeneration")
 
@@ -23,14 +25,19 @@ _VL_GRAPH_UNSAFE = ("ernie4_5_vl", "Ernie4_5_VLMoeForConditionalGeneration")
 @hookimpl
 def fd_platform_detect() -> Detection:
     """Detected when paddle has the iluvatar_gpu custom device compiled in and sees a device."""
-    try:
-        version(DISTRIBUTION)
-    except PackageNotFoundError:
-        return Detection(detected=False, reason=f"{DISTRIBUTION} is not installed")
+    plugin = installed(DISTRIBUTION)
+    if plugin is None:
+        # Known from the metadata alone: paddle need not be imported to say what is missing.
+        return Detection(detected=False, reason=f"{DISTRIBUTION} is not installed and paddle is {paddle_build()}: {INSTALL_ADVICE}")
     import paddle
 
     if not paddle.is_compiled_with_custom_device(DEVICE_TYPE):
-        return Detection(detected=False, reason=f"paddle has no {DEVICE_TYPE} custom device")
+        # The plugin is there but paddle did not load it: usually a plugin built for another paddle version.
+        return Detection(
+            detected=False,
+            reason=f"paddle is {paddle_build()} but did not load {DISTRIBUTION} {plugin} (is_compiled_with_custom_device("
+            f"'{DEVICE_TYPE}') is False): install the {DISTRIBUTION} release made for this paddle, see {INSTALL_DOC}",
+        )
     devices = [d for d in paddle.device.get_available_custom_device() or [] if d.startswith(DEVICE_TYPE)]
     if not devices:
         return Detection(detected=False, reason=f"paddle has the {DEVICE_TYPE} device type but sees no device")

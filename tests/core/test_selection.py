@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from importlib.metadata import version
+
 import pytest
 
 from fd_core.errors import PlatformError, PluginError
@@ -161,7 +163,8 @@ def test_a_second_distribution_claiming_a_builtin_platform_name_is_reported_not_
 def test_forcing_a_platform_without_its_hardware_says_so() -> None:
     plugins = load_plugins({"FD_PLATFORM": "cuda"}, strict=False)
     assert plugins.selection == (
-        "forced by FD_PLATFORM=cuda; its hardware is not detected here: paddlepaddle-gpu is not installed (pip install 'fd-backends[gpu]')"
+        f"forced by FD_PLATFORM=cuda; its hardware is not detected here: paddle is the CPU build (paddlepaddle {version('paddlepaddle')}): "
+        "install paddlepaddle-gpu for your CUDA version, see docs/install.md"
     )
 
 

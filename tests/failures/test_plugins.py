@@ -9,6 +9,7 @@ throwaway plugin distribution on PYTHONPATH, as if pip-installed.
 from __future__ import annotations
 
 import json
+from importlib.metadata import version
 
 import pytest
 
@@ -129,8 +130,8 @@ def test_forced_platform_whose_hardware_is_absent_fails_before_any_process_start
     done = run_fd(["run"], env={"FD_PLATFORM": "cuda"}, traced=True)
     assert_one_line_error(
         done,
-        "platform 'cuda' is selected but its hardware is not here (paddlepaddle-gpu is not installed "
-        "(pip install 'fd-backends[gpu]')); unset FD_PLATFORM or run on that hardware",
+        f"platform 'cuda' is selected but its hardware is not here (paddle is the CPU build (paddlepaddle {version('paddlepaddle')}): "
+        "install paddlepaddle-gpu for your CUDA version, see docs/install.md); unset FD_PLATFORM or run on that hardware",
     )
     assert done.paddle_imported is False  # nothing was spawned: spawning imports paddle.distributed
 

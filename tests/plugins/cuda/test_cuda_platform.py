@@ -100,15 +100,39 @@ def test_graph_backend_captures_replays_and_resets_through_cudagraph(monkeypatch
     assert FakeCUDAGraph.log[-1] == "reset" and not backend.has(1)
 
 
-def test_detection_without_the_gpu_build_does_not_import_paddle_and_says_why() -> None:
+def test_detection_on_this_cpu_build_says_which_build_and_what_to_install() -> None:
+    """This machine's real CPU build; whether detection imports paddle: tests/docs/test_install.py."""
     answer = cuda.fd_platform_detect()
-    assert not answer.detected
-    assert answer.reason == "paddlepaddle-gpu is not installed (pip install 'fd-backends[gpu]')"
+    assert not answer.detected and not paddle.is_compiled_with_cuda()  # the reason's claim, checked
+    assert answer.reason == (
+        f"paddle is the CPU build (paddlepaddle {paddle.__version__}): "
+        "install paddlepaddle-gpu for your CUDA version, see docs/install.md"
+    )
+
+
+def _installed(**versions: str):
+    """A stand-in for the plugin's metadata lookup: these distributions at these versions, nothing else."""
+    return lambda name: versions.get(name)
+
+
+def test_detection_names_the_wrong_or_doubled_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Metadata and is_compiled_with_cuda substituted; does not run on a GPU."""
+    monkeypatch.setattr(cuda, "installed", _installed(**{"paddlepaddle-gpu": "3.2.1", "paddlepaddle": "3.3.1"}))
+    assert cuda.fd_platform_detect().reason == (
+        "paddlepaddle and paddlepaddle-gpu are both installed and overwrite each other's paddle: "
+        "pip uninstall -y paddlepaddle paddlepaddle-gpu, then install paddlepaddle-gpu for your CUDA version, see docs/install.md"
+    )
+    monkeypatch.setattr(cuda, "installed", _installed(**{"paddlepaddle-gpu": "3.2.1"}))
+    monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: False)
+    assert cuda.fd_platform_detect().reason == (
+        "paddle is not a CUDA build (paddlepaddle-gpu 3.2.1, is_compiled_with_cuda() is False): "
+        "install paddlepaddle-gpu for your CUDA version, see docs/install.md"
+    )
 
 
 def test_detection_with_a_cuda_build_and_two_devices(monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU build and its device queries are substituted; does not run on a GPU."""
-    monkeypatch.setattr(cuda, "version", lambda name: "3.3.1")
+    monkeypatch.setattr(cuda, "installed", _installed(**{"paddlepaddle-gpu": "3.3.1"}))
     monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
     monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(paddle.device.cuda, "get_device_name", lambda index=0: "Fake H100")

@@ -22,6 +22,13 @@ from fakedist import run_fd  # noqa: E402
 from recording import substitute  # noqa: E402
 
 
+# What detection says on this machine (Paddle's CPU build, no Iluvatar plugin).
+NOT_INSTALLED = (
+    f"paddle-iluvatar-gpu is not installed and paddle is the CPU build (paddlepaddle {paddle.__version__}): "
+    "Iluvatar GPUs need Paddle's CPU build (paddlepaddle) plus its paddle-iluvatar-gpu custom-device plugin, see docs/install.md"
+)
+
+
 class TestIluvatarPlatform(PlatformSuite):
     """The conformance suite: contract checks run; device checks skip (no Iluvatar device). Not on hardware."""
 
@@ -76,7 +83,7 @@ def test_fd_explain_shows_the_veto_for_the_registered_architecture() -> None:
     done = run_fd(["explain", "--model", "ernie4_5_vl", "--tp", "2"], env={"FD_PLATFORM": "iluvatar"})
     assert done.returncode == 0, done.stderr
     text = " ".join(done.stdout.split())  # the report wraps at 100 columns
-    assert "platform: iluvatar (forced by FD_PLATFORM=iluvatar; its hardware is not detected here: paddle-iluvatar-gpu is not installed)" in text
+    assert f"platform: iluvatar (forced by FD_PLATFORM=iluvatar; its hardware is not detected here: {NOT_INSTALLED})" in text
     assert "model: ernie4_5_vl (registered by ernie4_5_vl), tp=2" in text
     assert "graph: cuda_graph off: iluvatar vetoed: ERNIE-4.5-VL (Ernie4_5_VLMoeForConditionalGeneration) with tp=2 fails under CUDA graph capture on Iluvatar" in text
 
@@ -112,8 +119,14 @@ def test_all_reduce_reaches_paddles_process_group_with_the_calc_stream_flags() -
 
 def test_detection(monkeypatch: pytest.MonkeyPatch) -> None:
     """The custom-device queries are substituted; does not run on Iluvatar hardware."""
-    assert iluvatar.fd_platform_detect().reason == "paddle-iluvatar-gpu is not installed"
-    monkeypatch.setattr(iluvatar, "version", lambda name: "3.3.0")
+    assert iluvatar.fd_platform_detect().reason == NOT_INSTALLED  # this machine's real CPU build
+    monkeypatch.setattr(iluvatar, "installed", lambda name: {"paddle-iluvatar-gpu": "3.3.0"}.get(name))
+    monkeypatch.setattr(paddle, "is_compiled_with_custom_device", lambda kind: False)
+    assert iluvatar.fd_platform_detect().reason == (
+        f"paddle is the CPU build (paddlepaddle {paddle.__version__}) but did not load paddle-iluvatar-gpu 3.3.0 "
+        "(is_compiled_with_custom_device('iluvatar_gpu') is False): install the paddle-iluvatar-gpu release made for "
+        "this paddle, see docs/install.md"
+    )
     monkeypatch.setattr(paddle, "is_compiled_with_custom_device", lambda kind: kind == "iluvatar_gpu")
     monkeypatch.setattr(paddle.device, "get_available_custom_device", lambda: ["iluvatar_gpu:0", "iluvatar_gpu:1"])
     answer = iluvatar.fd_platform_detect()
