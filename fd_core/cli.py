@@ -203,7 +203,7 @@ def _require_paddle() -> None:
     except PackageNotFoundError:
         extras = []
     choices = " or ".join(f"pip install 'fd-backends[{e}]'" for e in extras) or "install PaddlePaddle"
-    raise FdError(f"PaddlePaddle is not installed; {choices} (one build only: each provides the same paddle package)")
+    raise FdError(f"PaddlePaddle is not installed; {choices}, or a device build as docs/install.md says (one build only: each provides the same paddle package)")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
