@@ -85,7 +85,7 @@ def placeholder_runs(ids: Sequence[int] | np.ndarray, image_token_id: int) -> li
     breaks = np.flatnonzero(np.diff(slots) > 1)
     starts = np.concatenate([[0], breaks + 1])
     ends = np.concatenate([breaks + 1, [len(slots)]])
-    return [(int(slots[a]), int(b - a)) for a, b in zip(starts, ends)]
+    return [(int(slots[a]), int(b - a)) for a, b in zip(starts, ends, strict=True)]
 
 
 def placeholder_count(shape: Sequence[int], settings: ImageSettings, patch: int) -> int:
