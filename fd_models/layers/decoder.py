@@ -14,9 +14,9 @@ import numpy as np
 import paddle
 from paddle import nn
 
+from fd_core import WeightSpec
 from fd_core.config import ModelConfig
 from fd_core.models import GraphBackend
-from fd_core import WeightSpec
 from fd_models.layers import params
 from fd_models.layers.attention import Attention
 from fd_models.layers.mlp import SwiGLUMLP
