@@ -65,7 +65,7 @@ class MoEConfig:
             layer_types=tuple(types),
             experts=extra.get("moe_num_experts", 64),
             top_k=extra.get("moe_k", 6),
-            intermediate=tuple(extra.get("moe_intermediate_size") or (1536, 512)),  # type: ignore[arg-type]
+            intermediate=tuple(extra.get("moe_intermediate_size") or (1536, 512)),
             shared=extra.get("moe_num_shared_experts", 2),
             norm_min=extra.get("moe_norm_min", 1e-12),
         )

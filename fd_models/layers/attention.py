@@ -82,7 +82,7 @@ class Attention(nn.Layer):
         """
         q = self.q_proj(x).reshape([0, 0, self.heads, self.head_dim])
         k = self.k_proj(x).reshape([0, 0, self.kv_heads, self.head_dim])
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm_eps)
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose([0, 2, 1, 3]), *rope, layout=self.rope_layout)
         k = apply_rope(k.transpose([0, 2, 1, 3]), *rope, layout=self.rope_layout)

@@ -14,9 +14,9 @@ import numpy as np
 import paddle
 from paddle import nn
 
+from fd_core import WeightSpec
 from fd_core.config import ModelConfig
 from fd_core.models import GraphBackend
-from fd_core import WeightSpec
 from fd_models.layers import params
 from fd_models.layers.attention import Attention
 from fd_models.layers.mlp import SwiGLUMLP
@@ -48,7 +48,8 @@ def _with_positional_signature(fn: Any, names: Sequence[str]) -> Any:
         return fn(*args)
 
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-    decode_fn.__signature__ = inspect.Signature([inspect.Parameter(n, kind) for n in names])
+    # inspect.signature honours __signature__, which typeshed does not declare on functions.
+    decode_fn.__signature__ = inspect.Signature([inspect.Parameter(n, kind) for n in names])  # type: ignore[attr-defined]
     decode_fn.__doc__ = fn.__doc__
     return decode_fn
 
@@ -88,7 +89,11 @@ class DecoderLayer(nn.Layer):
             self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, ctx, config.mlp_bias, dtype)
         self.mlp_takes_vision_mask = getattr(self.mlp, "takes_vision_mask", False)
 
-    def forward(self, x, rope, positions, mask, cache_k, cache_v, vision_mask=None):  # noqa: ANN001, ANN201 - see Attention.forward
+    def forward(
+        self, x: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor], positions: paddle.Tensor, mask: paddle.Tensor,
+        cache_k: paddle.Tensor, cache_v: paddle.Tensor, vision_mask: paddle.Tensor | None = None,
+    ) -> paddle.Tensor:
+        """x [B, S, H] through attention (see Attention.forward) and the feed-forward -> [B, S, H]."""
         x = x + self.self_attn(self.input_layernorm(x), rope, positions, mask, cache_k, cache_v)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, vision_mask) if self.mlp_takes_vision_mask else self.mlp(h))
@@ -208,11 +213,14 @@ class CausalLM(nn.Layer):
             for cache in self._caches:
                 cache.zero_()
             return
-        self._caches = [paddle.zeros(shape, dtype=self.config.dtype) for _ in range(2 * self.config.num_hidden_layers)]
+        # paddle's stubs take a dtype name only as a Literal; ModelConfig.dtype is a str, which ModelConfig.check keeps to COMPUTE_DTYPES.
+        self._caches = [
+            paddle.zeros(shape, dtype=self.config.dtype) for _ in range(2 * self.config.num_hidden_layers)  # type: ignore[arg-type]
+        ]
 
     def cache_bytes(self) -> int:
         """Bytes the KV cache holds (0 before allocate_cache)."""
-        return sum(c.numel().item() * c.element_size() for c in self._caches or [])
+        return sum(int(c.numel()) * c.element_size() for c in self._caches or [])
 
     def _require_cache(self, batch_size: int, length: int = 1) -> list[paddle.Tensor]:
         if self._caches is None:
@@ -290,7 +298,7 @@ class CausalLM(nn.Layer):
         # with (a device graph's fixed addresses), and the step writes them in place. The trace
         # writes slot 0, which every prefill overwrites.
         caches = self._caches if cached_batch == batch_size else [
-            paddle.zeros(self.cache_shape(batch_size, max_len), dtype=self.config.dtype) for _ in self._caches
+            paddle.zeros(self.cache_shape(batch_size, max_len), dtype=self.config.dtype) for _ in self._caches  # type: ignore[arg-type]  # as in allocate_cache
         ]
         position = paddle.zeros([1], dtype="int64")
         start = paddle.zeros([batch_size], dtype="int64")

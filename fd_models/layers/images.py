@@ -33,7 +33,8 @@ class ImageSettings:
     ) -> "ImageSettings":
         """The model's defaults overridden by a `preprocessor_config.json` mapping (`size` or `min_pixels`/`max_pixels`, mean, std)."""
         data = dict(preprocessor or {})
-        size = data.get("size") if isinstance(data.get("size"), dict) else {}
+        given = data.get("size")
+        size: Mapping[str, Any] = given if isinstance(given, dict) else {}
         low = data.get("min_pixels", size.get("shortest_edge", min_pixels))
         high = data.get("max_pixels", size.get("longest_edge", max_pixels))
         return cls(
@@ -85,7 +86,7 @@ def placeholder_runs(ids: Sequence[int] | np.ndarray, image_token_id: int) -> li
     breaks = np.flatnonzero(np.diff(slots) > 1)
     starts = np.concatenate([[0], breaks + 1])
     ends = np.concatenate([breaks + 1, [len(slots)]])
-    return [(int(slots[a]), int(b - a)) for a, b in zip(starts, ends)]
+    return [(int(slots[a]), int(b - a)) for a, b in zip(starts, ends, strict=True)]
 
 
 def placeholder_count(shape: Sequence[int], settings: ImageSettings, patch: int) -> int:

@@ -30,7 +30,7 @@ def mrope_positions(
         )
     positions = np.zeros((3, len(ids)), dtype=np.int64)
     current, cursor = 0, 0
-    for (start, length), (_, gh, gw) in zip(runs, grids):
+    for (start, length), (_, gh, gw) in zip(runs, grids, strict=True):
         positions[:, cursor:start] = np.arange(current, current + start - cursor)
         current += start - cursor
         rows, cols = gh // merge, gw // merge

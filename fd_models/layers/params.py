@@ -21,7 +21,8 @@ Renames = Sequence[tuple[str, str]]
 
 def _create(layer: nn.Layer, shape: Sequence[int], dtype: str, attr: str) -> paddle.Tensor:
     # Zeros, not a random init: the runner always loads weights after build, so a random draw is waste.
-    param = layer.create_parameter(list(shape), dtype=dtype, default_initializer=nn.initializer.Constant(0.0))
+    # paddle's stubs take a dtype name only as a Literal; ours is a str (ModelConfig.dtype, which ModelConfig.check keeps to COMPUTE_DTYPES).
+    param = layer.create_parameter(list(shape), dtype=dtype, default_initializer=nn.initializer.Constant(0.0))  # type: ignore[arg-type]
     param.stop_gradient = True  # inference only: no autograd bookkeeping, even outside no_grad
     setattr(layer, attr, param)
     return param

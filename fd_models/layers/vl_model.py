@@ -9,8 +9,8 @@ import numpy as np
 import paddle
 from paddle import nn
 
-from fd_core.models import GraphBackend
 from fd_core import WeightSpec
+from fd_core.models import GraphBackend
 from fd_models.layers import params
 from fd_models.layers.decoder import CausalLM, as_int64
 from fd_models.layers.multimodal import (

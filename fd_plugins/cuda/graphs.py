@@ -41,7 +41,8 @@ class CudaGraphBackend:
         import paddle
 
         captured = self._graphs[key]
-        for static, new in zip(captured.static_inputs, inputs):
+        # One input for each captured buffer: a count that differs is an error, not a buffer left stale.
+        for static, new in zip(captured.static_inputs, inputs, strict=True):
             if new is not static:
                 paddle.assign(new, output=static)
         captured.graph.replay()

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 import checked_workers
+from fd_checked_allreduce import platform
 from fd_core import Capabilities, Detection, GraphVote, ModelConfig, ParallelConfig
 from fd_core.testing import PlatformSuite
-from fd_checked_allreduce import platform
 
 INSTALLED = any(ep.name == "cpu_checked" for ep in entry_points(group="fd.platforms"))
 needs_install = pytest.mark.skipif(not INSTALLED, reason="fd-checked-allreduce is not installed: pip install ./examples/fd-checked-allreduce")
