@@ -9,8 +9,9 @@ from typing import Any, Callable, Mapping
 
 from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.detection import Detection
-from fd_core.errors import NumericsError, PlatformError, PluginError
+from fd_core.errors import ConfigError, NumericsError, PlatformError, PluginError
 from fd_core.graphs import CastVote, GraphBackend, GraphDecision, GraphVote
+from fd_core.kernels import KernelTable, Ops
 from fd_core.plugins import PluginSet, caller_for, call_bounded, hook_timeout, load_plugins
 
 AllReduce = Callable[[Any], Any]
@@ -78,12 +79,17 @@ class Backend:
 
     all_reduce: AllReduce
 
-    def __init__(self, plugins: PluginSet, parallel: ParallelConfig | None = None) -> None:
+    def __init__(self, plugins: PluginSet, parallel: ParallelConfig | None = None, kernels: KernelTable | None = None) -> None:
+        """`kernels` replaces the plugins' kernel table (an empty KernelTable: every op native, the reference the suite compares with)."""
         self.plugins = plugins
         self.parallel = parallel or ParallelConfig()
         self.platform: str = plugins.platform
         self.detection: Detection = plugins.detection
         self.all_reduce, self.all_reduce_binding = self._bind_all_reduce()
+        from fd_core import native_ops  # paddle: imported when a Backend is built, not with fd_core
+
+        # Every named op resolved once: a layer that fetched `backend.ops.rms_norm` calls the kernel directly.
+        self.ops = Ops(plugins.kernels if kernels is None else kernels, native_ops)
 
     @property
     def hook(self) -> Any:
@@ -163,6 +169,8 @@ class Backend:
         if requested == "off":
             # No plugin votes: a report of votes that could not change anything would read as if they had.
             return GraphDecision(allowed=False, mode=mode, votes=(), requested=requested)
+        self.check_graph_request(requested)
+        votes += [CastVote(plugin, False, f"its kernel for {op} is registered as not capturable") for op, plugin in self.ops.uncapturable.items()]
         registry = self.plugins.registry
         if model_config.architecture in registry:
             arch = registry.get(model_config.architecture)
@@ -187,6 +195,12 @@ class Backend:
         decision = GraphDecision(allowed=False, mode=mode, votes=tuple(votes), requested=requested)
         allowed = mode is not None and not decision.vetoes
         return dataclasses.replace(decision, allowed=allowed)
+
+    def check_graph_request(self, requested: str) -> None:
+        """`--graph on` with a kernel that cannot be captured is refused (auto turns graphs off with a vote instead)."""
+        if requested == "on" and self.ops.uncapturable:
+            op, plugin = next(iter(self.ops.uncapturable.items()))
+            raise ConfigError(f"--graph on: plugin {plugin!r} registered its kernel for {op} as not capturable; use --graph auto or off")
 
     @property
     def graph_mode(self) -> str | None:
@@ -238,6 +252,7 @@ class Backend:
             "tp": self.parallel.tp_size,
             "graph_mode": self.graph_mode,
             "all_reduce": self.all_reduce_binding,
+            "kernels": dict(self.ops.providers),
             "architectures": [a.name for a in self.plugins.registry],
         }
 

@@ -66,7 +66,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
     # Not strict: a plugin that fails validation or registration is listed with its error, not fatal.
     plugins = load_plugins(strict=False)
-    rows = [r.to_dict() for r in plugins.records]
+    rows = [{**r.to_dict(), "kernels": plugins.kernels.by_plugin(r.name) if r.active else []} for r in plugins.records]
     if args.json:
         _print_json({"platform": plugins.platform, "selection": plugins.selection, "plugins": rows, "problems": plugins.problems})
     else:
@@ -116,6 +116,9 @@ def _plugin_listing(plugins: Any) -> list[str]:
                 lines += _wrapped(f"error: {r.load_error}", 2 + width, 7)
             if r.hooks:
                 lines += _wrapped(f"hooks: {', '.join(r.hooks)}", 2 + width, 7)
+            kernels = plugins.kernels.by_plugin(r.name) if r.active else []
+            if kernels:
+                lines += _wrapped(f"kernels: {', '.join(kernels)}", 2 + width, 9)
     if plugins.registry:
         # The name fd takes (--model), the names checkpoints' config.json use for it, and the plugin it came from.
         lines += ["", "architectures:"]
@@ -133,6 +136,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from fd_core.config import ModelConfig, ParallelConfig
     from fd_core.plugins import load_plugins
     from fd_core.runtime.plan import check_tp
+    from fd_core.runtime.report import kernel_line
 
     plugins = load_plugins()
     parallel = ParallelConfig(tp_size=args.tp)
@@ -154,7 +158,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     det = backend.detection
     lines = [f"platform: {backend.platform} ({plugins.selection})", f"  {'detected' if det.detected else 'not detected'}: {det.reason or '-'}"]
     lines += [f"  {r.name}: {r.status}" for r in plugins.records if r.kind == "platform" and not r.active]
-    lines += [f"model: {model_line}, tp={args.tp}", f"all-reduce: {backend.all_reduce_binding}", f"graph: {decision.summary()}"]
+    lines += [f"model: {model_line}, tp={args.tp}", f"all-reduce: {backend.all_reduce_binding}",
+              f"kernels: {kernel_line(backend.ops.providers)}", f"graph: {decision.summary()}"]
     lines += [f"  {vote.line()}" for vote in decision.votes]
     print(_fit(lines))
     return 0

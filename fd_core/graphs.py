@@ -2,8 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Protocol, Sequence
+from typing import Any, Callable, Hashable, Iterator, Protocol, Sequence
+
+_state = threading.local()
+
+
+def capturing() -> bool:
+    """Whether the calling thread is inside a model's graph capture (a hook or kernel may ask, to take its capturable path)."""
+    return bool(getattr(_state, "depth", 0))
+
+
+@contextlib.contextmanager
+def capture_scope() -> Iterator[None]:
+    """Mark the calling thread as capturing for the duration (the runtime wraps every model capture in it)."""
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
 
 
 class GraphBackend(Protocol):

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
     # register(name, help, run): `fd NAME ARGS...` calls run(ARGS) and exits with what it returns.
     CommandRegistrar = Callable[[str, str, Callable[[list[str]], int]], None]
+    # register(op, fn, capturable=True): `fn` serves fd's named op `op` (fd_core.kernels.OPS).
+    KernelRegistrar = Callable[..., None]
 
 
 @hookspec
@@ -56,3 +58,8 @@ def fd_register_models(register: Callable[[Architecture], None]) -> None:
 @hookspec
 def fd_register_commands(register: CommandRegistrar) -> None:
     """Add `fd` subcommands by calling `register(name, help, run)`; `run(args)` returns the exit code."""
+
+
+@hookspec
+def fd_register_kernels(register: KernelRegistrar) -> None:
+    """Provide kernels for fd's named ops by calling `register(op, fn, capturable=True)` for each."""

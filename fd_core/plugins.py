@@ -16,6 +16,7 @@ import pluggy
 from fd_core import hookspecs
 from fd_core.detection import Detection
 from fd_core.errors import PlatformError, PluginError
+from fd_core.kernels import KernelTable, check_kernel
 from fd_core.markers import PROJECT
 from fd_core.models import Architecture, ModelRegistry
 
@@ -89,6 +90,8 @@ class PluginSet:
     # What makes this set unusable for a run (a plugin that failed validation or registration, a
     # platform name claimed twice); `fd plugins` lists them, everything else raises the first.
     problems: list[str] = field(default_factory=list)
+    # The kernels the active platform and the extensions registered for fd's named ops.
+    kernels: KernelTable = field(default_factory=KernelTable)
 
     def require_usable(self) -> None:
         """Raise the first problem as a PluginError (a run must not start with a broken plugin)."""
@@ -476,6 +479,24 @@ def _register_commands(pm: pluggy.PluginManager, records: list[PluginRecord]) ->
     return commands, _call_each(pm, "fd_register_commands", records, register_for, undo)
 
 
+def _register_kernels(pm: pluggy.PluginManager, records: list[PluginRecord]) -> tuple[KernelTable, list[str]]:
+    """The active platform's and each extension's fd_register_kernels; a model package may not provide kernels."""
+    table = KernelTable()
+    kinds = {r.name: r.kind for r in records if r.module is not None and r.active}
+
+    def register_for(owner: str) -> Callable[..., None]:
+        kind = kinds.get(owner, "extension")
+
+        def register(op: str, fn: Callable[..., Any], capturable: bool = True) -> None:
+            if kind == "model":
+                raise PluginError(f"plugin {owner!r}: a model package may not register kernels; put them in a platform or an fd.plugins extension")
+            table.add(check_kernel(owner, op, fn, capturable), from_platform=kind == "platform")
+
+        return register
+
+    return table, _call_each(pm, "fd_register_kernels", records, register_for, table.remove_plugin)
+
+
 def load_plugins(
     env: Mapping[str, str] | None = None, extra: Iterable[tuple[Kind, str, object]] = (), *, strict: bool = True
 ) -> PluginSet:
@@ -533,10 +554,13 @@ def load_plugins(
     problems += _register_models(pm, registry, records)
     commands, command_problems = _register_commands(pm, records)
     problems += command_problems
+    kernels, kernel_problems = _register_kernels(pm, records)
+    problems += kernel_problems
     for record in records:
         if record.error is not None and record.active:
             record.active, record.status = False, f"failed: {record.error}"
-    plugins = PluginSet(records=records, platform=platform, selection=why, pm=pm, registry=registry, problems=problems, commands=commands)
+    plugins = PluginSet(records=records, platform=platform, selection=why, pm=pm, registry=registry, problems=problems, commands=commands,
+                        kernels=kernels)
     if strict:
         plugins.require_usable()
     return plugins

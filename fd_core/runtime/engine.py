@@ -39,8 +39,8 @@ class Completion:
         return {"text": self.text, "ids": self.token_ids, "finish_reason": self.finish_reason, "prompt_tokens": len(self.prompt_ids)}
 
 
-def finite_logits(logits: Any, step: int, live: Sequence[bool]) -> Any:
-    """logits [B, vocab] as numpy; non-finite logits of a sequence still generating stop the run instead of becoming a plausible token."""
+def check_finite(logits: Any, step: int, live: Sequence[bool]) -> None:
+    """Non-finite logits [B, vocab] of a sequence still generating stop the run instead of becoming a plausible token."""
     import numpy as np
 
     rows = logits.numpy()
@@ -51,7 +51,6 @@ def finite_logits(logits: Any, step: int, live: Sequence[bool]) -> Any:
             f"step {step} produced {count} non-finite logit(s) (NaN or Inf) for prompt {bad[0] + 1}; the weights, the inputs or "
             f"the platform's kernels or all-reduce produce non-finite numbers (fd check tests the all-reduce)"
         )
-    return rows
 
 
 @dataclass
@@ -100,6 +99,11 @@ class Engine:
         limit = self.runner.config.max_position_embeddings
         return max(needed, min(-(-needed // CACHE_STEP) * CACHE_STEP, limit))
 
+    def _choose(self, logits: Any, step: int, live: Sequence[bool], sampler: Sampler) -> list[int]:
+        """Each row's next token through the Backend's sample op, once its live rows' logits are known to be finite."""
+        check_finite(logits, step, live)
+        return sampler.choose(logits, self.runner.backend.ops.sample)
+
     def _batch(self, request: Request, rows: Sequence[int], image: Any) -> Generator[tuple[int, str], None, list[Completion]]:
         import numpy as np
 
@@ -126,7 +130,7 @@ class Engine:
         for step in range(params.max_new_tokens):
             start = time.perf_counter()
             progress.report("decode")
-            chosen = sampler.choose(finite_logits(logits, step, [reasons[b] is None for b in range(len(rows))]))
+            chosen = self._choose(logits, step, [reasons[b] is None for b in range(len(rows))], sampler)
             if self.first_token_at is None:
                 self.first_token_at = time.time()
             for b, token in enumerate(chosen):

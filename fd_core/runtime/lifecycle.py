@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping
 
 from fd_core.backend import Backend
 from fd_core.config import ModelConfig
-from fd_core.graphs import GraphDecision
+from fd_core.graphs import GraphDecision, capture_scope
 from fd_core.models import Architecture, CausalModel
 from fd_core.runtime import progress
 from fd_core.runtime.weights import CheckpointShards, load_checkpoint, random_state_dict
@@ -92,7 +92,8 @@ class ModelRunner:
         if decision.allowed and self.captured.get(batch) != max_len:
             self.log(f"capturing the decode step for batch size {batch} ({decision.mode})")
             progress.report("capturing")
-            self._timed("capture", lambda: model.capture(self.backend.graph_backend(), batch))
+            with capture_scope():
+                self._timed("capture", lambda: model.capture(self.backend.graph_backend(), batch))
             self.captured[batch] = max_len
 
     def reload(self) -> None:

@@ -160,6 +160,7 @@ def plan_run(run: RunConfig, plugins: PluginSet | None = None) -> Plan:
     plugins = plugins or load_plugins(plugin_env(run.platform))
     backend = Backend(plugins)
     backend.require_hardware()
+    backend.check_graph_request(run.graph)
     if run.steps < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {run.steps}")
     model = run.model

@@ -8,6 +8,11 @@ from typing import Any, Mapping, Sequence
 from fd_core.graphs import CastVote
 
 
+def kernel_line(providers: Mapping[str, str]) -> str:
+    """Each op with the plugin whose kernel serves it: "rms_norm: kprobe, silu_and_mul: native, ..."."""
+    return ", ".join(f"{op}: {provider}" for op, provider in providers.items())
+
+
 def summary_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:
     """The human-readable report: rank 0's result, and every reporting rank's peak memory."""
     result = results[0]
@@ -17,6 +22,7 @@ def summary_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:
         f"graph: {graph['summary']}",
     ]
     lines += [f"  {CastVote(**v).line()}" for v in graph["votes"]]
+    lines.append(f"kernels: {kernel_line(result['kernels'])}")
     outputs = result.get("outputs") or [{"ids": result["tokens"]}]
     for index, output in enumerate(outputs):
         label = "tokens" if len(outputs) == 1 else f"tokens [{index + 1}]"
@@ -39,7 +45,7 @@ def summary_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def as_json(results: Sequence[Mapping[str, Any]]) -> str:
     """Rank 0's result as JSON, with every reporting rank's peak RSS."""
-    keys = ("platform", "model", "tp", "graph", "all_reduce", "tokens", "outputs", "tokens_per_s", "time_to_first_token_s", "timings_s",
+    keys = ("platform", "model", "tp", "graph", "all_reduce", "kernels", "tokens", "outputs", "tokens_per_s", "time_to_first_token_s", "timings_s",
             "reload_cycles", "rss_bytes", "peak_rss_bytes")
     data = {k: results[0][k] for k in keys}
     if "wall_s" in results[0]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from fd_core.errors import ConfigError
 
@@ -50,10 +50,11 @@ class SamplingParams:
 
 
 class Sampler:
-    """Draws each sequence's tokens from its own generator, seeded by (seed, the prompt's index in its request).
+    """Each sequence's own generator, seeded by (seed, the prompt's index in its request), and the sample op.
 
     Every rank holds the same logits (the vocabulary-parallel head ends in an all-reduce) and the same
-    seed, so every rank draws the same token without another collective.
+    seed, so every rank draws the same uniform numbers, and the sample op the same tokens, without
+    another collective.
     """
 
     def __init__(self, params: SamplingParams, indexes: Sequence[int]) -> None:
@@ -62,32 +63,9 @@ class Sampler:
         self.params = params
         self.rngs = [np.random.default_rng([params.seed, i]) for i in indexes]
 
-    def choose(self, logits: Any) -> list[int]:
-        """One token per row of logits [B, vocab]."""
-        import numpy as np
-
-        rows = np.asarray(logits, dtype=np.float64)
-        if self.params.greedy:
-            return [int(i) for i in rows.argmax(axis=-1)]
-        return [self._draw(row, rng) for row, rng in zip(rows, self.rngs)]
-
-    def _draw(self, row: Any, rng: Any) -> int:
-        import numpy as np
-
-        scores = row / self.params.temperature
-        if 0 < self.params.top_k < scores.size:
-            kth = np.partition(scores, -self.params.top_k)[-self.params.top_k]
-            scores = np.where(scores < kth, -np.inf, scores)
-        probs = np.exp(scores - scores.max())
-        probs /= probs.sum()
-        if self.params.top_p < 1.0:
-            order = np.argsort(-probs, kind="stable")
-            cumulative = np.cumsum(probs[order])
-            # Keep the smallest prefix whose mass reaches top_p (at least one token).
-            keep = order[: int(np.searchsorted(cumulative, self.params.top_p)) + 1]
-            mask = np.zeros_like(probs)
-            mask[keep] = 1.0
-            probs = probs * mask
-            probs /= probs.sum()
-        cumulative = np.cumsum(probs)
-        return int(min(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"), probs.size - 1))
+    def choose(self, logits: Any, sample: Callable[..., list[int]]) -> list[int]:
+        """One token per row of logits [B, vocab], through `sample` (the Backend's sample op)."""
+        p = self.params
+        # Greedy draws nothing: a greedy request leaves the generators where a sampled one would find them.
+        uniform = [0.0] * len(self.rngs) if p.greedy else [float(rng.random()) for rng in self.rngs]
+        return [int(t) for t in sample(logits, p.temperature, p.top_k, p.top_p, uniform)]

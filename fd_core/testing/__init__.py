@@ -1,6 +1,7 @@
 """The conformance suite for platform plugins: subclass PlatformSuite in your plugin's tests."""
 
 from fd_core.capabilities import Capabilities, capabilities_of
+from fd_core.testing.kernels import KernelTests
 from fd_core.testing.suite import (
     AllReduceTests,
     CleanupTests,
@@ -18,6 +19,7 @@ __all__ = [
     "ContractTests",
     "EligibilityTests",
     "GraphBackendTests",
+    "KernelTests",
     "ModelTests",
     "PlatformSuite",
     "capabilities_of",

@@ -11,6 +11,7 @@ from fd_core.capabilities import Capabilities
 from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.detection import Detection
 from fd_core.plugins import PluginSet, impl_function, load_plugins, new_plugin_manager, validate_module
+from fd_core.testing.kernels import KernelTests
 
 ALL_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 SHAPES: tuple[tuple[int, ...], ...] = ((0,), (1,), (3, 5), (64, 64))
@@ -374,6 +375,6 @@ class _RecordingGraphs:
         self.inner.clear()
 
 
-class PlatformSuite(ContractTests, AllReduceTests, CleanupTests, EligibilityTests, GraphBackendTests, ModelTests):
+class PlatformSuite(ContractTests, AllReduceTests, CleanupTests, EligibilityTests, GraphBackendTests, ModelTests, KernelTests):
     """Every conformance check; subclass it as `TestMyPlatform` and provide `platform_name` and `capabilities`."""
 

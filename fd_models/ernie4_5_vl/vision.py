@@ -71,7 +71,7 @@ class Resampler(nn.Layer):
         self.spatial_linear = _ResamplerMLP(self.spatial_dim, self.spatial_dim, vision.rms_norm_eps, ctx, dtype)
         self.temporal_linear = _ResamplerMLP(self.spatial_dim * vision.temporal_merge_size, self.spatial_dim, vision.rms_norm_eps, ctx, dtype)
         self.mlp = ReplicatedLinear(self.spatial_dim, text_hidden, ctx, True, dtype)
-        self.after_norm = RMSNorm(text_hidden, text_eps, dtype)
+        self.after_norm = RMSNorm(text_hidden, text_eps, ctx, dtype)
 
     def forward(self, features: paddle.Tensor) -> paddle.Tensor:
         """features [N, vision hidden] of one still image -> [N / 4, text hidden]."""

@@ -1,4 +1,5 @@
-"""Grouped-query attention over a preallocated KV cache, with shapes fixed by the caller.
+"""Grouped-query attention over a preallocated KV cache, with shapes fixed by the caller; rotary embedding and
+attention itself are the Backend's named ops (fd_core.kernels), resolved once per layer.
 
 The cache of one layer is [max_len, B, kv_h, d]: position-major, so that writing the new keys and
 values is one in-place `index_put_` at their positions (a cost that does not grow with max_len, and
@@ -9,33 +10,13 @@ the bucket it was traced for (its input shape), and the mask hides the positions
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import paddle
-import paddle.nn.functional as F
 from paddle import nn
 
 from fd_models.layers.norm import RMSNorm
 from fd_models.layers.parallel import ColumnParallelLinear, RowParallelLinear
-from fd_models.layers.rotary import apply_rope
-
-
-def attend(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: paddle.Tensor | None) -> paddle.Tensor:
-    """softmax(q k^T / sqrt(d) + mask) v for q [B, h, S, d], k, v [B, kv_h, T, d] (h a multiple of kv_h), mask [S, T].
-
-    The query heads of one kv head are folded into its rows ([B, kv_h, g * S, d]), so k and v are
-    read once, not repeated g times.
-    """
-    batch, heads, length, dim = q.shape
-    kv_heads = k.shape[1]
-    groups = heads // kv_heads
-    q = q.reshape([batch, kv_heads, groups * length, dim])
-    scores = paddle.matmul(q, k, transpose_y=True).astype("float32") * (1.0 / math.sqrt(dim))
-    if mask is not None:
-        scores = (scores.reshape([batch, kv_heads, groups, length, -1]) + mask).reshape([batch, kv_heads, groups * length, -1])
-    out = paddle.matmul(F.softmax(scores, axis=-1).astype(v.dtype), v)
-    return out.reshape([batch, heads, length, dim])
 
 
 def write_cache(cache: paddle.Tensor, new: paddle.Tensor, positions: paddle.Tensor) -> None:
@@ -69,8 +50,9 @@ class Attention(nn.Layer):
         self.v_proj = ColumnParallelLinear(hidden_size, kv_heads * head_dim, ctx, bias, dtype)
         self.o_proj = RowParallelLinear(heads * head_dim, hidden_size, ctx, bias, dtype)
         # Qwen3 normalises each head's q and k before rope; the weights are per head_dim, replicated.
-        self.q_norm = RMSNorm(head_dim, qk_norm_eps, dtype) if qk_norm_eps is not None else None
-        self.k_norm = RMSNorm(head_dim, qk_norm_eps, dtype) if qk_norm_eps is not None else None
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps, ctx, dtype) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps, ctx, dtype) if qk_norm_eps is not None else None
+        self.rotary_embedding, self.attention = ctx.ops.rotary_embedding, ctx.ops.attention
 
     def forward(
         self, x: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor], positions: paddle.Tensor,
@@ -84,11 +66,11 @@ class Attention(nn.Layer):
         k = self.k_proj(x).reshape([0, 0, self.kv_heads, self.head_dim])
         if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm_eps)
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose([0, 2, 1, 3]), *rope, layout=self.rope_layout)
-        k = apply_rope(k.transpose([0, 2, 1, 3]), *rope, layout=self.rope_layout)
+        q = self.rotary_embedding(q.transpose([0, 2, 1, 3]), *rope, self.rope_layout)
+        k = self.rotary_embedding(k.transpose([0, 2, 1, 3]), *rope, self.rope_layout)
         v = self.v_proj(x).reshape([0, 0, self.kv_heads, self.head_dim])
         write_cache(cache_k, k.transpose([0, 2, 1, 3]), positions)
         write_cache(cache_v, v, positions)
         length = mask.shape[-1]
-        out = attend(q, cached(cache_k, length), cached(cache_v, length), mask)
+        out = self.attention(q, cached(cache_k, length), cached(cache_v, length), mask)
         return self.o_proj(merge_heads(out))

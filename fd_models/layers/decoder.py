@@ -76,13 +76,13 @@ class DecoderLayer(nn.Layer):
     def __init__(self, config: ModelConfig, ctx: Any, options: DecoderOptions, index: int = 0) -> None:
         super().__init__()
         eps, dtype = config.rms_norm_eps, config.dtype
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, ctx, dtype)
         self.self_attn = Attention(
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
             config.resolved_head_dim, ctx, eps if options.qk_norm else None,
             bias=config.attention_bias, rope_layout=options.rope_layout, dtype=dtype,
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ctx, dtype)
         if options.mlp is not None:
             self.mlp = options.mlp(config, ctx, index)
         else:
@@ -108,7 +108,7 @@ class TextModel(nn.Layer):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx, config.dtype)
         self.layers = nn.LayerList([DecoderLayer(config, ctx, options, i) for i in range(config.num_hidden_layers)])
         self.mrope_style = options.mrope_style
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx, config.dtype)
         rope = config.extra.get("rope_parameters") or config.extra.get("rope_scaling") or {}
         # M-RoPE sections (Qwen-VL): how many rope frequencies the t, h and w positions drive.
         self.mrope_section: list[int] | None = rope.get("mrope_section")

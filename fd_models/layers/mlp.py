@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import paddle
-import paddle.nn.functional as F
 from paddle import nn
 
 from fd_models.layers.parallel import ColumnParallelLinear, RowParallelLinear
@@ -19,6 +18,7 @@ class SwiGLUMLP(nn.Layer):
         self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, ctx, bias, dtype)
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, ctx, bias, dtype)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, ctx, bias, dtype)
+        self.silu_and_mul = ctx.ops.silu_and_mul
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.silu_and_mul(self.gate_proj(x), self.up_proj(x)))

@@ -47,6 +47,7 @@ class MoEBlock(nn.Layer):
     ) -> None:
         super().__init__()
         self.ctx, self.hidden, self.experts, self.top_k, self.norm_min = ctx, hidden, experts, top_k, norm_min
+        self.silu_and_mul = ctx.ops.silu_and_mul
         tp = ctx.parallel.tp_size
         # The routers are [hidden, experts] in the checkpoint (input-major) and run in float32, as the reference's.
         self.gate = nn.Layer()
@@ -86,7 +87,7 @@ class MoEBlock(nn.Layer):
         xs = paddle.repeat_interleave(x, self.top_k, axis=0).unsqueeze(1)  # [T*k, 1, H]
         gate = paddle.matmul(xs, paddle.gather(experts.gate, flat), transpose_y=True)
         up = paddle.matmul(xs, paddle.gather(experts.up, flat), transpose_y=True)
-        out = paddle.matmul(F.silu(gate) * up, paddle.gather(experts.down, flat), transpose_y=True)  # [T*k, 1, H]
+        out = paddle.matmul(self.silu_and_mul(gate, up), paddle.gather(experts.down, flat), transpose_y=True)  # [T*k, 1, H]
         return paddle.sum(out.reshape([tokens, self.top_k, -1]) * weights.unsqueeze(-1), axis=1)
 
     def _looped(
@@ -103,7 +104,7 @@ class MoEBlock(nn.Layer):
             if rows.shape[0] == 0:
                 continue
             xe = paddle.gather(x, rows)
-            he = F.silu(paddle.matmul(xe, experts.gate[e], transpose_y=True)) * paddle.matmul(xe, experts.up[e], transpose_y=True)
+            he = self.silu_and_mul(paddle.matmul(xe, experts.gate[e], transpose_y=True), paddle.matmul(xe, experts.up[e], transpose_y=True))
             ye = paddle.matmul(he, experts.down[e], transpose_y=True) * paddle.gather(token_weight, rows).unsqueeze(-1)
             out = paddle.scatter(out, rows, paddle.gather(out, rows) + ye)
         return out
@@ -130,7 +131,7 @@ class MoEBlock(nn.Layer):
             out = paddle.where(is_vision.reshape([-1, 1]), vision, out)
         if self.shared:
             s = self.shared_experts
-            inner = F.silu(_project(flat, s.gate_proj)) * _project(flat, s.up_proj)
+            inner = self.silu_and_mul(_project(flat, s.gate_proj), _project(flat, s.up_proj))
             out = out + paddle.matmul(inner, s.down_proj.weight, transpose_y=True)
         out = self.ctx.all_reduce(out)
         if self.shared and self.shared_experts.down_proj.bias is not None:

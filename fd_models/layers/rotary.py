@@ -1,4 +1,5 @@
-"""Rotary position embedding from a positions tensor, graph-safe, in the two layouts the published models use.
+"""Rotary tables from a positions tensor, graph-safe; applying them is the Backend's `rotary_embedding` op, in
+the two layouts the published models use:
 
 - "half" (Llama, Qwen): dimension i pairs with i + d/2 (`rotate_half`).
 - "interleaved" (ERNIE-4.5): dimension 2i pairs with 2i + 1 ("rotate every two").
@@ -38,16 +39,3 @@ def rope_tables(
             use_w = paddle.logical_and(j % 3 == 2, j < 3 * mrope_section[2])
         freqs = paddle.where(use_h, freqs[1], paddle.where(use_w, freqs[2], freqs[0]))
     return paddle.cos(freqs), paddle.sin(freqs)
-
-
-def apply_rope(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, layout: str = "half") -> paddle.Tensor:
-    """Rotate x [B, heads, S, head_dim] by the tables [S, head_dim / 2], in float32; returns x's dtype."""
-    x32 = x.astype("float32")
-    if layout == "interleaved":
-        pairs = x32.reshape([0, 0, 0, -1, 2])
-        even, odd = pairs[..., 0], pairs[..., 1]
-        rotated = paddle.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
-        return rotated.reshape([0, 0, 0, -1]).astype(x.dtype)
-    half = x.shape[-1] // 2
-    first, second = x32[..., :half], x32[..., half:]
-    return paddle.concat([first * cos - second * sin, second * cos + first * sin], axis=-1).astype(x.dtype)

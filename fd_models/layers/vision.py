@@ -15,10 +15,8 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from fd_models.layers.attention import attend
 from fd_models.layers.norm import LayerNorm
 from fd_models.layers.parallel import ReplicatedLinear
-from fd_models.layers.rotary import apply_rope
 
 
 def patchify(image: np.ndarray, config: Any, temporal: int = 1) -> tuple[np.ndarray, tuple[int, int, int]]:
@@ -79,14 +77,15 @@ class VisionAttention(nn.Layer):
     def __init__(self, size: int, heads: int, ctx: Any, dtype: str) -> None:
         super().__init__()
         self.heads, self.head_dim = heads, size // heads
+        self.rotary_embedding, self.attention = ctx.ops.rotary_embedding, ctx.ops.attention
         self.qkv = ReplicatedLinear(size, 3 * size, ctx, True, dtype)
         self.proj = ReplicatedLinear(size, size, ctx, True, dtype)
 
     def forward(self, x: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor]) -> paddle.Tensor:
         """x [N, size] -> [N, size]."""
         qkv = self.qkv(x).reshape([1, -1, 3, self.heads, self.head_dim]).transpose([2, 0, 3, 1, 4])
-        q, k = apply_rope(qkv[0], *rope), apply_rope(qkv[1], *rope)
-        out = attend(q, k, qkv[2], None)  # [1, heads, N, head_dim]
+        q, k = self.rotary_embedding(qkv[0], *rope, "half"), self.rotary_embedding(qkv[1], *rope, "half")
+        out = self.attention(q, k, qkv[2], None)  # [1, heads, N, head_dim]
         return self.proj(out.transpose([0, 2, 1, 3]).reshape([x.shape[0], -1]))
 
 

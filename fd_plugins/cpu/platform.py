@@ -127,3 +127,10 @@ def fd_graph_backend(parallel_config: ParallelConfig) -> Any:
     from fd_plugins.cpu.static_graph import StaticGraphBackend
 
     return StaticGraphBackend()
+
+
+@hookimpl
+def fd_register_kernels(register: Any) -> None:
+    from fd_plugins.cpu.kernels import rms_norm
+
+    register("rms_norm", rms_norm)

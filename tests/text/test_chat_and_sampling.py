@@ -13,6 +13,7 @@ from fd_core.runtime import SamplingParams, load_tokenizer
 from fd_core.runtime.chat import expand_placeholders, load_chat_template, render_chat, user_message
 from fd_core.runtime.checkpoint import Checkpoint
 from fd_core.runtime.request import chat_prompt
+from fd_core import native_ops
 from fd_core.runtime.sampling import Sampler
 from kit import tokenizer_dirs, transformers_tokenizer  # noqa: F401 - fixtures
 
@@ -59,11 +60,11 @@ def test_each_placeholder_expands_to_its_pictures_tokens() -> None:
 def test_greedy_is_argmax_and_sampling_is_seeded() -> None:
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(3, 50)) * 2
-    assert Sampler(SamplingParams(), range(3)).choose(logits) == list(logits.argmax(-1))
+    assert Sampler(SamplingParams(), range(3)).choose(logits, native_ops.sample) == list(logits.argmax(-1))
 
     def draw(seed: int, **kw: float) -> list[list[int]]:
         sampler = Sampler(SamplingParams(temperature=1.0, seed=seed, **kw), range(3))
-        return [sampler.choose(logits) for _ in range(20)]
+        return [sampler.choose(logits, native_ops.sample) for _ in range(20)]
 
     assert draw(1) == draw(1) and draw(1) != draw(2)
     assert {t for step in draw(1, top_k=1) for t in step} <= set(logits.argmax(-1))

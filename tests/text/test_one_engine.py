@@ -14,20 +14,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# Installed at interpreter start (sitecustomize): every decode step picks from the reversed logits, so
-# the first token (prefill) stays right and every later one is wrong.
+# Installed at interpreter start (sitecustomize): every decode step's token is off by one, so the
+# first token (prefill) stays right and every later one is wrong.
 BREAK_THE_ENGINE = '''
-import fd_core.runtime.engine as engine
+from fd_core.runtime.engine import Engine
 
-_real = engine.finite_logits
-
-
-def _broken(logits, step, live):
-    rows = _real(logits, step, live)
-    return rows[:, ::-1].copy() if step else rows
+_real = Engine._choose
 
 
-engine.finite_logits = _broken
+def _broken(self, logits, step, live, sampler):
+    tokens = _real(self, logits, step, live, sampler)
+    return [t ^ 1 for t in tokens] if step else tokens
+
+
+Engine._choose = _broken
 '''
 
 

@@ -1,0 +1,158 @@
+"""The named ops the model layers call, and the kernels plugins register for them.
+
+Each op has a signature, semantics, the dtypes it is defined for, a tolerance per dtype, and a
+native implementation (`fd_core.native_ops`, Paddle) that is both the default and the reference a
+plugin's kernel is checked against. The Backend resolves every op once, when it is built (an
+extension's kernel over the active platform's over the native one), so a layer's call is a direct
+call of the chosen function.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from fd_core.errors import PluginError
+
+NATIVE = "native"  # the provider name of the native implementations
+FLOATS = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One named op: its arguments in order, what it computes, and how close a kernel must come to the native op."""
+
+    name: str
+    args: tuple[str, ...]
+    semantics: str
+    dtypes: tuple[str, ...] = FLOATS
+    # dtype -> (rtol, atol) a kernel's result must be within, elementwise, of the native op's.
+    tolerances: Mapping[str, tuple[float, float]] = field(
+        default_factory=lambda: {"float32": (1e-5, 1e-5), "float16": (2e-3, 2e-3), "bfloat16": (2e-2, 2e-2)}
+    )
+
+
+OPS: dict[str, Op] = {op.name: op for op in (
+    Op("rms_norm", ("x", "weight", "eps"),
+       "x [..., H], weight [H]: (x / sqrt(mean(x^2 over H) + eps)) computed in float32, cast back to x's dtype, then "
+       "times weight; the result has x's dtype and shape"),
+    Op("silu_and_mul", ("gate", "up"),
+       "SwiGLU's inner product: silu(gate) * up, elementwise, gate and up of one shape and dtype"),
+    Op("rotary_embedding", ("x", "cos", "sin", "layout"),
+       "x [B, heads, S, d] rotated in float32 by the tables cos, sin [S, d/2] (float32; multimodal positions are "
+       "already folded into them); layout 'half' pairs dimension i with i + d/2, 'interleaved' pairs 2i with 2i + 1; "
+       "the result has x's dtype and shape"),
+    Op("attention", ("q", "k", "v", "mask"),
+       "softmax(q k^T / sqrt(d) + mask) v for q [B, h, S, d], k and v [B, kv_h, T, d] with h a multiple of kv_h (grouped-query: "
+       "query head j reads kv head j // (h / kv_h)), mask [S, T] float32 added to the scores (0 or -inf; None for no mask); "
+       "scores and softmax in float32; the result [B, h, S, d] in v's dtype. Prefill passes the causal mask over the new "
+       "positions; a decode step passes the positions of the KV cache in use"),
+    Op("sample", ("logits", "temperature", "top_k", "top_p", "uniform"),
+       "one token id per row of logits [B, V]: the argmax when temperature is 0; else the inverse-CDF draw at uniform[b] "
+       "(in [0, 1)) from softmax(logits / temperature) restricted to the top_k highest (0: all) and then to the smallest "
+       "prefix of the sorted probabilities whose mass reaches top_p; the engine draws `uniform` from each sequence's seeded "
+       "generator, so every rank chooses the same token. Returns a list of B ints",
+       dtypes=("float32",), tolerances={"float32": (0.0, 0.0)}),
+)}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A plugin's implementation of one op."""
+
+    op: str
+    fn: Callable[..., Any]
+    plugin: str
+    capturable: bool = True
+
+
+def nearest_op(name: str) -> str:
+    """', did you mean X?' when an op name is close to `name`, else ''."""
+    close = difflib.get_close_matches(name, list(OPS), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def check_kernel(plugin: str, op: str, fn: Any, capturable: Any) -> Kernel:
+    """A registration checked: a known op, a callable taking the op's arguments by their names, a bool flag."""
+    if not isinstance(op, str) or op not in OPS:
+        raise PluginError(
+            f"plugin {plugin!r}: fd_register_kernels registered an unknown op {op!r}{nearest_op(str(op))} "
+            f"(fd's ops: {', '.join(OPS)}); fix the name in {plugin!r}"
+        )
+    if not callable(fn):
+        raise PluginError(f"plugin {plugin!r}: fd_register_kernels registered {fn!r} for {op!r}, which is not callable")
+    if not isinstance(capturable, bool):
+        raise PluginError(f"plugin {plugin!r}: fd_register_kernels registered {op!r} with capturable={capturable!r}; pass True or False")
+    want = OPS[op].args
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: taken on trust, the suite checks its results
+        return Kernel(op, fn, plugin, capturable)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = tuple(p.name for p in positional[: len(want)])
+    extra = [p for p in positional[len(want):] if p.default is p.empty] + [p for p in params if p.kind == p.KEYWORD_ONLY and p.default is p.empty]
+    if names != want or extra:
+        got = ", ".join(p.name for p in params)
+        raise PluginError(
+            f"plugin {plugin!r}: its kernel for {op!r} takes ({got}), but {op} is called as {op}({', '.join(want)}); "
+            f"give it exactly those arguments (more only with defaults)"
+        )
+    return Kernel(op, fn, plugin, capturable)
+
+
+@dataclass
+class KernelTable:
+    """Every kernel the active platform and the extension plugins registered, by op."""
+
+    platform: dict[str, Kernel] = field(default_factory=dict)
+    extensions: dict[str, Kernel] = field(default_factory=dict)
+
+    def add(self, kernel: Kernel, from_platform: bool) -> None:
+        """Record a kernel; a second extension (or the same plugin twice) on one op is an error naming both."""
+        table = self.platform if from_platform else self.extensions
+        held = table.get(kernel.op)
+        if held is not None:
+            raise PluginError(
+                f"plugins {held.plugin!r} and {kernel.plugin!r} both register a kernel for {kernel.op!r}; "
+                f"uninstall one, or leave it out with FD_PLUGINS"
+            )
+        table[kernel.op] = kernel
+
+    def remove_plugin(self, plugin: str) -> None:
+        for table in (self.platform, self.extensions):
+            for op in [op for op, k in table.items() if k.plugin == plugin]:
+                del table[op]
+
+    def chosen(self, op: str) -> Kernel | None:
+        """The kernel that serves `op`: an extension's over the platform's; None for the native op."""
+        return self.extensions.get(op) or self.platform.get(op)
+
+    def by_plugin(self, plugin: str) -> list[str]:
+        """The ops `plugin` registered kernels for."""
+        return sorted(op for table in (self.platform, self.extensions) for op, k in table.items() if k.plugin == plugin)
+
+
+class Ops:
+    """The resolved op table of one Backend: `ops.rms_norm(x, weight, eps)` calls the chosen function directly."""
+
+    rms_norm: Callable[..., Any]
+    silu_and_mul: Callable[..., Any]
+    rotary_embedding: Callable[..., Any]
+    attention: Callable[..., Any]
+    sample: Callable[..., Any]
+
+    def __init__(self, table: KernelTable, native: Any) -> None:
+        self.providers: dict[str, str] = {}
+        self.uncapturable: dict[str, str] = {}
+        for name in OPS:
+            kernel = table.chosen(name)
+            setattr(self, name, getattr(native, name) if kernel is None else kernel.fn)
+            self.providers[name] = NATIVE if kernel is None else kernel.plugin
+            if kernel is not None and not kernel.capturable:
+                self.uncapturable[name] = kernel.plugin
+
+    def native(self, name: str) -> bool:
+        """Whether `name` runs the native implementation."""
+        return self.providers[name] == NATIVE

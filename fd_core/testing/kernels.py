@@ -1,0 +1,157 @@
+"""Kernel conformance: every non-native kernel in use against the native op, on generated inputs (the shapes of
+every registered architecture and odd sizes, in every dtype the platform computes in), and a model run with
+the platform's kernels against one with the native ops."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+
+from fd_core.detection import Detection
+from fd_core.kernels import OPS
+from fd_core.plugins import PluginSet
+
+ODD = 13  # a size no vector unit divides
+
+
+def _sizes(plugins: PluginSet) -> list[dict[str, int]]:
+    """hidden, intermediate, head_dim, heads and kv heads of every registered architecture's preset, then odd ones."""
+    from fd_core.runtime.plan import model_config_for
+
+    found = []
+    for arch in plugins.registry:
+        c = model_config_for(arch, None)
+        found.append({"hidden": c.hidden_size, "inter": c.intermediate_size, "head_dim": c.resolved_head_dim,
+                      "heads": c.num_attention_heads, "kv": c.num_key_value_heads})
+    found.append({"hidden": ODD, "inter": 2 * ODD + 1, "head_dim": 6, "heads": 6, "kv": 2})
+    return [dict(t) for t in {tuple(sorted(d.items())) for d in found}]
+
+
+def cases(op: str, plugins: PluginSet, dtype: str, seed: int = 0) -> Iterator[tuple[str, tuple[Any, ...]]]:
+    """(description, arguments) for `op`: random values (not small integers), in `dtype`."""
+    import numpy as np
+    import paddle
+
+    rng = np.random.default_rng(seed)
+
+    def t(*shape: int, kind: str = dtype) -> Any:
+        return paddle.to_tensor(rng.standard_normal(shape).astype("float32")).astype(kind)
+
+    for s in _sizes(plugins):
+        h, d, heads, kv = s["hidden"], s["head_dim"], s["heads"], s["kv"]
+        if op == "rms_norm":
+            for shape in ((1, 1, h), (2, 5, h), (3, heads, d)):
+                yield f"x{list(shape)}", (t(*shape), t(shape[-1]), 1e-6)
+        elif op == "silu_and_mul":
+            for shape in ((1, 1, s["inter"]), (2, 5, s["inter"]), (7, 1, 1, ODD)):
+                yield f"gate{list(shape)}", (t(*shape), t(*shape))
+        elif op == "rotary_embedding":
+            for layout in ("half", "interleaved"):
+                for batch, length in ((1, 1), (2, 5)):
+                    angles = rng.uniform(-20, 20, (length, d // 2)).astype("float32")
+                    cos, sin = paddle.to_tensor(np.cos(angles)), paddle.to_tensor(np.sin(angles))
+                    yield f"x[{batch}, {heads}, {length}, {d}] {layout}", (t(batch, heads, length, d), cos, sin, layout)
+        elif op == "attention":
+            for batch, length, total in ((1, 5, 5), (2, 1, 9), (1, 3, 11)):
+                # Causal over the last `length` of `total` positions: what prefill (length == total) and decode pass.
+                offset = total - length
+                allowed = np.arange(total)[None, :] <= offset + np.arange(length)[:, None]
+                mask = paddle.to_tensor(np.where(allowed, 0.0, -np.inf).astype("float32"))
+                yield (f"q[{batch}, {heads}, {length}, {d}] kv[{batch}, {kv}, {total}, {d}]",
+                       (t(batch, heads, length, d), t(batch, kv, total, d), t(batch, kv, total, d), mask))
+            yield f"q[1, {heads}, 4, {d}] no mask", (t(1, heads, 4, d), t(1, kv, 4, d), t(1, kv, 4, d), None)
+        elif op == "sample":
+            vocab = 50 + s["hidden"]
+            for temperature, top_k, top_p in ((0.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.9, 20, 0.95)):
+                yield (f"logits[4, {vocab}] temperature={temperature} top_k={top_k} top_p={top_p}",
+                       (t(4, vocab, kind="float32") * 3, temperature, top_k, top_p, rng.random(4).tolist()))
+
+
+def _numpy(value: Any) -> Any:
+    import numpy as np
+
+    return np.asarray(value.astype("float32").numpy() if hasattr(value, "astype") and hasattr(value, "numpy") else value, dtype=np.float64)
+
+
+def compare(op: str, got: Any, want: Any, dtype: str, args: tuple[Any, ...], native: Any) -> str | None:
+    """None when `got` matches the native result `want` at the op's tolerance, else what differs."""
+    import numpy as np
+
+    if op == "sample":
+        got, want = list(got), list(want)
+        if got == want:
+            return None
+        # A draw exactly at a boundary of the cumulative distribution may fall either way.
+        logits, temperature, top_k, top_p, uniform = args
+        for b, (g, w) in enumerate(zip(got, want)):
+            if g != w:
+                near = {native.sample(logits, temperature, top_k, top_p, [min(max(u + e, 0.0), 1.0 - 1e-12) for u in uniform])[b]
+                        for e in (-1e-6, 1e-6)}
+                if g not in near:
+                    return f"row {b} chose token {g}, the native op {w}"
+        return None
+    if tuple(got.shape) != tuple(want.shape) or str(got.dtype) != str(want.dtype):
+        return f"returned {got.dtype}{list(got.shape)}, the native op {want.dtype}{list(want.shape)}"
+    rtol, atol = OPS[op].tolerances[dtype]
+    a, b = _numpy(got), _numpy(want)
+    bad = ~np.isclose(a, b, rtol=rtol, atol=atol) | (np.isfinite(a) != np.isfinite(b))
+    if not bad.any():
+        return None
+    index = tuple(int(i) for i in np.argwhere(bad)[0])
+    error = float(np.nanmax(np.abs(a - b)))
+    return f"largest error {error:.3g} (rtol {rtol:g}, atol {atol:g}); first difference at {list(index)}: {a[index]:.6g}, native {b[index]:.6g}"
+
+
+class KernelTests:
+    """Every kernel a plugin registered for fd's named ops, checked against the native op; then a model run."""
+
+    def test_every_kernel_in_use_matches_the_native_op(self, plugins: PluginSet, hardware: Detection) -> None:
+        from fd_core import native_ops
+        from fd_core.backend import Backend
+
+        backend = Backend(plugins)
+        ours = {op: p for op, p in backend.ops.providers.items() if not backend.ops.native(op)}
+        if not ours:
+            pytest.skip(f"{plugins.platform}: every op runs the native implementation (no kernel registered)")
+        failures = []
+        for op, provider in ours.items():
+            for dtype in [d for d in hardware.dtypes if d in OPS[op].dtypes]:
+                for what, args in cases(op, plugins, dtype):
+                    try:
+                        got = getattr(backend.ops, op)(*args)
+                    except Exception as exc:  # noqa: BLE001 - the kernel's own error, reported with its case
+                        failures.append(f"{op} ({provider}) {dtype} {what}: raised {type(exc).__name__}: {exc}")
+                        continue
+                    problem = compare(op, got, getattr(native_ops, op)(*args), dtype, args, native_ops)
+                    if problem:
+                        failures.append(f"{op} ({provider}) {dtype} {what}: {problem}")
+        # The first line (what `fd check` shows) names each failing op with its first case; every case follows.
+        first = {f.split(" ", 1)[0]: f for f in reversed(failures)}
+        assert not failures, "; ".join(reversed(first.values())) + f" ({len(failures)} case(s) in all)\n" + "\n".join(failures[:40])
+
+    def test_a_model_with_the_kernels_gives_the_native_tokens(self, plugins: PluginSet, hardware: Detection) -> None:
+        """Greedy tokens of every registered architecture through the engine: the platform's kernels against the native ops (both eager)."""
+        from fd_core.backend import Backend
+        from fd_core.kernels import KernelTable
+        from fd_core.runtime.engine import Engine
+        from fd_core.runtime.lifecycle import ModelRunner
+        from fd_core.runtime.plan import model_config_for
+        from fd_core.runtime.request import Request
+
+        ours = Backend(plugins)
+        if all(ours.ops.native(op) for op in OPS):
+            pytest.skip(f"{plugins.platform}: every op runs the native implementation (no kernel registered)")
+        native = Backend(plugins, kernels=KernelTable())
+        request = Request.greedy([[1, 2, 3, 4]], 6)
+        for arch in plugins.registry:
+            tokens = []
+            for backend in (ours, native):
+                runner = ModelRunner(backend, arch, model_config_for(arch, None), graph="off")
+                runner.load()
+                runner.decide()
+                tokens.append(Engine(runner).generate(request)[0].token_ids)
+            assert tokens[0] == tokens[1], (
+                f"{arch.name} on {plugins.platform}: with the kernels {ours.ops.providers} the tokens are {tokens[0]}, "
+                f"with the native ops {tokens[1]}"
+            )

@@ -1,0 +1,226 @@
+"""fd_register_kernels and the named ops: registration checked at load, precedence, direct calls, capture,
+reporting, and the suite's kernel checks catching a wrong kernel."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fd_core.errors import ConfigError, PluginError
+from fd_core.plugins import load_plugins
+from fakedist import make_distribution, run_fd
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _extension(name: str, source: str) -> tuple[str, dict[str, str], dict[str, dict[str, str]]]:
+    module = name.replace("-", "_")
+    return name, {module: source}, {"fd.plugins": {name: module}}
+
+
+def _kernels(body: str) -> str:
+    return "from fd_core import hookimpl\n\n\n@hookimpl\ndef fd_register_kernels(register):\n" + "".join(f"    {line}\n" for line in body.splitlines())
+
+
+MISSPELLED = _kernels("register('rms_nrom', lambda x, weight, eps: x)")
+BAD_SIGNATURE = _kernels("register('silu_and_mul', lambda a, b: a)")
+NOT_A_FLAG = _kernels("register('silu_and_mul', lambda gate, up: gate, capturable='yes')")
+IDENTITY_NORM = _kernels("register('rms_norm', rms_norm)").replace("@hookimpl", "def rms_norm(x, weight, eps):\n    return x * weight\n\n\n@hookimpl")
+RECORDING_NORM = """
+from fd_core import hookimpl, native_ops
+from fd_core.graphs import capturing
+
+SEEN = []
+
+
+def rms_norm(x, weight, eps):
+    SEEN.append(capturing())
+    return native_ops.rms_norm(x, weight, eps)
+
+
+@hookimpl
+def fd_register_kernels(register):
+    register("rms_norm", rms_norm, capturable=CAPTURABLE)
+"""
+MODEL_WITH_KERNELS = """
+from fd_core import hookimpl
+
+
+@hookimpl
+def fd_register_models(register):
+    pass
+
+
+@hookimpl
+def fd_register_kernels(register):
+    register("silu_and_mul", lambda gate, up: gate)
+"""
+
+
+def test_an_unknown_op_is_refused_at_load_naming_the_plugin_and_the_nearest_op(install_plugin) -> None:
+    install_plugin(*_extension("typo-kernels", MISSPELLED))
+    with pytest.raises(PluginError) as err:
+        load_plugins({})
+    assert str(err.value) == (
+        "plugin 'typo-kernels': fd_register_kernels registered an unknown op 'rms_nrom'; did you mean 'rms_norm'? "
+        "(fd's ops: rms_norm, silu_and_mul, rotary_embedding, attention, sample); fix the name in 'typo-kernels'"
+    )
+
+
+def test_a_kernel_whose_signature_does_not_fit_the_op_is_refused(install_plugin) -> None:
+    install_plugin(*_extension("odd-kernels", BAD_SIGNATURE))
+    with pytest.raises(PluginError, match=r"^plugin 'odd-kernels': its kernel for 'silu_and_mul' takes \(a, b\), but silu_and_mul is called as "
+                                          r"silu_and_mul\(gate, up\); give it exactly those arguments \(more only with defaults\)$"):
+        load_plugins({})
+
+
+def test_capturable_must_be_a_bool(install_plugin) -> None:
+    install_plugin(*_extension("flag-kernels", NOT_A_FLAG))
+    with pytest.raises(PluginError, match="registered 'silu_and_mul' with capturable='yes'; pass True or False"):
+        load_plugins({})
+
+
+def test_two_extensions_on_one_op_is_an_error_naming_both(install_plugin) -> None:
+    install_plugin(*_extension("first-kernels", IDENTITY_NORM))
+    install_plugin(*_extension("second-kernels", IDENTITY_NORM))
+    with pytest.raises(PluginError, match=r"plugins '(first|second)-kernels' and '(first|second)-kernels' both register a kernel for 'rms_norm'"):
+        load_plugins({})
+
+
+def test_a_model_package_may_not_register_kernels(install_plugin) -> None:
+    install_plugin("model-kernels", {"model_kernels": MODEL_WITH_KERNELS}, {"fd.models": {"model-kernels": "model_kernels"}})
+    with pytest.raises(PluginError, match="plugin 'model-kernels': a model package may not register kernels"):
+        load_plugins({})
+
+
+def test_an_extension_takes_precedence_over_the_platform_and_layers_call_it_directly(install_plugin) -> None:
+    from fd_core import native_ops
+    from fd_core.backend import Backend
+    from fd_core.kernels import KernelTable
+    from fd_plugins.cpu import kernels as cpu_kernels
+
+    plain = Backend(load_plugins({}))
+    assert plain.ops.providers["rms_norm"] == "cpu" and plain.ops.rms_norm is cpu_kernels.rms_norm
+    assert plain.ops.silu_and_mul is native_ops.silu_and_mul and plain.ops.native("silu_and_mul")
+    assert Backend(load_plugins({}), kernels=KernelTable()).ops.rms_norm is native_ops.rms_norm
+    install_plugin(*_extension("first-kernels", IDENTITY_NORM))
+    plugins = load_plugins({})
+    backend = Backend(plugins)
+    assert backend.ops.providers["rms_norm"] == "first-kernels"
+    kernel = sys.modules["first_kernels"].rms_norm
+    assert backend.ops.rms_norm is kernel
+    from fd_models.layers.norm import RMSNorm
+
+    assert RMSNorm(8, 1e-6, backend).rms_norm is kernel  # resolved once: the layer's call is the kernel's own
+    assert plugins.kernels.by_plugin("first-kernels") == ["rms_norm"] and plugins.kernels.by_plugin("cpu") == ["rms_norm"]
+
+
+def test_no_model_layer_computes_an_op_itself() -> None:
+    words = ("native_ops", "F.silu(", "rsqrt(", "def attend(", "def apply_rope(", "F.softmax(scores")
+    hits = [f"{p.relative_to(ROOT)}:{n}" for p in sorted((ROOT / "fd_models").rglob("*.py"))
+            for n, line in enumerate(p.read_text().splitlines(), 1) if any(w in line for w in words)]
+    assert not hits, f"model code computing a named op instead of calling the Backend's: {hits}"
+
+
+@pytest.mark.parametrize("capturable", [True, False])
+def test_capture_is_visible_to_a_kernel_and_an_uncapturable_one_turns_graphs_off(install_plugin, capturable: bool) -> None:
+    from fd_core.backend import Backend
+    from fd_core.runtime.engine import Engine
+    from fd_core.runtime.lifecycle import ModelRunner
+    from fd_core.runtime.plan import model_config_for
+    from fd_core.runtime.request import Request
+
+    install_plugin(*_extension("rec-kernels", RECORDING_NORM.replace("CAPTURABLE", str(capturable))))
+    plugins = load_plugins({})
+    backend = Backend(plugins)
+    arch = plugins.registry.get("ernie4_5")
+    runner = ModelRunner(backend, arch, model_config_for(arch, None))
+    runner.load()
+    decision = runner.decide()
+    Engine(runner).generate(Request.greedy([[1, 2, 3]], 3))
+    seen = sys.modules["rec_kernels"].SEEN
+    if capturable:
+        assert decision.allowed and True in seen and False in seen  # traced inside the capture, eager at prefill
+    else:
+        assert not decision.allowed and set(seen) == {False}
+        assert any(v.plugin == "rec-kernels" and not v.allow and "rms_norm is registered as not capturable" in v.reason for v in decision.votes)
+        with pytest.raises(ConfigError, match=r"^--graph on: plugin 'rec-kernels' registered its kernel for rms_norm as not capturable; use --graph auto or off$"):
+            backend.graph_decision(runner.config, requested="on")
+
+
+@pytest.fixture(scope="module")
+def example_kernels(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example extension package, installed with pip into a directory of its own (put on PYTHONPATH to use it)."""
+    target = tmp_path_factory.mktemp("example-kernels")
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--target", str(target),
+                           str(ROOT / "examples" / "fd-example-kernels")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return target
+
+
+def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged_tokens(example_kernels: Path, tmp_path: Path) -> None:
+    args = ["run", "--tp", "2", "--max-new-tokens", "6", "--prompt-ids", "5,6,7,8", "--json"]
+    plain = run_fd(args, timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    ours = run_fd(args, example_kernels, {"FD_EXAMPLE_KERNELS_TRACE": str(trace)}, timeout=300)
+    assert ours.returncode == 0, ours.stderr
+    plain_json, ours_json = json.loads(plain.stdout), json.loads(ours.stdout)
+    assert plain_json["kernels"]["rms_norm"] == "cpu" and plain_json["kernels"]["silu_and_mul"] == "native"
+    assert ours_json["kernels"] == {**plain_json["kernels"], "rms_norm": "example-kernels", "silu_and_mul": "example-kernels"}
+    assert ours_json["tokens"] == plain_json["tokens"]
+    for op in ("rms_norm", "silu_and_mul"):
+        assert len({p.name for p in trace.glob(f"{op}.*")}) == 2, f"{op} was not called by both ranks: {sorted(p.name for p in trace.iterdir())}"
+    listed = json.loads(run_fd(["plugins", "--json"], example_kernels).stdout)
+    assert next(p for p in listed["plugins"] if p["name"] == "example-kernels")["kernels"] == ["rms_norm", "silu_and_mul"]
+    explained = run_fd(["explain", "--tp", "1"], example_kernels)
+    assert "rms_norm: example-kernels, silu_and_mul: example-kernels, rotary_embedding: native" in " ".join(explained.stdout.split())
+
+
+def test_the_suite_passes_the_example_kernels(example_kernels: Path) -> None:
+    done = run_fd(["check", "cpu", "-k", "kernel"], example_kernels, timeout=300)
+    assert done.returncode == 0 and "2 passed, 0 failed" in done.stdout, done.stdout + done.stderr
+
+
+WRONG_KERNELS = """
+from fd_core import hookimpl, native_ops
+
+
+def rms_norm(x, weight, eps):
+    return native_ops.rms_norm(x, weight, 1e-2)  # the caller's eps ignored
+
+
+def sample(logits, temperature, top_k, top_p, uniform):
+    return native_ops.sample(logits, 0.0, top_k, top_p, uniform)  # always greedy
+
+
+@hookimpl
+def fd_register_kernels(register):
+    register("rms_norm", rms_norm)
+    register("sample", sample)
+"""
+
+
+def test_a_wrong_kernel_fails_fd_check_by_name(tmp_path: Path) -> None:
+    root = make_distribution(tmp_path / "wrong", "wrong-kernels", {"wrong_kernels": WRONG_KERNELS}, {"fd.plugins": {"wrong-kernels": "wrong_kernels"}})
+    done = run_fd(["check", "cpu", "-k", "every_kernel_in_use"], root, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "failed   test_every_kernel_in_use_matches_the_native_op" in done.stdout
+    text = " ".join(done.stdout.split())
+    assert "rms_norm (wrong-kernels) float32 x[1, 1, " in text and "largest error" in text
+    assert "sample (wrong-kernels) float32 logits[4, " in text and "chose token" in text
+
+
+def test_fd_run_refuses_a_misspelled_op_in_one_line(tmp_path: Path) -> None:
+    root = make_distribution(tmp_path / "typo", "typo-kernels", {"typo_kernels": MISSPELLED}, {"fd.plugins": {"typo-kernels": "typo_kernels"}})
+    done = run_fd(["run", "--tp", "1"], root)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        "fd: error: plugin 'typo-kernels': fd_register_kernels registered an unknown op 'rms_nrom'; did you mean 'rms_norm'? "
+        "(fd's ops: rms_norm, silu_and_mul, rotary_embedding, attention, sample); fix the name in 'typo-kernels'"
+    ]
