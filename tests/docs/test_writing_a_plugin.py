@@ -38,9 +38,14 @@ def _walk(tmp_path: Path, env: dict[str, str]) -> None:
                 ran["commands"] += 1
                 if command.startswith("fd plugins"):
                     assert "fd-mychip 0.1.0" in done.stdout and "not active" in done.stdout
-                if command.startswith("FD_PLATFORM=mychip fd explain"):
+                if command == "FD_PLATFORM=mychip fd explain --model ernie4_5 --tp 2":
                     assert "mychip vetoed: mychip has no graph backend yet" in done.stdout or "no graph backend" in done.stdout
-                if command.startswith("fd check"):
+                if command == "fd check mychip":
                     assert re.search(r"^\d+ passed, 0 failed, \d+ skipped$", done.stdout, re.M), done.stdout
                     assert re.search(r"skipped\s+test_replay_equals_eager_and_clear_recaptures\s+mychip: capabilities.graphs is False", done.stdout)
-    assert ran["files"] == 4 and ran["commands"] >= 7
+                if "fd explain" in command and "grep kernels" in command:
+                    assert "rms_norm: mychip, silu_and_mul: native" in done.stdout, done.stdout
+                if command == "fd check mychip -k kernel":
+                    assert "2 passed, 0 failed, 0 skipped" in done.stdout, done.stdout
+                    assert re.search(r"passed\s+test_every_kernel_in_use_matches_the_native_op", done.stdout)
+    assert ran["files"] == 5 and ran["commands"] >= 11
