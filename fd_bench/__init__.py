@@ -30,6 +30,7 @@ ROWS: dict[str, str] = {
     "reload": "time and RSS across weight-reload cycles of ModelRunner",
     "realsize": "ERNIE-4.5-0.3B (random bf16 weights): fd run at tp=1 and tp=2 vs transformers, vs read bandwidth; peak RSS vs weights + cache",
     "kvwrite": "one decode step's KV-cache writes at cache lengths 80 and 320, eager and in a static program",
+    "kernels": "a layer's call of a resolved op vs a direct call; the cpu platform's fused RMSNorm vs the native op",
 }
 DEFAULT_JSON = Path("benchmarks/results/latest.json")
 # A smoke run (CI) must not overwrite the recorded full run.
@@ -79,7 +80,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _runners(selected: list[str], smoke: bool) -> list[tuple[tuple[str, ...], Callable[[], list[Any]]]]:
     """(rows covered, a function producing their lines), grouped so that each spawn or process serves several rows."""
-    from fd_bench import graph, kvwrite, micro, realsize, reload, startup, tp2
+    from fd_bench import graph, kernels, kvwrite, micro, realsize, reload, startup, tp2
 
     chosen = set(selected)
     jobs: list[tuple[tuple[str, ...], Callable[[], list[Any]]]] = []
@@ -105,6 +106,8 @@ def _runners(selected: list[str], smoke: bool) -> list[tuple[tuple[str, ...], Ca
         jobs.append((("realsize",), lambda: realsize.realsize_rows(smoke)))
     if "kvwrite" in chosen:
         jobs.append((("kvwrite",), lambda: kvwrite.kvwrite_rows(smoke)))
+    if "kernels" in chosen:
+        jobs.append((("kernels",), lambda: kernels.kernel_rows(smoke)))
     return jobs
 
 

@@ -1,0 +1,69 @@
+"""Kernel rows: a layer's call of a resolved op against a direct call of the same function, and the cpu
+platform's fused RMSNorm against the native op at decode and prefill sizes."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from fd_bench.report import Line
+from fd_bench.timing import interleave
+
+perf_counter_ns = time.perf_counter_ns
+UNROLL = 10
+
+
+def _three(fn: Callable[..., Any], a: Any, b: Any, c: Any) -> Callable[[int], int]:
+    """A batch of `n` x UNROLL calls fn(a, b, c)."""
+
+    def run(n: int) -> int:
+        start = perf_counter_ns()
+        for _ in range(n):
+            fn(a, b, c); fn(a, b, c); fn(a, b, c); fn(a, b, c); fn(a, b, c)  # noqa: E702 - unrolled on purpose
+            fn(a, b, c); fn(a, b, c); fn(a, b, c); fn(a, b, c); fn(a, b, c)  # noqa: E702
+        return perf_counter_ns() - start
+
+    return run
+
+
+def kernel_rows(smoke: bool) -> list[Line]:
+    import paddle
+
+    from fd_core import native_ops
+    from fd_core.backend import load_backend
+    from fd_models.layers.norm import RMSNorm
+    from fd_plugins.cpu.kernels import rms_norm as cpu_rms_norm
+
+    backend = load_backend(env={"FD_PLATFORM": "cpu"})
+    lines: list[Line] = []
+
+    # Dispatch: what a layer calls (the op it fetched from the Backend when built) against the function itself.
+    layer = RMSNorm(8, 1e-6, backend)
+    resolved = layer.rms_norm
+    iters, batches = (300, 15) if smoke else (2000, 60)
+    x, w = paddle.ones([1, 1, 8]), paddle.ones([8])
+    ns = {k: s.median / UNROLL for k, s in interleave(
+        {"resolved": _three(resolved, x, w, 1e-6), "direct": _three(cpu_rms_norm, x, w, 1e-6)}, iters, batches).items()}
+    # The resolved op is the kernel itself: the same function object, so the ratio is its call against itself.
+    ratio = ns["resolved"] / ns["direct"]
+    lines.append(Line(
+        row="kernels", case="rms_norm as a layer calls it vs the cpu kernel called directly",
+        a="layer.rms_norm(x, w, eps)", b="kernel(x, w, eps)", a_value=ns["resolved"], b_value=ns["direct"], unit="ns",
+        ratio=ratio, ratio_label="layer / direct", target="<= 1.10", met=ratio <= 1.10 and resolved is cpu_rms_norm,
+        note=f"the layer holds the kernel itself: {resolved is cpu_rms_norm}; provider {backend.ops.providers['rms_norm']}",
+    ))
+    # What the cpu platform's own kernel buys: fused RMSNorm vs the native composition, 0.3B hidden size.
+    kiters, kbatches = (50, 9) if smoke else (400, 31)
+    for shape in ((1, 1, 1024), (1, 16, 1024)):
+        x, w = paddle.randn(list(shape)), paddle.randn([shape[-1]])
+        ns = {k: s.median / UNROLL for k, s in interleave(
+            {"cpu": _three(cpu_rms_norm, x, w, 1e-6), "native": _three(native_ops.rms_norm, x, w, 1e-6)}, kiters, kbatches).items()}
+        speedup = ns["native"] / ns["cpu"]
+        same = bool(paddle.allclose(cpu_rms_norm(x, w, 1e-6), native_ops.rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-5))
+        lines.append(Line(
+            row="kernels", case=f"rms_norm x{list(shape)} float32",
+            a="cpu kernel (fused)", b="native op", a_value=ns["cpu"] / 1000, b_value=ns["native"] / 1000, unit="us",
+            ratio=speedup, ratio_label="native / cpu", target=">= 1.2 (the kernel pays)", met=speedup >= 1.2 and same,
+            note=f"results agree within the op's float32 tolerance: {same}",
+        ))
+    return lines
