@@ -113,6 +113,8 @@ class KernelTable:
         """Record a kernel; a second extension (or the same plugin twice) on one op is an error naming both."""
         table = self.platform if from_platform else self.extensions
         held = table.get(kernel.op)
+        if held is not None and held.plugin == kernel.plugin:
+            raise PluginError(f"plugin {kernel.plugin!r} registers a kernel for {kernel.op!r} twice; register it once")
         if held is not None:
             raise PluginError(
                 f"plugins {held.plugin!r} and {kernel.plugin!r} both register a kernel for {kernel.op!r}; "

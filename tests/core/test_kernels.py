@@ -224,3 +224,13 @@ def test_fd_run_refuses_a_misspelled_op_in_one_line(tmp_path: Path) -> None:
         "fd: error: plugin 'typo-kernels': fd_register_kernels registered an unknown op 'rms_nrom'; did you mean 'rms_norm'? "
         "(fd's ops: rms_norm, silu_and_mul, rotary_embedding, attention, sample); fix the name in 'typo-kernels'"
     ]
+
+
+def test_fd_run_refuses_graph_on_with_an_uncapturable_kernel_before_any_rank_starts(tmp_path: Path) -> None:
+    source = RECORDING_NORM.replace("CAPTURABLE", "False")
+    root = make_distribution(tmp_path / "eager", "eager-kernels", {"eager_kernels": source}, {"fd.plugins": {"eager-kernels": "eager_kernels"}})
+    done = run_fd(["run", "--tp", "2", "--graph", "on"], root)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        "fd: error: --graph on: plugin 'eager-kernels' registered its kernel for rms_norm as not capturable; use --graph auto or off"
+    ]
