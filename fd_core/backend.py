@@ -86,10 +86,18 @@ class Backend:
         self.platform: str = plugins.platform
         self.detection: Detection = plugins.detection
         self.all_reduce, self.all_reduce_binding = self._bind_all_reduce()
-        from fd_core import native_ops  # paddle: imported when a Backend is built, not with fd_core
+        self.kernels: KernelTable = plugins.kernels if kernels is None else kernels
+        self._ops: Ops | None = None
 
-        # Every named op resolved once: a layer that fetched `backend.ops.rms_norm` calls the kernel directly.
-        self.ops = Ops(plugins.kernels if kernels is None else kernels, native_ops)
+    @property
+    def ops(self) -> Ops:
+        """Every named op resolved to its kernel, once (on first use: the native ops import paddle, which
+        checks before a run must not); a layer that fetched `backend.ops.rms_norm` calls the kernel directly."""
+        if self._ops is None:
+            from fd_core import native_ops
+
+            self._ops = Ops(self.kernels, native_ops)
+        return self._ops
 
     @property
     def hook(self) -> Any:
@@ -170,7 +178,7 @@ class Backend:
             # No plugin votes: a report of votes that could not change anything would read as if they had.
             return GraphDecision(allowed=False, mode=mode, votes=(), requested=requested)
         self.check_graph_request(requested)
-        votes += [CastVote(plugin, False, f"its kernel for {op} is registered as not capturable") for op, plugin in self.ops.uncapturable.items()]
+        votes += [CastVote(plugin, False, f"its kernel for {op} is registered as not capturable") for op, plugin in self.kernels.uncapturable().items()]
         registry = self.plugins.registry
         if model_config.architecture in registry:
             arch = registry.get(model_config.architecture)
@@ -198,8 +206,9 @@ class Backend:
 
     def check_graph_request(self, requested: str) -> None:
         """`--graph on` with a kernel that cannot be captured is refused (auto turns graphs off with a vote instead)."""
-        if requested == "on" and self.ops.uncapturable:
-            op, plugin = next(iter(self.ops.uncapturable.items()))
+        uncapturable = self.kernels.uncapturable()
+        if requested == "on" and uncapturable:
+            op, plugin = next(iter(uncapturable.items()))
             raise ConfigError(f"--graph on: plugin {plugin!r} registered its kernel for {op} as not capturable; use --graph auto or off")
 
     @property
@@ -252,7 +261,7 @@ class Backend:
             "tp": self.parallel.tp_size,
             "graph_mode": self.graph_mode,
             "all_reduce": self.all_reduce_binding,
-            "kernels": dict(self.ops.providers),
+            "kernels": self.kernels.providers(),
             "architectures": [a.name for a in self.plugins.registry],
         }
 

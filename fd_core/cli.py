@@ -159,7 +159,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     lines = [f"platform: {backend.platform} ({plugins.selection})", f"  {'detected' if det.detected else 'not detected'}: {det.reason or '-'}"]
     lines += [f"  {r.name}: {r.status}" for r in plugins.records if r.kind == "platform" and not r.active]
     lines += [f"model: {model_line}, tp={args.tp}", f"all-reduce: {backend.all_reduce_binding}",
-              f"kernels: {kernel_line(backend.ops.providers)}", f"graph: {decision.summary()}"]
+              f"kernels: {kernel_line(backend.kernels.providers())}", f"graph: {decision.summary()}"]
     lines += [f"  {vote.line()}" for vote in decision.votes]
     print(_fit(lines))
     return 0

@@ -135,6 +135,14 @@ class KernelTable:
         """The ops `plugin` registered kernels for."""
         return sorted(op for table in (self.platform, self.extensions) for op, k in table.items() if k.plugin == plugin)
 
+    def providers(self) -> dict[str, str]:
+        """Each op with the plugin whose kernel serves it ("native" for the native implementation)."""
+        return {op: kernel.plugin if (kernel := self.chosen(op)) is not None else NATIVE for op in OPS}
+
+    def uncapturable(self) -> dict[str, str]:
+        """The ops served by a kernel registered with capturable=False, with its plugin."""
+        return {op: kernel.plugin for op in OPS if (kernel := self.chosen(op)) is not None and not kernel.capturable}
+
 
 class Ops:
     """The resolved op table of one Backend: `ops.rms_norm(x, weight, eps)` calls the chosen function directly."""
@@ -146,14 +154,10 @@ class Ops:
     sample: Callable[..., Any]
 
     def __init__(self, table: KernelTable, native: Any) -> None:
-        self.providers: dict[str, str] = {}
-        self.uncapturable: dict[str, str] = {}
+        self.providers = table.providers()
         for name in OPS:
             kernel = table.chosen(name)
             setattr(self, name, getattr(native, name) if kernel is None else kernel.fn)
-            self.providers[name] = NATIVE if kernel is None else kernel.plugin
-            if kernel is not None and not kernel.capturable:
-                self.uncapturable[name] = kernel.plugin
 
     def native(self, name: str) -> bool:
         """Whether `name` runs the native implementation."""

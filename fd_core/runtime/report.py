@@ -19,10 +19,10 @@ def summary_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:
     graph = result["graph"]
     lines = [
         f"platform: {result['platform']}   model: {result['model']}   tp: {result['tp']}",
+        f"kernels: {kernel_line(result['kernels'])}",
         f"graph: {graph['summary']}",
     ]
     lines += [f"  {CastVote(**v).line()}" for v in graph["votes"]]
-    lines.append(f"kernels: {kernel_line(result['kernels'])}")
     outputs = result.get("outputs") or [{"ids": result["tokens"]}]
     for index, output in enumerate(outputs):
         label = "tokens" if len(outputs) == 1 else f"tokens [{index + 1}]"

@@ -102,6 +102,6 @@ class RankWorker:
             "tp": self.tp,
             "graph": self.runner.decision.to_dict(),
             "all_reduce": self.backend.all_reduce_binding,
-            "kernels": dict(self.backend.ops.providers),
+            "kernels": self.backend.kernels.providers(),
             "timings_s": {k: round(v, 4) for k, v in self.runner.timings.items()},
         }

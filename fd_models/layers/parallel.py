@@ -1,7 +1,8 @@
 """Tensor-parallel embedding, linear layers and the vocab-parallel LM head.
 
-`ctx` is what an architecture's `build` receives: `ctx.parallel` (tp_size, tp_rank) and
-`ctx.all_reduce(tensor) -> tensor`, whose return value is used (it may not reduce in place).
+`ctx` is what an architecture's `build` receives (the Backend): `ctx.parallel` (tp_size, tp_rank),
+`ctx.all_reduce(tensor) -> tensor`, whose return value is used (it may not reduce in place), and
+`ctx.ops`, fd's named ops (fd_core.kernels) resolved to the kernels in use.
 """
 
 from __future__ import annotations

@@ -21,7 +21,10 @@ def test_plugins_lists_cpu_active_and_the_others_not_detected_with_the_reason() 
     assert row["cpu"].startswith("cpu fd-backends 0.1.0 active: ")
     assert "not active: not detected: paddle is the CPU build (paddlepaddle " in row["cuda"]  # exact: tests/docs/test_install.py
     assert "not active: not detected: paddle-iluvatar-gpu is not installed" in row["iluvatar"]
-    assert row["cpu"].endswith("hooks: fd_all_reduce, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility, fd_platform_detect")
+    assert row["cpu"].endswith(
+        "hooks: fd_all_reduce, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility, fd_platform_detect, fd_register_kernels "
+        "kernels: rms_norm"
+    )
     # Each architecture with the names checkpoints use for it (aliases) and, named as such, the plugin it came from.
     archs = listing(done.stdout)["architectures"]
     assert archs["ernie4_5"].startswith("ernie4_5 aliases: Ernie4_5ForCausalLM; from plugin ernie4_5 ERNIE-4.5 dense decoder")
@@ -36,7 +39,9 @@ def test_plugins_json_has_every_field() -> None:
     by_name = {p["name"]: p for p in data["plugins"]}
     assert {"cpu", "cuda", "iluvatar", "ernie4_5", "ernie4_5_vl", "qwen3_vl"} <= set(by_name)
     cuda = by_name["cuda"]
-    assert set(cuda) == {"name", "kind", "module", "distribution", "version", "builtin", "allowed", "hooks", "detection", "error", "active", "status"}
+    assert set(cuda) == {"name", "kind", "module", "distribution", "version", "builtin", "allowed", "hooks", "detection", "error", "active", "status",
+                         "kernels"}
+    assert by_name["cpu"]["kernels"] == ["rms_norm"] and cuda["kernels"] == []
     assert cuda["kind"] == "platform" and cuda["builtin"] and not cuda["active"] and cuda["detection"]["detected"] is False
     assert by_name["qwen3_vl"]["hooks"] == ["fd_clear_graphs", "fd_register_models"]
 

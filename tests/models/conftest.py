@@ -28,7 +28,11 @@ def architectures() -> list[Architecture]:
 
 
 def make_ctx(tp_size: int = 1, tp_rank: int = 0, all_reduce: Callable[[Any], Any] = lambda t: t) -> types.SimpleNamespace:
-    return types.SimpleNamespace(all_reduce=all_reduce, parallel=ParallelConfig(tp_size, tp_rank))
+    """What a model's build receives, without a platform: the layout, an all-reduce, and the native ops."""
+    from fd_core import native_ops
+    from fd_core.kernels import KernelTable, Ops
+
+    return types.SimpleNamespace(all_reduce=all_reduce, parallel=ParallelConfig(tp_size, tp_rank), ops=Ops(KernelTable(), native_ops))
 
 
 def build_loaded(arch: Architecture, ctx: Any = None) -> Any:
