@@ -224,6 +224,33 @@ class ContractTests(_Base):
         if answer.detected:
             assert answer.dist_backend, f"{platform_name}: a detected platform's Detection.dist_backend must name its paddle.distributed backend"
 
+    def test_detection_answers_the_same_every_time(self, platform_module: Any, platform_name: str) -> None:
+        """fd run asks in the parent and again in every rank: a platform that answers differently runs ranks on two platforms."""
+        detect = impl_function(platform_module, "fd_platform_detect")
+        assert detect is not None, f"{platform_name}: implement fd_platform_detect()"
+        # Every field but the reason and the free memory, which may change from one moment to the next.
+        fields = ("detected", "priority", "device", "dist_backend", "max_ranks", "dtypes")
+        answers = [detect() for _ in range(5)]
+        seen = [tuple(getattr(a, f, None) for f in fields) for a in answers]
+        for call, answer in enumerate(seen[1:], 2):
+            changed = [f"{f}={b!r} (first call: {a!r})" for f, a, b in zip(fields, seen[0], answer) if a != b]
+            assert not changed, f"{platform_name}: fd_platform_detect answered differently on call {call}: {', '.join(changed)}"
+
+    def test_detection_dist_backend_is_one_paddle_accepts(self, hardware: Detection, platform_name: str) -> None:
+        """The ranks rendezvous with Detection.dist_backend (the two-rank checks use it); paddle.distributed must accept it."""
+        from fd_core.runtime.distributed import dist_backend_problem
+
+        problem = dist_backend_problem(hardware.dist_backend)
+        assert problem is None, f"{platform_name}: Detection.dist_backend={hardware.dist_backend!r}: {problem}"
+
+    def test_detection_dtypes_are_summed(self, hardware: Detection, capabilities: Capabilities, platform_name: str) -> None:
+        """A model computes in the Detection's dtypes, so the all-reduce must sum each (checked by the two-rank sums)."""
+        missing = [d for d in hardware.dtypes if d not in capabilities.dtypes]
+        assert not missing, (
+            f"{platform_name}: Detection.dtypes {tuple(hardware.dtypes)} lists {', '.join(missing)}, which capabilities.dtypes "
+            f"{capabilities.dtypes} does not declare; the all-reduce of those dtypes would go unchecked"
+        )
+
     def test_hooks_match_the_specs(self, platform_module: Any, platform_name: str) -> None:
         validate_module(platform_name, platform_module)
         pm = new_plugin_manager()
@@ -314,6 +341,36 @@ class CleanupTests(_Base):
         for state_dict in (None, None, arrays, {"w": paddle.ones([8, 8]), "b": paddle.zeros([8])}, {}):
             backend.clean_memory_fragments(state_dict)  # a raising hook fails here, named
 
+    def test_cleanup_leaves_live_values_untouched(self, plugins: PluginSet, capabilities: Capabilities, platform_name: str, hardware: Detection) -> None:
+        """Checked by value against copies: cleanup may release memory, never change a live parameter (nor, unless it declares
+        cleanup_releases_state, the tensors it is given)."""
+        import numpy as np
+        import paddle
+
+        from fd_core.backend import Backend
+
+        rng = np.random.default_rng(7)
+        layer = paddle.nn.Linear(32, 48)  # live parameters, as a loaded model holds them
+        live = {name: p.numpy().copy() for name, p in layer.named_parameters()}
+        given = {"w": paddle.to_tensor(rng.standard_normal((16, 16)).astype("float32")), "b": paddle.to_tensor(rng.standard_normal(16).astype("float32"))}
+        copies = {k: v.numpy().copy() for k, v in given.items()}
+        backend = Backend(plugins)
+        for state_dict in (None, {"w": rng.standard_normal((8, 8)).astype("float32")}, given, None):
+            backend.clean_memory_fragments(state_dict)
+            for name, p in layer.named_parameters():
+                assert p._is_initialized(), f"{platform_name}: fd_clean_memory_fragments({_what(state_dict)}) released a live parameter ({name})"
+                diff = np.abs(p.numpy() - live[name])
+                assert not diff.any(), (
+                    f"{platform_name}: fd_clean_memory_fragments({_what(state_dict)}) changed a live parameter ({name}): "
+                    f"{int((diff > 0).sum())} of {diff.size} values, largest change {float(diff.max()):.3g}"
+                )
+        if not capabilities.cleanup_releases_state:
+            for name, tensor in given.items():
+                assert tensor._is_initialized() and np.array_equal(tensor.numpy(), copies[name]), (
+                    f"{platform_name}: fd_clean_memory_fragments changed the values of the state dict's {name!r}, "
+                    f"and does not declare cleanup_releases_state"
+                )
+
     def test_cleanup_releases_the_state_when_declared(self, plugins: PluginSet, capabilities: Capabilities, platform_name: str, hardware: Detection) -> None:
         import paddle
 
@@ -326,6 +383,10 @@ class CleanupTests(_Base):
             assert not kept, f"{platform_name}: declares cleanup_releases_state, but fd_clean_memory_fragments left {kept} holding memory"
         else:
             assert set(state) == {"w", "b"}, f"{platform_name}: cleanup without cleanup_releases_state must not change the state dict"
+
+
+def _what(state_dict: Any) -> str:
+    return "None" if state_dict is None else "{" + ", ".join(f"{k!r}: {type(v).__name__}" for k, v in state_dict.items()) + "}"
 
 
 class EligibilityTests(_Base):
@@ -478,6 +539,35 @@ class ModelTests(_Base):
                     f"{ids} gives {int(logits.argmax())}; the decode step, the KV cache or a captured graph is wrong"
                 )
                 ids.append(token)
+
+
+    def test_the_platform_generates_what_the_native_path_does(self, plugins: PluginSet, hardware: Detection) -> None:
+        """Greedy tokens on the platform (its cleanup after loading, graphs where the decision allows them) equal a run on
+        the native path: the same seeded weights with no platform hook called (no cleanup, eager decode, one rank)."""
+        from fd_core.backend import Backend
+        from fd_core.runtime.engine import Engine
+        from fd_core.runtime.lifecycle import ModelRunner
+        from fd_core.runtime.plan import model_config_for
+        from fd_core.runtime.request import Request
+
+        backend = Backend(plugins)
+        native = Backend(plugins)
+        native.clean_memory_fragments = lambda state_dict=None: None  # type: ignore[method-assign]
+        request = Request.greedy([[5, 1, 4, 2, 3], [7, 7, 2]], 6)
+        for arch in plugins.registry:
+            config = model_config_for(arch, None)
+            runner = ModelRunner(backend, arch, config)
+            runner.load()
+            runner.decide()
+            got = [c.token_ids for c in Engine(runner).generate(request)]
+            reference = ModelRunner(native, arch, config, graph="off")
+            reference.load()
+            reference.decide()
+            want = [c.token_ids for c in Engine(reference).generate(request)]
+            assert got == want, (
+                f"{arch.name} on {backend.platform}: greedy tokens {got}, but the native path (the same weights, no platform cleanup, "
+                f"eager) gives {want}; the platform's cleanup, graphs or ops change what the model computes"
+            )
 
 
 class _RecordingGraphs:
