@@ -230,11 +230,13 @@ class ContractTests(_Base):
         assert detect is not None, f"{platform_name}: implement fd_platform_detect()"
         # Every field but the reason and the free memory, which may change from one moment to the next.
         fields = ("detected", "priority", "device", "dist_backend", "max_ranks", "dtypes")
-        answers = [detect() for _ in range(5)]
-        seen = [tuple(getattr(a, f, None) for f in fields) for a in answers]
-        for call, answer in enumerate(seen[1:], 2):
-            changed = [f"{f}={b!r} (first call: {a!r})" for f, a, b in zip(fields, seen[0], answer) if a != b]
-            assert not changed, f"{platform_name}: fd_platform_detect answered differently on call {call}: {', '.join(changed)}"
+        # A fresh process's first answers (what a rank sees), then this process's later ones.
+        fresh = _fresh_detections(platform_module.__name__, fields, 3)
+        answers = fresh + [[_plain(getattr(detect(), f, None)) for f in fields] for _ in range(3)]
+        for call, answer in enumerate(answers[1:], 2):
+            changed = [f"{f}={b!r} (first call: {a!r})" for f, a, b in zip(fields, answers[0], answer) if a != b]
+            where = f"call {call} in a new process" if call <= len(fresh) else f"a later call in the checking process (after {len(fresh)} in a new one)"
+            assert not changed, f"{platform_name}: fd_platform_detect answered differently on {where}: {', '.join(changed)}"
 
     def test_detection_dist_backend_is_one_paddle_accepts(self, hardware: Detection, platform_name: str) -> None:
         """The ranks rendezvous with Detection.dist_backend (the two-rank checks use it); paddle.distributed must accept it."""
@@ -383,6 +385,28 @@ class CleanupTests(_Base):
             assert not kept, f"{platform_name}: declares cleanup_releases_state, but fd_clean_memory_fragments left {kept} holding memory"
         else:
             assert set(state) == {"w", "b"}, f"{platform_name}: cleanup without cleanup_releases_state must not change the state dict"
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _fresh_detections(module: str, fields: tuple[str, ...], calls: int) -> list[list[Any]]:
+    """`calls` answers of the module's fd_platform_detect in a new Python process, as its first calls (as a rank makes them)."""
+    import subprocess
+    import sys
+
+    code = (
+        f"import json, importlib; m = importlib.import_module({module!r}); "
+        f"print(json.dumps([[(list(v) if isinstance(v, tuple) else v) for v in (getattr(d, f, None) for f in {list(fields)!r})] "
+        f"for d in (m.fd_platform_detect() for _ in range({calls}))]))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        pytest.fail(f"{module}: fd_platform_detect in a new process failed: {last}", pytrace=False)
+    return list(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def _what(state_dict: Any) -> str:
