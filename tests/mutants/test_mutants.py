@@ -14,7 +14,11 @@ from typing import Any
 
 import pytest
 
-from fakedist import make_distribution, run_fd
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+from fakedist import make_distribution, run_fd  # noqa: E402
 
 PLATFORMS = Path(__file__).parent / "platforms"
 MUTANTS = sorted(p.stem for p in PLATFORMS.glob("mutant_*.py") if p.stem != "mutant_control")
@@ -39,7 +43,11 @@ def _check(name: str, root: Path) -> dict[str, Any]:
         report = json.loads(done.stdout)
     except ValueError:
         report = {"checks": [], "verdict": f"no JSON: {done.stderr.strip()[-500:]}"}
-    return {"code": done.returncode, "report": report, "stderr": done.stderr, "seconds": time.monotonic() - begin}
+    result = {"code": done.returncode, "report": report, "stderr": done.stderr, "seconds": time.monotonic() - begin}
+    # The run's own guards: at tp=2 the mutant either stops the run or gives the tokens the cpu platform gives.
+    ran = run_fd(["run", "--tp", "2", "--steps", "6", "--json"], path=Path(f"{PLATFORMS}:{dist}"), env={"FD_PLATFORM": name}, timeout=300)
+    result["run"] = {"code": ran.returncode, "stdout": ran.stdout, "error": ran.stderr.strip().splitlines()[-1:] }
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +66,17 @@ def test_the_control_passes_the_whole_suite(outcomes: dict[str, dict[str, Any]])
 
 
 @pytest.mark.parametrize("name", MUTANTS)
+def test_the_mutant_never_makes_fd_run_print_wrong_tokens(outcomes: dict[str, dict[str, Any]], name: str) -> None:
+    run = outcomes[name]["run"]
+    if run["code"] != 0:
+        assert run["error"] and run["error"][0].startswith("fd: error: "), run  # stopped, with one line that says why
+        return
+    control = outcomes["mutant_control"]["run"]
+    assert control["code"] == 0, control
+    assert json.loads(run["stdout"])["tokens"] == json.loads(control["stdout"])["tokens"], f"{name}: fd run printed other tokens with exit 0"
+
+
+@pytest.mark.parametrize("name", MUTANTS)
 def test_the_mutant_fails_fd_check(outcomes: dict[str, dict[str, Any]], name: str) -> None:
     got = outcomes[name]
     failed = [c for c in got["report"]["checks"] if c["outcome"] == "failed"]
@@ -65,3 +84,15 @@ def test_the_mutant_fails_fd_check(outcomes: dict[str, dict[str, Any]], name: st
     # Each failure says what was wrong, naming the platform: not a bare assertion.
     for check in failed:
         assert name in check["detail"] and len(check["detail"]) > 40, check
+
+
+if __name__ == "__main__":  # print what each mutant fails: python tests/mutants/test_mutants.py
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for mutant in sys.argv[1:] or MUTANTS:
+            got = _check(mutant, Path(tmp))
+            print(f"{mutant}: exit {got['code']}, {got['seconds']:.1f} s")
+            for c in got["report"]["checks"]:
+                if c["outcome"] == "failed":
+                    print(f"  {c['check']}: {c['detail'][:260]}")
