@@ -34,7 +34,7 @@ def _all_reduce_catalogue() -> list[tuple[str, tuple[int, ...], str, str, int]]:
     The shapes are what the registered architectures reduce (3-D activations [batch, tokens, hidden]
     at decode and prefill, float32 logits [batch, vocab]) at the tiny presets (hidden 64, vocab 512)
     and at the published 0.3B size (hidden 1024, vocab 103424); non-contiguous views; sizes on both
-    sides of 1 MiB (a common fast-path limit, the cpu platform's slot) and up to 32 MiB; one shape
+    sides of 1 MiB (a common fast-path limit) and up to 32 MiB; one shape
     reduced several times in a row with fresh values; hundreds of calls in sequence.
     """
     cases: list[tuple[str, tuple[int, ...], str, str, int]] = []
