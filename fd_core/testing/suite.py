@@ -131,6 +131,7 @@ def _two_rank_results(platform: str, cases: tuple[Any, ...], graph_dtypes: tuple
     stall = _stall_seconds()
     hint = f"set {STALL_ENV} (now {stall:g}) if it is only slow"
     todo_cases, todo_graphs = list(cases), list(graph_dtypes)
+    retried_start = False
     for _ in range(_MAX_SPAWNS):
         names = [c.name for c in todo_cases] + [f"graph-{d}" for d in todo_graphs]
         if not names:
@@ -154,6 +155,11 @@ def _two_rank_results(platform: str, cases: tuple[Any, ...], graph_dtypes: tuple
         if error is None:
             error = "the ranks ended without reporting it"
         culprit = next((n for n in left if n in started), None)
+        if culprit is None and not started and not retried_start:
+            # Nothing ran: a rank died while the group formed (seen under heavy load as SIGABRT in the
+            # rendezvous). Start once more before blaming the platform for every check.
+            retried_start = True
+            continue
         if culprit is None:
             # Nothing ran: the ranks did not start, or failed before the first all-reduce.
             for name in left:
