@@ -139,11 +139,14 @@ class Backend:
                 ) from exc
 
     def check_collective(self) -> None:
-        """At tp > 1, all-reduce a small tensor whose exact sum is known and compare, before any weight is loaded.
+        """At tp > 1, all-reduce tensors whose exact sums are known and compare, before any weight is loaded.
 
-        Each rank contributes (rank + 1) * [1, 2, ..., 8]: exact in float32, distinct per rank, so a
-        platform that drops, repeats or offsets a rank's part (or returns non-finite numbers) is
-        caught here rather than turning into plausible-looking tokens.
+        Three float32 shapes: a small one, a 3-D activation [batch, tokens, hidden] and one of 4 MiB + 4 bytes
+        (above the size where a platform commonly switches algorithm). Each rank contributes
+        (rank + 1) * (1 + k / 256): exact in float32 but not in a 16-bit dtype, distinct per rank, so a
+        platform that drops, repeats or offsets a rank's part, narrows it on the wire, returns another
+        dtype or shape, or returns non-finite numbers is caught here rather than turning into
+        plausible-looking tokens.
         """
         if self.parallel.tp_size == 1:
             return
@@ -151,20 +154,33 @@ class Backend:
         import paddle
 
         world, rank = self.parallel.tp_size, self.parallel.tp_rank
-        base = np.arange(1, 9, dtype=np.float32)
-        expected = base * (world * (world + 1) // 2)
-        try:
-            result = self.all_reduce(paddle.to_tensor(base * (rank + 1)))
-        except Exception as exc:  # noqa: BLE001 - the platform's own failure, named
-            raise PluginError(
-                f"platform {self.platform!r}: fd_all_reduce failed on a known tensor: {type(exc).__name__}: {exc}; run fd check {self.platform}"
-            ) from exc
-        got = np.asarray(result.numpy() if hasattr(result, "numpy") else result, dtype=np.float64).reshape(-1)
-        if got.shape != expected.shape or not np.array_equal(got, expected):
-            raise NumericsError(
-                f"platform {self.platform!r}: the all-reduce ({self.all_reduce_binding}) of a known tensor on rank {rank} of "
-                f"{world} returned {got.tolist()[:4]}..., expected {expected.tolist()[:4]}...; it does not sum, run fd check {self.platform}"
-            )
+        for shape in ((8,), (2, 3, 64), ((4 << 20) // 4 + 1,)):
+            count = int(np.prod(shape))
+            base = (1 + (np.arange(count) % 255) / 256).astype(np.float32).reshape(shape)
+            expected = base * np.float32(world * (world + 1) // 2)
+            what = f"float32{list(shape)}"
+            try:
+                result = self.all_reduce(paddle.to_tensor(base * np.float32(rank + 1)))
+            except Exception as exc:  # noqa: BLE001 - the platform's own failure, named
+                raise PluginError(
+                    f"platform {self.platform!r}: fd_all_reduce failed on a known {what} tensor: {type(exc).__name__}: {exc}; "
+                    f"run fd check {self.platform}"
+                ) from exc
+            where = f"platform {self.platform!r}: the all-reduce ({self.all_reduce_binding}) of a known {what} tensor on rank {rank} of {world}"
+            dtype = str(getattr(result, "dtype", type(result).__name__)).replace("paddle.", "")
+            got_shape = list(getattr(result, "shape", []))
+            if dtype != "float32" or got_shape != list(shape):
+                raise NumericsError(f"{where} returned {dtype}{got_shape}, expected {what}; run fd check {self.platform}")
+            got = np.asarray(result.numpy(), dtype=np.float64).reshape(shape)
+            wrong = got != expected
+            if wrong.any():
+                first = tuple(int(i) for i in np.argwhere(wrong)[0])
+                error = np.where(np.isnan(got), np.inf, np.abs(got - expected))
+                raise NumericsError(
+                    f"{where} returned a wrong sum at {int(wrong.sum())} of {wrong.size} elements: first at index {list(first)}, "
+                    f"{got[first]:.9g} where {float(expected[first]):.9g} is exact; largest error {float(error.max()):.3g}; "
+                    f"it does not sum, run fd check {self.platform}"
+                )
 
     def graph_decision(
         self, model_config: ModelConfig, parallel_config: ParallelConfig | None = None, requested: str = "auto"

@@ -19,7 +19,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal, Sequence
 
-from fd_core.errors import ConfigError, FdError, RankError
+from fd_core.errors import ConfigError, FdError, PlatformError, RankError
 from fd_core.paddle_logs import quiet_paddle_logs
 from fd_core.runtime import progress
 
@@ -70,6 +70,8 @@ SETTLE_S = 0.5
 STOPPED_S = 3.0
 # How long a rank may go without noting progress before the run ends (`fd run --stall-timeout`).
 DEFAULT_STALL_S = 60.0
+# What a stalled rank's error tells `fd run`'s user; other callers pass their own.
+STALL_HINT = "raise --stall-timeout if it is only slow"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -228,6 +230,7 @@ def spawn_ranks(
     fn: Callable[..., Any], args: Sequence[Any], nprocs: int, dist_backend: str, grace: float = 10.0,
     stall: float = DEFAULT_STALL_S,
     start_method: Literal["spawn", "fork", "forkserver"] = "spawn",
+    stall_hint: str = STALL_HINT,
 ) -> list[Any]:
     """Run `fn(*args)` on `nprocs` local ranks; return each rank's result in rank order.
 
@@ -239,11 +242,15 @@ def spawn_ranks(
     traceback. A rank that sits stopped (SIGSTOP) for STOPPED_S seconds, or notes no progress
     (`fd_core.runtime.progress.report`) for `stall` seconds, ends the run the same way. Ctrl-C
     (KeyboardInterrupt) and SIGTERM (Terminated) stop every rank before they propagate; a rank also
-    dies with this process if it is killed outright.
+    dies with this process if it is killed outright. `stall_hint` ends a stalled rank's error: how the
+    caller's user gives a slow rank more time.
     """
     import paddle.distributed as dist
 
     quiet_paddle_logs()
+    problem = dist_backend_problem(dist_backend)
+    if problem is not None:
+        raise PlatformError(f"the platform's Detection.dist_backend is {dist_backend!r}: {problem}; fix the platform plugin")
     errors_dir = tempfile.mkdtemp(prefix="fd-rank-errors-")
     try:
         with tempfile.TemporaryDirectory(prefix="fd-ranks-") as out_dir, _sigterm_raises():
@@ -253,12 +260,27 @@ def spawn_ranks(
                     _call_and_save, args=(fn, out_dir, errors_dir, os.getpid(), *args), nprocs=nprocs, join=False,
                     backend=dist_backend, ips=LOOPBACK, start_method=start_method,  # type: ignore[call-arg]
                 )
-            _watch(context, out_dir, grace, stall)
+            _watch(context, out_dir, grace, stall, stall_hint)
             return _results(out_dir, nprocs)
     finally:
         # Tracebacks of failed ranks outlive the run (the error line names them); nothing else does.
         if not os.listdir(errors_dir):
             shutil.rmtree(errors_dir, ignore_errors=True)
+
+
+def dist_backend_problem(name: Any) -> str | None:
+    """What paddle.distributed says is wrong with `name` as a rank backend (unknown, or not in this build), or None."""
+    if not isinstance(name, str) or not name.strip():
+        return "not a backend name"
+    # paddle.distributed.spawn validates its backend option with this function; asking it first turns
+    # a bad Detection into one line naming the field, instead of a traceback from inside spawn.
+    from paddle.distributed.fleet.launch_utils import check_backend
+
+    try:
+        check_backend(name)
+    except ValueError as exc:
+        return str(exc).replace("paddle.distributed initialize error, ", "")
+    return None
 
 
 def run_here(fn: Callable[..., Any], *args: Any) -> Any:
@@ -300,8 +322,8 @@ def _process_state(pid: int) -> str:
 class _Monitor:
     """Tells a stopped rank (SIGSTOP, a debugger) and a rank that has stopped noting progress."""
 
-    def __init__(self, processes: Sequence[Any], out_dir: str, stall: float) -> None:
-        self.processes, self.out_dir, self.stall = processes, out_dir, stall
+    def __init__(self, processes: Sequence[Any], out_dir: str, stall: float, stall_hint: str = STALL_HINT) -> None:
+        self.processes, self.out_dir, self.stall, self.stall_hint = processes, out_dir, stall, stall_hint
         self.started = time.time()
         self.stopped_since: dict[int, float] = {}
 
@@ -322,16 +344,16 @@ class _Monitor:
                 note = notes[index]
                 phase = note[1] if note else "starting"
                 return RankFailure(
-                    index, f"made no progress for {now - last:.0f} s (last phase: {phase}); raise --stall-timeout if it is only slow", (0, last)
+                    index, f"made no progress for {now - last:.0f} s (last phase: {phase}); {self.stall_hint}", (0, last)
                 )
         return None
 
 
-def _watch(context: Any, out_dir: str, grace: float, stall: float = DEFAULT_STALL_S) -> None:
+def _watch(context: Any, out_dir: str, grace: float, stall: float = DEFAULT_STALL_S, stall_hint: str = STALL_HINT) -> None:
     """Wait for every rank; on a failure (or a stopped or stuck rank) stop the rest and raise RankError naming it."""
     processes = list(context.processes)
     pending = {p.sentinel: i for i, p in enumerate(processes)}
-    monitor = _Monitor(processes, out_dir, stall)
+    monitor = _Monitor(processes, out_dir, stall, stall_hint)
 
     def reap(ready: list[Any]) -> list[int]:
         failed = []

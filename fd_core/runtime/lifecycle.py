@@ -9,10 +9,33 @@ from typing import Any, Callable, Mapping
 
 from fd_core.backend import Backend
 from fd_core.config import ModelConfig
+from fd_core.errors import PluginError
 from fd_core.graphs import GraphDecision, capture_scope
 from fd_core.models import Architecture, CausalModel
 from fd_core.runtime import progress
 from fd_core.runtime.weights import CheckpointShards, load_checkpoint, random_state_dict
+
+
+def _sample(model: Any) -> dict[str, Any]:
+    """A few values of every parameter (at most 64, evenly spaced): cheap at any model size, and a hook that
+    rewrites a parameter (zeroes, rounds or frees it) changes them."""
+    out: dict[str, Any] = {}
+    for name, param in model.named_parameters():
+        if not param._is_initialized():
+            out[name] = None
+            continue
+        flat = param.reshape([-1])
+        step = max(1, int(flat.shape[0]) // 64)
+        out[name] = flat[::step].astype("float32").numpy().copy()
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    import numpy as np
+
+    if a is None or b is None:
+        return a is b
+    return bool(np.array_equal(a, b, equal_nan=True))
 
 
 def init_std(config: ModelConfig) -> float | None:
@@ -77,7 +100,15 @@ class ModelRunner:
         if isinstance(shards, CheckpointShards):
             shards.close()
             left = {}
+        before = _sample(model)
         self._timed("cleanup", lambda: self.backend.clean_memory_fragments(left))
+        changed = next((name for name, values in _sample(model).items() if not _same(values, before.get(name))), None)
+        if changed is not None:
+            # A cleanup hook may release memory, never change the weights: that would give plausible, wrong tokens.
+            raise PluginError(
+                f"platform {self.backend.platform!r}: fd_clean_memory_fragments changed the loaded parameter {changed!r}; "
+                f"cleanup must leave live parameters untouched (run fd check {self.backend.platform})"
+            )
 
     def decide(self) -> GraphDecision:
         """Ask every voter whether decode steps may be captured here; the decision is kept."""

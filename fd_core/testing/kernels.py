@@ -1,6 +1,6 @@
 """Kernel conformance: every non-native kernel in use against the native op, on generated inputs (the shapes of
-every registered architecture and odd sizes, in every dtype the platform computes in), and a model run with
-the platform's kernels against one with the native ops."""
+every registered architecture and odd sizes, in every dtype the platform computes in). A model run with the
+kernels against the native ops is the suite's native-path check (suite.ModelTests)."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def compare(op: str, got: Any, want: Any, dtype: str, args: tuple[Any, ...], nat
 
 
 class KernelTests:
-    """Every kernel a plugin registered for fd's named ops, checked against the native op; then a model run."""
+    """Every kernel a plugin registered for fd's named ops, checked against the native op."""
 
     def test_every_kernel_in_use_matches_the_native_op(self, plugins: PluginSet, hardware: Detection) -> None:
         from fd_core import native_ops
@@ -129,29 +129,3 @@ class KernelTests:
         # The first line (what `fd check` shows) names each failing op with its first case; every case follows.
         first = {f.split(" ", 1)[0]: f for f in reversed(failures)}
         assert not failures, "; ".join(reversed(first.values())) + f" ({len(failures)} case(s) in all)\n" + "\n".join(failures[:40])
-
-    def test_a_model_with_the_kernels_gives_the_native_tokens(self, plugins: PluginSet, hardware: Detection) -> None:
-        """Greedy tokens of every registered architecture through the engine: the platform's kernels against the native ops (both eager)."""
-        from fd_core.backend import Backend
-        from fd_core.kernels import KernelTable
-        from fd_core.runtime.engine import Engine
-        from fd_core.runtime.lifecycle import ModelRunner
-        from fd_core.runtime.plan import model_config_for
-        from fd_core.runtime.request import Request
-
-        ours = Backend(plugins)
-        if all(ours.ops.native(op) for op in OPS):
-            pytest.skip(f"{plugins.platform}: every op runs the native implementation (no kernel registered)")
-        native = Backend(plugins, kernels=KernelTable())
-        request = Request.greedy([[1, 2, 3, 4]], 6)
-        for arch in plugins.registry:
-            tokens = []
-            for backend in (ours, native):
-                runner = ModelRunner(backend, arch, model_config_for(arch, None), graph="off")
-                runner.load()
-                runner.decide()
-                tokens.append(Engine(runner).generate(request)[0].token_ids)
-            assert tokens[0] == tokens[1], (
-                f"{arch.name} on {plugins.platform}: with the kernels {ours.ops.providers} the tokens are {tokens[0]}, "
-                f"with the native ops {tokens[1]}"
-            )

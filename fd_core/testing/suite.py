@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -16,43 +20,173 @@ from fd_core.testing.kernels import KernelTests
 ALL_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
 SHAPES: tuple[tuple[int, ...], ...] = ((0,), (1,), (3, 5), (64, 64))
 PROBE = "conformance_probe"
+# How long a two-rank run may go without progress before it is stopped (seconds).
+STALL_ENV = "FD_CHECK_STALL_S"
+_MiB = 1 << 20
 
 
-# Two-rank runs by (platform, cases, graph): spawned once per session, their failure too, so that one
-# broken collective is one spawn and one clear failure, not one re-spawn per dependent check.
-_RANK_RUNS: dict[tuple[str, tuple[Any, ...], bool], list[dict[str, Any]] | BaseException] = {}
-_REPORTED: set[tuple[str, tuple[Any, ...], bool]] = set()
+def _label(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape))
+
+
+def _all_reduce_catalogue() -> list[tuple[str, tuple[int, ...], str, str, int]]:
+    """Every all-reduce case: (id, shape, dtype, layout, calls in a row).
+
+    The shapes are what the registered architectures reduce (3-D activations [batch, tokens, hidden]
+    at decode and prefill, float32 logits [batch, vocab]) at the tiny presets (hidden 64, vocab 512)
+    and at the published 0.3B size (hidden 1024, vocab 103424); non-contiguous views; sizes on both
+    sides of 1 MiB (a common fast-path limit) and up to 32 MiB; one shape
+    reduced several times in a row with fresh values; hundreds of calls in sequence.
+    """
+    cases: list[tuple[str, tuple[int, ...], str, str, int]] = []
+    for dtype in ALL_DTYPES:
+        cases += [(f"{_label(s)}-{dtype}", s, dtype, "contiguous", 1) for s in SHAPES]
+        cases += [
+            (f"decode-2x1x64-{dtype}", (2, 1, 64), dtype, "contiguous", 1),
+            (f"prefill-2x7x64-{dtype}", (2, 7, 64), dtype, "contiguous", 1),
+            (f"slice-6x8-{dtype}", (6, 8), dtype, "slice", 1),
+            (f"transpose-5x3x8-{dtype}", (5, 3, 8), dtype, "transpose", 1),
+            (f"repeated-8x-2x1x64-{dtype}", (2, 1, 64), dtype, "contiguous", 8),
+        ]
+    for dtype in ("float32", "float16", "bfloat16"):
+        cases.append((f"above-1MiB-1x600x1024-{dtype}", (1, 600, 1024), dtype, "contiguous", 1))
+    cases += [
+        ("logits-2x512-float32", (2, 512), "float32", "contiguous", 1),
+        ("logits-0.3b-4x103424-float32", (4, 103424), "float32", "contiguous", 1),
+        ("decode-0.3b-4x1x1024-float32", (4, 1, 1024), "float32", "contiguous", 1),
+        ("prefill-0.3b-1x512x1024-float32", (1, 512, 1024), "float32", "contiguous", 1),
+        ("1MiB-less-4B-float32", (_MiB // 4 - 1,), "float32", "contiguous", 1),
+        ("1MiB-float32", (_MiB // 4,), "float32", "contiguous", 1),
+        ("1MiB-plus-4B-float32", (_MiB // 4 + 1,), "float32", "contiguous", 1),
+        ("4MiB-float32", (4, _MiB // 4), "float32", "contiguous", 1),
+        ("32MiB-float32", (8, 4, _MiB // 4), "float32", "contiguous", 1),
+        ("slice-above-1MiB-512x1024-float32", (512, 1024), "float32", "slice", 1),
+        ("300-calls-1x1x64-float32", (1, 1, 64), "float32", "contiguous", 300),
+    ]
+    return cases
+
+
+ALL_REDUCE_CASES = _all_reduce_catalogue()
+CASE_IDS = [c[0] for c in ALL_REDUCE_CASES]
+
+
+@dataclass
+class _RankRun:
+    """What a two-rank run (or the re-runs after it stopped) told about each check, by check id."""
+
+    outcomes: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    # Checks with no outcome, and why: the run stopped inside that check, or before it.
+    stopped: dict[str, str] = field(default_factory=dict)
+
+
+# Two-rank runs by (platform, cases, graph dtypes): spawned once per session and case list. A run
+# that stops (a hang, a crash) is spawned again without the check it stopped in, at most
+# _MAX_SPAWNS times, so one broken case is reported under its own name and the others still run.
+_RANK_RUNS: dict[tuple[str, tuple[Any, ...], tuple[str, ...]], _RankRun] = {}
+_MAX_SPAWNS = 3
 
 
 def _plugins_for(platform: str) -> PluginSet:
     return load_plugins({**os.environ, "FD_PLATFORM": platform})
 
 
-def _two_rank_results(platform: str, cases: tuple[Any, ...], with_graph: bool) -> list[dict[str, Any]]:
-    """Spawn two real ranks once per platform and case list; the results are shared by the checks."""
-    key = (platform, cases, with_graph)
-    if key not in _RANK_RUNS:
-        from fd_core.runtime.distributed import spawn_ranks
-        from fd_core.testing.ranks import all_reduce_on_rank
+def _stall_seconds() -> float:
+    raw = os.environ.get(STALL_ENV, "").strip()
+    try:
+        return float(raw) if raw else 60.0
+    except ValueError:
+        raise ValueError(f"{STALL_ENV}={raw!r} is not a number of seconds") from None
 
-        plugins = _plugins_for(platform)
+
+def _read_outcomes(out_dir: str) -> tuple[dict[str, dict[int, dict[str, Any]]], set[str]]:
+    done: dict[str, dict[int, dict[str, Any]]] = {}
+    started: set[str] = set()
+    for rank in (0, 1):
         try:
-            _RANK_RUNS[key] = spawn_ranks(all_reduce_on_rank, (platform, cases, with_graph), 2, plugins.detection.dist_backend)
-        except Exception as exc:  # noqa: BLE001 - kept: the dependent checks report it without spawning again
-            _RANK_RUNS[key] = exc
-    result = _RANK_RUNS[key]
-    if isinstance(result, BaseException):
-        if key in _REPORTED:  # one failure, reported once; the checks that depend on the run skip
-            pytest.skip(f"{platform}: the two-rank run failed (reported by the first check that needed it)")
-        _REPORTED.add(key)
-        pytest.fail(f"{platform}: the two-rank run failed: {result}", pytrace=False)
-    return result
+            with open(os.path.join(out_dir, f"rank{rank}.jsonl")) as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by the rank's end
+            if "start" in entry:
+                started.add(entry["start"])
+            else:
+                done.setdefault(entry.pop("case"), {})[rank] = entry
+    return done, started
 
 
-def _head(array: Any) -> str:
-    """The first few values of an array, for a one-line failure message."""
-    flat = list(array.reshape(-1)[:4])
-    return "[" + ", ".join(f"{v:g}" for v in flat) + (", ...]" if array.size > 4 else "]")
+def _two_rank_results(platform: str, cases: tuple[Any, ...], graph_dtypes: tuple[str, ...]) -> _RankRun:
+    """Spawn two real ranks once per platform and case list; each check reads its own outcome."""
+    key = (platform, cases, graph_dtypes)
+    if key in _RANK_RUNS:
+        return _RANK_RUNS[key]
+    from fd_core.runtime.distributed import spawn_ranks
+    from fd_core.testing.ranks import all_reduce_on_rank
+
+    run = _RANK_RUNS[key] = _RankRun()
+    plugins = _plugins_for(platform)
+    stall = _stall_seconds()
+    hint = f"set {STALL_ENV} (now {stall:g}) if it is only slow"
+    todo_cases, todo_graphs = list(cases), list(graph_dtypes)
+    retried_start = False
+    for _ in range(_MAX_SPAWNS):
+        names = [c.name for c in todo_cases] + [f"graph-{d}" for d in todo_graphs]
+        if not names:
+            break
+        out_dir = tempfile.mkdtemp(prefix="fd-check-")
+        try:
+            spawn_ranks(all_reduce_on_rank, (platform, tuple(todo_cases), tuple(todo_graphs), out_dir), 2,
+                        plugins.detection.dist_backend, stall=stall, stall_hint=hint)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - kept: the checks it concerns report it
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            done, started = _read_outcomes(out_dir)
+            shutil.rmtree(out_dir, ignore_errors=True)
+        for name in names:
+            if len(done.get(name, {})) == 2:
+                run.outcomes[name] = [done[name][0], done[name][1]]
+        left = [n for n in names if n not in run.outcomes]
+        if not left:
+            break
+        if error is None:
+            error = "the ranks ended without reporting it"
+        culprit = next((n for n in left if n in started), None)
+        if culprit is None and not started and not retried_start:
+            # Nothing ran: a rank died while the group formed (seen under heavy load as SIGABRT in the
+            # rendezvous). Start once more before blaming the platform for every check.
+            retried_start = True
+            continue
+        if culprit is None:
+            # Nothing ran: the ranks did not start, or failed before the first all-reduce.
+            for name in left:
+                run.stopped[name] = f"the two-rank run failed before any all-reduce: {error}"
+            break
+        run.stopped[culprit] = f"the two-rank run stopped in this check: {error}"
+        todo_cases = [c for c in todo_cases if c.name in left and c.name != culprit]
+        todo_graphs = [d for d in todo_graphs if f"graph-{d}" in left and f"graph-{d}" != culprit]
+    for name in [c.name for c in cases] + [f"graph-{d}" for d in graph_dtypes]:
+        if name not in run.outcomes and name not in run.stopped:
+            run.stopped[name] = f"not run: the two-rank run stopped {_MAX_SPAWNS} times before it (see the checks that failed first)"
+    return run
+
+
+def _outcomes(run: _RankRun, name: str, platform: str) -> list[dict[str, Any]]:
+    if name in run.stopped:
+        pytest.fail(f"{platform}: {run.stopped[name]}", pytrace=False)
+    return run.outcomes[name]
+
+
+def _describe_wrong(wrong: dict[str, Any]) -> str:
+    return (
+        f"{wrong['wrong']} of {wrong['size']} elements outside the tolerance; first at index {wrong['index']}: "
+        f"got {wrong['got']:.9g}, expected {wrong['want']:.9g} (tolerance {wrong['tolerance']:.3g}); "
+        f"largest error {wrong['max_error']:.3g} at index {wrong['max_index']}"
+    )
 
 
 class _Base:
@@ -97,6 +231,35 @@ class ContractTests(_Base):
         if answer.detected:
             assert answer.dist_backend, f"{platform_name}: a detected platform's Detection.dist_backend must name its paddle.distributed backend"
 
+    def test_detection_answers_the_same_every_time(self, platform_module: Any, platform_name: str) -> None:
+        """fd run asks in the parent and again in every rank: a platform that answers differently runs ranks on two platforms."""
+        detect = impl_function(platform_module, "fd_platform_detect")
+        assert detect is not None, f"{platform_name}: implement fd_platform_detect()"
+        # Every field but the reason and the free memory, which may change from one moment to the next.
+        fields = ("detected", "priority", "device", "dist_backend", "max_ranks", "dtypes")
+        # A fresh process's first answers (what a rank sees), then this process's later ones.
+        fresh = _fresh_detections(platform_module.__name__, fields, 3)
+        answers = fresh + [[_plain(getattr(detect(), f, None)) for f in fields] for _ in range(3)]
+        for call, answer in enumerate(answers[1:], 2):
+            changed = [f"{f}={b!r} (first call: {a!r})" for f, a, b in zip(fields, answers[0], answer) if a != b]
+            where = f"call {call} in a new process" if call <= len(fresh) else f"a later call in the checking process (after {len(fresh)} in a new one)"
+            assert not changed, f"{platform_name}: fd_platform_detect answered differently on {where}: {', '.join(changed)}"
+
+    def test_detection_dist_backend_is_one_paddle_accepts(self, hardware: Detection, platform_name: str) -> None:
+        """The ranks rendezvous with Detection.dist_backend (the two-rank checks use it); paddle.distributed must accept it."""
+        from fd_core.runtime.distributed import dist_backend_problem
+
+        problem = dist_backend_problem(hardware.dist_backend)
+        assert problem is None, f"{platform_name}: Detection.dist_backend={hardware.dist_backend!r}: {problem}"
+
+    def test_detection_dtypes_are_summed(self, hardware: Detection, capabilities: Capabilities, platform_name: str) -> None:
+        """A model computes in the Detection's dtypes, so the all-reduce must sum each (checked by the two-rank sums)."""
+        missing = [d for d in hardware.dtypes if d not in capabilities.dtypes]
+        assert not missing, (
+            f"{platform_name}: Detection.dtypes {tuple(hardware.dtypes)} lists {', '.join(missing)}, which capabilities.dtypes "
+            f"{capabilities.dtypes} does not declare; the all-reduce of those dtypes would go unchecked"
+        )
+
     def test_hooks_match_the_specs(self, platform_module: Any, platform_name: str) -> None:
         validate_module(platform_name, platform_module)
         pm = new_plugin_manager()
@@ -121,54 +284,56 @@ class AllReduceTests(_Base):
         assert backend.all_reduce(marker) is marker, "with one rank the Backend's all-reduce must be the identity"
 
     @pytest.fixture
-    def two_ranks(self, platform_name: str, capabilities: Capabilities, hardware: Detection) -> list[dict[str, Any]]:
+    def two_ranks(self, platform_name: str, capabilities: Capabilities, hardware: Detection) -> _RankRun:
         if 2 not in capabilities.world_sizes:
             pytest.skip(f"{platform_name}: capabilities.world_sizes {capabilities.world_sizes} has no 2")
-        cases = tuple((shape, dtype) for dtype in ALL_DTYPES if dtype in capabilities.dtypes for shape in SHAPES)
-        return _two_rank_results(platform_name, cases, capabilities.graphs)
+        from fd_core.testing.ranks import Case
 
-    @pytest.mark.parametrize("dtype", ALL_DTYPES)
-    @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-    def test_two_ranks_sum(self, two_ranks: list[dict[str, Any]], capabilities: Capabilities, platform_name: str, shape: tuple[int, ...], dtype: str) -> None:
-        import numpy as np
+        cases = tuple(
+            Case(name, shape, dtype, layout, calls, capabilities.rtol(dtype), capabilities.in_place)
+            for name, shape, dtype, layout, calls in ALL_REDUCE_CASES
+            if dtype in capabilities.dtypes
+        )
+        graph_dtypes: tuple[str, ...] = ()
+        if capabilities.graphs and 2 in capabilities.graph_world_sizes:
+            graph_dtypes = tuple(d for d in capabilities.graph_dtypes if d in capabilities.dtypes)
+        return _two_rank_results(platform_name, cases, graph_dtypes)
 
-        from fd_core.testing.ranks import expected_sum
-
+    @pytest.mark.parametrize("case", CASE_IDS)
+    def test_two_ranks_sum(self, two_ranks: _RankRun, capabilities: Capabilities, platform_name: str, case: str) -> None:
+        """The sum of random values from both ranks, against numpy's float64 sum of the same inputs, within the dtype's tolerance."""
+        name, shape, dtype, layout, calls = next(c for c in ALL_REDUCE_CASES if c[0] == case)
         if dtype not in capabilities.dtypes:
             pytest.skip(f"{platform_name}: {dtype} not declared in capabilities.dtypes")
-        cases = [(s, d) for d in ALL_DTYPES if d in capabilities.dtypes for s in SHAPES]
-        index = cases.index((shape, dtype))
-        want = expected_sum(shape, dtype, 2)
-        for run in two_ranks:
-            got = run["results"][index]
-            where = f"{platform_name}: all-reduce of {dtype}{list(shape)} on rank {run['rank']}"
-            assert "error" not in got, f"{where} failed: {got.get('error')}"
-            assert got["shape"] == list(shape), f"{where} returned shape {got['shape']}, expected {list(shape)}"
-            assert got["dtype"] == dtype, f"{where} returned dtype {got['dtype']}, expected {dtype}"
-            value = np.asarray(got["value"]).reshape(shape)
-            rtol = capabilities.rtol(dtype)
-            assert np.allclose(value, want, rtol=rtol), f"{where} returned a wrong sum: {_head(value)}, expected {_head(want)}"
-            if capabilities.in_place or got["same_object"]:
-                after = np.asarray(got["input_after"]).reshape(shape)
-                assert np.allclose(after, want, rtol=rtol), (
-                    f"{where}: the result is declared in place but the input tensor holds {_head(after)}, expected {_head(want)}"
-                )
+        what = f"{dtype}{list(shape)}" + ("" if layout == "contiguous" else f" ({layout} view)") + (f", {calls} calls in a row" if calls > 1 else "")
+        for rank, got in enumerate(_outcomes(two_ranks, name, platform_name)):
+            where = f"{platform_name}: all-reduce of {what} on rank {rank}" + (f", call {got['call'] + 1}" if calls > 1 and "call" in got else "")
+            assert "error" not in got, f"{where} failed: {got['error']}"
+            assert "problem" not in got, f"{where} {got['problem']}"
+            if "wrong" in got:
+                side = "the input tensor (declared in place, or returned as the result) holds" if got.get("in_input") else "returned a wrong sum:"
+                raise AssertionError(f"{where} {side} {_describe_wrong(got['wrong'])}")
+            assert got["calls"] == calls, f"{where}: only {got['calls']} of {calls} calls ran"
 
-    def test_all_reduce_inside_a_captured_graph(self, two_ranks: list[dict[str, Any]], capabilities: Capabilities, platform_name: str) -> None:
+    def test_all_reduce_inside_a_captured_graph(self, two_ranks: _RankRun, capabilities: Capabilities, platform_name: str) -> None:
         import numpy as np
 
         if not capabilities.graphs:
             pytest.skip(f"{platform_name}: capabilities.graphs is False")
         if 2 not in capabilities.graph_world_sizes:
             pytest.skip(f"{platform_name}: capabilities.graph_world_sizes {capabilities.graph_world_sizes}: graphs are not captured at tp=2")
-        for run in two_ranks:
-            graph = run["graph"]
-            if not graph["allowed"]:
-                pytest.skip(f"{platform_name} does not capture graphs at tp=2: {graph['summary']}")
-            assert graph["replay"] is not None, f"{platform_name}: graph backend has(key) is False right after capture"
-            assert np.allclose(graph["replay"], graph["eager"], rtol=1e-5), (
-                f"{platform_name}: replaying a captured all-reduce differs from eager on rank {run['rank']}"
-            )
+        dtypes = [d for d in capabilities.graph_dtypes if d in capabilities.dtypes]
+        if not dtypes:
+            pytest.skip(f"{platform_name}: no dtype of capabilities.graph_dtypes {capabilities.graph_dtypes} is in capabilities.dtypes")
+        for dtype in dtypes:
+            for rank, graph in enumerate(_outcomes(two_ranks, f"graph-{dtype}", platform_name)):
+                where = f"{platform_name}: an all-reduce of {dtype} captured in a graph on rank {rank}"
+                assert "error" not in graph, f"{where} failed: {graph['error']}"
+                if not graph["allowed"]:
+                    pytest.skip(f"{platform_name} does not capture graphs at tp=2: {graph['summary']}")
+                assert graph["replay"] is not None, f"{where}: the graph backend's has(key) is False right after capture"
+                rtol = max(capabilities.rtol(dtype), 1e-5)
+                assert np.allclose(graph["replay"], graph["eager"], rtol=rtol), f"{where}: replaying it differs from eager"
 
 
 class CleanupTests(_Base):
@@ -185,6 +350,36 @@ class CleanupTests(_Base):
         for state_dict in (None, None, arrays, {"w": paddle.ones([8, 8]), "b": paddle.zeros([8])}, {}):
             backend.clean_memory_fragments(state_dict)  # a raising hook fails here, named
 
+    def test_cleanup_leaves_live_values_untouched(self, plugins: PluginSet, capabilities: Capabilities, platform_name: str, hardware: Detection) -> None:
+        """Checked by value against copies: cleanup may release memory, never change a live parameter (nor, unless it declares
+        cleanup_releases_state, the tensors it is given)."""
+        import numpy as np
+        import paddle
+
+        from fd_core.backend import Backend
+
+        rng = np.random.default_rng(7)
+        layer = paddle.nn.Linear(32, 48)  # live parameters, as a loaded model holds them
+        live = {name: p.numpy().copy() for name, p in layer.named_parameters()}
+        given = {"w": paddle.to_tensor(rng.standard_normal((16, 16)).astype("float32")), "b": paddle.to_tensor(rng.standard_normal(16).astype("float32"))}
+        copies = {k: v.numpy().copy() for k, v in given.items()}
+        backend = Backend(plugins)
+        for state_dict in (None, {"w": rng.standard_normal((8, 8)).astype("float32")}, given, None):
+            backend.clean_memory_fragments(state_dict)
+            for name, p in layer.named_parameters():
+                assert p._is_initialized(), f"{platform_name}: fd_clean_memory_fragments({_what(state_dict)}) released a live parameter ({name})"
+                diff = np.abs(p.numpy() - live[name])
+                assert not diff.any(), (
+                    f"{platform_name}: fd_clean_memory_fragments({_what(state_dict)}) changed a live parameter ({name}): "
+                    f"{int((diff > 0).sum())} of {diff.size} values, largest change {float(diff.max()):.3g}"
+                )
+        if not capabilities.cleanup_releases_state:
+            for name, tensor in given.items():
+                assert tensor._is_initialized() and np.array_equal(tensor.numpy(), copies[name]), (
+                    f"{platform_name}: fd_clean_memory_fragments changed the values of the state dict's {name!r}, "
+                    f"and does not declare cleanup_releases_state"
+                )
+
     def test_cleanup_releases_the_state_when_declared(self, plugins: PluginSet, capabilities: Capabilities, platform_name: str, hardware: Detection) -> None:
         import paddle
 
@@ -197,6 +392,32 @@ class CleanupTests(_Base):
             assert not kept, f"{platform_name}: declares cleanup_releases_state, but fd_clean_memory_fragments left {kept} holding memory"
         else:
             assert set(state) == {"w", "b"}, f"{platform_name}: cleanup without cleanup_releases_state must not change the state dict"
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _fresh_detections(module: str, fields: tuple[str, ...], calls: int) -> list[list[Any]]:
+    """`calls` answers of the module's fd_platform_detect in a new Python process, as its first calls (as a rank makes them)."""
+    import subprocess
+    import sys
+
+    code = (
+        f"import json, importlib; m = importlib.import_module({module!r}); "
+        f"print(json.dumps([[(list(v) if isinstance(v, tuple) else v) for v in (getattr(d, f, None) for f in {list(fields)!r})] "
+        f"for d in (m.fd_platform_detect() for _ in range({calls}))]))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        pytest.fail(f"{module}: fd_platform_detect in a new process failed: {last}", pytrace=False)
+    return list(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _what(state_dict: Any) -> str:
+    return "None" if state_dict is None else "{" + ", ".join(f"{k!r}: {type(v).__name__}" for k, v in state_dict.items()) + "}"
 
 
 class EligibilityTests(_Base):
@@ -349,6 +570,38 @@ class ModelTests(_Base):
                     f"{ids} gives {int(logits.argmax())}; the decode step, the KV cache or a captured graph is wrong"
                 )
                 ids.append(token)
+
+
+    def test_the_platform_generates_what_the_native_path_does(self, plugins: PluginSet, hardware: Detection) -> None:
+        """Greedy tokens on the platform (its cleanup after loading, its kernels, graphs where the decision allows them) equal a
+        run on the native path: the same seeded weights with no platform hook called (no cleanup, the native ops, eager decode,
+        one rank)."""
+        from fd_core.backend import Backend
+        from fd_core.kernels import KernelTable
+        from fd_core.runtime.engine import Engine
+        from fd_core.runtime.lifecycle import ModelRunner
+        from fd_core.runtime.plan import model_config_for
+        from fd_core.runtime.request import Request
+
+        backend = Backend(plugins)
+        native = Backend(plugins, kernels=KernelTable())
+        native.clean_memory_fragments = lambda state_dict=None: None  # type: ignore[method-assign]
+        request = Request.greedy([[5, 1, 4, 2, 3], [7, 7, 2]], 6)
+        for arch in plugins.registry:
+            config = model_config_for(arch, None)
+            runner = ModelRunner(backend, arch, config)
+            runner.load()
+            runner.decide()
+            got = [c.token_ids for c in Engine(runner).generate(request)]
+            reference = ModelRunner(native, arch, config, graph="off")
+            reference.load()
+            reference.decide()
+            want = [c.token_ids for c in Engine(reference).generate(request)]
+            assert got == want, (
+                f"{arch.name} on {backend.platform}: greedy tokens {got} (kernels {backend.kernels.providers()}), but the native path "
+                f"(the same weights, no platform cleanup, native ops, eager) gives {want}; the platform's cleanup, graphs or kernels "
+                f"change what the model computes"
+            )
 
 
 class _RecordingGraphs:

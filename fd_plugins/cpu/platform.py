@@ -87,6 +87,11 @@ def gloo_all_reduce(tensor: Any, group: Any) -> Any:
 
     if 0 in tensor.shape:
         return tensor
+    if isinstance(tensor, paddle.Tensor) and not tensor.is_contiguous():
+        # gloo takes only dense memory ("The tensor must be contiguous"): sum a dense copy, write it back through the view.
+        dense = gloo_all_reduce(tensor.contiguous(), group)
+        paddle.assign(dense, output=tensor)
+        return tensor
     if tensor.dtype == paddle.float16:
         # gloo's float16 sum overflows to inf (seen with paddle 3.3.1): sum in float32.
         wide = tensor.astype("float32")

@@ -386,8 +386,12 @@ class ShmGroup:
         dtype, summer = spec
         nbytes = math.prod(shape) * dtype.itemsize
         # Every rank decides alike: the same dtype, shape and layout reach each rank in tensor parallelism.
-        if nbytes > self.slot_bytes or not tensor.is_contiguous() or not tensor.place.is_cpu_place():
+        if nbytes > self.slot_bytes or not tensor.place.is_cpu_place():
             return self._gloo(tensor)
+        if not tensor.is_contiguous():
+            # A strided view (a slice, a transpose): its elements are not one run of memory. Sum a dense
+            # copy, then write the sum back through the view (never into the memory around it).
+            return _write_back(tensor, self.all_reduce(tensor.contiguous()))
         # The tensor's own memory as numpy: read the input from it, write the sum into it (~0.7 us, no copy).
         own = np.frombuffer((ctypes.c_char * nbytes).from_address(tensor.data_ptr()), dtype)
         seq = self.seq = self.seq + 1
@@ -436,6 +440,14 @@ class ShmGroup:
 
 def _identity(tensor: Any) -> Any:
     return tensor
+
+
+def _write_back(view: Any, dense: Any) -> Any:
+    """Copy `dense` into the strided `view` it was made from (paddle.assign writes through a view) and return the view."""
+    import paddle
+
+    paddle.assign(dense, output=view)
+    return view
 
 
 # Every group set up in this process, by group object (None: the default group); read through group_state.

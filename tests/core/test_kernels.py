@@ -183,8 +183,9 @@ def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged
 
 
 def test_the_suite_passes_the_example_kernels(example_kernels: Path) -> None:
-    done = run_fd(["check", "cpu", "-k", "kernel"], example_kernels, timeout=300)
+    done = run_fd(["check", "cpu", "-k", "kernel or native_path"], example_kernels, timeout=300)
     assert done.returncode == 0 and "2 passed, 0 failed" in done.stdout, done.stdout + done.stderr
+    assert "passed   test_the_platform_generates_what_the_native_path_does" in done.stdout
 
 
 WRONG_KERNELS = """

@@ -94,8 +94,8 @@ def test_a_platform_whose_all_reduce_does_not_sum_is_caught_before_loading(distr
     assert_one_line_error(
         done,
         f"rank {first} failed: NumericsError: platform 'wrongsum': the all-reduce (direct: wrongsum.fd_all_reduce) of a known "
-        f"tensor on rank {first} of 2 returned [4.0, 7.0, 10.0, 13.0]..., expected [3.0, 6.0, 9.0, 12.0]...; it does not sum, "
-        "run fd check wrongsum",
+        f"float32[8] tensor on rank {first} of 2 returned a wrong sum at 8 of 8 elements: first at index [0], 4 where 3 is exact; "
+        "largest error 1; it does not sum, run fd check wrongsum",
         exact=False,
     )
     assert "loaded" not in done.stderr  # stopped before any weight was read

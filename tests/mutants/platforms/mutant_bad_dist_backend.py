@@ -1,0 +1,11 @@
+"""Names a rendezvous backend paddle.distributed does not have ("mpi")."""
+
+from fd_core import Detection, hookimpl
+from mutant_control import FD_CAPABILITIES, fd_all_reduce, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility  # noqa: F401
+
+EXPECT = "detection or 1-float32"
+
+
+@hookimpl
+def fd_platform_detect():
+    return Detection(detected=True, priority=-5, reason="emulated", device="cpu", dist_backend="mpi", max_ranks=2)
