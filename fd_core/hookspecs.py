@@ -56,3 +56,8 @@ def fd_register_models(register: Callable[[Architecture], None]) -> None:
 @hookspec
 def fd_register_commands(register: CommandRegistrar) -> None:
     """Add `fd` subcommands by calling `register(name, help, run)`; `run(args)` returns the exit code."""
+
+
+@hookspec
+def fd_check_request(request: Any, model_config: ModelConfig, parallel_config: ParallelConfig, stream: bool) -> str | None:
+    """Return a reason (str) to refuse this request before any rank works on it, or None to accept it."""
