@@ -101,17 +101,14 @@ class MemoryPlan:
         needed = cache_length(longest + max_new_tokens, context)
         if needed <= self.capacity_tokens:
             return
+        assert self.device_free is not None
+        ranks = f" for each of its {self.ranks_per_device} ranks" if self.ranks_per_device > 1 else ""
         raise ConfigError(
             f"this request needs a KV cache of {needed} tokens (its longest prompt, {longest} tokens, and {max_new_tokens} new, "
             f"rounded up to a multiple of {CACHE_STEP}), and {arch} at tp={self.tp} has room for {self.capacity_tokens} "
-            f"({self.summary_of_room()}); ask for fewer tokens, or raise --memory-fraction or --tp"
-        )
-
-    def summary_of_room(self) -> str:
-        assert self.device_free is not None
-        return (
-            f"{self.fraction:g} x {gib(self.device_free)} free on device {self.device}, less {self.ranks_per_device} x "
-            f"{gib(self.weights_per_rank)} of weights, at {self.cache_bytes_per_token} bytes a token per rank"
+            f"(--memory-fraction {self.fraction:g} of {gib(self.device_free)} free on device {self.device}, less "
+            f"{gib(self.weights_per_rank)} of weights{ranks}; {self.cache_bytes_per_token} bytes a token per rank); "
+            f"ask for fewer tokens, or raise --memory-fraction or --tp"
         )
 
 
