@@ -4,8 +4,8 @@ from typing import TYPE_CHECKING, Any
 
 from fd_core.capabilities import Capabilities
 from fd_core.config import ModelConfig, ParallelConfig
-from fd_core.detection import Detection
-from fd_core.errors import CheckpointError, ConfigError, FdError, PlatformError, PluginError, RankError
+from fd_core.detection import Detection, DeviceMemory
+from fd_core.errors import CheckpointError, ConfigError, FdError, PlatformError, PluginError, RankError, RequestRefused
 from fd_core.markers import hookimpl
 from fd_core.graphs import GraphBackend, GraphDecision, GraphVote
 from fd_core.models import Architecture, CausalModel, WeightSpec
@@ -31,6 +31,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "Detection",
+    "DeviceMemory",
     "FdError",
     "GraphBackend",
     "GraphDecision",
@@ -40,6 +41,7 @@ __all__ = [
     "PlatformError",
     "PluginError",
     "RankError",
+    "RequestRefused",
     "WeightSpec",
     "hookimpl",
     "load_backend",

@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping
 
 from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.detection import Detection
-from fd_core.errors import ConfigError, NumericsError, PlatformError, PluginError
+from fd_core.errors import ConfigError, NumericsError, PlatformError, PluginError, RequestRefused
 from fd_core.graphs import CastVote, GraphBackend, GraphDecision, GraphVote
 from fd_core.kernels import KernelTable, Ops
 from fd_core.plugins import PluginSet, caller_for, call_bounded, hook_timeout, load_plugins
@@ -254,6 +254,37 @@ class Backend:
                 f"no fd_clear_graphs implementation handled {type(model).__name__}; "
                 f"its model package must implement fd_clear_graphs(model) and return True"
             )
+
+    def check_request(
+        self, request: Any, model_config: ModelConfig, parallel_config: ParallelConfig | None = None, stream: bool = False
+    ) -> None:
+        """Ask every plugin's fd_check_request (each through pluggy, time-bounded); the first reason refuses the request.
+
+        A refusal is a RequestRefused naming the plugin; an answer other than a reason or None, a blank
+        reason, or a gate that raises is that plugin's PluginError.
+        """
+        args = {"request": request, "model_config": model_config, "parallel_config": parallel_config or self.parallel, "stream": stream}
+        timeout = hook_timeout()
+        for impl in reversed(self.hook.fd_check_request.get_hookimpls()):
+            if impl.wrapper or impl.hookwrapper:
+                continue
+            name = impl.plugin_name
+            caller = caller_for(self.plugins.pm, "fd_check_request", name)
+            try:
+                answers = call_bounded(lambda: caller(**args), timeout, f"plugin {name!r}: fd_check_request")
+            except PluginError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a third party's error, named for whoever must fix it
+                raise PluginError(f"plugin {name!r}: fd_check_request raised {type(exc).__name__}: {exc}; fix or uninstall the plugin") from exc
+            for answer in answers:
+                if not isinstance(answer, str):
+                    raise PluginError(
+                        f"plugin {name!r}: fd_check_request returned {type(answer).__name__} {answer!r:.60}; "
+                        f"return a reason (str) to refuse the request, or None to accept it"
+                    )
+                if not answer.strip():
+                    raise PluginError(f"plugin {name!r}: fd_check_request refused with an empty reason; return the reason as a string")
+                raise RequestRefused(f"{name} refuses this request: {' '.join(answer.split())}")
 
     def require_hardware(self) -> None:
         """Raise unless the selected platform detected its hardware (a forced platform may not have)."""

@@ -135,7 +135,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from fd_core.backend import load_backend
     from fd_core.config import ModelConfig, ParallelConfig
     from fd_core.plugins import load_plugins
-    from fd_core.runtime.plan import check_tp
+    from fd_core.runtime.memory import plan_memory
+    from fd_core.runtime.plan import check_tp, compute_dtype
     from fd_core.runtime.report import kernel_line
 
     plugins = load_plugins()
@@ -144,16 +145,18 @@ def cmd_explain(args: argparse.Namespace) -> int:
     registry = plugins.registry
     if len(registry):
         arch = registry.get(args.model)  # an unknown name raises, listing the registered architectures
-        config = arch.preset_config()
+        config = arch.preset_config().with_overrides(dtype=compute_dtype(args.dtype, backend))
         # The layout fd run would refuse is refused here too, in the same words: no decision is shown for it.
         check_tp(args.tp, config, arch, backend)
         model_line = f"{arch.name} (registered by {arch.package})"
     else:
-        config = ModelConfig(architecture=args.model)
+        config = ModelConfig(architecture=args.model, dtype=compute_dtype(args.dtype, backend))
         model_line = f"{args.model} (no model package registers it)"
+    memory = plan_memory(config, args.tp, backend.detection, args.memory_fraction, backend.platform, config.architecture)
     decision = backend.graph_decision(config, requested=args.graph)
     if args.json:
-        _print_json({**backend.describe(), "model": config.architecture, "graph": decision.to_dict()})
+        _print_json({**backend.describe(), "model": config.architecture, "graph": decision.to_dict(), "dtype": config.dtype,
+                     "memory": memory.to_dict()})
         return 0
     det = backend.detection
     lines = [f"platform: {backend.platform} ({plugins.selection})", f"  {'detected' if det.detected else 'not detected'}: {det.reason or '-'}"]
@@ -161,6 +164,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     lines += [f"model: {model_line}, tp={args.tp}", f"all-reduce: {backend.all_reduce_binding}",
               f"kernels: {kernel_line(backend.kernels.providers())}", f"graph: {decision.summary()}"]
     lines += [f"  {vote.line()}" for vote in decision.votes]
+    lines += [f"dtype: {config.dtype}", f"memory: {memory.summary()}"]
     print(_fit(lines))
     return 0
 
@@ -248,6 +252,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         top_k=args.top_k,
         max_batch=args.max_batch,
+        memory_fraction=args.memory_fraction,
         # Text streams to an interactive terminal as it is produced (one prompt; several print in order at the end).
         stream=bool(texts) and len(texts) == 1 and not args.json and sys.stdout.isatty(),
         started_at=process_start_time(),
@@ -426,6 +431,10 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
               "formatter_class": argparse.RawDescriptionHelpFormatter}
     graph_help = ("auto: capture unless a plugin vetoes or reports no gain; on: capture unless a plugin vetoes; "
                   "off: eager, no plugin asked (default: auto)")
+    from fd_core.config import DEFAULT_MEMORY_FRACTION
+
+    memory_help = (f"the share of each device's free memory for weights and KV cache, in (0, 1]; the cache's capacity "
+                   f"(batch x context) is what the weights leave (default: {DEFAULT_MEMORY_FRACTION})")
 
     p = sub.add_parser("help", help="show help for fd or for one command")
     p.add_argument("topic", nargs="?", default=None, metavar="COMMAND", help="a command (default: fd itself)")
@@ -440,6 +449,9 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
     p.add_argument("--tp", type=_positive, default=2, metavar="N", help="tensor-parallel ranks, as fd run takes them (default: 2)")
     p.add_argument("--graph", choices=("auto", "on", "off"), default="auto", help=graph_help)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16", "float64"),
+                   help="compute dtype, as fd run takes it (default: the platform's preferred one)")
+    p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION, metavar="F", help=memory_help)
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("run", help="run a model: load, clean, decide, capture, generate", **models)
@@ -476,6 +488,7 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
     p.add_argument("--stall-timeout", type=_seconds, default=60.0, metavar="SECONDS",
                    help="how long a rank may go without progress (stuck in a collective, a hung plugin) before the run stops (default: 60)")
     p.add_argument("--allow-non-finite", action="store_true", help="load weights holding NaN or Inf instead of refusing them (experiments only)")
+    p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION, metavar="F", help=memory_help)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("check", help="run the conformance suite against an installed platform (needs pytest: the [test] extra)")

@@ -13,6 +13,9 @@ from fd_core.errors import ConfigError
 
 # Floating-point dtypes a model may compute in (the platform says which of them it can).
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
+# The share of a device's free memory a run plans weights and KV cache in by default (--memory-fraction):
+# activations, the allocator and the rest of the process need the remainder.
+DEFAULT_MEMORY_FRACTION = 0.9
 # Rope types the decoders implement; "mrope" is the multimodal name older Qwen-VL configs use.
 _ROPE_TYPES = ("default", "mrope")
 # Settings that live at the top level of a multimodal config.json even when a `text_config` is nested.
@@ -122,13 +125,27 @@ class ModelConfig:
 
     def estimated_bytes(self, batch_size: int, max_len: int) -> int:
         """Weights (the decoder's dense parts; experts and vision towers not counted) and the KV cache, all ranks together."""
+        return self.weight_bytes_per_rank(1) + self.cache_bytes_per_token(1) * batch_size * max_len
+
+    @property
+    def dtype_width(self) -> int:
+        """Bytes of one element of the compute dtype."""
+        return {"float64": 8, "float32": 4}.get(self.dtype, 2)
+
+    def weight_bytes_per_rank(self, tp: int) -> int:
+        """One rank's share of the weights at `tp` (an estimate from the sizes: the decoder's dense parts, split as
+        the tensor-parallel layers split them, norms replicated; experts and vision towers not counted)."""
         head_dim = self.resolved_head_dim
         attention = self.hidden_size * head_dim * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
-        layer = attention + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        cache = 2 * self.num_hidden_layers * batch_size * self.num_key_value_heads * head_dim * max_len
-        width = {"float64": 8, "float32": 4}.get(self.dtype, 2)
-        return (embeddings + self.num_hidden_layers * layer + cache) * width
+        sharded = self.num_hidden_layers * (attention + 3 * self.hidden_size * self.intermediate_size)
+        sharded += self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        replicated = (2 * self.num_hidden_layers + 1) * self.hidden_size  # each layer's two norms and the final one
+        return (-(-sharded // tp) + replicated) * self.dtype_width
+
+    def cache_bytes_per_token(self, tp: int) -> int:
+        """KV-cache bytes one rank holds for one token of one sequence at `tp` (keys and values of every layer)."""
+        kv_heads = max(1, self.num_key_value_heads // tp)
+        return 2 * self.num_hidden_layers * kv_heads * self.resolved_head_dim * self.dtype_width
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("extra", "architecture")}

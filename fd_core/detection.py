@@ -7,6 +7,27 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class DeviceMemory:
+    """One device's memory as its platform sees it when detected: `total` bytes, and `free` bytes fd may use now.
+
+    One per device, not per host: a host platform reports the host (its memory within the process's
+    cgroup limit) as one device that all its ranks share; a platform with a device per rank reports each.
+    """
+
+    total: int
+    free: int
+
+    def problem(self) -> str | None:
+        for name in ("total", "free"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                return f"{name}={value!r}, expected a non-negative integer of bytes"
+        if self.free > self.total:
+            return f"free={self.free} is more than total={self.total}"
+        return None
+
+
+@dataclass(frozen=True)
 class Detection:
     """A platform's answer to `fd_platform_detect`; the highest `priority` among detected platforms wins."""
 
@@ -22,7 +43,11 @@ class Detection:
     # The dtypes its kernels run models in, preferred first (the default of `fd run --dtype`).
     dtypes: tuple[str, ...] = ("float32",)
     # Bytes the ranks it serves on this host may use together for weights and caches; None: unknown.
+    # The older, coarser report: used (as one device all ranks share) only when device_memory is empty.
     memory_bytes: int | None = None
+    # Each device's total and free bytes, in local rank order: rank r of this host uses device
+    # r % len(device_memory), and ranks on one device share it. Empty: not reported.
+    device_memory: tuple[DeviceMemory, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -39,6 +64,12 @@ class Detection:
             return f"max_ranks={self.max_ranks!r}, expected None or a positive integer"
         if self.memory_bytes is not None and (isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes < 0):
             return f"memory_bytes={self.memory_bytes!r}, expected None or a non-negative integer"
+        if not isinstance(self.device_memory, (tuple, list)) or any(not isinstance(d, DeviceMemory) for d in self.device_memory):
+            return f"device_memory={self.device_memory!r}, expected a tuple of fd_core.DeviceMemory"
+        for index, device in enumerate(self.device_memory):
+            wrong = device.problem()
+            if wrong is not None:
+                return f"device_memory[{index}] has {wrong}"
         if not isinstance(self.dtypes, (tuple, list)) or not self.dtypes or any(d not in COMPUTE_DTYPES for d in self.dtypes):
             return f"dtypes={self.dtypes!r}, expected a non-empty tuple of {', '.join(COMPUTE_DTYPES)}"
         return None

@@ -29,3 +29,7 @@ class RankError(FdError):
 
 class NumericsError(FdError):
     """Non-finite numbers where a run needs finite ones (weights, an image, logits, a collective's result)."""
+
+
+class RequestRefused(FdError):
+    """A plugin's fd_check_request refused a request before any rank worked on it; the message names the plugin."""

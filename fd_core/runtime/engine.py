@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
 from fd_core.errors import NumericsError
 from fd_core.runtime import progress
 from fd_core.runtime.lifecycle import ModelRunner
+from fd_core.runtime.memory import CACHE_STEP, MemoryPlan, cache_length  # noqa: F401 - CACHE_STEP: the engine's rounding, named where it was
 from fd_core.runtime.request import Request
 from fd_core.runtime.sampling import Sampler
 from fd_core.runtime.streaming import StreamDecoder, TextState
@@ -17,8 +18,6 @@ from fd_core.runtime.streaming import StreamDecoder, TextState
 if TYPE_CHECKING:
     from fd_core.runtime.tokenizer import Tokenizer
 
-# Cache lengths are rounded up to this, so that requests of similar lengths reuse one captured graph.
-CACHE_STEP = 32
 PAD_ID = 0  # what fills a shorter prompt's left padding (masked; any id in the vocabulary would do)
 
 
@@ -67,6 +66,8 @@ class Engine:
     # first token of the first request was chosen (time.time()), for the time to first token.
     decode_core_s: float = 0.0
     first_token_at: float | None = None
+    # The plan's KV-cache capacity: prompts decode together in batches whose cache fits it (None: up to max_batch).
+    memory: MemoryPlan | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -89,6 +90,9 @@ class Engine:
         pictures = list(request.images)
         # Prompts with pictures run one at a time (their rotary positions are not padded); text in batches.
         size = 1 if pictures else self.max_batch
+        if self.memory is not None and request.prompts:
+            longest = max(len(p) for p in request.prompts)
+            size = self.memory.batch_size(size, self._cache_len(longest + request.sampling.max_new_tokens))
         results: list[Completion] = []
         for first in range(0, len(request.prompts), size):
             rows = list(range(first, min(first + size, len(request.prompts))))
@@ -96,8 +100,7 @@ class Engine:
         return results
 
     def _cache_len(self, needed: int) -> int:
-        limit = self.runner.config.max_position_embeddings
-        return max(needed, min(-(-needed // CACHE_STEP) * CACHE_STEP, limit))
+        return cache_length(needed, self.runner.config.max_position_embeddings)
 
     def _choose(self, logits: Any, step: int, live: Sequence[bool], sampler: Sampler) -> list[int]:
         """Each row's next token through the Backend's sample op, once its live rows' logits are known to be finite."""

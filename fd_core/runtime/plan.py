@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fd_core.backend import Backend
-from fd_core.config import ModelConfig
+from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.errors import CheckpointError, ConfigError, FdError
 from fd_core.models import Architecture
 from fd_core.plugins import PluginSet, load_plugins
 from fd_core.runtime.checkpoint import Checkpoint
 from fd_core.runtime.images import load_image
+from fd_core.runtime.memory import DEFAULT_MEMORY_FRACTION, MemoryPlan, plan_memory
 from fd_core.runtime.request import Request, build_request
 from fd_core.runtime.sampling import SamplingParams
 
@@ -60,6 +61,8 @@ class RunConfig:
     started_at: float | None = None
     # When the ranks were started (spawned or forked), if they were.
     spawned_at: float | None = None
+    # The share of each device's free memory fd plans weights and KV cache in (--memory-fraction).
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,8 @@ class Plan:
     # What to generate: prompts as ids, sampling, stops, pictures decoded.
     request: Request
     checkpoint: Checkpoint | None = None
+    # Weights per rank and the KV-cache capacity, from the platform's memory report (fd_core.runtime.memory).
+    memory: MemoryPlan | None = None
 
     def architecture(self, plugins: PluginSet) -> Architecture:
         """The planned architecture as `plugins` registers it."""
@@ -136,7 +141,10 @@ def check_tp(tp: int, config: ModelConfig, arch: Architecture, backend: Backend)
         raise ConfigError("; also ".join(str(p) for p in problems))
 
 
-def _run_request(run: RunConfig, arch: Architecture, config: ModelConfig, checkpoint: Checkpoint | None, pictures: list[Any]) -> Request:
+def _run_request(
+    run: RunConfig, arch: Architecture, config: ModelConfig, checkpoint: Checkpoint | None, pictures: list[Any], memory: MemoryPlan,
+    backend: Backend | None,
+) -> Request:
     """What `fd run` asked for as a checked Request; its flags' own errors first, in their words."""
     if run.prompts and run.id_prompts:
         raise ConfigError("pass text prompts (--prompt, --prompts) or token ids (--prompt-ids), not both")
@@ -152,11 +160,16 @@ def _run_request(run: RunConfig, arch: Architecture, config: ModelConfig, checkp
                               **{k: v for k, v in given.items() if v is not None})
     prompts = run.prompts or run.id_prompts or (run.prompt_ids,)
     return build_request(prompts, sampling, arch=arch, config=config, checkpoint=checkpoint, chat=run.chat, images=pictures,
-                         given=[k for k, v in given.items() if v is not None])
+                         given=[k for k, v in given.items() if v is not None], memory=memory, backend=backend,
+                         parallel=ParallelConfig(tp_size=run.tp), stream=run.stream)
 
 
-def plan_run(run: RunConfig, plugins: PluginSet | None = None) -> Plan:
-    """Every check that can fail before a process starts: platform, model, tp, prompt, checkpoint."""
+def plan_run(run: RunConfig, plugins: PluginSet | None = None, *, gate: bool = True) -> Plan:
+    """Every check that can fail before a process starts: platform, model, tp, memory, prompt, checkpoint, the plugins' gates.
+
+    `gate=False` leaves the request out of fd_check_request: the Python API plans its model with a
+    placeholder request and asks the plugins about each request it is given instead.
+    """
     plugins = plugins or load_plugins(plugin_env(run.platform))
     backend = Backend(plugins)
     backend.require_hardware()
@@ -180,16 +193,11 @@ def plan_run(run: RunConfig, plugins: PluginSet | None = None) -> Plan:
     check_tp(run.tp, config, arch, backend)
     if run.images and not arch.multimodal:
         raise ConfigError(f"{arch.name} takes no image; drop --image or choose a VL model")
+    # Weights per rank against the device, and the KV-cache capacity: before the request, which must fit it.
+    memory = plan_memory(config, run.tp, backend.detection, run.memory_fraction, backend.platform, arch.name)
     # Tokenizing, the chat template, a missing or malformed picture, a prompt too long for the context
-    # or whose placeholders do not fit the pictures: all fail here, before any rank starts.
+    # or whose placeholders do not fit the pictures, a cache beyond the capacity, a plugin's
+    # fd_check_request refusal: all fail here, before any rank starts.
     pictures = [load_image(path) for path in run.images]
-    request = _run_request(run, arch, config, checkpoint, pictures)
-    memory = backend.detection.memory_bytes
-    longest = max(len(p) for p in request.prompts) + run.steps
-    needed = config.estimated_bytes(min(len(request.prompts), run.max_batch), longest)
-    if memory is not None and needed > memory:
-        raise ConfigError(
-            f"{arch.name} needs at least {needed / 2**30:.1f} GiB for its weights and cache, and platform "
-            f"{backend.platform!r} has {memory / 2**30:.1f} GiB available here; use a smaller model, a shorter run or more memory"
-        )
-    return Plan(run, arch.name, config, backend.platform, backend.detection.dist_backend, request, checkpoint)
+    request = _run_request(run, arch, config, checkpoint, pictures, memory, backend if gate else None)
+    return Plan(run, arch.name, config, backend.platform, backend.detection.dist_backend, request, checkpoint, memory)

@@ -6,6 +6,7 @@ import json
 from typing import Any, Mapping, Sequence
 
 from fd_core.graphs import CastVote
+from fd_core.runtime.memory import MemoryPlan
 
 
 def kernel_line(providers: Mapping[str, str]) -> str:
@@ -18,7 +19,7 @@ def summary_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:
     result = results[0]
     graph = result["graph"]
     lines = [
-        f"platform: {result['platform']}   model: {result['model']}   tp: {result['tp']}",
+        f"platform: {result['platform']}   model: {result['model']}   tp: {result['tp']}" + (f"   dtype: {result['dtype']}" if "dtype" in result else ""),
         f"kernels: {kernel_line(result['kernels'])}",
         f"graph: {graph['summary']}",
     ]
@@ -37,6 +38,8 @@ def summary_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:
         named = sum(result["timings_s"].values())
         lines.append(f"wall: {result['wall_s']:.2f}s, {named / result['wall_s']:.0%} of it in the phases above")
     lines.append("peak memory: " + ", ".join(f"rank {r['rank']} {r['peak_rss_bytes'] / 2**30:.2f} GiB" for r in results))
+    if result.get("memory") is not None:
+        lines.append(f"memory plan: {MemoryPlan(**result['memory']).summary()}")
     if result["reload_cycles"]:
         same = all(c["tokens_match"] for c in result["reload_cycles"])
         lines.append(f"reload cycles: {len(result['reload_cycles'])}, output unchanged: {same}")
@@ -48,6 +51,8 @@ def as_json(results: Sequence[Mapping[str, Any]]) -> str:
     keys = ("platform", "model", "tp", "graph", "all_reduce", "kernels", "tokens", "outputs", "tokens_per_s", "time_to_first_token_s", "timings_s",
             "reload_cycles", "rss_bytes", "peak_rss_bytes")
     data = {k: results[0][k] for k in keys}
+    # The compute dtype, and the memory plan: weights per rank, KV-cache capacity (tokens), the fraction.
+    data.update({k: results[0][k] for k in ("dtype", "memory") if k in results[0]})
     if "wall_s" in results[0]:
         data["wall_s"] = results[0]["wall_s"]
     data["weight_bytes_by_rank"] = [r["weight_bytes"] for r in results]

@@ -14,7 +14,9 @@ from fd_core.runtime.sampling import SamplingParams
 from fd_core.runtime.tokenizer import TOKENIZER_FILES, Tokenizer
 
 if TYPE_CHECKING:
-    from fd_core.config import ModelConfig
+    from fd_core.backend import Backend
+    from fd_core.config import ModelConfig, ParallelConfig
+    from fd_core.runtime.memory import MemoryPlan
     from fd_core.models import Architecture
     from fd_core.runtime.checkpoint import Checkpoint
 
@@ -101,9 +103,14 @@ def check_prompts(
 def build_request(
     prompts: Sequence[str] | Sequence[Sequence[int]], sampling: SamplingParams, *, arch: "Architecture", config: "ModelConfig",
     checkpoint: "Checkpoint | None", chat: bool = False, images: Sequence[Any] = (), given: Sequence[str] = SAMPLING_DEFAULTS,
+    memory: "MemoryPlan | None" = None, backend: "Backend | None" = None, parallel: "ParallelConfig | None" = None, stream: bool = False,
 ) -> Request:
     """Text prompts (all str) or token-id prompts as a checked Request, with the checkpoint's defaults for the
-    sampling fields not in `given` and its end-of-sequence ids. `images` are decoded pictures [C, H, W]."""
+    sampling fields not in `given` and its end-of-sequence ids. `images` are decoded pictures [C, H, W].
+
+    With `memory` (the plan's), a request whose longest sequence needs more KV cache than the capacity is
+    refused; with `backend`, every plugin's fd_check_request may refuse it (`parallel` is the run's layout,
+    `stream` whether its text is streamed to the caller as it is produced). Both before any rank sees it."""
     shapes = [(int(p.shape[0]), int(p.shape[1]), int(p.shape[2])) for p in images]
     texts = [p for p in prompts if isinstance(p, str)]
     if texts:
@@ -119,4 +126,9 @@ def build_request(
     tokenizer_eos = checkpoint.tokenizer().role_id("eos_token") if checkpoint is not None and checkpoint.has_tokenizer() else None
     if tokenizer_eos is not None and tokenizer_eos not in eos:
         eos.append(tokenizer_eos)
-    return Request(tuple(tuple(p) for p in ids), sampling, tuple(eos), tuple(images))
+    request = Request(tuple(tuple(p) for p in ids), sampling, tuple(eos), tuple(images))
+    if memory is not None:
+        memory.check_request(request.prompts, sampling.max_new_tokens, config.max_position_embeddings, arch.name)
+    if backend is not None:
+        backend.check_request(request, config, parallel, stream)
+    return request

@@ -6,12 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generator, Iterator, Sequence
 
+from fd_core.backend import Backend
+from fd_core.config import ParallelConfig
 from fd_core.errors import ConfigError
 from fd_core.graphs import CastVote, GraphDecision
 from fd_core.paddle_logs import quiet_paddle_logs
 from fd_core.plugins import load_plugins
 from fd_core.runtime.engine import Completion
 from fd_core.runtime.images import load_image
+from fd_core.runtime.memory import DEFAULT_MEMORY_FRACTION
 from fd_core.runtime.plan import RunConfig, plan_run, plugin_env
 from fd_core.runtime.ranks import RankPool
 from fd_core.runtime.request import Request, build_request
@@ -35,16 +38,18 @@ class LLM:
     def __init__(
         self, checkpoint: str | Path | None = None, *, model: str | None = None, tp: int = 1, platform: str | None = None,
         dtype: str | None = None, graph: str = "auto", seed: int = 0, max_batch: int = 8, progress: bool = False,
-        rank_timeout: float = 30.0,
+        rank_timeout: float = 30.0, memory_fraction: float = DEFAULT_MEMORY_FRACTION,
     ) -> None:
         quiet_paddle_logs()  # before paddle is imported: its C++ logs stay off the caller's terminal
         if graph not in ("auto", "off", "on"):
             raise ConfigError(f"graph must be 'auto', 'off' or 'on', got {graph!r}")
         self.checkpoint = None if checkpoint is None else str(checkpoint)
         run = RunConfig(model=model or "", tp=tp, checkpoint=self.checkpoint, dtype=dtype, graph=graph, seed=seed,
-                        max_batch=max_batch, progress=progress, platform=platform)
+                        max_batch=max_batch, progress=progress, platform=platform, memory_fraction=memory_fraction)
         self._plugins = load_plugins(plugin_env(platform))
-        self._plan = plan_run(run, self._plugins)
+        # The plan's request is a placeholder: the plugins' fd_check_request is asked about each real one (_request).
+        self._plan = plan_run(run, self._plugins, gate=False)
+        self._backend = Backend(self._plugins)
         self.tokenizer: Tokenizer | None = self._plan.checkpoint.tokenizer_if_any() if self._plan.checkpoint is not None else None
         self._worker: Any = None
         self._pool: Any = None
@@ -87,7 +92,7 @@ class LLM:
         images: Sequence[Any] = (),
     ) -> list[Completion]:
         """A completion for each prompt (text, or token ids), decoded together in batches."""
-        stream = self._stream(self._request(prompts, sampling, chat, images))
+        stream = self._stream(self._request(prompts, sampling, chat, images, stream=False))
         while True:
             try:
                 next(stream)
@@ -95,11 +100,16 @@ class LLM:
                 return list(done.value)
 
     def stream(self, prompt: Prompt, sampling: SamplingParams | None = None, *, chat: bool = False, images: Sequence[Any] = ()) -> Iterator[str]:
-        """The text of one prompt's completion, piece by piece as it is produced."""
+        """The text of one prompt's completion, piece by piece as it is produced; the request is checked when this is called."""
         if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
             raise ConfigError("stream() takes one prompt; use generate() for several")
-        for _, text in self._stream(self._request(prompt, sampling, chat, images)):
-            yield text
+        request = self._request(prompt, sampling, chat, images, stream=True)
+
+        def pieces() -> Iterator[str]:
+            for _, text in self._stream(request):
+                yield text
+
+        return pieces()
 
     def _stream(self, request: Request) -> Generator[tuple[int, str], None, list[Completion]]:
         if self._worker is None and self._pool is None:
@@ -118,7 +128,9 @@ class LLM:
             raise
         return outputs
 
-    def _request(self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None, chat: bool, images: Sequence[Any]) -> Request:
+    def _request(
+        self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None, chat: bool, images: Sequence[Any], stream: bool = False,
+    ) -> Request:
         """Prompts as checked token ids with the sampling settings and end-of-sequence ids: all before any rank sees them."""
         plan = self._plan
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
@@ -136,7 +148,8 @@ class LLM:
         # Settings passed in are taken whole; without them, the checkpoint's generation_config.json decides.
         given = () if sampling is None else ("temperature", "top_p", "top_k")
         return build_request(items, sampling or SamplingParams(), arch=plan.architecture(self._plugins), config=plan.config, checkpoint=plan.checkpoint,
-                             chat=chat, images=pictures, given=given)
+                             chat=chat, images=pictures, given=given, memory=plan.memory, backend=self._backend,
+                             parallel=ParallelConfig(tp_size=plan.run.tp), stream=stream)
 
     # -- lifetime ------------------------------------------------------------------------
     def close(self) -> None:

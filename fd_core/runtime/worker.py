@@ -83,7 +83,7 @@ class RankWorker:
         log(f"loaded {arch.name} on {backend.platform} (tp={tp}) in {runner.timings['load']:.2f}s")
         runner.decide()
         tokenizer = plan.checkpoint.tokenizer_if_any() if plan.checkpoint is not None else None
-        return cls(rank, tp, plan, backend, runner, Engine(runner, tokenizer, run.max_batch), log)
+        return cls(rank, tp, plan, backend, runner, Engine(runner, tokenizer, run.max_batch, memory=plan.memory), log)
 
     def generate(self, request: Request, on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
         """Every prompt's completion; progress lines around it."""
@@ -104,4 +104,6 @@ class RankWorker:
             "all_reduce": self.backend.all_reduce_binding,
             "kernels": self.backend.kernels.providers(),
             "timings_s": {k: round(v, 4) for k, v in self.runner.timings.items()},
+            "dtype": self.plan.config.dtype,
+            "memory": self.plan.memory.to_dict() if self.plan.memory is not None else None,
         }

@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from fd_core import Capabilities, Detection, GraphVote, ModelConfig, ParallelConfig, hookimpl
+from fd_plugins.cpu.memory import host_memory
 
 # What the conformance suite checks; float16 is summed in float32 (see fd_all_reduce).
 FD_CAPABILITIES = Capabilities(
@@ -32,20 +33,9 @@ def fd_platform_detect() -> Detection:
         max_ranks=cores,
         # Paddle's CPU kernels have no bfloat16 or float16 matmul.
         dtypes=("float32",),
-        memory_bytes=_available_memory(),
+        # The host is one device, which every rank on it shares: its memory within this process's cgroup limit.
+        device_memory=tuple(m for m in (host_memory(),) if m is not None),
     )
-
-
-def _available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo (what the kernel can give without swapping), None where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 @hookimpl

@@ -37,15 +37,27 @@ def fd_platform_detect() -> Detection:
     count = paddle.device.cuda.device_count()
     if count == 0:
         return Detection(detected=False, reason="paddle is a CUDA build but sees no CUDA device")
+    memory, unreported = _device_memory(count)
     return Detection(
         detected=True,
         priority=10,
-        reason=f"{count} CUDA device(s): {paddle.device.cuda.get_device_name(0)}",
+        reason=f"{count} CUDA device(s): {paddle.device.cuda.get_device_name(0)}{unreported}",
         device="gpu",
         dist_backend="nccl",
         max_ranks=count,
         dtypes=("bfloat16", "float16", "float32"),
+        device_memory=memory,
     )
+
+
+def _device_memory(count: int) -> tuple[tuple[Any, ...], str]:
+    """Each device's memory, or none and why (a failed query leaves the memory unchecked, never the device undetected)."""
+    from fd_plugins.cuda.memory import device_memory
+
+    try:
+        return device_memory(count), ""
+    except Exception as exc:  # noqa: BLE001 - the driver's error, shown in the reason
+        return (), f" (memory not reported: {type(exc).__name__}: {exc})"
 
 
 @hookimpl

@@ -9,7 +9,7 @@ from fd_plugins.cuda.build import CPU_DISTRIBUTION, INSTALL_DOC, installed, padd
 
 # The Iluvatar build serves paddle's CUDAGraph API, so capture is cuda's; its allocator is a custom
 # device's, so cleanup uses the device-generic call (paddle.device.cuda.empty_cache does nothing there).
-from fd_plugins.cuda.memory import empty_custom_device_cache, release_state_dict
+from fd_plugins.cuda.memory import custom_device_memory, empty_custom_device_cache, release_state_dict
 from fd_plugins.cuda.platform import fd_graph_backend
 
 __all__ = ["fd_all_reduce", "fd_clean_memory_fragments", "fd_graph_backend", "fd_graph_eligibility", "fd_platform_detect"]
@@ -41,15 +41,20 @@ def fd_platform_detect() -> Detection:
     devices = [d for d in paddle.device.get_available_custom_device() or [] if d.startswith(DEVICE_TYPE)]
     if not devices:
         return Detection(detected=False, reason=f"paddle has the {DEVICE_TYPE} device type but sees no device")
+    try:
+        memory, unreported = custom_device_memory(DEVICE_TYPE, len(devices)), ""
+    except Exception as exc:  # noqa: BLE001 - a failed query leaves the memory unchecked, never the device undetected
+        memory, unreported = (), f" (memory not reported: {type(exc).__name__}: {exc})"
     return Detection(
         detected=True,
         # Above cuda: an Iluvatar build also answers to CUDA-style queries.
         priority=20,
-        reason=f"{len(devices)} Iluvatar device(s)",
+        reason=f"{len(devices)} Iluvatar device(s){unreported}",
         device=DEVICE_TYPE,
         dist_backend="xccl",
         max_ranks=len(devices),
         dtypes=("bfloat16", "float16", "float32"),
+        device_memory=memory,
     )
 
 

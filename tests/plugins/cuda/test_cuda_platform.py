@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import paddle
 import paddle.distributed as dist
 import pytest
 
-from fd_core import ParallelConfig
+from fd_core import DeviceMemory, ParallelConfig
 from fd_core.testing import Capabilities, PlatformSuite
 from fd_plugins.cuda import graphs as cuda_graphs
 from fd_plugins.cuda import platform as cuda
@@ -44,6 +45,9 @@ def test_paddle_api_the_plugin_calls_exists_with_these_signatures() -> None:
         assert callable(getattr(CUDAGraph, method))
     assert callable(paddle.device.cuda.empty_cache) and callable(paddle.device.synchronize)
     assert callable(paddle.device.cuda.device_count) and callable(paddle.device.cuda.get_device_name)
+    # The memory report: each device's properties (total_memory) and what paddle's allocator reserves of it.
+    assert list(inspect.signature(paddle.device.cuda.get_device_properties).parameters) == ["device"]
+    assert list(inspect.signature(paddle.device.cuda.memory_reserved).parameters) == ["device"]
 
 
 def test_all_reduce_calls_paddle_all_reduce_with_sum_and_sync(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,12 +140,54 @@ def test_detection_with_a_cuda_build_and_two_devices(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
     monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(paddle.device.cuda, "get_device_name", lambda index=0: "Fake H100")
+    log: list = []
+    substitute(monkeypatch, paddle.device.cuda, "get_device_properties", log, SimpleNamespace(total_memory=80 * 2**30))
+    substitute(monkeypatch, paddle.device.cuda, "memory_reserved", log, 2**30)
     answer = cuda.fd_platform_detect()
     assert answer.detected and answer.priority == 10 and answer.max_ranks == 2
     assert answer.device == "gpu" and answer.dist_backend == "nccl"
     assert answer.reason == "2 CUDA device(s): Fake H100"
+    # Per device, not per host: each device's total, less what paddle's allocator holds of it.
+    assert answer.device_memory == (DeviceMemory(total=80 * 2**30, free=79 * 2**30),) * 2
+    assert [(name, args) for name, args, _ in log] == [
+        ("get_device_properties", (0,)), ("memory_reserved", (0,)), ("get_device_properties", (1,)), ("memory_reserved", (1,)),
+    ]
+    assert answer.problem() is None
     monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: 0)
     assert cuda.fd_platform_detect().reason == "paddle is a CUDA build but sees no CUDA device"
+
+
+def test_a_failed_memory_query_leaves_the_device_detected_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device queries substituted; the installed CPU build's real get_device_properties raises. Not on a GPU."""
+    monkeypatch.setattr(cuda, "version", lambda name: "3.3.1")
+    monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
+    monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(paddle.device.cuda, "get_device_name", lambda index=0: "Fake H100")
+    answer = cuda.fd_platform_detect()
+    assert answer.detected and answer.device_memory == ()
+    assert answer.reason.startswith("1 CUDA device(s): Fake H100 (memory not reported: ValueError: ")
+
+
+def test_cleanup_leaves_a_lazy_mapping_of_seeded_weights_unread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the runner passes after seeded weights: a read-only Mapping whose tensors are drawn when read. The
+    cleanup must neither draw them again nor call .clear() on it. Device calls substituted; not on a GPU."""
+    from fd_core import WeightSpec
+    from fd_core.runtime.weights import RandomShards
+
+    log: list = []
+    substitute(monkeypatch, paddle.device.cuda, "empty_cache", log, None)
+    substitute(monkeypatch, paddle.device, "synchronize", log, None)
+    drawn: list = []
+
+    class Watched(RandomShards):
+        def __getitem__(self, name):
+            drawn.append(name)
+            return super().__getitem__(name)
+
+    shards = Watched({"w": WeightSpec((4, 4))}, seed=0)
+    cuda.fd_clean_memory_fragments(shards)
+    assert drawn == [] and len(shards) == 1
+    assert [name for name, _, _ in log] == ["empty_cache", "synchronize"]
 
 
 def test_all_reduce_runs_for_real_over_gloo() -> None:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import inspect
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import paddle
 import paddle.distributed as dist
 import pytest
 
-from fd_core import ModelConfig, ParallelConfig
+from fd_core import DeviceMemory, ModelConfig, ParallelConfig
 from fd_core.backend import load_backend
 from fd_core.testing import Capabilities, PlatformSuite
 from fd_plugins.iluvatar import platform as iluvatar
@@ -129,5 +130,16 @@ def test_detection(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     monkeypatch.setattr(paddle, "is_compiled_with_custom_device", lambda kind: kind == "iluvatar_gpu")
     monkeypatch.setattr(paddle.device, "get_available_custom_device", lambda: ["iluvatar_gpu:0", "iluvatar_gpu:1"])
+    from paddle.device import custom_device
+
+    log: list = []
+    substitute(monkeypatch, custom_device, "get_device_properties", log, SimpleNamespace(total_memory=32 * 2**30))
+    substitute(monkeypatch, custom_device, "memory_reserved", log, 0)
     answer = iluvatar.fd_platform_detect()
     assert answer.detected and answer.priority == 20 and answer.max_ranks == 2 and answer.device == "iluvatar_gpu"
+    # Each device's memory, through the device-generic custom_device API, named as the rank's device.
+    assert answer.device_memory == (DeviceMemory(total=32 * 2**30, free=32 * 2**30),) * 2
+    assert [(name, args) for name, args, _ in log] == [
+        ("get_device_properties", ("iluvatar_gpu:0",)), ("memory_reserved", ("iluvatar_gpu:0",)),
+        ("get_device_properties", ("iluvatar_gpu:1",)), ("memory_reserved", ("iluvatar_gpu:1",)),
+    ]

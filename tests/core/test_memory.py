@@ -1,0 +1,156 @@
+"""Device memory: what a platform reports (per device), one rank's share of the weights against it, the KV-cache
+capacity that is left at --memory-fraction, and the engine keeping each batch's cache within it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from fd_core import Detection, DeviceMemory, ModelConfig
+from fd_core.errors import ConfigError
+from fd_core.runtime.memory import MemoryPlan, cache_length, plan_memory
+from fakedist import run_fd
+from fd_plugins.cpu.memory import cgroup_limit, host_memory
+from plugin_sources import TINY_DEVICE
+
+GiB = 2**30
+
+# Qwen2-7B's sizes, about 14.2 GiB of bfloat16 weights: refused on one 16 GiB device at tp=1 is right; at tp=2 each rank holds half.
+BIG = ModelConfig(architecture="big", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                  intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768, tie_word_embeddings=False, dtype="bfloat16")
+
+
+def devices(*free_gib: float, total: float = 16) -> Detection:
+    return Detection(detected=True, device_memory=tuple(DeviceMemory(total=int(total * GiB), free=int(f * GiB)) for f in free_gib))
+
+
+def test_each_rank_is_checked_for_its_share_of_the_weights_not_the_whole_model() -> None:
+    whole = BIG.weight_bytes_per_rank(1)
+    assert 14 * GiB < whole < 15 * GiB
+    assert BIG.weight_bytes_per_rank(2) < whole / 2 + 2**20  # half, plus the replicated norms
+    with pytest.raises(ConfigError, match=r"^big needs about 14\.\d\d GiB of weights per rank \(bfloat16, tp=1\), and device 0 of platform "
+                       r"'chip' has 15\.00 GiB free of 16\.00 GiB, of which --memory-fraction 0\.9 allows 13\.50 GiB; use a larger --tp"):
+        plan_memory(BIG, 1, devices(15, 15), 0.9, "chip", "big", ranks_here=1)
+    plan = plan_memory(BIG, 2, devices(15, 15), 0.9, "chip", "big", ranks_here=2)
+    room = int(15 * GiB * 0.9) - BIG.weight_bytes_per_rank(2)
+    assert plan.capacity_tokens == room // BIG.cache_bytes_per_token(2) and plan.ranks_per_device == 1
+    # A token's cache on one rank: keys and values of every layer for its share of the kv heads.
+    assert BIG.cache_bytes_per_token(2) == 2 * 28 * (4 // 2) * 128 * 2
+
+
+def test_the_device_with_least_free_memory_binds_and_ranks_on_one_device_share_it() -> None:
+    plan = plan_memory(BIG, 2, devices(15, 9), 0.9, "chip", "big", ranks_here=2)
+    assert plan.device == 1 and plan.device_free == 9 * GiB
+    with pytest.raises(ConfigError, match=r"^big needs about 7\.\d\d GiB of weights per rank \(bfloat16, tp=2\), and device 1 "):
+        plan_memory(BIG, 2, devices(15, 7), 0.9, "chip", "big", ranks_here=2)
+    # A host platform's one device, shared by both ranks: twice the weights, twice the cost of a token.
+    shared = plan_memory(BIG, 2, devices(20, total=20), 1.0, "chip", "big", ranks_here=2)
+    assert shared.ranks_per_device == 2
+    assert shared.capacity_tokens == (20 * GiB - 2 * BIG.weight_bytes_per_rank(2)) // (2 * BIG.cache_bytes_per_token(2))
+    # The older host-wide memory_bytes is read as such a shared device; no report sizes nothing and refuses nothing.
+    old = plan_memory(BIG, 2, Detection(detected=True, memory_bytes=20 * GiB), 1.0, "chip", "big", ranks_here=2)
+    assert old.capacity_tokens == shared.capacity_tokens
+    unknown = plan_memory(BIG, 1, Detection(detected=True), 0.9, "chip", "big")
+    assert unknown.capacity_tokens is None and unknown.fits(10**12) and unknown.batch_size(8, 10**9) == 8
+    assert "KV cache not sized: the platform reports no device memory" in unknown.summary()
+
+
+def test_the_fraction_scales_the_capacity_and_is_checked() -> None:
+    small, large = (plan_memory(BIG, 2, devices(15, 15), f, "chip", "big", ranks_here=2) for f in (0.8, 1.0))
+    assert small.capacity_tokens < large.capacity_tokens
+    for bad in (0, -0.1, 1.01, float("nan"), True):
+        with pytest.raises(ConfigError, match=r"^--memory-fraction must be a number in \(0, 1\]"):
+            plan_memory(BIG, 2, devices(15, 15), bad, "chip", "big")
+
+
+def test_batches_are_as_large_as_the_capacity_holds() -> None:
+    plan = MemoryPlan(0.9, "float32", 1, 0, 256, 0, 10, 10, 1, capacity_tokens=100)
+    assert [plan.batch_size(8, length) for length in (32, 50, 64, 128)] == [3, 2, 1, 1]
+    assert cache_length(20, 256) == 32 and cache_length(250, 256) == 256 and cache_length(300, 256) == 300
+    with pytest.raises(ConfigError, match=r"^this request needs a KV cache of 128 tokens \(its longest prompt, 10 tokens, and 100 new"):
+        plan.check_request([(1,) * 10], 100, 4096, "m")
+    plan.check_request([(1,) * 10], 60, 4096, "m")  # 96 tokens fit
+
+
+def test_a_detection_with_a_malformed_memory_report_is_the_plugins_problem() -> None:
+    assert Detection(detected=True, device_memory=(DeviceMemory(total=10, free=4),)).problem() is None
+    assert "device_memory[0] has free=11 is more than total=10" in Detection(detected=True, device_memory=(DeviceMemory(10, 11),)).problem()
+    assert "device_memory[0] has total='10'" in Detection(detected=True, device_memory=(DeviceMemory("10", 1),)).problem()  # type: ignore[arg-type]
+    assert "expected a tuple of fd_core.DeviceMemory" in Detection(detected=True, device_memory=(10,)).problem()  # type: ignore[arg-type]
+
+
+def write(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+MEMINFO = "MemTotal:       16000000 kB\nMemFree:         1000000 kB\nMemAvailable:    8000000 kB\n"
+
+
+def test_host_memory_is_meminfo_within_the_cgroup_limit(tmp_path: Path) -> None:
+    """/proc and /sys/fs/cgroup as files under a fake root: cgroup v2 (this process's group), v1, and none."""
+    v2 = write(tmp_path / "v2", {"proc/meminfo": MEMINFO, "proc/self/cgroup": "0::/job/fd\n",
+                                 "sys/fs/cgroup/job/fd/memory.max": "4294967296\n", "sys/fs/cgroup/job/fd/memory.current": "1073741824\n"})
+    assert host_memory(v2) == DeviceMemory(total=4 * GiB, free=3 * GiB)
+    v1 = write(tmp_path / "v1", {"proc/meminfo": MEMINFO, "proc/self/cgroup": "4:memory:/process_api/abc\n1:cpu:/\n",
+                                 "sys/fs/cgroup/memory/process_api/abc/memory.limit_in_bytes": str(2 * GiB),
+                                 "sys/fs/cgroup/memory/process_api/abc/memory.usage_in_bytes": str(GiB // 2),
+                                 "sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712"})
+    assert cgroup_limit(v1) == (2 * GiB, GiB // 2)
+    assert host_memory(v1) == DeviceMemory(total=2 * GiB, free=GiB + GiB // 2)
+    unlimited = write(tmp_path / "none", {"proc/meminfo": MEMINFO, "proc/self/cgroup": "0::/\n", "sys/fs/cgroup/memory.max": "max\n"})
+    assert host_memory(unlimited) == DeviceMemory(total=16000000 * 1024, free=8000000 * 1024)
+    assert host_memory(tmp_path / "nothing") is None
+
+
+def test_the_cpu_platform_reports_this_host_as_one_device() -> None:
+    from fd_plugins.cpu import platform as cpu
+
+    [host] = cpu.fd_platform_detect().device_memory
+    total = int(open("/proc/meminfo").read().split("MemTotal:")[1].split()[0]) * 1024
+    assert 0 < host.free <= host.total <= total
+
+
+def test_fd_run_json_has_the_dtype_and_the_memory_plan_whose_weights_are_each_ranks_own() -> None:
+    done = run_fd(["run", "--tp", "2", "--steps", "2", "--graph", "off", "--memory-fraction", "0.5", "--json"])
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["dtype"] == "float32"
+    memory = result["memory"]
+    assert (memory["fraction"], memory["tp"], memory["ranks_per_device"], memory["dtype"]) == (0.5, 2, 2, "float32")
+    # The plan's estimate of a rank's weights is what each rank's parameters hold (ernie4_5's dense preset).
+    assert result["weight_bytes_by_rank"] == [memory["weights_per_rank"]] * 2
+    # Its cost of a token is what each rank's cache holds per position and sequence.
+    assert all(kv % memory["cache_bytes_per_token"] == 0 and kv > 0 for kv in result["kv_cache_bytes_by_rank"])
+    assert memory["capacity_tokens"] > 0
+    text = run_fd(["explain", "--memory-fraction", "0.5"])
+    assert text.returncode == 0, text.stderr
+    joined = " ".join(text.stdout.split())
+    assert "dtype: float32" in joined
+    assert f"memory: weights 0.20 MiB per rank (tp=2, float32); KV cache for " in joined
+    assert "tokens (batch x context); --memory-fraction 0.5 of " in joined and "free on device 0, shared by 2 ranks" in joined
+
+
+def test_the_engine_decodes_in_batches_the_capacity_holds_with_unchanged_tokens(install_plugin, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fd_core.runtime import LLM, SamplingParams
+
+    install_plugin("fd-tiny", {"tiny_device": TINY_DEVICE}, {"fd.platforms": {"tiny": "tiny_device"}})
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12]]
+    params = SamplingParams(max_new_tokens=8)
+    with LLM(model="ernie4_5", tp=1, graph="off") as free:
+        expected = [c.token_ids for c in free.generate(prompts, params)]
+    # ernie4_5's preset at tp=1: 427264 bytes of weights, 512 bytes a token; room for 70 tokens: two sequences of 32.
+    monkeypatch.setenv("FDTEST_TINY_FREE", str(427264 + 512 * 70))
+    with LLM(model="ernie4_5", tp=1, graph="off", platform="tiny", memory_fraction=1.0) as tight:
+        assert tight.platform == "tiny" and tight._plan.memory.capacity_tokens == 70
+        runner = tight._worker.runner
+        shapes: list = []
+        real = runner.prepare
+        monkeypatch.setattr(runner, "prepare", lambda batch, max_len: shapes.append((batch, max_len)) or real(batch, max_len))
+        got = [c.token_ids for c in tight.generate(prompts, params)]
+    assert shapes == [(2, 32), (2, 32)] and got == expected
