@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import re
+import types
 import subprocess
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -180,6 +181,9 @@ def simulated_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
     monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(paddle.device.cuda, "get_device_name", lambda index=0: "NVIDIA H100 80GB HBM3")
+    # The memory each device reports (80 GiB, none reserved by this process).
+    monkeypatch.setattr(paddle.device.cuda, "get_device_properties", lambda index=0: types.SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(paddle.device.cuda, "memory_reserved", lambda index=0: 0)
 
 
 def simulated_iluvatar(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,6 +191,8 @@ def simulated_iluvatar(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(iluvatar, "installed", lambda name: {"paddle-iluvatar-gpu": "3.1.1"}.get(name))
     monkeypatch.setattr(paddle, "is_compiled_with_custom_device", lambda kind: kind == "iluvatar_gpu")
     monkeypatch.setattr(paddle.device, "get_available_custom_device", lambda: ["iluvatar_gpu:0", "iluvatar_gpu:1"])
+    monkeypatch.setattr(paddle.device.custom_device, "get_device_properties", lambda name=None: types.SimpleNamespace(total_memory=32 * 2**30))
+    monkeypatch.setattr(paddle.device.custom_device, "memory_reserved", lambda name=None: 0)
 
 
 # How each section's quoted outputs are produced: run here for real, or `fd plugins` with a device simulated.
