@@ -94,7 +94,7 @@ def decode(rank: int, world: int, smoke: bool, modes: tuple[str, ...] = ("eager"
         ctxs = {"fd": backend, "direct": direct, "fd_control": backend}
         graphs: dict[str, Any] = {}
 
-        def wire(name: str) -> None:
+        def wire(name: str, holders: list[Any] = holders, ctxs: dict[str, Any] = ctxs, graphs: dict[str, Any] = graphs, model: Any = model) -> None:
             for layer in holders:
                 layer.ctx = ctxs[name]
             if name in graphs:

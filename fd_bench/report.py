@@ -70,7 +70,7 @@ def table(lines: list[Line], smoke: bool) -> str:
         if r[0] == "---":
             out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
         else:
-            out.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+            out.append("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |")
     notes = [f"- {ln.row} ({ln.case}): {ln.note}" for ln in lines if ln.note]
     return "\n".join(out + ([""] + notes if notes else []))
 

@@ -6,8 +6,8 @@ from fd_core.capabilities import Capabilities
 from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.detection import Detection, DeviceMemory
 from fd_core.errors import CheckpointError, ConfigError, FdError, PlatformError, PluginError, RankError, RequestRefused
-from fd_core.markers import hookimpl
 from fd_core.graphs import GraphBackend, GraphDecision, GraphVote
+from fd_core.markers import hookimpl
 from fd_core.models import Architecture, CausalModel, WeightSpec
 
 if TYPE_CHECKING:

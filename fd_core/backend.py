@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import types
 from typing import Any, Callable, Mapping
@@ -12,7 +13,7 @@ from fd_core.detection import Detection
 from fd_core.errors import ConfigError, NumericsError, PlatformError, PluginError, RequestRefused
 from fd_core.graphs import CastVote, GraphBackend, GraphDecision, GraphVote
 from fd_core.kernels import KernelTable, Ops
-from fd_core.plugins import PluginSet, caller_for, call_bounded, hook_timeout, load_plugins
+from fd_core.plugins import PluginSet, call_bounded, caller_for, hook_timeout, load_plugins
 
 AllReduce = Callable[[Any], Any]
 
@@ -208,7 +209,7 @@ class Backend:
             name = impl.plugin_name
             caller = caller_for(self.plugins.pm, "fd_graph_eligibility", name)
             try:
-                answers = call_bounded(lambda: caller(**args), timeout, f"plugin {name!r}: fd_graph_eligibility")
+                answers = call_bounded(functools.partial(caller, **args), timeout, f"plugin {name!r}: fd_graph_eligibility")
             except PluginError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a voter that raises vetoes, with its error as reason
@@ -271,7 +272,7 @@ class Backend:
             name = impl.plugin_name
             caller = caller_for(self.plugins.pm, "fd_check_request", name)
             try:
-                answers = call_bounded(lambda: caller(**args), timeout, f"plugin {name!r}: fd_check_request")
+                answers = call_bounded(functools.partial(caller, **args), timeout, f"plugin {name!r}: fd_check_request")
             except PluginError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a third party's error, named for whoever must fix it

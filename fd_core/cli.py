@@ -212,7 +212,9 @@ def _require_paddle() -> None:
     except PackageNotFoundError:
         extras = []
     choices = " or ".join(f"pip install 'fd-backends[{e}]'" for e in extras) or "install PaddlePaddle"
-    raise FdError(f"PaddlePaddle is not installed; {choices}, or a device build as docs/install.md says (one build only: each provides the same paddle package)")
+    raise FdError(
+        f"PaddlePaddle is not installed; {choices}, or a device build as docs/install.md says (one build only: each provides the same paddle package)"
+    )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -391,7 +393,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         verdict, status = "passed", 0
     names = [r.check.rsplit("::", 1)[-1] for r in table.rows]
-    ordered = sorted(zip(names, table.rows), key=lambda pair: pair[0])
+    ordered = sorted(zip(names, table.rows, strict=True), key=lambda pair: pair[0])
     if args.json:
         rows = [{"check": name, "outcome": row.outcome, "detail": row.detail} for name, row in ordered]
         _print_json({"platform": platform, "checks": rows, "counts": counts, "verdict": verdict, "exit_code": status})

@@ -10,7 +10,6 @@ from typing import Any, Mapping
 
 from fd_core.errors import ConfigError
 
-
 # Floating-point dtypes a model may compute in (the platform says which of them it can).
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 # The share of a device's free memory a run plans weights and KV cache in by default (--memory-fraction):

@@ -124,7 +124,7 @@ _PARSER = pluggy.PluginManager(PROJECT)
 def impl_function(module: object, hook: str) -> Any:
     """`module`'s implementation of `hook` if it is marked with @hookimpl (pluggy's own parsing), else None."""
     fn = getattr(module, hook, None)
-    return fn if callable(fn) and _PARSER.parse_hookimpl_opts(module, hook) is not None else None  # type: ignore[arg-type]
+    return fn if callable(fn) and _PARSER.parse_hookimpl_opts(module, hook) is not None else None
 
 
 def _distance(a: str, b: str) -> int:
@@ -182,7 +182,7 @@ def validate_module(name: str, module: object) -> None:
         if not marked and attr in HOOK_NAMES and getattr(value, "__module__", None) == getattr(module, "__name__", None):
             raise PluginError(f"plugin {name!r}: function {attr!r} is named like a hook but lacks @hookimpl; decorate it with fd_core.hookimpl")
         if marked:
-            opts: Mapping[str, Any] = _PARSER.parse_hookimpl_opts(module, attr) or {}  # type: ignore[arg-type]
+            opts: Mapping[str, Any] = _PARSER.parse_hookimpl_opts(module, attr) or {}
             if (opts.get("wrapper") or opts.get("hookwrapper")) and not inspect.isgeneratorfunction(value):
                 raise PluginError(
                     f"plugin {name!r}: hook {attr!r}: declared as wrapper=True or hookwrapper=True but function is not a "

@@ -79,7 +79,7 @@ def _repeat(rank: int, world: int, reduce: Callable[[Any], Any]) -> dict[str, An
     for i in range(REPEATS):
         n, dtype = sizes[i % 3], dtypes[(i // 3) % 2]
         base = np.arange(n) % 5
-        value = lambda r: (i % 97 + 1) * (r + 1) + base  # noqa: E731 - exact in both dtypes
+        value = lambda r, i=i, base=base: (i % 97 + 1) * (r + 1) + base  # noqa: E731 - exact in both dtypes
         if i % 100 == 50 * rank:
             # One rank falls ~1 ms behind: the other must wait in this call, then may run one call ahead.
             time.sleep(0.001)

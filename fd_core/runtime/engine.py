@@ -115,7 +115,7 @@ class Engine:
         prompts = [list(request.prompts[i]) for i in rows]
         width = max(map(len, prompts))
         pads = [width - len(p) for p in prompts]
-        ids = np.asarray([[PAD_ID] * pad + p for pad, p in zip(pads, prompts)], dtype="int64")
+        ids = np.asarray([[PAD_ID] * pad + p for pad, p in zip(pads, prompts, strict=True)], dtype="int64")
         length = model.prefill_length(ids, image)
         self.runner.prepare(len(rows), self._cache_len(length + params.max_new_tokens))
         sampler = Sampler(params, rows)

@@ -16,9 +16,9 @@ from fd_core.runtime.tokenizer import TOKENIZER_FILES, Tokenizer
 if TYPE_CHECKING:
     from fd_core.backend import Backend
     from fd_core.config import ModelConfig, ParallelConfig
-    from fd_core.runtime.memory import MemoryPlan
     from fd_core.models import Architecture
     from fd_core.runtime.checkpoint import Checkpoint
+    from fd_core.runtime.memory import MemoryPlan
 
 # The sampling fields a checkpoint's generation_config.json may give defaults for.
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")

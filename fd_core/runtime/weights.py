@@ -310,7 +310,8 @@ class CheckpointShards(Mapping[str, Any]):
                 if len(raw) != rows * row_bytes:
                     raise CheckpointError(f"checkpoint {path}: tensor {name!r} cannot be read (short read); the file may be damaged")
                 progress.report("loading weights")
-                piece = _widen(raw, stored[0], (rows, *spec.shape[1:]))[(slice(None), *index[1:])]
+                within = (slice(None), *index[1:])
+                piece = _widen(raw, stored[0], (rows, *spec.shape[1:]))[within]
                 if self.check_finite and not np.isfinite(piece).all():
                     raise NumericsError(
                         f"checkpoint {path}: tensor {name!r} holds NaN or Inf; re-save or re-download it "

@@ -35,16 +35,18 @@ def cases(op: str, plugins: PluginSet, dtype: str, seed: int = 0) -> Iterator[tu
 
     rng = np.random.default_rng(seed)
 
-    def t(*shape: int, kind: str = dtype) -> Any:
+    def t(*shape: int, kind: Any = dtype) -> Any:
         return paddle.to_tensor(rng.standard_normal(shape).astype("float32")).astype(kind)
 
     for s in _sizes(plugins):
         h, d, heads, kv = s["hidden"], s["head_dim"], s["heads"], s["kv"]
         if op == "rms_norm":
-            for shape in ((1, 1, h), (2, 5, h), (3, heads, d)):
+            norms: tuple[tuple[int, ...], ...] = ((1, 1, h), (2, 5, h), (3, heads, d))
+            for shape in norms:
                 yield f"x{list(shape)}", (t(*shape), t(shape[-1]), 1e-6)
         elif op == "silu_and_mul":
-            for shape in ((1, 1, s["inter"]), (2, 5, s["inter"]), (7, 1, 1, ODD)):
+            shapes: tuple[tuple[int, ...], ...] = ((1, 1, s["inter"]), (2, 5, s["inter"]), (7, 1, 1, ODD))
+            for shape in shapes:
                 yield f"gate{list(shape)}", (t(*shape), t(*shape))
         elif op == "rotary_embedding":
             for layout in ("half", "interleaved"):
@@ -84,7 +86,9 @@ def compare(op: str, got: Any, want: Any, dtype: str, args: tuple[Any, ...], nat
             return None
         # A draw exactly at a boundary of the cumulative distribution may fall either way.
         logits, temperature, top_k, top_p, uniform = args
-        for b, (g, w) in enumerate(zip(got, want)):
+        if len(got) != len(want):
+            return f"returned {len(got)} tokens for {len(want)} rows"
+        for b, (g, w) in enumerate(zip(got, want, strict=True)):
             if g != w:
                 near = {native.sample(logits, temperature, top_k, top_p, [min(max(u + e, 0.0), 1.0 - 1e-12) for u in uniform])[b]
                         for e in (-1e-6, 1e-6)}

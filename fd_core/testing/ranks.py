@@ -164,7 +164,7 @@ def _run_case(backend: Any, case: Case, rank: int, world: int) -> dict[str, Any]
             bad = _mismatch(_to_numpy(tensor), want, scale, case.rtol)
             if bad is not None:
                 return {**outcome, **where, "wrong": bad, "in_input": True}
-        if base is not None:
+        if base is not None and base_before is not None:
             after = _to_numpy(base)
             changed = outside & ~(after == base_before)
             if changed.any():
@@ -174,7 +174,7 @@ def _run_case(backend: Any, case: Case, rank: int, world: int) -> dict[str, Any]
     return outcome
 
 
-def _graph_case(backend: Any, dtype: str, rank: int) -> dict[str, Any]:
+def _graph_case(backend: Any, dtype: Any, rank: int) -> dict[str, Any]:
     """An all-reduce captured inside a graph, replayed, against eager."""
     import paddle
 

@@ -241,7 +241,7 @@ class ContractTests(_Base):
         fresh = _fresh_detections(platform_module.__name__, fields, 3)
         answers = fresh + [[_plain(getattr(detect(), f, None)) for f in fields] for _ in range(3)]
         for call, answer in enumerate(answers[1:], 2):
-            changed = [f"{f}={b!r} (first call: {a!r})" for f, a, b in zip(fields, answers[0], answer) if a != b]
+            changed = [f"{f}={b!r} (first call: {a!r})" for f, a, b in zip(fields, answers[0], answer, strict=True) if a != b]
             where = f"call {call} in a new process" if call <= len(fresh) else f"a later call in the checking process (after {len(fresh)} in a new one)"
             assert not changed, f"{platform_name}: fd_platform_detect answered differently on {where}: {', '.join(changed)}"
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from fakedist import run_fd
-
 from fd_core.errors import PluginError
 from fd_core.plugins import load_plugins
 

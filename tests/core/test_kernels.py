@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from fakedist import make_distribution, run_fd
 from fd_core.errors import ConfigError, PluginError
 from fd_core.plugins import load_plugins
-from fakedist import make_distribution, run_fd
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,15 +4,14 @@ capacity that is left at --memory-fraction, and the engine keeping each batch's 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
+from fakedist import run_fd
 from fd_core import Detection, DeviceMemory, ModelConfig
 from fd_core.errors import ConfigError
 from fd_core.runtime.memory import MemoryPlan, cache_length, plan_memory
-from fakedist import run_fd
 from fd_plugins.cpu.memory import cgroup_limit, host_memory
 from plugin_sources import TINY_DEVICE
 
@@ -132,7 +131,7 @@ def test_fd_run_json_has_the_dtype_and_the_memory_plan_whose_weights_are_each_ra
     assert text.returncode == 0, text.stderr
     joined = " ".join(text.stdout.split())
     assert "dtype: float32" in joined
-    assert f"memory: weights 0.20 MiB per rank (tp=2, float32); KV cache for " in joined
+    assert "memory: weights 0.20 MiB per rank (tp=2, float32); KV cache for " in joined
     assert "tokens (batch x context); --memory-fraction 0.5 of " in joined and "free on device 0, shared by 2 ranks" in joined
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from fakedist import run_fd
 from fd_core.errors import PluginError
 from fd_core.plugins import load_plugins
-from fakedist import run_fd
-from plugin_sources import MISSPELLED_HOOK as MISSPELLED, NOT_A_GENERATOR, UNKNOWN_ARGUMENT as BAD_ARGUMENT
+from plugin_sources import MISSPELLED_HOOK as MISSPELLED
+from plugin_sources import NOT_A_GENERATOR
+from plugin_sources import UNKNOWN_ARGUMENT as BAD_ARGUMENT
 
 UNDECORATED = """
 def fd_clean_memory_fragments(state_dict):

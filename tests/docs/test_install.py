@@ -13,9 +13,9 @@ import importlib.util
 import json
 import os
 import re
-import types
 import subprocess
 import sys
+import types
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Callable
@@ -139,7 +139,7 @@ def test_a_forced_platform_on_the_cpu_build_fails_in_one_line_with_the_same_advi
 def sections(text: str) -> dict[str, str]:
     """Each `## ` section of the page by its title."""
     parts = re.split(r"^## (.+)$", text, flags=re.M)
-    return dict(zip(parts[1::2], parts[2::2]))
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
 
 
 def quoted_runs(section: str) -> list[tuple[str, str]]:

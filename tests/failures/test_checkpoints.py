@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from conftest import FdRun, assert_one_line_error, left_over, run_fd, start_fd
-
 from fd_core.errors import CheckpointError
 
 TENSOR = "model.layers.1.mlp.down_proj.weight"

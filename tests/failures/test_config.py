@@ -17,7 +17,6 @@ import pytest
 from safetensors.numpy import save_file
 
 from conftest import assert_one_line_error, left_over, run_fd
-
 from fd_models.presets import TINY_TEXT
 
 CORES = os.cpu_count() or 1

@@ -17,7 +17,6 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import assert_one_line_error, left_over, run_fd
-
 from fd_core.errors import CheckpointError
 from fd_models.presets import TINY_QWEN3_VL, TINY_TEXT
 

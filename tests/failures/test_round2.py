@@ -7,8 +7,8 @@ Every case ends with one `fd: error:` line (exit 2) within a stated bound, and n
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -157,8 +157,9 @@ def test_bad_values_are_one_line(args: list[str], env: dict[str, str], message: 
 
 
 def test_absurd_sizes_are_refused_before_allocating(tmp_path: Path) -> None:
-    from fd_models.presets import TINY_TEXT
     from safetensors.numpy import save_file
+
+    from fd_models.presets import TINY_TEXT
 
     directory = tmp_path / "huge"
     directory.mkdir()

@@ -16,7 +16,6 @@ from conftest import assert_one_line_error, left_over, run_fd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "text"))
 import kit  # noqa: E402
-
 from fd_models.presets import TINY_TEXT  # noqa: E402
 
 

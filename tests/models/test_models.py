@@ -34,7 +34,7 @@ def test_tp2_shards_match_tp1(arch, kit) -> None:
     ref_logits, ref_tokens = kit.greedy(kit.build_loaded(arch), ids, image)
     ranks = kit.run_ranks(2, lambda ctx: kit.greedy(kit.build_loaded(arch, ctx), ids, image))
     for logits, tokens in ranks:
-        for got, want in zip(logits, ref_logits):
+        for got, want in zip(logits, ref_logits, strict=True):
             np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
         np.testing.assert_array_equal(tokens, ref_tokens)
 
@@ -49,7 +49,7 @@ def test_captured_decode_matches_eager(arch, kit, monkeypatch) -> None:
     captured_logits, captured_tokens = kit.greedy(model, ids, image)
     assert graphs.replays == 4
     np.testing.assert_array_equal(captured_tokens, eager_tokens)
-    for got, want in zip(captured_logits, eager_logits):
+    for got, want in zip(captured_logits, eager_logits, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
@@ -61,7 +61,7 @@ def test_rank_of_two_decode_traces_like_eager(arch, kit) -> None:
     model, _, _, graphs = _captured(arch, kit, ctx=ctx)
     captured_logits, _ = kit.greedy(model, ids, image)
     assert graphs.replays == 4
-    for got, want in zip(captured_logits, eager_logits):
+    for got, want in zip(captured_logits, eager_logits, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
@@ -86,7 +86,7 @@ def test_release_then_load_gives_same_output(arch, kit) -> None:
     assert not any(p._is_initialized() for p in model.parameters())
     model.load_weights(random_state_dict(model.weight_specs(), kit.seed))
     after, _ = kit.greedy(model, ids, image, steps=2)
-    for got, want in zip(after, before):
+    for got, want in zip(after, before, strict=True):
         np.testing.assert_array_equal(got, want)
 
 
@@ -108,7 +108,7 @@ def test_clear_graphs_hook_drops_graphs_and_recapture_works(arch, kit) -> None:
     model.capture(graphs, ids.shape[0])
     replayed, _ = kit.greedy(model, ids, image, steps=2)
     assert graphs.replays == 3
-    for got, want in zip(replayed, eager):
+    for got, want in zip(replayed, eager, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
@@ -160,7 +160,7 @@ def test_captured_buckets_of_cache_length_match_eager(kit) -> None:
     assert sorted(graphs.graphs) == [(1, BUCKET_MIN), (1, max_len)]
     captured = decode(model)
     assert graphs.replays == 6
-    for got, want in zip(captured, eager):
+    for got, want in zip(captured, eager, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
@@ -174,7 +174,7 @@ def test_decode_writes_the_cache_in_place(kit) -> None:
     caches = list(model._caches)
     before = caches[0].numpy().copy()
     model.decode_step(np.zeros((ids.shape[0], 1), dtype=np.int64), ids.shape[1])
-    assert all(a is b for a, b in zip(model._caches, caches))
+    assert all(a is b for a, b in zip(model._caches, caches, strict=True))
     after = caches[0].numpy()
     changed = np.flatnonzero(np.any(after != before, axis=(1, 2, 3)))
     assert changed.tolist() == [ids.shape[1]]

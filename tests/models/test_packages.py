@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-
 ROOT = Path(__file__).resolve().parents[2]
 EXPECTED = {
     "ernie4_5": ("Ernie4_5ForCausalLM", False),

@@ -55,7 +55,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, An
     root = tmp_path_factory.mktemp("mutants")
     names = ["mutant_control", *MUTANTS]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(zip(names, pool.map(lambda n: _check(n, root), names)))
+        return dict(zip(names, pool.map(lambda n: _check(n, root), names), strict=True))
 
 
 def test_the_control_passes_the_whole_suite(outcomes: dict[str, dict[str, Any]]) -> None:

@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fd_core import native_ops
 from fd_core.errors import ConfigError
 from fd_core.runtime import SamplingParams, load_tokenizer
 from fd_core.runtime.chat import expand_placeholders, load_chat_template, render_chat, user_message
 from fd_core.runtime.checkpoint import Checkpoint
 from fd_core.runtime.request import chat_prompt
-from fd_core import native_ops
 from fd_core.runtime.sampling import Sampler
 from kit import tokenizer_dirs, transformers_tokenizer  # noqa: F401 - fixtures
 

@@ -1,7 +1,8 @@
 """Names a rendezvous backend paddle.distributed does not have ("mpi")."""
 
-from fd_core import Detection, hookimpl
 from mutant_control import FD_CAPABILITIES, fd_all_reduce, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility  # noqa: F401
+
+from fd_core import Detection, hookimpl
 
 EXPECT = "detection or 1-float32"
 

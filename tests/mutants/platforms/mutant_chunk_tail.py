@@ -1,7 +1,8 @@
 """Sums in chunks of 65536 elements and forgets the tail after the last full chunk (an off-by-one in a chunked ring)."""
 
-from fd_core import hookimpl
 from mutant_control import FD_CAPABILITIES, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility, fd_platform_detect  # noqa: F401
+
+from fd_core import hookimpl
 from fd_plugins.cpu import platform as _cpu
 
 EXPECT = "two_ranks_sum and float32"

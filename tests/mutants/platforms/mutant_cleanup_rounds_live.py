@@ -2,8 +2,9 @@
 
 import gc
 
-from fd_core import hookimpl
 from mutant_control import FD_CAPABILITIES, fd_all_reduce, fd_graph_backend, fd_graph_eligibility, fd_platform_detect  # noqa: F401
+
+from fd_core import hookimpl
 
 EXPECT = "cleanup or native_path"
 

@@ -1,7 +1,8 @@
 """Detection probes the hardware lazily: the first answer lists float32, later ones (after the probe) bfloat16 first."""
 
-from fd_core import Detection, hookimpl
 from mutant_control import FD_CAPABILITIES, fd_all_reduce, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility  # noqa: F401
+
+from fd_core import Detection, hookimpl
 
 EXPECT = "detection"
 _CALLS = [0]

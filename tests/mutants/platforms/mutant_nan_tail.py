@@ -1,7 +1,8 @@
 """Above 512 KiB the sum goes through a staging buffer whose last 16 elements are never written (left NaN)."""
 
-from fd_core import hookimpl
 from mutant_control import FD_CAPABILITIES, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility, fd_platform_detect  # noqa: F401
+
+from fd_core import hookimpl
 from fd_plugins.cpu import platform as _cpu
 
 EXPECT = "two_ranks_sum and MiB"

@@ -1,7 +1,8 @@
 """A ring of result buffers whose index wraps wrongly after 128 calls: from then on every other call returns the previous result."""
 
-from fd_core import hookimpl
 from mutant_control import FD_CAPABILITIES, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility, fd_platform_detect  # noqa: F401
+
+from fd_core import hookimpl
 from fd_plugins.cpu import platform as _cpu
 
 EXPECT = "two_ranks_sum and calls"

@@ -1,7 +1,8 @@
 """Sums 16-bit floats in float32 and returns the float32 sum, not a tensor of the input's dtype."""
 
-from fd_core import hookimpl
 from mutant_control import FD_CAPABILITIES, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility, fd_platform_detect  # noqa: F401
+
+from fd_core import hookimpl
 from fd_plugins.cpu import platform as _cpu
 
 EXPECT = "two_ranks_sum and (float16 or bfloat16)"

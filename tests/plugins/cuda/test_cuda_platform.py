@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import inspect
 import sys
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import paddle
@@ -193,7 +193,6 @@ def test_cleanup_leaves_a_lazy_mapping_of_seeded_weights_unread(monkeypatch: pyt
 def test_all_reduce_runs_for_real_over_gloo() -> None:
     """cuda's fd_all_reduce on two real CPU ranks (gloo): the same paddle call NCCL gets, summed for real. Not on a GPU."""
     from device_workers import all_reduce_on_rank
-
     from fd_core.runtime.distributed import spawn_ranks
 
     results = spawn_ranks(all_reduce_on_rank, ("fd_plugins.cuda.platform",), 2, "gloo")

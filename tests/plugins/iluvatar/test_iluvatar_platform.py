@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 from fakedist import run_fd  # noqa: E402
 from recording import substitute  # noqa: E402
 
-
 # What detection says on this machine (Paddle's CPU build, no Iluvatar plugin).
 NOT_INSTALLED = (
     f"paddle-iluvatar-gpu is not installed and paddle is the CPU build (paddlepaddle {paddle.__version__}): "
@@ -110,7 +109,6 @@ def test_all_reduce_reaches_paddles_process_group_with_the_calc_stream_flags() -
     """iluvatar's fd_all_reduce on two real CPU ranks: the call reaches Paddle's process group, which on gloo
     refuses exactly the calc-stream mode the plugin asks for (XCCL takes it). Not on Iluvatar hardware."""
     from device_workers import all_reduce_on_rank
-
     from fd_core.runtime.distributed import spawn_ranks
 
     results = spawn_ranks(all_reduce_on_rank, ("fd_plugins.iluvatar.platform",), 2, "gloo")
