@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import os
 import types
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.detection import Detection
@@ -202,24 +202,33 @@ class Backend:
             if not arch.graph_capable:
                 votes.append(CastVote(arch.package, False, f"{arch.name} is registered as not graph-capable"))
         args = {"model_config": model_config, "parallel_config": parallel_config, "graph_mode": mode or ""}
-        timeout = hook_timeout()
-        for impl in reversed(self.hook.fd_graph_eligibility.get_hookimpls()):
-            if impl.wrapper or impl.hookwrapper:
-                continue
-            name = impl.plugin_name
-            caller = caller_for(self.plugins.pm, "fd_graph_eligibility", name)
-            try:
-                answers = call_bounded(functools.partial(caller, **args), timeout, f"plugin {name!r}: fd_graph_eligibility")
-            except PluginError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a voter that raises vetoes, with its error as reason
-                votes.append(CastVote(name, False, f"fd_graph_eligibility raised {type(exc).__name__}: {exc}"))
+        for name, answers in self._ask_each("fd_graph_eligibility", args):
+            if isinstance(answers, BaseException):  # a voter that raises vetoes, with its error as reason
+                votes.append(CastVote(name, False, f"fd_graph_eligibility raised {type(answers).__name__}: {answers}"))
                 continue
             for answer in answers:  # one per voter; more only if a wrapper added votes
                 votes.append(_checked_vote(name, answer))
         decision = GraphDecision(allowed=False, mode=mode, votes=tuple(votes), requested=requested)
         allowed = mode is not None and not decision.vetoes
         return dataclasses.replace(decision, allowed=allowed)
+
+    def _ask_each(self, hook: str, args: Mapping[str, Any]) -> Iterator[tuple[str, list[Any] | Exception]]:
+        """Each plugin's implementation of `hook`, one at a time through pluggy with every wrapper around it and
+        bounded in time: (plugin, its answers, or the exception it raised). A timeout is a PluginError, raised."""
+        timeout = hook_timeout()
+        for impl in reversed(getattr(self.hook, hook).get_hookimpls()):
+            if impl.wrapper or impl.hookwrapper:
+                continue
+            name = impl.plugin_name
+            caller = caller_for(self.plugins.pm, hook, name)
+            result: list[Any] | Exception
+            try:
+                result = call_bounded(functools.partial(caller, **args), timeout, f"plugin {name!r}: {hook}")
+            except PluginError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the plugin's own error; the caller decides what it means
+                result = exc
+            yield name, result
 
     def check_graph_request(self, requested: str) -> None:
         """`--graph on` with a kernel that cannot be captured is refused (auto turns graphs off with a vote instead)."""
@@ -265,18 +274,11 @@ class Backend:
         reason, or a gate that raises is that plugin's PluginError.
         """
         args = {"request": request, "model_config": model_config, "parallel_config": parallel_config or self.parallel, "stream": stream}
-        timeout = hook_timeout()
-        for impl in reversed(self.hook.fd_check_request.get_hookimpls()):
-            if impl.wrapper or impl.hookwrapper:
-                continue
-            name = impl.plugin_name
-            caller = caller_for(self.plugins.pm, "fd_check_request", name)
-            try:
-                answers = call_bounded(functools.partial(caller, **args), timeout, f"plugin {name!r}: fd_check_request")
-            except PluginError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a third party's error, named for whoever must fix it
-                raise PluginError(f"plugin {name!r}: fd_check_request raised {type(exc).__name__}: {exc}; fix or uninstall the plugin") from exc
+        for name, answers in self._ask_each("fd_check_request", args):
+            if isinstance(answers, BaseException):  # a third party's error, named for whoever must fix it
+                raise PluginError(
+                    f"plugin {name!r}: fd_check_request raised {type(answers).__name__}: {answers}; fix or uninstall the plugin"
+                ) from answers
             for answer in answers:
                 if not isinstance(answer, str):
                     raise PluginError(
