@@ -105,7 +105,7 @@ class ModelSuite:
             from fd_core.runtime.save_random import save_random_checkpoint
 
             root = Path(tempfile.mkdtemp(prefix=f"fd-model-suite-{architecture.name}-"))
-            data = {"architectures": [architecture.aliases[0] if architecture.aliases else architecture.name], **_config_data(architecture, config_index)}
+            data = {**_config_data(architecture, config_index), "architectures": [architecture.name]}
             (root / "config.json").write_text(json.dumps(data))
             return str(save_random_checkpoint(architecture.name, str(root / "checkpoint"), seed=0, config_path=str(root / "config.json")))
 
@@ -256,7 +256,7 @@ class ModelSuite:
         if config_index != 0:
             pytest.skip("the config's runs are already from a save-random checkpoint")
         want = self._tp1(plugins, architecture, config_index, source, "off")["tokens"]
-        directory = save_random_checkpoint(architecture.name, str(tmp_path / "checkpoint"), seed=0)
+        directory = _names(save_random_checkpoint(architecture.name, str(tmp_path / "checkpoint"), seed=0), architecture)
         got = run_rank(self._plan(plugins, architecture, 0, {"model": None, "checkpoint": str(directory)}, graph="off"), plugins=plugins)["tokens"]
         assert got == want, (
             f"{architecture.name}: the checkpoint fd save-random wrote loads back to {got}, the seeded weights give {want}; "
@@ -264,9 +264,8 @@ class ModelSuite:
         )
 
     def test_reference_greedy_tokens(self, plugins: PluginSet, architecture: Architecture, config_index: int, tmp_path: Path) -> None:
-        """A tiny random model built and saved by transformers gives the reference's greedy tokens through `fd run`'s path."""
-        from fd_core.runtime.launch import run_rank
-
+        """A tiny random model built and saved by transformers gives the reference's first-step logits (to rounding) and
+        greedy tokens through `fd run`'s path."""
         try:
             import torch
             import transformers
@@ -284,7 +283,7 @@ class ModelSuite:
         best = None
         for seed in REFERENCE_SEEDS:
             model = _reference_model(torch, model_cls, data, seed)
-            tokens, margin = _reference_greedy(torch, model, prompt)
+            tokens, first, margin = _reference_greedy(torch, model, prompt)
             best = max(best or 0.0, margin)
             if margin > MIN_MARGIN:
                 break
@@ -295,11 +294,36 @@ class ModelSuite:
         model.save_pretrained(str(directory))
         for file_name, content in architecture.preset_files.items():
             (directory / file_name).write_text(json.dumps(dict(content)))
-        got = run_rank(self._plan(plugins, architecture, config_index, {"model": None, "checkpoint": str(directory)}, graph="auto"), plugins=plugins)["tokens"]
+        _names(directory, architecture)
+        from fd_core.runtime.worker import RankWorker
+
+        plan = self._plan(plugins, architecture, config_index, {"model": None, "checkpoint": str(directory)}, graph="auto")
+        worker = RankWorker.start(plan, plugins=plugins)  # what `fd run --tp 1` runs on its rank
+        got = worker.generate(plan.request)[0].token_ids
+        model = worker.runner.model
+        assert model is not None
+        import numpy as np
+
+        ours = np.asarray(model.prefill(np.asarray([prompt], dtype="int64")).astype("float32").numpy()[0], dtype=np.float64)
+        scale = max(1.0, float(np.abs(first).max()))
+        worst = float(np.abs(ours - first).max())
+        assert worst <= LOGIT_TOL * scale, (
+            f"{architecture.name}: on a checkpoint saved by transformers' {name} (seed {seed}) fd's first-step logits differ from "
+            f"the reference's by {worst:.2e} (tolerance {LOGIT_TOL * scale:.1e}); the model computes something else than the reference "
+            f"(rotary layout, norms, biases, a weight's layout)"
+        )
         assert got == tokens, (
             f"{architecture.name}: on a checkpoint saved by transformers' {name} (seed {seed}) fd gives {got}, the reference {tokens}; "
             f"the model computes something else than the reference (rotary layout, norms, biases, a weight's layout)"
         )
+
+
+def _names(directory: Path, arch: Architecture) -> Path:
+    """The checkpoint's config.json made to name the architecture under test: its published class name
+    (`architectures`) may be an alias another registered architecture holds (a variant of the same model)."""
+    path = Path(directory) / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "architectures": [arch.name]}))
+    return Path(directory)
 
 
 def _reference_model(torch: Any, model_cls: Any, data: Mapping[str, Any], seed: int) -> Any:
@@ -314,16 +338,18 @@ def _reference_model(torch: Any, model_cls: Any, data: Mapping[str, Any], seed: 
     return model
 
 
-def _reference_greedy(torch: Any, model: Any, prompt: list[int]) -> tuple[list[int], float]:
-    """Greedy tokens, each step running the whole sequence (no cache: nothing shared with fd's path), and the smallest top-2 margin."""
-    ids, margin = list(prompt), float("inf")
+def _reference_greedy(torch: Any, model: Any, prompt: list[int]) -> tuple[list[int], Any, float]:
+    """Greedy tokens, each step running the whole sequence (no cache: nothing shared with fd's path), the first
+    step's logits, and the smallest top-2 margin."""
+    ids, margin, first = list(prompt), float("inf"), None
     with torch.no_grad():
         for _ in range(STEPS):
             logits = model(torch.tensor([ids])).logits[0, -1].float()
+            first = logits.numpy().astype("float64") if first is None else first
             top2 = torch.topk(logits, 2).values
             margin = min(margin, float(top2[0] - top2[1]))
             ids.append(int(logits.argmax()))
-    return ids[len(prompt):], margin
+    return ids[len(prompt):], first, margin
 
 
 class RecordingGraphs:
