@@ -68,7 +68,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     plugins = load_plugins(strict=False)
     rows = [{**r.to_dict(), "kernels": plugins.kernels.by_plugin(r.name) if r.active else []} for r in plugins.records]
     if args.json:
-        _print_json({"platform": plugins.platform, "selection": plugins.selection, "plugins": rows, "problems": plugins.problems})
+        architectures = [a.to_dict() for a in plugins.registry]
+        _print_json({"platform": plugins.platform, "selection": plugins.selection, "plugins": rows, "architectures": architectures,
+                     "problems": plugins.problems})
     else:
         print("\n".join(_plugin_listing(plugins)))
     if plugins.problems:

@@ -102,6 +102,12 @@ class Architecture:
     # A second config the model suite checks besides the preset (odd sizes, the other head tying, biases), as a config.json mapping.
     odd_preset: Mapping[str, Any] | None = None
 
+    def to_dict(self) -> dict[str, Any]:
+        """What `fd plugins --json` lists; `reference` unresolved (the first alias unless set: transformers is not imported)."""
+        reference = self.reference if self.reference is not None else (self.aliases[0] if self.aliases else None)
+        return {"name": self.name, "aliases": list(self.aliases), "package": self.package, "graph_capable": self.graph_capable,
+                "multimodal": self.multimodal, "reference": reference or None, "description": self.description}
+
     def preset_config(self) -> "ModelConfig":
         """The tiny preset as a ModelConfig."""
         return self.config_from(self.preset, source=f"preset of {self.name}")
