@@ -68,7 +68,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     plugins = load_plugins(strict=False)
     rows = [{**r.to_dict(), "kernels": plugins.kernels.by_plugin(r.name) if r.active else []} for r in plugins.records]
     if args.json:
-        _print_json({"platform": plugins.platform, "selection": plugins.selection, "plugins": rows, "problems": plugins.problems})
+        architectures = [a.to_dict() for a in plugins.registry]
+        _print_json({"platform": plugins.platform, "selection": plugins.selection, "plugins": rows, "architectures": architectures,
+                     "problems": plugins.problems})
     else:
         print("\n".join(_plugin_listing(plugins)))
     if plugins.problems:
@@ -339,7 +341,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from fd_core.paddle_logs import quiet_paddle_logs
     from fd_core.plugins import load_plugins
     from fd_core.runtime import distributed
-    from fd_core.testing import check_module
+    from fd_core.testing import check_module, model_check_module
 
     _require_paddle()
     quiet_paddle_logs()
@@ -352,10 +354,16 @@ def cmd_check(args: argparse.Namespace) -> int:
         installed = [r.name for r in load_plugins(strict=False).records if r.kind == "platform"]
         if platform not in installed:
             raise FdError(f"no installed platform is named {platform!r}; installed: {', '.join(sorted(installed))} (see fd plugins)")
-    load_plugins({**os.environ, "FD_PLATFORM": platform})  # a broken platform fails here, in one line
+    checked = load_plugins({**os.environ, "FD_PLATFORM": platform})  # a broken platform fails here, in one line
     table = ResultTable()
     module = Path(check_module.__file__)
     extra = ["-k", args.k] if args.k else []
+    model = None
+    if args.model is not None:  # the model suite (fd_core/testing/model_suite.py) on the selected platform
+        model = checked.registry.get(args.model).name  # an unknown name fails here, listing the registered ones
+        module = Path(model_check_module.__file__)
+        extra += ["--fd-model", model]
+        os.environ["FD_PLATFORM"] = platform  # the suite's plans and ranks select the platform checked
     # SIGTERM stops the suite as Ctrl-C does (pytest ends the session on KeyboardInterrupt). Paddle
     # installs its own handler when imported, so import it first and install ours over it.
     import paddle  # noqa: F401
@@ -377,16 +385,19 @@ def cmd_check(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
     counts = table.counts()
     if code == pytest.ExitCode.NO_TESTS_COLLECTED and args.k:
-        raise ConfigError(f"no check of the conformance suite matches -k {args.k!r}; run fd check {platform} without -k to see them all")
+        raise ConfigError(f"no check of the conformance suite matches -k {args.k!r}; run fd check {f'--model {model}' if model else platform} without -k to see them all")
     if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.INTERRUPTED) and not table.rows and not table.interrupted:
         print(f"fd: error: the conformance suite did not run (pytest exit code {int(code)})", file=sys.stderr)
         return 1
-    unverified = [r for r in table.rows if r.outcome == "skipped" and "hardware not detected here" in r.detail]
+    unverified = [r for r in table.rows if r.outcome == "skipped" and ("hardware not detected here" in r.detail or r.detail.startswith("not verified:"))]
     if code == pytest.ExitCode.INTERRUPTED or table.interrupted:
         verdict, status = "interrupted: only the checks listed ran; nothing is verified", (
             EXIT_TERMINATED if distributed.sigterm_received else EXIT_INTERRUPTED)
     elif counts["failed"] or code == pytest.ExitCode.TESTS_FAILED:
         verdict, status = f"failed ({counts['failed']} check(s))", 1
+    elif unverified and model is not None:
+        verdict = f"not verified: {len(unverified)} check(s) could not run here ({unverified[0].detail.removeprefix('not verified: ')})"
+        status = 0 if args.allow_unverified else EXIT_NOT_VERIFIED
     elif unverified:
         verdict = f"not verified: {len(unverified)} check(s) need {platform}'s hardware, which is not here"
         status = 0 if args.allow_unverified else EXIT_NOT_VERIFIED
@@ -396,12 +407,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     ordered = sorted(zip(names, table.rows, strict=True), key=lambda pair: pair[0])
     if args.json:
         rows = [{"check": name, "outcome": row.outcome, "detail": row.detail} for name, row in ordered]
-        _print_json({"platform": platform, "checks": rows, "counts": counts, "verdict": verdict, "exit_code": status})
+        _print_json({"platform": platform, **({"model": model} if model else {}), "checks": rows, "counts": counts, "verdict": verdict, "exit_code": status})
         return status
     # One row a check, never wrapped, so that grep finds a check with its outcome and detail
     # (pytest's own summary lines are the same); --json is the form to parse.
     width = max(map(len, names), default=10)
-    print(f"conformance of platform {platform!r}:")
+    print(f"conformance of model {model!r} on platform {platform!r}:" if model else f"conformance of platform {platform!r}:")
     for name, row in ordered:
         print(f"  {row.outcome:<8} {name:<{width}}  {row.detail}".rstrip())
     print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
@@ -495,9 +506,11 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
 
     p = sub.add_parser("check", help="run the conformance suite against an installed platform (needs pytest: the [test] extra)")
     p.add_argument("platform", nargs="?", default=None, help="platform name (default: the active one)")
+    p.add_argument("--model", default=None, metavar="ARCH",
+                   help="run the model suite (tp, graph, clear, reload, reference) on this architecture instead (default: none)")
     p.add_argument("-k", default=None, metavar="EXPR", help="only checks matching this pytest -k expression (default: all)")
     p.add_argument("--allow-unverified", action="store_true",
-                   help="exit 0 when nothing failed but the checks that need the hardware were skipped (default: exit 3)")
+                   help="exit 0 when nothing failed but checks that need the hardware (or, with --model, the reference) were skipped (default: exit 3)")
     p.add_argument("--json", action="store_true", help="print JSON (every check, its outcome and detail, the verdict) instead of the table")
     p.set_defaults(func=cmd_check)
 

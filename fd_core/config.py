@@ -21,6 +21,15 @@ _ROPE_TYPES = ("default", "mrope")
 _TOP_LEVEL = ("tie_word_embeddings",)
 # Sizes with no sensible default: a config.json without them is refused rather than filled in.
 _REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+# Settings the shared decoder reads beyond the sizes: each comes from config.json or the architecture's
+# declared `config_defaults`, never from a value of fd's own (a silent fill gives plausible wrong tokens).
+# `use_bias` sets both biases; a `rope_parameters` / `rope_scaling` object may carry rope_theta.
+DECODER_KEYS = (
+    "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps", "max_position_embeddings",
+    "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act",
+)
+# Layer types the decoders implement (a config's `layer_types`).
+_LAYER_TYPES = ("full_attention",)
 _POSITIVE_INTS = (
     "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "intermediate_size", "vocab_size", "max_position_embeddings",
@@ -74,12 +83,22 @@ class ModelConfig:
         if absent:
             where = "text_config" if text is not None else "config.json"
             raise ConfigError(f"{source}: {where} does not set {', '.join(absent)}; a model config must give its sizes")
+        missing = [k for k in DECODER_KEYS if k not in settings and not _given_otherwise(k, settings)]
+        if missing:
+            where = "text_config" if text is not None else "config.json"
+            raise ConfigError(
+                f"{source}: {where} does not set {', '.join(missing)} and architecture {architecture!r} declares no "
+                f"default for {'it' if len(missing) == 1 else 'them'}; add {'it' if len(missing) == 1 else 'them'} to "
+                f"config.json (or to the architecture's config_defaults, as the reference config class defines them)"
+            )
+        _refuse_unimplemented(settings, source)
         known = {f.name for f in fields(cls)} - {"architecture", "extra", "dtype"}
         kwargs = {k: v for k, v in settings.items() if k in known}
         kwargs["rope_theta"] = _rope_theta(settings, source)
         if "use_bias" in settings:
             kwargs.setdefault("attention_bias", settings["use_bias"])
             kwargs.setdefault("mlp_bias", settings["use_bias"])
+        # An explicit null means what it means to transformers: as many kv heads as heads (head_dim: hidden / heads).
         if settings.get("num_key_value_heads") is None and "num_attention_heads" in settings:
             kwargs["num_key_value_heads"] = settings["num_attention_heads"]
         extra = {k: v for k, v in settings.items() if k not in known and k != "architecture"}
@@ -174,9 +193,41 @@ class ModelConfig:
             )
 
 
+def _given_otherwise(key: str, settings: Mapping[str, Any]) -> bool:
+    """Whether `key` is set under another published name: `use_bias` (ERNIE), rope_theta inside the rope object."""
+    if key in ("attention_bias", "mlp_bias"):
+        return "use_bias" in settings
+    if key == "rope_theta":
+        return any(isinstance(settings.get(k), dict) and "rope_theta" in settings[k] for k in ("rope_parameters", "rope_scaling"))
+    return False
+
+
+def _refuse_unimplemented(settings: Mapping[str, Any], source: str) -> None:
+    """A config feature the decoders do not implement is refused by name: running it as full attention gives wrong tokens."""
+    window = settings.get("sliding_window")
+    used = settings.get("use_sliding_window", window is not None)
+    if window is not None and used:
+        raise ConfigError(
+            f"{source}: sliding_window={window!r} asks for sliding-window attention, which fd's decoders do not implement "
+            f"(they attend over the whole context); use a checkpoint without it"
+        )
+    types = settings.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list):
+            raise ConfigError(f"{source}: layer_types must be a list, got {type(types).__name__}")
+        unknown = sorted({str(t) for t in types} - set(_LAYER_TYPES))
+        if unknown:
+            raise ConfigError(
+                f"{source}: layer_types has {', '.join(map(repr, unknown))}, which fd's decoders do not implement "
+                f"(only {', '.join(_LAYER_TYPES)}); use a checkpoint without them"
+            )
+
+
 def _rope_theta(settings: Mapping[str, Any], source: str) -> Any:
-    """rope_theta from the top level or from `rope_parameters` / `rope_scaling` (current transformers writes the former)."""
-    theta = settings.get("rope_theta", 10000.0)
+    """rope_theta from the top level or from `rope_parameters` / `rope_scaling` (current transformers writes the former).
+
+    from_dict has made sure one of them sets it (or the architecture's defaults do)."""
+    theta = settings.get("rope_theta")
     for key in ("rope_parameters", "rope_scaling"):
         params = settings.get(key)
         if params is None:

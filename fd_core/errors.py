@@ -33,3 +33,17 @@ class NumericsError(FdError):
 
 class RequestRefused(FdError):
     """A plugin's fd_check_request refused a request before any rank worked on it; the message names the plugin."""
+
+
+def package_failure(package: str, hook: str, exc: BaseException, kind: type[FdError] = PluginError) -> FdError:
+    """A package's own exception from `hook` as one line naming the package and the hook; the whole
+    traceback goes to a file that outlives the run, as a rank's does, for whoever must fix the package."""
+    import tempfile
+    import traceback
+
+    fd, path = tempfile.mkstemp(prefix="fd-package-error-", suffix=".traceback")
+    with open(fd, "w") as f:
+        f.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+    text = str(exc).strip().splitlines()
+    detail = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    return kind(f"model package {package or '(unnamed)'!r}: {hook} raised {detail}; fix the package (its traceback is in {path})")

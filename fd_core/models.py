@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping, Protocol, Sequence
 
-from fd_core.errors import ConfigError, PluginError
+from fd_core.errors import ConfigError, FdError, PluginError, package_failure
 from fd_core.graphs import GraphBackend
 
 if TYPE_CHECKING:
@@ -96,6 +96,17 @@ class Architecture:
     image_tokens: Callable[["ModelConfig", tuple[int, int, int]], int] | None = None
     # Sizes tensor parallel splits beyond the decoder's own (expert widths, say), by name; tp must divide each.
     sharded_sizes: Callable[["ModelConfig"], Mapping[str, int]] | None = None
+    # The reference implementation's class in transformers, which `fd check --model` compares greedy tokens with.
+    # None: the first alias transformers defines; "": none (the reference check is then "not verified").
+    reference: str | None = None
+    # A second config the model suite checks besides the preset (odd sizes, the other head tying, biases), as a config.json mapping.
+    odd_preset: Mapping[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """What `fd plugins --json` lists; `reference` unresolved (the first alias unless set: transformers is not imported)."""
+        reference = self.reference if self.reference is not None else (self.aliases[0] if self.aliases else None)
+        return {"name": self.name, "aliases": list(self.aliases), "package": self.package, "graph_capable": self.graph_capable,
+                "multimodal": self.multimodal, "reference": reference or None, "description": self.description}
 
     def preset_config(self) -> "ModelConfig":
         """The tiny preset as a ModelConfig."""
@@ -107,8 +118,22 @@ class Architecture:
 
         config = ModelConfig.from_dict(self.name, data, self.config_defaults, source=source)
         if self.check_config is not None:
-            self.check_config(config, source)
+            try:
+                self.check_config(config, source)
+            except FdError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the package's own bug: one line naming it, the traceback in a file
+                raise package_failure(self.package, "check_config", exc, ConfigError) from None
         return config
+
+    def build_model(self, config: "ModelConfig", ctx: Any) -> CausalModel:
+        """`build(config, ctx)`, with an exception of the package's own reported as one line naming it."""
+        try:
+            return self.build(config, ctx)
+        except FdError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - as in config_from
+            raise package_failure(self.package, "build", exc) from None
 
 
 @dataclass

@@ -51,13 +51,3 @@ def generate(backend: Any, arch_name: str, graph: str, image_seed: int = 0) -> d
     tokens = Engine(runner).generate(Request.greedy([prompt], STEPS, [] if image is None else [image[0]]))[0].token_ids
     return {"logits": logits, "tokens": tokens, "graph": decision.allowed}
 
-
-def tp_rank(arch_names: list[str]) -> dict[str, Any]:
-    """On each of the spawned ranks: every architecture, eager and with graphs."""
-    from fd_core.backend import load_backend
-    from fd_core.config import ParallelConfig
-    from fd_core.runtime.distributed import init_rank
-
-    rank, world = init_rank()
-    backend = load_backend(ParallelConfig(tp_size=world, tp_rank=rank))
-    return {name: {mode: generate(backend, name, mode) for mode in ("off", "on")} for name in arch_names}

@@ -66,6 +66,8 @@ class ModelRunner:
     timings: dict[str, float] = field(default_factory=dict)
     # Batch size -> the cache length its decode step was captured for (cleared with the graphs).
     captured: dict[int, int] = field(default_factory=dict)
+    # Checkpoint tensors present and not loaded (reported once, on the first load).
+    unused_tensors: list[str] = field(default_factory=list)
 
     def add_time(self, phase: str, seconds: float) -> None:
         """Add `seconds` to a phase's total."""
@@ -90,7 +92,7 @@ class ModelRunner:
     def load(self) -> None:
         """Build the model if needed, load weights, then clean memory fragments with what loading left behind."""
         if self.model is None:
-            self.model = self._timed("build", lambda: self.arch.build(self.config, self.backend))
+            self.model = self._timed("build", lambda: self.arch.build_model(self.config, self.backend))
         model = self.model
         shards = self._timed("load", self.read_weights)
         self._timed("load", lambda: model.load_weights(shards))
@@ -98,6 +100,12 @@ class ModelRunner:
         # one) at a time and leave nothing staged; the cleanup hooks get the (lazy) mapping loaded from.
         left: Mapping[str, Any] = shards
         if isinstance(shards, CheckpointShards):
+            if shards.unused and not self.unused_tensors:
+                self.log(
+                    f"checkpoint tensor(s) not used by {self.arch.name}: {', '.join(shards.unused)}"
+                    + (" (tie_word_embeddings is true: the head is the embedding)" if "lm_head.weight" in shards.unused and self.config.tie_word_embeddings else "")
+                )
+            self.unused_tensors = list(shards.unused)
             shards.close()
             left = {}
         before = _sample(model)

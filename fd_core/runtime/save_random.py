@@ -39,7 +39,7 @@ def save_random_checkpoint(
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ConfigError(f"--dtype {dtype}: checkpoints are written as float32, bfloat16 or float16")
     backend = load_backend(ParallelConfig(), plugins=plugins)
-    built = arch.build(config, backend)
+    built = arch.build_model(config, backend)
     specs = built.weight_specs()
     built.release_weights()  # only the specs are needed: the zero parameters would double the peak
     tensors = random_state_dict(specs, seed, std=init_std(config))

@@ -237,6 +237,8 @@ class CheckpointShards(Mapping[str, Any]):
         missing = sorted(set(self.specs) - set(self._where))
         if missing:
             raise CheckpointError(_mismatch(f"checkpoint {self.directory}: tensor {missing[0]!r} is missing", missing))
+        # Present and deliberately not loaded (a tied head's copy of the embedding): reported by the runner, never silent.
+        self.unused = sorted((set(self._where) - set(self.specs)) & set(ignore))
         unexpected = sorted(set(self._where) - set(self.specs) - set(ignore))
         if unexpected:
             raise CheckpointError(_mismatch(f"checkpoint {self._where[unexpected[0]]}: unexpected tensor {unexpected[0]!r}", unexpected))

@@ -1,7 +1,8 @@
-"""The conformance suite for platform plugins: subclass PlatformSuite in your plugin's tests."""
+"""The conformance suites: subclass PlatformSuite in a platform plugin's tests, ModelSuite in a model package's."""
 
 from fd_core.capabilities import Capabilities, capabilities_of
 from fd_core.testing.kernels import KernelTests
+from fd_core.testing.model_suite import ModelSuite
 from fd_core.testing.suite import (
     AllReduceTests,
     CleanupTests,
@@ -20,6 +21,7 @@ __all__ = [
     "EligibilityTests",
     "GraphBackendTests",
     "KernelTests",
+    "ModelSuite",
     "ModelTests",
     "PlatformSuite",
     "capabilities_of",

@@ -18,7 +18,7 @@ _MODULE = "fd_models.ernie4_5_vl.model"
 TINY_PRESET: dict[str, Any] = TINY_ERNIE_VL
 # transformers' Ernie4_5_VLMoeTextConfig / Ernie4_5_VLMoeConfig defaults, for keys a config.json may omit.
 CONFIG_DEFAULTS: dict[str, Any] = {
-    "num_key_value_heads": 4, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+    "num_key_value_heads": 4, "head_dim": None, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
     "tie_word_embeddings": True, "use_bias": False, "hidden_act": "silu",
 }
 build = lazy_build(_MODULE)

@@ -12,10 +12,10 @@ from fd_models.qwen3_vl.config import check_config, check_prompt, image_tokens
 _MODULE = "fd_models.qwen3_vl.model"
 # Untied LM head (its own vocab-parallel `lm_head.weight`) in the tiny preset, unlike ERNIE.
 TINY_PRESET: dict[str, Any] = TINY_QWEN3_VL
-# transformers' Qwen3VLTextConfig / Qwen3VLConfig defaults, for keys a config.json may omit.
+# transformers' Qwen3VLTextConfig / Qwen3VLConfig defaults, for keys a config.json may omit (Qwen3-VL has no MLP bias).
 CONFIG_DEFAULTS: dict[str, Any] = {
     "head_dim": 128, "num_key_value_heads": 32, "rope_theta": 500000.0, "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 128000, "attention_bias": False, "hidden_act": "silu", "tie_word_embeddings": False,
+    "max_position_embeddings": 128000, "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "tie_word_embeddings": False,
 }
 build = lazy_build(_MODULE)
 

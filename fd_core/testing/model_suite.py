@@ -1,0 +1,380 @@
+"""The conformance suite for model packages: subclass `ModelSuite` and provide the `architecture_name` fixture.
+
+Every check generates through the engine `fd run` uses (its plan, `run_rank`, the ModelRunner), on the
+architecture's tiny preset and on its `odd_preset` when it declares one:
+
+- tp: tp=2 over two real ranks (graphs off and on) gives tp=1's tokens;
+- graph: a captured decode step gives the eager tokens;
+- graph clear: `fd_clear_graphs` really drops what was captured, a replay after it is refused, decoding
+  after it is eager and gives the same tokens;
+- reload: weight-update cycles (clear, release, load) keep the tokens; a seeded random checkpoint
+  written by `fd save-random` loads back to the same tokens;
+- reference: a tiny random model built and saved by transformers (the architecture's `reference`
+  class) gives the reference's greedy tokens through `fd run`'s path. Without transformers, or
+  without a reference class, it is skipped as "not verified", which `fd check` never counts as a pass.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import pytest
+
+from fd_core.models import Architecture
+from fd_core.plugins import PluginSet, load_plugins
+
+PROMPT = (5, 17, 42, 99, 7, 300)
+STEPS = 12
+# Reference parity: float32 on both sides with different kernels, so logits agree to rounding. A greedy
+# token match means something only where every step's best and second-best logits are further apart
+# than that; seeds are tried in order until one gives such a model.
+LOGIT_TOL = 2e-4
+MIN_MARGIN = 20 * LOGIT_TOL
+REFERENCE_SEEDS = range(8)
+# Marks a skip `fd check` reports as unverified (exit 3 unless --allow-unverified), never as a pass.
+NOT_VERIFIED = "not verified:"
+
+# Results by (architecture, config index, what): computed once per session and shared by the checks,
+# their failure too, so that one broken run is one failure, not one re-run per dependent check.
+_RUNS: dict[tuple[str, int, str], Any] = {}
+
+
+def reference_class(arch: Architecture, transformers: Any) -> str | None:
+    """The transformers class name the architecture is compared with: its `reference`, else its first alias transformers defines."""
+    if arch.reference is not None:
+        return arch.reference or None
+    return next((alias for alias in arch.aliases if getattr(transformers, alias, None) is not None), None)
+
+
+def _prompt(arch: Architecture, index: int) -> tuple[int, ...]:
+    vocab = int(_config_data(arch, index).get("text_config", _config_data(arch, index)).get("vocab_size", 512))
+    return tuple(t % vocab for t in PROMPT)
+
+
+def _config_data(arch: Architecture, index: int) -> Mapping[str, Any]:
+    return arch.preset if index == 0 or arch.odd_preset is None else arch.odd_preset
+
+
+def _cached(key: tuple[str, int, str], compute: Any) -> Any:
+    """`compute()` once per key; a failure is kept and re-raised as a one-line failure of each check that needs it."""
+    if key not in _RUNS:
+        try:
+            _RUNS[key] = compute()
+        except Exception as exc:  # noqa: BLE001 - kept: every check that depends on the run reports it
+            _RUNS[key] = exc
+    result = _RUNS[key]
+    if isinstance(result, BaseException):
+        pytest.fail(f"{key[0]}: {key[2]} failed: {type(result).__name__}: {result}", pytrace=False)
+    return result
+
+
+class ModelSuite:
+    """Every model check; subclass it as `TestMyModel` and provide `architecture_name`."""
+
+    @pytest.fixture
+    def architecture_name(self) -> str:
+        """The registered name (or alias) of the architecture under test."""
+        raise NotImplementedError("provide an `architecture_name` fixture returning your architecture's registered name")
+
+    @pytest.fixture
+    def plugins(self) -> PluginSet:
+        """The installed plugins (FD_PLATFORM and FD_PLUGINS apply)."""
+        return load_plugins()
+
+    @pytest.fixture
+    def architecture(self, plugins: PluginSet, architecture_name: str) -> Architecture:
+        return plugins.registry.get(architecture_name)
+
+    @pytest.fixture(params=[0, 1], ids=["preset", "odd_preset"])
+    def config_index(self, request: pytest.FixtureRequest, architecture: Architecture) -> int:
+        """0: the tiny preset; 1: the architecture's `odd_preset`."""
+        if request.param == 1 and architecture.odd_preset is None:
+            pytest.skip(f"{architecture.name} declares no odd_preset (a second config to check)")
+        return int(request.param)
+
+    @pytest.fixture
+    def source(self, architecture: Architecture, config_index: int, plugins: PluginSet) -> dict[str, Any]:
+        """What a RunConfig loads: the preset (seeded random weights), or the `odd_preset` written by save-random."""
+        if config_index == 0:
+            return {"model": architecture.name, "checkpoint": None}
+
+        def write() -> str:
+            from fd_core.runtime.save_random import save_random_checkpoint
+
+            root = Path(tempfile.mkdtemp(prefix=f"fd-model-suite-{architecture.name}-"))
+            data = {**_config_data(architecture, config_index), "architectures": [architecture.name]}
+            (root / "config.json").write_text(json.dumps(data))
+            return str(save_random_checkpoint(architecture.name, str(root / "checkpoint"), seed=0, config_path=str(root / "config.json")))
+
+        return {"model": None, "checkpoint": _cached((architecture.name, config_index, "writing the config's checkpoint"), write)}
+
+    # -- runs shared by the checks -----------------------------------------------------------------
+
+    def _plan(self, plugins: PluginSet, arch: Architecture, index: int, source: Mapping[str, Any], **settings: Any) -> Any:
+        from fd_core.runtime.plan import RunConfig, plan_run
+
+        run = RunConfig(tp=settings.pop("tp", 1), steps=STEPS, prompt_ids=_prompt(arch, index), progress=False, **source, **settings)
+        return plan_run(run, plugins)
+
+    def _tp1(self, plugins: PluginSet, arch: Architecture, index: int, source: Mapping[str, Any], graph: str) -> dict[str, Any]:
+        from fd_core.runtime.launch import run_rank
+
+        return _cached((arch.name, index, f"the tp=1 run with --graph {graph}"),
+                       lambda: run_rank(self._plan(plugins, arch, index, source, graph=graph), plugins=plugins))
+
+    # -- the checks ----------------------------------------------------------------------------------
+
+    def test_tp1_tokens_vary(self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]) -> None:
+        """Tokens that never change would make every equality of the suite vacuous."""
+        tokens = self._tp1(plugins, architecture, config_index, source, "off")["tokens"]
+        assert len(set(tokens)) > 2, (
+            f"{architecture.name}: the seeded random model's greedy tokens {tokens} hardly change, so the tp, graph and reload "
+            f"checks compare nothing; give the preset initializer_range 0.2 (or check the head and the weights it loads)"
+        )
+
+    @pytest.fixture
+    def tp2_together(self) -> list[str]:
+        """Architectures whose presets' two-rank runs share one spawn with this one's (a suite over several)."""
+        return []
+
+    def test_tp2_equals_tp1(
+        self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any], tp2_together: list[str]
+    ) -> None:
+        """Two real ranks, each holding its slice of every split weight, graphs off and on, give tp=1's tokens."""
+        from fd_core.errors import FdError
+        from fd_core.runtime.distributed import spawn_ranks
+        from fd_core.testing.model_ranks import runs_on_rank
+
+        want = self._tp1(plugins, architecture, config_index, source, "off")["tokens"]
+        try:
+            plans = [self._plan(plugins, architecture, config_index, source, tp=2, graph=g) for g in ("off", "on")]
+        except FdError as exc:
+            pytest.skip(f"{architecture.name}: tp=2 is not possible here, so there is no tp to compare with tp=1 ({exc})")
+        key = (architecture.name, config_index, "the two-rank run")
+        if key not in _RUNS and config_index == 0:
+            # One spawn for the presets of every architecture of `tp2_together` (two ranks cost seconds to start).
+            names = [n for n in dict.fromkeys([architecture.name, *tp2_together]) if n in plugins.registry]
+            batch = {n: plans if n == architecture.name else [
+                self._plan(plugins, plugins.registry.get(n), 0, {"model": n, "checkpoint": None}, tp=2, graph=g) for g in ("off", "on")]
+                for n in names}
+            try:
+                ranks = spawn_ranks(runs_on_rank, ([p for n in names for p in batch[n]],), 2, plans[0].dist_backend)
+                for i, n in enumerate(names):
+                    _RUNS[(n, 0, "the two-rank run")] = [rank[2 * i : 2 * i + 2] for rank in ranks]
+            except Exception as exc:  # noqa: BLE001 - kept for each architecture of the batch, as _cached does
+                for n in names:
+                    _RUNS[(n, 0, "the two-rank run")] = exc
+        ranks = _cached(key, lambda: spawn_ranks(runs_on_rank, (plans,), 2, plans[0].dist_backend))
+        for rank in ranks:
+            for graph, run in zip(("off", "on"), rank):
+                assert run["tokens"] == want, (
+                    f"{architecture.name}: tp=2 (rank {run['rank']}, --graph {graph}) gives {run['tokens']}, tp=1 gives {want}; "
+                    f"a split weight, its split axis or an all-reduce of the model is wrong"
+                )
+
+    def test_graph_on_equals_graph_off(self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]) -> None:
+        """A captured decode step (replayed) gives the eager tokens."""
+        if not architecture.graph_capable:
+            pytest.skip(f"{architecture.name} is registered with graph_capable=False")
+        eager = self._tp1(plugins, architecture, config_index, source, "off")
+        graphs = self._tp1(plugins, architecture, config_index, source, "on")
+        if not graphs["graph"]["allowed"]:
+            pytest.skip(f"{architecture.name}: no graph is captured here: {graphs['graph']['summary']}")
+        assert graphs["tokens"] == eager["tokens"], (
+            f"{architecture.name}: with the captured decode graph the tokens are {graphs['tokens']}, eager {eager['tokens']}; "
+            f"the captured step depends on Python-side state or on shapes that change"
+        )
+
+    def test_graph_clear_really_clears(self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]) -> None:
+        """After fd_clear_graphs nothing is captured, a replay is refused, and decoding is eager with the same tokens."""
+        from fd_core.backend import Backend
+        from fd_core.runtime.engine import Engine
+        from fd_core.runtime.lifecycle import ModelRunner
+        from fd_core.runtime.request import Request
+
+        if not architecture.graph_capable:
+            pytest.skip(f"{architecture.name} is registered with graph_capable=False")
+        plan = self._plan(plugins, architecture, config_index, source, graph="on")
+        backend = Backend(plugins)
+        if backend.graph_mode is None:
+            pytest.skip(f"platform {backend.platform} captures no graphs")
+        spies: list[RecordingGraphs] = []
+        real = backend.graph_backend
+
+        def recording() -> Any:
+            spies.append(RecordingGraphs(real()))
+            return spies[-1]
+
+        backend.graph_backend = recording  # type: ignore[method-assign]
+        runner = ModelRunner(backend, architecture, plan.config, plan.run.checkpoint, graph="on")
+        runner.load()
+        if not runner.decide().allowed:
+            pytest.skip(f"{architecture.name}: no graph is captured here: {runner.decision.summary() if runner.decision else ''}")
+        engine, request = Engine(runner), Request.greedy(plan.request.prompts, STEPS)
+        before = engine.generate(request)[0].token_ids
+        assert spies and spies[-1].replays, f"{architecture.name}: decode did not replay its captured graph"
+        spy, model = spies[-1], runner.model
+        assert model is not None
+        backend.clear_graphs(model)  # raises PluginError when no hook handles the model
+        assert spy.clears, f"{architecture.name}: fd_clear_graphs returned True but never cleared the graph backend"
+        assert not any(spy.has(k) for k in spy.keys), f"{architecture.name}: fd_clear_graphs returned True but the graphs are still captured"
+        key = next(iter(spy.inputs))
+        try:
+            spy.inner.replay(key, spy.inputs[key])
+        except Exception:  # noqa: BLE001 - any refusal will do; replaying a cleared graph must not succeed
+            pass
+        else:
+            raise AssertionError(f"{architecture.name}: a replay of {key} still ran after fd_clear_graphs")
+        replays = spy.replays
+        after = engine.generate(request)[0].token_ids
+        assert spy.replays == replays, f"{architecture.name}: decode still replayed a graph after fd_clear_graphs"
+        assert after == before, f"{architecture.name}: decoding after fd_clear_graphs gives {after}, with graphs {before}"
+
+    def test_reload_cycles_keep_the_tokens(self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]) -> None:
+        """`fd run --reload-cycles 2` (graphs on where allowed): clear, release, load, capture again; the same tokens each cycle."""
+        from fd_core.runtime.launch import run_rank
+
+        graph = "on" if architecture.graph_capable else "off"
+        plan = self._plan(plugins, architecture, config_index, source, graph=graph, reload_cycles=2)
+        try:
+            result = run_rank(plan, plugins=plugins)
+        except RuntimeError as exc:
+            raise AssertionError(f"{architecture.name}: {exc}; release_weights/load_weights do not restore the same weights") from None
+        assert [c["tokens_match"] for c in result["reload_cycles"]] == [True, True]
+        assert result["tokens"] == self._tp1(plugins, architecture, config_index, source, "off")["tokens"]
+
+    def test_save_random_checkpoint_reloads_the_same_tokens(
+        self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any], tmp_path: Path
+    ) -> None:
+        """`fd save-random` writes the seeded weights in the published layout; `fd run --checkpoint` gives the seeded run's tokens."""
+        from fd_core.runtime.launch import run_rank
+        from fd_core.runtime.save_random import save_random_checkpoint
+
+        if config_index != 0:
+            pytest.skip("the config's runs are already from a save-random checkpoint")
+        want = self._tp1(plugins, architecture, config_index, source, "off")["tokens"]
+        directory = _names(save_random_checkpoint(architecture.name, str(tmp_path / "checkpoint"), seed=0), architecture)
+        got = run_rank(self._plan(plugins, architecture, 0, {"model": None, "checkpoint": str(directory)}, graph="off"), plugins=plugins)["tokens"]
+        assert got == want, (
+            f"{architecture.name}: the checkpoint fd save-random wrote loads back to {got}, the seeded weights give {want}; "
+            f"a tensor is saved under a name, shape or layout that loads differently (or is ignored on load)"
+        )
+
+    def test_reference_greedy_tokens(self, plugins: PluginSet, architecture: Architecture, config_index: int, tmp_path: Path) -> None:
+        """A tiny random model built and saved by transformers gives the reference's first-step logits (to rounding) and
+        greedy tokens through `fd run`'s path."""
+        try:
+            import torch
+            import transformers
+        except ImportError as exc:
+            pytest.skip(f"{NOT_VERIFIED} the reference needs transformers and torch, which are not installed here ({exc}); pip install transformers torch")
+        name = reference_class(architecture, transformers)
+        if name is None:
+            pytest.skip(f"{NOT_VERIFIED} {architecture.name} names no reference class that transformers defines (set Architecture.reference)")
+        model_cls = getattr(transformers, name, None)
+        if model_cls is None:
+            pytest.skip(f"{NOT_VERIFIED} transformers {transformers.__version__} has no {name}")
+        data = dict(_config_data(architecture, config_index))
+        prompt = list(_prompt(architecture, config_index))
+        torch.set_num_threads(1)
+        best = None
+        for seed in REFERENCE_SEEDS:
+            model = _reference_model(torch, model_cls, data, seed)
+            tokens, first, margin = _reference_greedy(torch, model, prompt)
+            best = max(best or 0.0, margin)
+            if margin > MIN_MARGIN:
+                break
+        else:
+            pytest.fail(f"{architecture.name}: no seed of {list(REFERENCE_SEEDS)} keeps the reference's top-2 logits {MIN_MARGIN:g} apart "
+                        f"(best {best:.2e}); widen initializer_range in the preset", pytrace=False)
+        directory = tmp_path / "reference"
+        model.save_pretrained(str(directory))
+        for file_name, content in architecture.preset_files.items():
+            (directory / file_name).write_text(json.dumps(dict(content)))
+        _names(directory, architecture)
+        from fd_core.runtime.worker import RankWorker
+
+        plan = self._plan(plugins, architecture, config_index, {"model": None, "checkpoint": str(directory)}, graph="auto")
+        worker = RankWorker.start(plan, plugins=plugins)  # what `fd run --tp 1` runs on its rank
+        got = worker.generate(plan.request)[0].token_ids
+        model = worker.runner.model
+        assert model is not None
+        import numpy as np
+
+        ours = np.asarray(model.prefill(np.asarray([prompt], dtype="int64")).astype("float32").numpy()[0], dtype=np.float64)
+        scale = max(1.0, float(np.abs(first).max()))
+        worst = float(np.abs(ours - first).max())
+        assert worst <= LOGIT_TOL * scale, (
+            f"{architecture.name}: on a checkpoint saved by transformers' {name} (seed {seed}) fd's first-step logits differ from "
+            f"the reference's by {worst:.2e} (tolerance {LOGIT_TOL * scale:.1e}); the model computes something else than the reference "
+            f"(rotary layout, norms, biases, a weight's layout)"
+        )
+        assert got == tokens, (
+            f"{architecture.name}: on a checkpoint saved by transformers' {name} (seed {seed}) fd gives {got}, the reference {tokens}; "
+            f"the model computes something else than the reference (rotary layout, norms, biases, a weight's layout)"
+        )
+
+
+def _names(directory: Path, arch: Architecture) -> Path:
+    """The checkpoint's config.json made to name the architecture under test: its published class name
+    (`architectures`) may be an alias another registered architecture holds (a variant of the same model)."""
+    path = Path(directory) / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "architectures": [arch.name]}))
+    return Path(directory)
+
+
+def _reference_model(torch: Any, model_cls: Any, data: Mapping[str, Any], seed: int) -> Any:
+    """transformers' model of the config, seeded; parameters it initialises to zero (biases, say) made random so that they count."""
+    torch.manual_seed(seed)
+    config = model_cls.config_class(**{k: v for k, v in data.items() if k not in ("architectures", "model_type")})
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.numel() and not param.abs().sum():
+                param.copy_(torch.randn_like(param) * 0.05)
+    return model
+
+
+def _reference_greedy(torch: Any, model: Any, prompt: list[int]) -> tuple[list[int], Any, float]:
+    """Greedy tokens, each step running the whole sequence (no cache: nothing shared with fd's path), the first
+    step's logits, and the smallest top-2 margin."""
+    ids, margin, first = list(prompt), float("inf"), None
+    with torch.no_grad():
+        for _ in range(STEPS):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            first = logits.numpy().astype("float64") if first is None else first
+            top2 = torch.topk(logits, 2).values
+            margin = min(margin, float(top2[0] - top2[1]))
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):], first, margin
+
+
+class RecordingGraphs:
+    """The platform's graph backend, with its calls counted and each key's last inputs kept."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.mode = inner, inner.mode
+        self.keys: set[Any] = set()
+        self.inputs: dict[Any, Any] = {}
+        self.replays = self.clears = 0
+
+    def capture(self, key: Any, fn: Any, inputs: Any) -> None:
+        self.keys.add(key)
+        self.inputs[key] = inputs
+        self.inner.capture(key, fn, inputs)
+
+    def replay(self, key: Any, inputs: Any) -> Any:
+        self.replays += 1
+        self.inputs[key] = inputs
+        return self.inner.replay(key, inputs)
+
+    def has(self, key: Any) -> bool:
+        return bool(self.inner.has(key))
+
+    def clear(self) -> None:
+        self.clears += 1
+        self.inner.clear()
+
