@@ -385,7 +385,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             signal.signal(sig, handler)
     counts = table.counts()
     if code == pytest.ExitCode.NO_TESTS_COLLECTED and args.k:
-        raise ConfigError(f"no check of the conformance suite matches -k {args.k!r}; run fd check {f'--model {model}' if model else platform} without -k to see them all")
+        target = f"--model {model}" if model else platform
+        raise ConfigError(f"no check of the conformance suite matches -k {args.k!r}; run fd check {target} without -k to see them all")
     if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.INTERRUPTED) and not table.rows and not table.interrupted:
         print(f"fd: error: the conformance suite did not run (pytest exit code {int(code)})", file=sys.stderr)
         return 1

@@ -101,9 +101,10 @@ class ModelRunner:
         left: Mapping[str, Any] = shards
         if isinstance(shards, CheckpointShards):
             if shards.unused and not self.unused_tensors:
+                tied = "lm_head.weight" in shards.unused and self.config.tie_word_embeddings
                 self.log(
                     f"checkpoint tensor(s) not used by {self.arch.name}: {', '.join(shards.unused)}"
-                    + (" (tie_word_embeddings is true: the head is the embedding)" if "lm_head.weight" in shards.unused and self.config.tie_word_embeddings else "")
+                    + (" (tie_word_embeddings is true: the head is the embedding)" if tied else "")
                 )
             self.unused_tensors = list(shards.unused)
             shards.close()

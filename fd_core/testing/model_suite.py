@@ -169,7 +169,7 @@ class ModelSuite:
                     _RUNS[(n, 0, "the two-rank run")] = exc
         ranks = _cached(key, lambda: spawn_ranks(runs_on_rank, (plans,), 2, plans[0].dist_backend))
         for rank in ranks:
-            for graph, run in zip(("off", "on"), rank):
+            for graph, run in zip(("off", "on"), rank, strict=True):
                 assert run["tokens"] == want, (
                     f"{architecture.name}: tp=2 (rank {run['rank']}, --graph {graph}) gives {run['tokens']}, tp=1 gives {want}; "
                     f"a split weight, its split axis or an all-reduce of the model is wrong"

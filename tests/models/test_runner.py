@@ -9,7 +9,6 @@ import pytest
 from fd_core import ModelConfig, hookimpl
 from fd_core.backend import load_backend
 from fd_core.plugins import load_plugins
-from fd_core.runtime.distributed import spawn_ranks
 from fd_core.runtime.engine import Engine
 from fd_core.runtime.lifecycle import ModelRunner
 from fd_core.runtime.plan import model_config_for
