@@ -137,5 +137,5 @@ def realsize_rows(smoke: bool) -> list[Line]:
         peak = statistics.median(r["peak_rss_bytes"] for r in res["transformers"])
         lines[-1].note += f"; transformers peaks at {peak / 2**20:.0f} MiB"
     if not hf:
-        lines[0].note += "; transformers is not installed (pip install 'fd-backends[test]'): compared with fd's own tp=1 only"
+        lines[0].note += "; transformers is not installed (pip install '.[cpu,test]' in a checkout): compared with fd's own tp=1 only"
     return lines

@@ -237,9 +237,9 @@ class Backend:
             op, plugin = next(iter(uncapturable.items()))
             raise ConfigError(f"--graph on: plugin {plugin!r} registered its kernel for {op} as not capturable; use --graph auto or off")
 
-    @property
+    @functools.cached_property
     def graph_mode(self) -> str | None:
-        """The kind of graph the platform captures (its graph backend's `mode`), None if none."""
+        """The kind of graph the platform captures (its graph backend's `mode`), None if none; asked once."""
         backend = self.hook.fd_graph_backend(parallel_config=self.parallel)
         return getattr(backend, "mode", None) if backend is not None else None
 

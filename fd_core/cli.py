@@ -213,7 +213,7 @@ def _require_paddle() -> None:
                          if r.lower().startswith("paddlepaddle") and "extra ==" in r})
     except PackageNotFoundError:
         extras = []
-    choices = " or ".join(f"pip install 'fd-backends[{e}]'" for e in extras) or "install PaddlePaddle"
+    choices = " or ".join(f"pip install '.[{e}]' in a checkout" for e in extras) or "install PaddlePaddle"
     raise FdError(
         f"PaddlePaddle is not installed; {choices}, or a device build as docs/install.md says (one build only: each provides the same paddle package)"
     )
@@ -336,7 +336,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     try:
         import pytest
     except ImportError:
-        raise FdError("fd check runs the conformance suite with pytest, which is not installed; pip install 'fd-backends[test]'") from None
+        raise FdError(
+            "fd check runs the conformance suite with pytest, which is not installed; "
+            "pip install pytest (or the test extra: pip install '.[cpu,test]' in a checkout)"
+        ) from None
 
     from fd_core.paddle_logs import quiet_paddle_logs
     from fd_core.plugins import load_plugins

@@ -28,6 +28,8 @@ class Op:
     args: tuple[str, ...]
     semantics: str
     dtypes: tuple[str, ...] = FLOATS
+    # Whether the op runs inside the decode step a graph captures (sampling runs on the host, after it).
+    traced: bool = True
     # dtype -> (rtol, atol) a kernel's result must be within, elementwise, of the native op's.
     tolerances: Mapping[str, tuple[float, float]] = field(
         default_factory=lambda: {"float32": (1e-5, 1e-5), "float16": (2e-3, 2e-3), "bfloat16": (2e-2, 2e-2)}
@@ -54,7 +56,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
        "(in [0, 1)) from softmax(logits / temperature) restricted to the top_k highest (0: all) and then to the smallest "
        "prefix of the sorted probabilities whose mass reaches top_p; the engine draws `uniform` from each sequence's seeded "
        "generator, so every rank chooses the same token. Returns a list of B ints",
-       dtypes=("float32",), tolerances={"float32": (0.0, 0.0)}),
+       dtypes=("float32",), traced=False, tolerances={"float32": (0.0, 0.0)}),
 )}
 
 
@@ -140,8 +142,8 @@ class KernelTable:
         return {op: kernel.plugin if (kernel := self.chosen(op)) is not None else NATIVE for op in OPS}
 
     def uncapturable(self) -> dict[str, str]:
-        """The ops served by a kernel registered with capturable=False, with its plugin."""
-        return {op: kernel.plugin for op in OPS if (kernel := self.chosen(op)) is not None and not kernel.capturable}
+        """The ops a captured decode step traces that a kernel registered with capturable=False serves, with its plugin."""
+        return {op: kernel.plugin for op in OPS if OPS[op].traced and (kernel := self.chosen(op)) is not None and not kernel.capturable}
 
 
 class Ops:

@@ -50,7 +50,7 @@ class Checkpoint:
             config = read_config_json(path / "config.json")
         except ConfigError as exc:
             raise CheckpointError(f"checkpoint {exc}") from None
-        preprocessor = read_config_json(path / PREPROCESSOR_CONFIG) if (path / PREPROCESSOR_CONFIG).exists() else None
+        preprocessor = read_json(path / PREPROCESSOR_CONFIG) if (path / PREPROCESSOR_CONFIG).exists() else None
         return cls(str(directory), config, read_json(path / "generation_config.json"), preprocessor)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
 from fd_core.errors import NumericsError
 from fd_core.runtime import progress
 from fd_core.runtime.lifecycle import ModelRunner
-from fd_core.runtime.memory import CACHE_STEP, MemoryPlan, cache_length  # noqa: F401 - CACHE_STEP: the engine's rounding, named where it was
+from fd_core.runtime.memory import MemoryPlan, cache_length
 from fd_core.runtime.request import Request
 from fd_core.runtime.sampling import Sampler
 from fd_core.runtime.streaming import StreamDecoder, TextState

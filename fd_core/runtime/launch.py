@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping
 
+from fd_core.errors import RankError
 from fd_core.paddle_logs import quiet_paddle_logs
 from fd_core.plugins import PluginSet
 from fd_core.runtime import progress
@@ -61,7 +62,11 @@ def run_rank(
             }
         )
         if not same:
-            raise RuntimeError(f"reload cycle {cycle + 1} changed the output: {again[0].token_ids} != {first[0].token_ids}")
+            changed = next(i for i, (a, b) in enumerate(zip(again, first, strict=True)) if a.token_ids != b.token_ids)
+            raise RankError(
+                f"reload cycle {cycle + 1} changed the output of prompt {changed + 1}: {again[changed].token_ids} != {first[changed].token_ids}; "
+                f"the cleanup, clear or load hooks do not restore the weights (fd check tests them)"
+            )
     model = runner.model
     return {
         **worker.describe(),

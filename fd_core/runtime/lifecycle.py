@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping
 from fd_core.backend import Backend
 from fd_core.config import ModelConfig
 from fd_core.errors import PluginError
-from fd_core.graphs import GraphDecision, capture_scope
+from fd_core.graphs import GraphBackend, GraphDecision, capture_scope
 from fd_core.models import Architecture, CausalModel
 from fd_core.runtime import progress
 from fd_core.runtime.weights import CheckpointShards, load_checkpoint, random_state_dict
@@ -66,6 +66,8 @@ class ModelRunner:
     timings: dict[str, float] = field(default_factory=dict)
     # Batch size -> the cache length its decode step was captured for (cleared with the graphs).
     captured: dict[int, int] = field(default_factory=dict)
+    # The platform's graph backend, one per model: every batch size's captures live in it (keys (batch, length)).
+    graphs: GraphBackend | None = None
     # Checkpoint tensors present and not loaded (reported once, on the first load).
     unused_tensors: list[str] = field(default_factory=list)
 
@@ -132,8 +134,11 @@ class ModelRunner:
         if decision.allowed and self.captured.get(batch) != max_len:
             self.log(f"capturing the decode step for batch size {batch} ({decision.mode})")
             progress.report("capturing")
+            if self.graphs is None:
+                self.graphs = self.backend.graph_backend()
+            graphs = self.graphs
             with capture_scope():
-                self._timed("capture", lambda: model.capture(self.backend.graph_backend(), batch))
+                self._timed("capture", lambda: model.capture(graphs, batch))
             self.captured[batch] = max_len
 
     def reload(self) -> None:

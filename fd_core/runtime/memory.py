@@ -108,7 +108,7 @@ class MemoryPlan:
             f"rounded up to a multiple of {CACHE_STEP}), and {arch} at tp={self.tp} has room for {self.capacity_tokens} "
             f"(--memory-fraction {self.fraction:g} of {gib(self.device_free)} free on device {self.device}, less "
             f"{gib(self.weights_per_rank)} of weights{ranks}; {self.cache_bytes_per_token} bytes a token per rank); "
-            f"ask for fewer tokens, or raise --memory-fraction or --tp"
+            f"ask for fewer tokens, or raise --memory-fraction{'' if self.ranks_per_device > 1 else ' or --tp'}"
         )
 
 
@@ -146,16 +146,20 @@ def plan_memory(
     budget = int(device.free * fraction)
     room = budget - ranks * weights
     what = f"{ranks} ranks of tp={tp} share it" if ranks > 1 else f"tp={tp}"
+    # Ranks that share one device hold more weights together at a larger tp, not less: no --tp advice then.
+    advice = ("a higher --memory-fraction or a smaller model (its ranks share the device, so a larger --tp does not help)" if ranks > 1
+              else "a larger --tp, a higher --memory-fraction or a smaller model")
+    cache_advice = "a higher --memory-fraction" if ranks > 1 else "a larger --tp or a higher --memory-fraction"
     if room <= 0:
         raise ConfigError(
             f"{arch} needs about {gib(weights)} of weights per rank ({config.dtype}, {what}), and device {index} of platform "
             f"{platform!r} has {gib(device.free)} free of {gib(device.total)}, of which --memory-fraction {fraction:g} allows "
-            f"{gib(budget)}; use a larger --tp, a higher --memory-fraction or a smaller model"
+            f"{gib(budget)}; use {advice}"
         )
     capacity = room // (ranks * per_token)
     if capacity < 1:
         raise ConfigError(
             f"{arch}'s weights ({gib(weights)} per rank, {what}) leave no room for a KV cache in --memory-fraction {fraction:g} of "
-            f"{gib(device.free)} free on device {index} of platform {platform!r}; use a larger --tp or a higher --memory-fraction"
+            f"{gib(device.free)} free on device {index} of platform {platform!r}; use {cache_advice}"
         )
     return MemoryPlan(fraction, config.dtype, tp, weights, per_token, index, device.total, device.free, ranks, int(capacity))

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 from fd_core.errors import RankError
 from fd_core.paddle_logs import quiet_paddle_logs
 from fd_core.runtime import progress
-from fd_core.runtime.distributed import init_rank, spawn_ranks
+from fd_core.runtime.distributed import DEFAULT_STALL_S, init_rank, spawn_ranks
 from fd_core.runtime.worker import RankWorker
 
 if TYPE_CHECKING:
@@ -47,14 +47,14 @@ def serve_rank(plan: "Plan", pipes: Sequence[Any]) -> dict[str, Any]:
 class RankPool:
     """`tp` ranks serving requests; a rank that fails stops the others and the next call raises its RankError."""
 
-    def __init__(self, plan: "Plan", tp: int, grace: float) -> None:
+    def __init__(self, plan: "Plan", tp: int, grace: float, stall: float = DEFAULT_STALL_S) -> None:
         context = multiprocessing.get_context("spawn")
         pairs = [context.Pipe() for _ in range(tp)]
         self.conns = [ours for ours, _ in pairs]
         theirs = tuple(end for _, end in pairs)
         self.error: BaseException | None = None
         self.pids: list[int] = []
-        self.thread = threading.Thread(target=self._spawn, args=(plan, theirs, tp, grace), name="fd-ranks", daemon=True)
+        self.thread = threading.Thread(target=self._spawn, args=(plan, theirs, tp, grace, stall), name="fd-ranks", daemon=True)
         self.thread.start()
         try:
             self.ready = [self._receive(rank, "ready") for rank in range(tp)]
@@ -66,9 +66,10 @@ class RankPool:
                 end.close()
         self.pids = [info[1]["pid"] for info in self.ready]
 
-    def _spawn(self, plan: "Plan", pipes: tuple[Any, ...], tp: int, grace: float) -> None:
+    def _spawn(self, plan: "Plan", pipes: tuple[Any, ...], tp: int, grace: float, stall: float) -> None:
         try:
-            spawn_ranks(serve_rank, (plan, pipes), tp, plan.dist_backend, grace=grace)
+            spawn_ranks(serve_rank, (plan, pipes), tp, plan.dist_backend, grace=grace, stall=stall,
+                        stall_hint="raise LLM(stall_timeout=...) if it is only slow")
         except BaseException as exc:  # re-raised in the caller's thread by its next call
             self.error = exc
 

@@ -12,6 +12,7 @@ from fd_core.errors import ConfigError
 from fd_core.graphs import CastVote, GraphDecision
 from fd_core.paddle_logs import quiet_paddle_logs
 from fd_core.plugins import load_plugins
+from fd_core.runtime.distributed import DEFAULT_STALL_S
 from fd_core.runtime.engine import Completion
 from fd_core.runtime.images import load_image
 from fd_core.runtime.memory import DEFAULT_MEMORY_FRACTION
@@ -38,7 +39,7 @@ class LLM:
     def __init__(
         self, checkpoint: str | Path | None = None, *, model: str | None = None, tp: int = 1, platform: str | None = None,
         dtype: str | None = None, graph: str = "auto", seed: int = 0, max_batch: int = 8, progress: bool = False,
-        rank_timeout: float = 30.0, memory_fraction: float = DEFAULT_MEMORY_FRACTION,
+        rank_timeout: float = 30.0, memory_fraction: float = DEFAULT_MEMORY_FRACTION, stall_timeout: float = DEFAULT_STALL_S,
     ) -> None:
         quiet_paddle_logs()  # before paddle is imported: its C++ logs stay off the caller's terminal
         if graph not in ("auto", "off", "on"):
@@ -61,7 +62,7 @@ class LLM:
                 import sys
 
                 print(f"fd: starting {tp} ranks on {self._plan.platform} ({self._plan.dist_backend})", file=sys.stderr, flush=True)
-            self._pool = RankPool(self._plan, tp, rank_timeout)
+            self._pool = RankPool(self._plan, tp, rank_timeout, stall_timeout)
             self._info = self._pool.ready[0][1]
 
     # -- what it is ----------------------------------------------------------------------

@@ -54,6 +54,9 @@ def cases(op: str, plugins: PluginSet, dtype: str, seed: int = 0) -> Iterator[tu
                     angles = rng.uniform(-20, 20, (length, d // 2)).astype("float32")
                     cos, sin = paddle.to_tensor(np.cos(angles)), paddle.to_tensor(np.sin(angles))
                     yield f"x[{batch}, {heads}, {length}, {d}] {layout}", (t(batch, heads, length, d), cos, sin, layout)
+                    # As the attention layer passes it: a transpose of [B, S, heads, d].
+                    yield (f"x[{batch}, {heads}, {length}, {d}] {layout} (a transposed view)",
+                           (t(batch, length, heads, d).transpose([0, 2, 1, 3]), cos, sin, layout))
         elif op == "attention":
             for batch, length, total in ((1, 5, 5), (2, 1, 9), (1, 3, 11)):
                 # Causal over the last `length` of `total` positions: what prefill (length == total) and decode pass.
@@ -62,6 +65,10 @@ def cases(op: str, plugins: PluginSet, dtype: str, seed: int = 0) -> Iterator[tu
                 mask = paddle.to_tensor(np.where(allowed, 0.0, -np.inf).astype("float32"))
                 yield (f"q[{batch}, {heads}, {length}, {d}] kv[{batch}, {kv}, {total}, {d}]",
                        (t(batch, heads, length, d), t(batch, kv, total, d), t(batch, kv, total, d), mask))
+                # k and v as the layer passes them: the first `total` positions of a position-major cache [T, B, kv, d].
+                cache_k, cache_v = t(total + 3, batch, kv, d), t(total + 3, batch, kv, d)
+                yield (f"q[{batch}, {heads}, {length}, {d}] kv views of a cache [{total + 3}, {batch}, {kv}, {d}]",
+                       (t(batch, heads, length, d), cache_k[:total].transpose([1, 2, 0, 3]), cache_v[:total].transpose([1, 2, 0, 3]), mask))
             yield f"q[1, {heads}, 4, {d}] no mask", (t(1, heads, 4, d), t(1, kv, 4, d), t(1, kv, 4, d), None)
         elif op == "sample":
             vocab = 50 + s["hidden"]
@@ -118,18 +125,40 @@ class KernelTests:
         ours = {op: p for op, p in backend.ops.providers.items() if not backend.ops.native(op)}
         if not ours:
             pytest.skip(f"{plugins.platform}: every op runs the native implementation (no kernel registered)")
-        failures = []
+        failures, unchecked, checked = [], [], 0
         for op, provider in ours.items():
-            for dtype in [d for d in hardware.dtypes if d in OPS[op].dtypes]:
+            dtypes = [d for d in hardware.dtypes if d in OPS[op].dtypes]
+            unchecked += [f"{op} in {d}" for d in hardware.dtypes if d not in OPS[op].dtypes]
+            for dtype in dtypes:
                 for what, args in cases(op, plugins, dtype):
+                    # The reference first, on copies: a kernel that writes into its inputs must not change what it is compared with.
+                    want = getattr(native_ops, op)(*_copies(args))
+                    before = _copies(args)
                     try:
                         got = getattr(backend.ops, op)(*args)
                     except Exception as exc:  # noqa: BLE001 - the kernel's own error, reported with its case
                         failures.append(f"{op} ({provider}) {dtype} {what}: raised {type(exc).__name__}: {exc}")
                         continue
-                    problem = compare(op, got, getattr(native_ops, op)(*args), dtype, args, native_ops)
+                    checked += 1
+                    problem = compare(op, got, want, dtype, args, native_ops) or _changed(args, before)
                     if problem:
                         failures.append(f"{op} ({provider}) {dtype} {what}: {problem}")
         # The first line (what `fd check` shows) names each failing op with its first case; every case follows.
         first = {f.split(" ", 1)[0]: f for f in reversed(failures)}
         assert not failures, "; ".join(reversed(first.values())) + f" ({len(failures)} case(s) in all)\n" + "\n".join(failures[:40])
+        if not checked:
+            pytest.skip(f"{plugins.platform}: no kernel case could be checked: the ops define no tolerance for {', '.join(unchecked)}")
+
+
+def _copies(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(a.clone() if hasattr(a, "clone") else a for a in args)
+
+
+def _changed(args: tuple[Any, ...], before: tuple[Any, ...]) -> str | None:
+    """Which input the kernel wrote into, if any (the ops are pure: inputs must come back as they were)."""
+    import numpy as np
+
+    for index, (now, then) in enumerate(zip(args, before, strict=True)):
+        if hasattr(now, "numpy") and not np.array_equal(_numpy(now), _numpy(then), equal_nan=True):
+            return f"the kernel wrote into its argument {index + 1}"
+    return None

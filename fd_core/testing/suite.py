@@ -333,7 +333,11 @@ class AllReduceTests(_Base):
                     pytest.skip(f"{platform_name} does not capture graphs at tp=2: {graph['summary']}")
                 assert graph["replay"] is not None, f"{where}: the graph backend's has(key) is False right after capture"
                 rtol = max(capabilities.rtol(dtype), 1e-5)
-                assert np.allclose(graph["replay"], graph["eager"], rtol=rtol), f"{where}: replaying it differs from eager"
+                # Each rank's x @ w is 0.5 * 4 * (rank + 1); summed over two ranks and doubled: 12 in every element.
+                want = np.full((2, 4), 12.0)
+                for side in ("eager", "replay"):
+                    got = np.asarray(graph[side], dtype=np.float64)
+                    assert np.allclose(got, want, rtol=rtol), f"{where}: {side} gives {got.reshape(-1)[:4].tolist()}..., expected 12 in every element"
 
 
 class CleanupTests(_Base):
@@ -517,11 +521,14 @@ class ModelTests(_Base):
 
         backend.graph_backend = recording  # type: ignore[method-assign]
         request = Request.greedy([[1, 2, 3]], 4)
+        eager: dict[str, str] = {}
         for arch in plugins.registry:
             # The engine `fd run` generates through: what is checked here is what runs.
             runner = ModelRunner(backend, arch, model_config_for(arch, None))
             runner.load()
-            if not runner.decide().allowed:
+            decision = runner.decide()
+            if not decision.allowed:
+                eager[arch.name] = decision.summary()
                 continue
             engine = Engine(runner)
             before = engine.generate(request)[0].token_ids
@@ -535,6 +542,8 @@ class ModelTests(_Base):
             after = engine.generate(request)[0].token_ids
             assert spy.replays == replays, f"{arch.name}: decode still replayed a graph after fd_clear_graphs"
             assert after == before, f"{arch.name}: decoding after fd_clear_graphs gives {after}, with graphs {before}"
+        if eager and len(eager) == len(plugins.registry):
+            pytest.skip(f"no architecture captures graphs here, so no clear hook was exercised: {'; '.join(f'{a}: {w}' for a, w in eager.items())}")
 
 
     def test_the_engine_generates_what_the_model_computes_without_a_cache(self, plugins: PluginSet, hardware: Detection) -> None:

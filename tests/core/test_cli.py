@@ -138,7 +138,7 @@ def test_without_paddle_the_commands_that_need_it_say_which_extra_to_install(mon
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "paddle" else real(name, *a))
     assert main(["run", "--tp", "1"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "fd: error: PaddlePaddle is not installed; pip install 'fd-backends[cpu]', or a device build as docs/install.md says "
+        "fd: error: PaddlePaddle is not installed; pip install '.[cpu]' in a checkout, or a device build as docs/install.md says "
         "(one build only: each provides the same paddle package)"
     )
 def test_run_prints_time_to_first_token_and_what_the_phases_cover() -> None:

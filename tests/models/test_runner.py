@@ -84,3 +84,25 @@ def test_tp_must_divide_every_sharded_dimension() -> None:
     config.check_tensor_parallel(2)
     with pytest.raises(ConfigError, match=r"tp=4 does not divide num_key_value_heads=2 of x; choose a tp that divides each of them"):
         config.check_tensor_parallel(4)
+
+
+def test_one_graph_backend_serves_every_batch_size_and_a_reload_clears_it() -> None:
+    """Decoding 1, then 2, then 1 prompts replays captured graphs for both sizes (one platform graph backend, kept)."""
+    backend = load_backend(plugins=load_plugins({}))
+    made = []
+    real = backend.graph_backend
+    backend.graph_backend = lambda: made.append(real()) or made[-1]  # type: ignore[method-assign]
+    spec = backend.plugins.registry.get("ernie4_5")
+    runner = ModelRunner(backend, spec, model_config_for(spec, None))
+    runner.load()
+    assert runner.decide().allowed
+    engine = Engine(runner)
+    one, two = Request.greedy([[1, 2, 3]], 4), Request.greedy([[1, 2, 3], [4, 5]], 4)
+    first = engine.generate(one)[0].token_ids
+    engine.generate(two)
+    assert engine.generate(one)[0].token_ids == first
+    assert len(made) == 1 and runner.model.graphs is made[0]
+    assert made[0].has((1, 32)) and made[0].has((2, 32)), "a batch size's captured graph was lost when another was captured"
+    runner.reload()
+    assert not made[0].has((1, 32)) and runner.captured == {}
+    assert engine.generate(one)[0].token_ids == first and made[0].has((1, 32)) and len(made) == 1
