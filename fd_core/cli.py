@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any, Callable, Mapping, NoReturn, Sequence
 
+from fd_core.config import COMPUTE_DTYPES
 from fd_core.errors import ConfigError, FdError, RankError
 
 EXIT_USAGE = 2
@@ -466,7 +467,7 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
     p.add_argument("--tp", type=_positive, default=2, metavar="N", help="tensor-parallel ranks, as fd run takes them (default: 2)")
     p.add_argument("--graph", choices=("auto", "on", "off"), default="auto", help=graph_help)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16", "float64"),
+    p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
                    help="compute dtype, as fd run takes it (default: the platform's preferred one)")
     p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION, metavar="F", help=memory_help)
     p.set_defaults(func=cmd_explain)
@@ -494,7 +495,7 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
                    help="a picture for a VL model: PNG, JPEG, or .npy [C,H,W] in [0,1]; repeat for several, in the order of their placeholders (default: none)")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="a checkpoint directory as transformers saves it: config.json, *.safetensors (default: seeded random weights)")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16", "float64"),
+    p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
                    help="compute dtype (default: the platform's preferred one, the first it lists; see fd plugins)")
     p.add_argument("--graph", choices=("auto", "on", "off"), default="auto", help=graph_help)
     p.add_argument("--reload-cycles", type=_non_negative, default=0, metavar="N", help="weight-update cycles after the first run (default: 0)")
