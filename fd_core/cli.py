@@ -339,7 +339,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     except ImportError:
         raise FdError(
             "fd check runs the conformance suite with pytest, which is not installed; "
-            "pip install pytest (or the test extra: pip install '.[cpu,test]' in a checkout)"
+            "pip install pytest (the test extra brings it: see the README's test command)"
         ) from None
 
     from fd_core.paddle_logs import quiet_paddle_logs
