@@ -159,7 +159,7 @@ def test_detection_with_a_cuda_build_and_two_devices(monkeypatch: pytest.MonkeyP
 
 def test_a_failed_memory_query_leaves_the_device_detected_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     """The device queries substituted; the installed CPU build's real get_device_properties raises. Not on a GPU."""
-    monkeypatch.setattr(cuda, "version", lambda name: "3.3.1")
+    monkeypatch.setattr(cuda, "installed", lambda name: {"paddlepaddle-gpu": "3.3.1"}.get(name))
     monkeypatch.setattr(paddle, "is_compiled_with_cuda", lambda: True)
     monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(paddle.device.cuda, "get_device_name", lambda index=0: "Fake H100")
