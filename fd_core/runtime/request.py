@@ -123,7 +123,8 @@ def build_request(
     defaults = checkpoint.generation_defaults() if checkpoint is not None else GenerationDefaults()
     sampling = sampling.with_defaults(defaults.sampling, given)
     eos = list(defaults.eos_ids)
-    tokenizer_eos = checkpoint.tokenizer().role_id("eos_token") if checkpoint is not None and checkpoint.has_tokenizer() else None
+    held = checkpoint.tokenizer_if_any() if checkpoint is not None else None
+    tokenizer_eos = held.role_id("eos_token") if held is not None else None
     if tokenizer_eos is not None and tokenizer_eos not in eos:
         eos.append(tokenizer_eos)
     request = Request(tuple(tuple(p) for p in ids), sampling, tuple(eos), tuple(images))
