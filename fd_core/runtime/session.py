@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 from fd_core.backend import Backend
 from fd_core.config import ParallelConfig
-from fd_core.errors import CheckpointError, ConfigError
+from fd_core.errors import CheckpointError, ConfigError, RankError
 from fd_core.graphs import CastVote, GraphDecision
 from fd_core.paddle_logs import quiet_paddle_logs
 from fd_core.plugins import load_plugins
@@ -88,6 +88,11 @@ class LLM:
         """Whether decode steps replay a captured graph, and every plugin's vote."""
         data = self._driver.info["graph"]
         return GraphDecision(data["allowed"], data["mode"], tuple(CastVote(**v) for v in data["votes"]), data["requested"])
+
+    @property
+    def error(self) -> BaseException | None:
+        """The failure that stopped this LLM's ranks (every later call raises RankError); None while it can generate."""
+        return self._scheduler.error
 
     @property
     def timings(self) -> dict[str, float]:
@@ -176,7 +181,7 @@ class LLM:
         if self._closed:
             raise ConfigError("this LLM is closed; create a new one")
         if self._scheduler.error is not None:
-            raise ConfigError(f"this LLM's ranks failed ({self._scheduler.error}); create a new one")
+            raise RankError(f"this LLM's ranks failed earlier ({self._scheduler.error}); create a new one")
         return self._scheduler.submit(jobs_of(request))
 
     def _request(
