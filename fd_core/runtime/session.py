@@ -227,8 +227,8 @@ class LLM:
             self._closed = True
             self._worker = self._pool = None
             self._finalizer.detach()
+            self._driver.abort()  # the ranks may be mid-step: stop them rather than wait (the step then fails)
             self._scheduler.close()
-            self._driver.abort()  # the ranks may be mid-step: stop them rather than wait
             return
         self.close()
 
