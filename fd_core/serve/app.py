@@ -80,6 +80,7 @@ class Generation:
     submission: Submission
     submitted: float = field(default_factory=time.time)
     completion: "Completion | None" = None
+    cancelled: str | None = None  # why the server cancelled it (shutting down, a rank failed), if it did
 
 
 class Server:
@@ -228,8 +229,11 @@ class Server:
         self.active.update(generations)
         return generations
 
-    def withdraw(self, generations: Sequence[Generation]) -> None:
+    def withdraw(self, generations: Sequence[Generation], reason: str | None = None) -> None:
+        """Cancel these generations (freed at the engine's next step); `reason` is what their clients are told."""
         for g in generations:
+            if reason is not None and g.cancelled is None:
+                g.cancelled = reason
             g.submission.cancel()
 
     async def events(self, generations: Sequence[Generation]) -> AsyncIterator[tuple[Generation, str | None]]:
@@ -258,11 +262,15 @@ class Server:
             if kind == "text":
                 yield generation, value
             elif kind == "done":
+                if generation.cancelled is not None:
+                    raise ApiError(503, generation.cancelled, kind="server_error", code="unavailable")
                 generation.completion = value
                 remaining -= 1
                 s = generation.submission
                 self.metrics.finished(s.prompt_tokens, len(value.token_ids), generation.submitted, s.first_token_at, time.time())
                 yield generation, None
+            elif generation.cancelled is not None:
+                raise ApiError(503, generation.cancelled, kind="server_error", code="unavailable")
             else:
                 raise value
 
@@ -277,6 +285,8 @@ class Server:
 
     def engine_error(self, exc: BaseException) -> ApiError:
         """What a failure while generating becomes for the client; a failed rank ends the server."""
+        if isinstance(exc, ApiError):
+            return exc
         if isinstance(exc, RankError):
             self.fail(exc)
             return ApiError(503, str(exc), kind="server_error", code="rank_failed")
@@ -359,8 +369,6 @@ class Server:
                 status = error.status
                 yield f"data: {json.dumps(error.body())}\n\n"
                 return
-            if self.draining is not None and any(g.completion is None for g in generations):
-                return
             if include_usage:
                 done = [g.completion for g in generations if g.completion is not None]
                 yield chunk([], usage=usage(sum(len(c.prompt_ids) for c in done), sum(len(c.token_ids) for c in done)))
@@ -378,7 +386,7 @@ class Server:
         self.failure = exc
         self.draining = "stopping: a rank failed"
         log(f"stopping: {exc}")
-        self.withdraw(list(self.active))
+        self.withdraw(list(self.active), f"cancelled: the server is stopping ({exc})")
         self.stop()
 
     async def drain(self, reason: str, timeout: float) -> None:
@@ -390,7 +398,7 @@ class Server:
             await asyncio.sleep(0.05)
         if self.admitted:
             log(f"cancelling {len(self.active)} generation(s) still running after {timeout:g} s")
-            self.withdraw(list(self.active))
+            self.withdraw(list(self.active), f"cancelled: the server is {reason} and the request ran past --shutdown-timeout {timeout:g} s")
             # Their streams end at the engine's next step; a little while for them to say so.
             end = time.monotonic() + 2.0
             while self.admitted and time.monotonic() < end:
@@ -473,7 +481,7 @@ def run(server: Server, sock: socket.socket, options: ServeOptions, announce: Ca
         def on_signal(signum: int) -> None:
             if received:
                 # A second signal: no more waiting.
-                server.withdraw(list(server.active))
+                server.withdraw(list(server.active), "cancelled: the server was told to stop at once (a second signal)")
                 http.force_exit = True
                 stop()
                 return
