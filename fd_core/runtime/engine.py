@@ -1,10 +1,12 @@
-"""Batched generation on one rank: left-padded prefill, one captured decode graph per batch size,
-sampling, and per-sequence stopping at end-of-sequence ids, stop strings or the token limit."""
+"""The one generation loop on one rank: sequences admitted into the slots of a fixed-shape KV cache at step
+boundaries and retired when they end (continuous batching), sampling, and per-sequence stopping at
+end-of-sequence ids, stop strings or the token limit."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
 
 from fd_core.errors import NumericsError
@@ -12,13 +14,13 @@ from fd_core.runtime import progress
 from fd_core.runtime.lifecycle import ModelRunner
 from fd_core.runtime.memory import MemoryPlan, cache_length
 from fd_core.runtime.request import Request
-from fd_core.runtime.sampling import Sampler
+from fd_core.runtime.sampling import Sampler, SamplingParams
 from fd_core.runtime.streaming import StreamDecoder, TextState
 
 if TYPE_CHECKING:
     from fd_core.runtime.tokenizer import Tokenizer
 
-PAD_ID = 0  # what fills a shorter prompt's left padding (masked; any id in the vocabulary would do)
+PAD_ID = 0  # what fills a shorter prompt's left padding and a free slot's decode input (masked; any id in the vocabulary would do)
 
 
 @dataclass
@@ -26,7 +28,7 @@ class Completion:
     """One prompt's output: the generated ids, their text (None without a tokenizer), and why it ended.
 
     `finish_reason` is "eos" (an end-of-sequence id, kept as the last id), "stop" (a stop string; the
-    text is cut before it) or "length" (max_new_tokens reached).
+    text is cut before it), "length" (max_new_tokens reached) or "cancelled" (its caller cancelled it).
     """
 
     prompt_ids: list[int]
@@ -36,6 +38,36 @@ class Completion:
 
     def to_dict(self) -> dict[str, Any]:
         return {"text": self.text, "ids": self.token_ids, "finish_reason": self.finish_reason, "prompt_tokens": len(self.prompt_ids)}
+
+
+@dataclass(frozen=True)
+class Job:
+    """One sequence to generate, as every rank receives it (plain data): its caller's key, prompt ids,
+    sampling, end-of-sequence ids, pictures, and its index in its request (which seeds its sampler)."""
+
+    key: int
+    prompt: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    eos_ids: tuple[int, ...] = ()
+    images: tuple[Any, ...] = ()
+    index: int = 0
+
+
+@dataclass(frozen=True)
+class Event:
+    """What one step did for one sequence: the token it chose (None: none this step), the text that token
+    completed, and the completion when the sequence ended."""
+
+    key: int
+    token: int | None = None
+    text: str = ""
+    done: Completion | None = None
+
+
+def jobs_of(request: Request, first_key: int = 0) -> list[Job]:
+    """One job per prompt of `request`, keyed first_key, first_key + 1, ..."""
+    return [Job(first_key + i, tuple(p), request.sampling, tuple(request.eos_ids), tuple(request.images), i)
+            for i, p in enumerate(request.prompts)]
 
 
 def check_finite(logits: Any, step: int, live: Sequence[bool]) -> None:
@@ -53,9 +85,29 @@ def check_finite(logits: Any, step: int, live: Sequence[bool]) -> None:
 
 
 @dataclass
+class _Row:
+    """A sequence in a cache slot: what it generated, its text, and where its next token goes."""
+
+    job: Job
+    slot: int
+    sampler: Sampler
+    text: TextState | None
+    eos: frozenset[int]
+    position: int = 0  # the cache slot the next decode step writes for it
+    tokens: list[int] = field(default_factory=list)
+    reason: str | None = None
+
+
+@dataclass
 class Engine:
-    """The one generation loop: every caller (fd run, LLM, fd check, the reference tests, the benchmarks)
-    generates through it, with a loaded and decided ModelRunner; it yields text as it is produced."""
+    """The one generation loop: every caller (fd run, LLM, fd serve, fd check, the reference tests, the
+    benchmarks) generates through it, with a loaded and decided ModelRunner.
+
+    `add` queues a sequence and `cancel` ends one; each `step` retires cancelled sequences, admits
+    waiting ones into free cache slots (prefilled together, then decoding with the others) and runs one
+    decode step for every sequence in a slot. Every decision depends only on what was added and
+    cancelled before the step, so ranks given the same calls in the same order decide the same.
+    """
 
     runner: ModelRunner
     tokenizer: "Tokenizer | None" = None
@@ -66,14 +118,20 @@ class Engine:
     # first token of the first request was chosen (time.time()), for the time to first token.
     decode_core_s: float = 0.0
     first_token_at: float | None = None
-    # The plan's KV-cache capacity: prompts decode together in batches whose cache fits it (None: up to max_batch).
+    # The plan's KV-cache capacity: the cache (slots x length) is kept within it (None: up to max_batch slots).
     memory: MemoryPlan | None = None
+    steps: int = 0
+    _waiting: deque[Job] = field(default_factory=deque)
+    _rows: dict[int, _Row] = field(default_factory=dict)  # by cache slot
+    _cancelled: set[int] = field(default_factory=set)
+    _shape: tuple[int, int] | None = None  # the cache's (slots, length)
 
     @property
     def tokens_per_s(self) -> float:
         """Decode throughput of everything generated so far (tokens from decode steps, all sequences)."""
         return self.decoded_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
+    # -- the whole of one request (fd run, fd check, the tests) ---------------------------
     def generate(self, request: Request, on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
         """Every prompt's completion, in order; `on_text(prompt index, text)` as text is produced."""
         stream = self.stream(request)
@@ -86,90 +144,193 @@ class Engine:
                 on_text(index, text)
 
     def stream(self, request: Request) -> Generator[tuple[int, str], None, list[Completion]]:
-        """Yields (prompt index, new text) while generating; returns every completion."""
-        pictures = list(request.images)
-        # Prompts with pictures run one at a time (their rotary positions are not padded); text in batches.
-        size = 1 if pictures else self.max_batch
-        if self.memory is not None and request.prompts:
-            longest = max(len(p) for p in request.prompts)
-            size = self.memory.batch_size(size, self._cache_len(longest + request.sampling.max_new_tokens))
-        results: list[Completion] = []
-        for first in range(0, len(request.prompts), size):
-            rows = list(range(first, min(first + size, len(request.prompts))))
-            results += yield from self._batch(request, rows, pictures or None)
-        return results
+        """Yields (prompt index, new text) while generating; returns every completion (all queued at once, then stepped)."""
+        if self.pending:
+            raise RuntimeError("this engine is already generating; queue the request with add() instead")
+        jobs = jobs_of(request)
+        for job in jobs:
+            self.add(job)
+        results: dict[int, Completion] = {}
+        while self.pending:
+            for event in self.step():
+                if event.text:
+                    yield event.key, event.text
+                if event.done is not None:
+                    results[event.key] = event.done
+        return [results[job.key] for job in jobs]
+
+    # -- sequences as they arrive (the LLM's scheduler, the ranks of fd serve) --------------
+    @property
+    def pending(self) -> int:
+        """Sequences waiting or in a slot."""
+        return len(self._waiting) + len(self._rows)
+
+    def add(self, job: Job) -> None:
+        """Queue a sequence; a later step admits it."""
+        self._waiting.append(job)
+
+    def cancel(self, key: int) -> None:
+        """End a sequence at the next step (its completion's finish_reason is "cancelled"); an unknown key is ignored."""
+        self._cancelled.add(key)
+
+    def reset(self) -> None:
+        """Drop every sequence (after a failed step: their state is unknown)."""
+        self._waiting.clear()
+        self._rows.clear()
+        self._cancelled.clear()
+
+    def step(self) -> list[Event]:
+        """Retire the cancelled, admit the waiting that fit, decode one token for each sequence in a slot."""
+        events: list[Event] = []
+        try:
+            self._retire(events)
+            self._admit(events)
+            self._decode(events)
+        except BaseException:
+            self.reset()
+            raise
+        self.steps += 1
+        return events
+
+    # -- the parts of a step ---------------------------------------------------------------
+    def _retire(self, events: list[Event]) -> None:
+        if not self._cancelled:
+            return
+        cancelled, self._cancelled = self._cancelled, set()
+        for job in [j for j in self._waiting if j.key in cancelled]:
+            self._waiting.remove(job)
+            events.append(Event(job.key, done=Completion(list(job.prompt), [], "" if self.tokenizer else None, "cancelled")))
+        for row in [r for r in self._rows.values() if r.job.key in cancelled]:
+            row.reason = "cancelled"
+            events.append(self._finish(row, final=False))
 
     def _cache_len(self, needed: int) -> int:
         return cache_length(needed, self.runner.config.max_position_embeddings)
 
-    def _choose(self, logits: Any, step: int, live: Sequence[bool], sampler: Sampler) -> list[int]:
-        """Each row's next token through the Backend's sample op, once its live rows' logits are known to be finite."""
-        check_finite(logits, step, live)
-        return sampler.choose(logits, self.runner.backend.ops.sample)
+    def _need(self, job: Job) -> int:
+        return self._cache_len(len(job.prompt) + job.sampling.max_new_tokens)
 
-    def _batch(self, request: Request, rows: Sequence[int], image: Any) -> Generator[tuple[int, str], None, list[Completion]]:
+    def _fits(self, slots: int, length: int) -> bool:
+        return self.memory is None or self.memory.fits(slots * length)
+
+    def _admit(self, events: list[Event]) -> None:
+        """Waiting sequences into the cache: a fresh cache for a group when nothing runs; free slots otherwise."""
+        if not self._waiting or self._rows:
+            return
+        group = self._group()
+        slots, length = len(group), max(self._need(j) for j in group)
+        self.runner.prepare(slots, length)
+        self._shape = (slots, length)
+        self._prefill(group, list(range(slots)), events)
+
+    def _group(self) -> list[Job]:
+        """The waiting sequences that start together in a fresh cache: pictures alone; text, in order, as many as fit."""
+        first = self._waiting[0]
+        if first.images:
+            return [self._waiting.popleft()]
+        group: list[Job] = []
+        length = 0
+        while self._waiting and len(group) < self.max_batch and not self._waiting[0].images:
+            grown = max(length, self._need(self._waiting[0]))
+            if group and not self._fits(len(group) + 1, grown):
+                break
+            group.append(self._waiting.popleft())
+            length = grown
+        return group
+
+    def _prefill(self, jobs: Sequence[Job], slots: Sequence[int], events: list[Event]) -> None:
+        """Prefill `jobs` together (left-padded) into cache `slots`; choose and push each one's first token."""
         import numpy as np
 
-        model, params = self.runner.model, request.sampling
+        model = self.runner.model
         assert model is not None
-        prompts = [list(request.prompts[i]) for i in rows]
-        width = max(map(len, prompts))
-        pads = [width - len(p) for p in prompts]
-        ids = np.asarray([[PAD_ID] * pad + p for pad, p in zip(pads, prompts, strict=True)], dtype="int64")
-        length = model.prefill_length(ids, image)
-        self.runner.prepare(len(rows), self._cache_len(length + params.max_new_tokens))
-        sampler = Sampler(params, rows)
-        texts = [TextState(StreamDecoder(self.tokenizer), params.stop) if self.tokenizer else None for _ in rows]
-        tokens: list[list[int]] = [[] for _ in rows]
-        reasons: list[str | None] = [None] * len(rows)
-        eos = set() if params.ignore_eos else set(request.eos_ids)
-
+        width = max(len(j.prompt) for j in jobs)
+        pads = [width - len(j.prompt) for j in jobs]
+        ids = np.asarray([[PAD_ID] * pad + list(j.prompt) for pad, j in zip(pads, jobs, strict=True)], dtype="int64")
+        image = list(jobs[0].images) if jobs[0].images else None
+        position = model.prefill_length(ids, image)
         start = time.perf_counter()
         progress.report("prefill")
         logits = model.prefill(ids, image, pad=pads) if any(pads) else model.prefill(ids, image)
         self.runner.add_time("prefill", time.perf_counter() - start)
-        decode_s, decoded = 0.0, 0
-        core_start = time.process_time()
-        for step in range(params.max_new_tokens):
-            start = time.perf_counter()
-            progress.report("decode")
-            chosen = self._choose(logits, step, [reasons[b] is None for b in range(len(rows))], sampler)
-            if self.first_token_at is None:
-                self.first_token_at = time.time()
-            for b, token in enumerate(chosen):
-                if reasons[b] is not None:
-                    continue
-                tokens[b].append(token)
-                state = texts[b]
-                if token in eos:
-                    reasons[b] = "eos"
-                elif state is not None:
-                    shown = state.push(token)
-                    if shown:
-                        yield rows[b], shown
-                    if state.stopped:
-                        reasons[b] = "stop"
-                if reasons[b] is None and len(tokens[b]) == params.max_new_tokens:
-                    reasons[b] = "length"
-            if step:
-                decode_s += time.perf_counter() - start
-                decoded += sum(1 for b in range(len(rows)) if len(tokens[b]) == step + 1)
-            if all(r is not None for r in reasons):
-                break
-            start = time.perf_counter()
-            # Finished sequences ride along (fixed batch shape for the captured graph); their tokens are dropped.
-            logits = model.decode_step(np.asarray(chosen, dtype="int64").reshape(-1, 1), length + step)
-            decode_s += time.perf_counter() - start
-        self.runner.add_time("decode", decode_s)
-        self.decode_s += decode_s
+        rows = []
+        for job, slot in zip(jobs, slots, strict=True):
+            text = TextState(StreamDecoder(self.tokenizer), job.sampling.stop) if self.tokenizer else None
+            eos = frozenset() if job.sampling.ignore_eos else frozenset(job.eos_ids)
+            row = _Row(job, slot, Sampler(job.sampling, [job.index]), text, eos, position)
+            self._rows[slot] = row
+            rows.append(row)
+        chosen = self._choose(logits, rows)
+        for row, token in zip(rows, chosen, strict=True):
+            self._push(row, token, events)
+
+    def _decode(self, events: list[Event]) -> None:
+        """One decode step over every slot (a free slot's row rides along, masked); push each live row's token."""
+        import numpy as np
+
+        if not self._rows:
+            return
+        model = self.runner.model
+        assert model is not None and self._shape is not None
+        slots = self._shape[0]
+        rows = sorted(self._rows.values(), key=lambda r: r.slot)
+        tokens = np.full([slots, 1], PAD_ID, dtype="int64")
+        for row in rows:
+            tokens[row.slot, 0] = row.tokens[-1]
+        position = max(row.position for row in rows)  # every row of a group decodes at one position
+        start, core_start = time.perf_counter(), time.process_time()
+        progress.report("decode")
+        logits = model.decode_step(tokens, position)
+        picked = self._choose(logits, rows, [row.slot for row in rows])
+        for row, token in zip(rows, picked, strict=True):
+            row.position += 1
+            self._push(row, token, events)
+        elapsed = time.perf_counter() - start
+        self.runner.add_time("decode", elapsed)
+        self.decode_s += elapsed
         self.decode_core_s += time.process_time() - core_start
-        self.decoded_tokens += decoded
-        completions = []
-        for b, row in enumerate(rows):
-            state = texts[b]
-            if state is not None:
-                rest = state.finish()
-                if rest:
-                    yield row, rest
-            completions.append(Completion(prompts[b], tokens[b], state.text if state else None, reasons[b] or "length"))
-        return completions
+        self.decoded_tokens += len(rows)
+
+    def _choose(self, logits: Any, rows: Sequence[_Row], at: Sequence[int] | None = None) -> list[int]:
+        """Each row's next token from logits [B, vocab] (row i at logits row at[i]) through the Backend's sample op,
+        once its live rows' logits are known to be finite."""
+        at = list(range(len(rows))) if at is None else list(at)
+        live = [False] * int(logits.shape[0])
+        for i in at:
+            live[i] = True
+        check_finite(logits, self.steps, live)
+        sample = self.runner.backend.ops.sample
+        if all(row.job.sampling.greedy for row in rows):
+            # One call for the whole batch: greedy draws nothing, so the rows need no sampler of their own.
+            every = sample(logits, 0.0, 0, 1.0, [0.0] * len(live))
+            return [int(every[i]) for i in at]
+        return [row.sampler.choose(logits[i : i + 1], sample)[0] for row, i in zip(rows, at, strict=True)]
+
+    def _push(self, row: _Row, token: int, events: list[Event]) -> None:
+        """A row's new token: its text, and whether it ends the sequence (then the slot is free)."""
+        if self.first_token_at is None:
+            self.first_token_at = time.time()
+        row.tokens.append(token)
+        shown = ""
+        if token in row.eos:
+            row.reason = "eos"
+        elif row.text is not None:
+            shown = row.text.push(token)
+            if row.text.stopped:
+                row.reason = "stop"
+        if row.reason is None and len(row.tokens) >= row.job.sampling.max_new_tokens:
+            row.reason = "length"
+        if row.reason is None:
+            events.append(Event(row.job.key, token, shown))
+            return
+        end = self._finish(row, final=True)
+        events.append(Event(row.job.key, token, shown + end.text, end.done))
+
+    def _finish(self, row: _Row, final: bool) -> Event:
+        """Free the row's slot; its completion, with the rest of its text when it ended by itself."""
+        del self._rows[row.slot]
+        state = row.text
+        rest = state.finish() if state is not None and final else ""
+        text = None if state is None else (state.text if final else state.text[: state.shown])
+        assert row.reason is not None
+        return Event(row.job.key, None, rest, Completion(list(row.job.prompt), row.tokens, text, row.reason))

@@ -7,7 +7,7 @@ import multiprocessing
 import os
 import signal
 import threading
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from fd_core.errors import RankError
 from fd_core.paddle_logs import quiet_paddle_logs
@@ -16,18 +16,24 @@ from fd_core.runtime.distributed import DEFAULT_STALL_S, init_rank, spawn_ranks
 from fd_core.runtime.worker import RankWorker
 
 if TYPE_CHECKING:
+    from fd_core.runtime.engine import Event, Job
     from fd_core.runtime.plan import Plan
-    from fd_core.runtime.request import Request
 
 POLL_S = 0.2
 
 
 def serve_rank(plan: "Plan", pipes: Sequence[Any]) -> dict[str, Any]:
-    """A spawned rank: load, report ready, then generate for each request until told to close."""
+    """A spawned rank: load, report ready, then one engine step per tick until told to close.
+
+    A tick carries the jobs added and the keys cancelled since the last, the same to every rank, so
+    every rank's engine admits, decodes and finishes the same sequences at the same step; rank 0
+    answers with every event, the others with the tokens of what finished (compared with rank 0's).
+    """
     quiet_paddle_logs()
     rank, world = init_rank()
     conn = pipes[rank]
     worker = RankWorker.start(plan, rank, world)
+    engine = worker.engine
     conn.send(("ready", {**worker.describe(), "pid": os.getpid()}))
     while True:
         try:
@@ -39,9 +45,17 @@ def serve_rank(plan: "Plan", pipes: Sequence[Any]) -> dict[str, Any]:
             return worker.describe()
         if message[0] == "close":
             return worker.describe()
-        stream = (lambda index, text: conn.send(("text", index, text))) if rank == 0 else None
-        outputs = worker.generate(message[1], stream)
-        conn.send(("done", outputs, worker.describe()))
+        for job in message[1]:
+            engine.add(job)
+        for key in message[2]:
+            engine.cancel(key)
+        events = engine.step()
+        if rank == 0:
+            # What the caller reads back (timings) when a sequence ended; not every step.
+            info = worker.describe() if any(e.done is not None for e in events) else None
+            conn.send(("events", events, info))
+        else:
+            conn.send(("events", [(e.key, e.done.token_ids) for e in events if e.done is not None], None))
 
 
 class RankPool:
@@ -65,6 +79,7 @@ class RankPool:
             for end in theirs:
                 end.close()
         self.pids = [info[1]["pid"] for info in self.ready]
+        self.info: dict[str, Any] = self.ready[0][1]
 
     def _spawn(self, plan: "Plan", pipes: tuple[Any, ...], tp: int, grace: float, stall: float) -> None:
         try:
@@ -94,22 +109,19 @@ class RankPool:
             raise self.error
         raise RankError(f"rank {rank} ended without answering")
 
-    def generate(self, request: "Request") -> Iterator[tuple[int, str]]:
-        """Yields (prompt index, text) from rank 0 while the ranks generate; returns the completions."""
+    def tick(self, adds: Sequence["Job"], cancels: Sequence[int]) -> list["Event"]:
+        """One engine step on every rank for the jobs added and keys cancelled since the last; rank 0's events."""
         for conn in self.conns:
-            conn.send(("generate", request))
-        while True:
-            message = self._receive(0, "text", "done")
-            if message[0] == "done":
-                break
-            yield message[1], message[2]
-        outputs, info = message[1], message[2]
+            conn.send(("tick", list(adds), list(cancels)))
+        events, info = self._receive(0, "events")[1:]
+        ended = {e.key: e.done.token_ids for e in events if e.done is not None}
         for rank in range(1, len(self.conns)):
-            other = self._receive(rank, "done")
-            if [c.token_ids for c in other[1]] != [c.token_ids for c in outputs]:
-                raise RankError(f"rank {rank} generated different tokens than rank 0; the ranks disagree")
-        self.info = info
-        return outputs
+            theirs = dict(self._receive(rank, "events")[1])
+            if theirs != ended:
+                raise RankError(f"rank {rank} generated different tokens than rank 0 (or ended other sequences); the ranks disagree")
+        if info is not None:
+            self.info = info
+        return list(events)
 
     def close(self) -> None:
         """Ask every rank to finish and wait for them."""

@@ -3,8 +3,9 @@ reporting its platform, graph decision and timings."""
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generator, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from fd_core.backend import Backend
 from fd_core.config import ParallelConfig
@@ -13,13 +14,14 @@ from fd_core.graphs import CastVote, GraphDecision
 from fd_core.paddle_logs import quiet_paddle_logs
 from fd_core.plugins import load_plugins
 from fd_core.runtime.distributed import DEFAULT_STALL_S
-from fd_core.runtime.engine import Completion
+from fd_core.runtime.engine import Completion, Event, Job, jobs_of
 from fd_core.runtime.images import load_image
 from fd_core.runtime.memory import DEFAULT_MEMORY_FRACTION
 from fd_core.runtime.plan import RunConfig, plan_run, plugin_env
 from fd_core.runtime.ranks import RankPool
 from fd_core.runtime.request import Request, build_request
 from fd_core.runtime.sampling import SamplingParams
+from fd_core.runtime.scheduler import Scheduler, Submission
 from fd_core.runtime.worker import RankWorker
 
 if TYPE_CHECKING:
@@ -52,82 +54,98 @@ class LLM:
         self._plan = plan_run(run, self._plugins, gate=False)
         self._backend = Backend(self._plugins)
         self.tokenizer: Tokenizer | None = self._plan.checkpoint.tokenizer_if_any() if self._plan.checkpoint is not None else None
-        self._worker: Any = None
-        self._pool: Any = None
+        self._worker: RankWorker | None = None  # tp=1: the rank in this process
+        self._pool: RankPool | None = None  # tp > 1: the ranks
         if tp == 1:
             self._worker = RankWorker.start(self._plan, plugins=self._plugins)
-            self._info = self._worker.describe()
+            self._driver: Any = _InProcess(self._worker)
         else:
             if progress:
                 import sys
 
                 print(f"fd: starting {tp} ranks on {self._plan.platform} ({self._plan.dist_backend})", file=sys.stderr, flush=True)
-            self._pool = RankPool(self._plan, tp, rank_timeout, stall_timeout)
-            self._info = self._pool.ready[0][1]
+            self._driver = self._pool = RankPool(self._plan, tp, rank_timeout, stall_timeout)
+        # One thread steps the engine (or the ranks) for every caller; at tp > 1 a failed tick means the ranks are gone.
+        self._scheduler = Scheduler(self._driver.tick, fatal=lambda error: tp > 1, name="fd-llm")
+        self._closed = False
+        # A script that forgets close() still stops its ranks at exit (and an LLM dropped early, when collected).
+        self._finalizer = weakref.finalize(self, _shutdown, self._scheduler, self._driver)
 
     # -- what it is ----------------------------------------------------------------------
     @property
     def platform(self) -> str:
         """The platform the ranks run on."""
-        return str(self._info["platform"])
+        return str(self._driver.info["platform"])
 
     @property
     def model(self) -> str:
         """The architecture's registered name."""
-        return str(self._info["model"])
+        return str(self._driver.info["model"])
 
     @property
     def graph(self) -> GraphDecision:
         """Whether decode steps replay a captured graph, and every plugin's vote."""
-        data = self._info["graph"]
+        data = self._driver.info["graph"]
         return GraphDecision(data["allowed"], data["mode"], tuple(CastVote(**v) for v in data["votes"]), data["requested"])
 
     @property
     def timings(self) -> dict[str, float]:
         """Seconds spent so far in each phase on rank 0 (build, load, cleanup, capture, prefill, decode)."""
-        return dict(self._info["timings_s"])
+        return dict(self._driver.info["timings_s"])
 
     # -- generating ----------------------------------------------------------------------
+    def submit(
+        self, prompt: Prompt, sampling: SamplingParams | None = None, *, chat: bool = False, images: Sequence[Any] = (),
+    ) -> Submission:
+        """Queue one prompt (text or token ids) and return at once; it joins the running batch at the next step boundary.
+
+        Thread-safe. The request is checked first: a bad one raises ConfigError (or RequestRefused) here, before it queues.
+        """
+        if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
+            raise ConfigError("submit() takes one prompt; call it once per prompt")
+        return self._submit(self._request(prompt, sampling, chat, images, stream=True))[0]
+
+    def queued(self) -> int:
+        """Sequences waiting or running (every caller's)."""
+        return self._scheduler.queued()
+
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None = None, *, chat: bool = False,
         images: Sequence[Any] = (),
     ) -> list[Completion]:
-        """A completion for each prompt (text, or token ids), decoded together in batches."""
-        stream = self._stream(self._request(prompts, sampling, chat, images, stream=False))
-        while True:
-            try:
-                next(stream)
-            except StopIteration as done:
-                return list(done.value)
+        """A completion for each prompt (text, or token ids), decoded in the running batch with every other caller's."""
+        submissions = self._submit(self._request(prompts, sampling, chat, images, stream=False))
+        try:
+            return [s.result() for s in submissions]
+        except BaseException:
+            for submission in submissions:  # Ctrl-C while waiting: the sequences stop, the LLM goes on
+                submission.cancel()
+            raise
 
     def stream(self, prompt: Prompt, sampling: SamplingParams | None = None, *, chat: bool = False, images: Sequence[Any] = ()) -> Iterator[str]:
-        """The text of one prompt's completion, piece by piece as it is produced; the request is checked when this is called."""
+        """The text of one prompt's completion, piece by piece as it is produced; the request is checked when this is called.
+
+        Leaving the loop early (break, an exception) cancels the rest of the sequence; the LLM goes on.
+        """
         if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
             raise ConfigError("stream() takes one prompt; use generate() for several")
         request = self._request(prompt, sampling, chat, images, stream=True)
 
         def pieces() -> Iterator[str]:
-            for _, text in self._stream(request):
-                yield text
+            submission = self._submit(request)[0]
+            try:
+                yield from submission
+            finally:
+                submission.cancel()  # a no-op once it ended
 
         return pieces()
 
-    def _stream(self, request: Request) -> Generator[tuple[int, str], None, list[Completion]]:
-        if self._worker is None and self._pool is None:
+    def _submit(self, request: Request) -> list[Submission]:
+        if self._closed:
             raise ConfigError("this LLM is closed; create a new one")
-        try:
-            if self._worker is not None:
-                outputs = yield from self._worker.engine.stream(request)
-                self._info = self._worker.describe()
-            else:
-                outputs = yield from self._pool.generate(request)
-                self._info = self._pool.info
-        except BaseException:
-            if self._pool is not None:
-                self._pool.abort()
-                self._pool = None
-            raise
-        return outputs
+        if self._scheduler.error is not None:
+            raise ConfigError(f"this LLM's ranks failed ({self._scheduler.error}); create a new one")
+        return self._scheduler.submit(jobs_of(request))
 
     def _request(
         self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None, chat: bool, images: Sequence[Any], stream: bool = False,
@@ -154,17 +172,49 @@ class LLM:
 
     # -- lifetime ------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the ranks (tp > 1) and release the model; idempotent."""
-        pool, self._pool, self._worker = self._pool, None, None
-        if pool is not None:
-            pool.close()
+        """Stop generating (what is still running fails with SchedulerClosed), stop the ranks (tp > 1); idempotent."""
+        self._closed = True
+        self._worker = self._pool = None
+        self._finalizer()
 
     def __enter__(self) -> "LLM":
         return self
 
     def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
-        if error is not None and self._pool is not None:
-            self._pool.abort()  # the ranks may be mid-request: stop them rather than wait
-            self._pool = None
+        if error is not None and isinstance(self._driver, RankPool):
+            self._closed = True
+            self._worker = self._pool = None
+            self._finalizer.detach()
+            self._scheduler.close()
+            self._driver.abort()  # the ranks may be mid-step: stop them rather than wait
+            return
         self.close()
 
+
+class _InProcess:
+    """The engine of a tp=1 LLM, in this process, stepped as the ranks are."""
+
+    def __init__(self, worker: RankWorker) -> None:
+        self.worker = worker
+        self.info = worker.describe()
+
+    def tick(self, adds: Sequence[Job], cancels: Sequence[int]) -> list[Event]:
+        """One engine step for the jobs added and keys cancelled since the last."""
+        engine = self.worker.engine
+        for job in adds:
+            engine.add(job)
+        for key in cancels:
+            engine.cancel(key)
+        events = engine.step()
+        if any(e.done is not None for e in events):
+            self.info = self.worker.describe()
+        return events
+
+    def close(self) -> None:
+        """Nothing runs outside this process."""
+
+
+def _shutdown(scheduler: Scheduler, driver: Any) -> None:
+    """Stop the scheduler's thread, then the ranks (holds no reference to the LLM, so it can run when the LLM is collected)."""
+    scheduler.close()
+    driver.close()

@@ -93,8 +93,8 @@ def test_llm_asks_the_gate_about_each_request_before_the_engine_runs(install_plu
         assert calls(log) == []  # the model's plan holds no request of the caller's: nothing to ask about yet
         engine = llm._worker.engine
         ran: list = []
-        real = engine.stream
-        monkeypatch.setattr(engine, "stream", lambda request: ran.append(request) or real(request))
+        real = engine.add
+        monkeypatch.setattr(engine, "add", lambda job: ran.append(job) or real(job))
         with pytest.raises(RequestRefused, match="^gate refuses this request: no streaming on this device$"):
             llm.stream([1, 2, 3], SamplingParams(max_new_tokens=4))  # refused when called, not at the first piece
         with pytest.raises(RequestRefused, match="cannot sample with a temperature here"):

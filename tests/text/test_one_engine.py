@@ -22,9 +22,9 @@ from fd_core.runtime.engine import Engine
 _real = Engine._choose
 
 
-def _broken(self, logits, step, live, sampler):
-    tokens = _real(self, logits, step, live, sampler)
-    return [t ^ 1 for t in tokens] if step else tokens
+def _broken(self, logits, rows, at=None):
+    tokens = _real(self, logits, rows, at)
+    return [t ^ 1 for t in tokens] if at is not None else tokens
 
 
 Engine._choose = _broken
