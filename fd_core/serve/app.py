@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 
 from fd_core.errors import CheckpointError, ConfigError, FdError, RankError, RequestRefused
 from fd_core.runtime.chat import render_chat
+from fd_core.runtime.scheduler import SchedulerClosed
 from fd_core.serve.metrics import CONTENT_TYPE, Metrics
 from fd_core.serve.protocol import (
     FINISH_REASONS,
@@ -222,7 +223,7 @@ class Server:
         except (ConfigError, CheckpointError) as exc:
             self.withdraw(generations)
             raise ApiError(400, str(exc)) from None
-        except RankError as exc:
+        except (RankError, SchedulerClosed) as exc:
             self.withdraw(generations)
             self.fail(exc)
             raise ApiError(503, str(exc), kind="server_error", code="rank_failed") from None
@@ -287,7 +288,7 @@ class Server:
         """What a failure while generating becomes for the client; a failed rank ends the server."""
         if isinstance(exc, ApiError):
             return exc
-        if isinstance(exc, RankError):
+        if isinstance(exc, (RankError, SchedulerClosed)):
             self.fail(exc)
             return ApiError(503, str(exc), kind="server_error", code="rank_failed")
         if isinstance(exc, FdError):

@@ -50,6 +50,7 @@ class Sampling(BaseModel):
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)  # not in OpenAI's API; vLLM and others take it
+    ignore_eos: bool = False  # nor this (vLLM's): generate max_tokens whatever the model says, for benchmarks and tests
     seed: int | None = Field(default=None, ge=0)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -83,6 +84,7 @@ class Sampling(BaseModel):
             return SamplingParams(
                 max_new_tokens=max_tokens or DEFAULT_MAX_TOKENS, temperature=self.temperature or 0.0,
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed or 0, stop=self.stops(),
+                ignore_eos=self.ignore_eos,
             )
         except ConfigError as exc:
             raise ApiError(400, str(exc)) from None

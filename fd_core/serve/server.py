@@ -33,9 +33,8 @@ def serve(options: ServeOptions, *, checkpoint: str | None, model: str | None, n
             served = name or Path(checkpoint).resolve().name
         log(f"loading {checkpoint} on {tp} rank(s)")
         llm = LLM(checkpoint, model=model, tp=tp, **llm_options)
-        engine: Any = llm if hasattr(llm, "submit") else _interim(llm)
         template = load_chat_template(checkpoint) if llm.tokenizer is not None else None
-        server = Server(engine, name=served, tokenizer=llm.tokenizer, chat_template=template, max_queue=options.max_queue,
+        server = Server(llm, name=served, tokenizer=llm.tokenizer, chat_template=template, max_queue=options.max_queue,
                         api_key=options.api_key, image_roots=options.image_roots)
 
         def announce(address: str) -> None:
@@ -51,8 +50,3 @@ def serve(options: ServeOptions, *, checkpoint: str | None, model: str | None, n
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
 
-
-def _interim(llm: Any) -> Any:
-    from fd_core.serve.interim import InterimSubmitter
-
-    return InterimSubmitter(llm)

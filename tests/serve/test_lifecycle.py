@@ -41,7 +41,8 @@ def idle(served: Served) -> bool:
 def open_stream(served: Served, max_tokens: int = LONG) -> tuple[Any, Any]:
     """A streaming completion whose headers have arrived; (client, response) to read or close."""
     client = httpx.Client(base_url=served.url, headers=AUTH, timeout=60)
-    request = client.build_request("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": max_tokens, "stream": True})
+    request = client.build_request("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": max_tokens, "stream": True,
+                                                                     "ignore_eos": True})
     response = client.send(request, stream=True)
     assert response.status_code == 200, response.read()
     return client, response
@@ -98,7 +99,7 @@ def test_sigterm_under_load_drains_cancels_and_exits_143_leaving_nothing(server:
     def long(name: str) -> None:
         try:
             with httpx.stream("POST", f"{server.url}/v1/completions", headers=AUTH, timeout=60,
-                              json={"prompt": "Once", "max_tokens": LONG, "stream": True}) as response:
+                              json={"prompt": "Once", "max_tokens": LONG, "stream": True, "ignore_eos": True}) as response:
                 outcomes[name] = [line for line in response.iter_lines() if line]
         except httpx.HTTPError as exc:  # the connection closed under it: also an end, not a hang
             outcomes[name] = exc
@@ -119,9 +120,10 @@ def test_sigterm_under_load_drains_cancels_and_exits_143_leaving_nothing(server:
         t.join(10)
     assert code == 143, server.stderr
     assert took < 3 + 8, f"took {took:.1f} s with --shutdown-timeout 3"
-    assert outcomes["short"] == 200  # finished within the bound
+    assert outcomes["short"] == 200, server.stderr  # finished within the bound
     for name in ("long0", "long1"):  # cancelled at the bound: the stream ended without [DONE]
-        assert not isinstance(outcomes[name], list) or outcomes[name][-1:] != ["data: [DONE]"], outcomes[name]
+        events = outcomes[name]
+        assert not isinstance(events, list) or (events[-1:] != ["data: [DONE]"] and "ran past --shutdown-timeout 3 s" in events[-1]), events[-3:]
     assert "cancelling 2 generation(s) still running after 3 s" in server.stderr
     assert "Traceback" not in server.stderr, server.stderr
     assert left_over(server.marker) == []
