@@ -65,12 +65,15 @@ def test_models_health_and_metrics_answer(server: Served, client: openai.OpenAI)
 
 
 def test_completions_equal_the_engine_alone(client: openai.OpenAI, oracle: Any) -> None:
+    reasons = set()
     for prompt, tokens in zip(PROMPTS[:3], (12, 5, 20), strict=True):
         want = expected(oracle, prompt, max_new_tokens=tokens)
+        reasons.add(want.finish_reason)
         got = client.completions.create(model="tiny", prompt=prompt, max_tokens=tokens)
         assert got.choices[0].text == want.text
         assert got.choices[0].finish_reason == {"eos": "stop", "stop": "stop", "length": "length"}[want.finish_reason]
         assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(want.prompt_ids), len(want.token_ids))
+    assert reasons == {"eos", "length"}  # both mappings were seen ("Hello world" meets the end-of-sequence id at its 7th token)
     # Token ids in, and several prompts in one request (one choice each, in order).
     ids = oracle.tokenizer.encode("Hello world")
     assert client.completions.create(model="tiny", prompt=ids, max_tokens=6).choices[0].text == expected(oracle, ids, max_new_tokens=6).text
