@@ -430,8 +430,11 @@ TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 def bind(host: str, port: int) -> socket.socket:
     """A socket bound to host:port (port 0: a free one), before the model loads, so that a taken port fails at once."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and without it a response
+    # written in two pieces waits ~40 ms for the client's delayed ACK (Nagle's algorithm).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -459,6 +462,11 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM
 def run(server: Server, sock: socket.socket, options: ServeOptions, announce: Callable[[str], None]) -> int:
     """Serve until SIGTERM or SIGINT (drained within options.shutdown_timeout: 143 or 130) or a rank fails (its RankError raised)."""
     import uvicorn
+
+    # The engine's thread, the pump threads and the event loop hand every token on: with Python's default
+    # 5 ms switch interval each hand-off can wait that long for the GIL, which at a tiny model's step time
+    # would cost more than the step itself.
+    sys.setswitchinterval(0.0005)
 
     class Uvicorn(uvicorn.Server):
         @contextlib.contextmanager
