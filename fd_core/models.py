@@ -46,22 +46,26 @@ class CausalModel(Protocol):
     def release_weights(self) -> None:
         """Free parameter storage; load_weights must work afterwards."""
 
-    def allocate_cache(self, batch_size: int, max_len: int) -> None:
-        """Preallocate the KV cache with fixed shapes, so decode replays a captured graph."""
+    def allocate_cache(self, batch_size: int, max_len: int, keep: bool = False) -> None:
+        """Preallocate the KV cache of `batch_size` rows (one sequence each) with fixed shapes, so decode replays a
+        captured graph; zeroed, or with `keep` holding the current cache's rows and positions that fit."""
 
-    def prefill(self, input_ids: Any, image: Any = None, pad: Sequence[int] | None = None) -> Any:
-        """Run the prompt [B, S] (and image, for VL models); return last-position logits [B, vocab].
+    def prefill(self, input_ids: Any, image: Any = None, pad: Sequence[int] | None = None, cache_rows: Sequence[int] | None = None) -> Any:
+        """Run the prompt [B, S] (and image, for VL models) into cache rows `cache_rows` (default 0..B-1), leaving
+        the other rows as they are; return last-position logits [B, vocab].
 
         `pad[b]` leading ids of row b are left padding (a batch of unequal prompts): masked, with its
-        positions counted after them, in prefill and in every later decode step of the batch. The
+        positions counted after them, in prefill and in every later decode step of that cache row. The
         runtime passes `pad` only when some row is padded.
         """
 
     def prefill_length(self, input_ids: Any, image: Any = None) -> int:
         """The first decode position after prefilling this prompt (image tokens included)."""
 
-    def decode_step(self, token_ids: Any, position: int) -> Any:
-        """One token per sequence [B, 1] at `position`; return logits [B, vocab] (full vocab)."""
+    def decode_step(self, token_ids: Any, position: int | Sequence[int]) -> Any:
+        """One token per cache row [B, 1] (B: the cache's rows), row b at cache position `position[b]` (an int: every
+        row at it); return logits [B, vocab] (full vocab). Each row attends over its own positions only, so a row
+        whose sequence ended (or that holds none) changes no other row's result."""
 
     def capture(self, graph_backend: GraphBackend, batch_size: int) -> None:
         """Capture the decode step for `batch_size` through `graph_backend`; later steps replay it."""

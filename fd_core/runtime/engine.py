@@ -125,6 +125,7 @@ class Engine:
     _rows: dict[int, _Row] = field(default_factory=dict)  # by cache slot
     _cancelled: set[int] = field(default_factory=set)
     _shape: tuple[int, int] | None = None  # the cache's (slots, length)
+    _prefilled: list[tuple[Any, list[_Row]]] = field(default_factory=list)  # this step's prefill logits and their rows
 
     @property
     def tokens_per_s(self) -> float:
@@ -165,6 +166,11 @@ class Engine:
         """Sequences waiting or in a slot."""
         return len(self._waiting) + len(self._rows)
 
+    @property
+    def running(self) -> dict[int, int]:
+        """The key of the sequence in each occupied cache slot, by slot."""
+        return {slot: row.job.key for slot, row in sorted(self._rows.items())}
+
     def add(self, job: Job) -> None:
         """Queue a sequence; a later step admits it."""
         self._waiting.append(job)
@@ -178,13 +184,14 @@ class Engine:
         self._waiting.clear()
         self._rows.clear()
         self._cancelled.clear()
+        self._prefilled.clear()
 
     def step(self) -> list[Event]:
         """Retire the cancelled, admit the waiting that fit, decode one token for each sequence in a slot."""
         events: list[Event] = []
         try:
             self._retire(events)
-            self._admit(events)
+            self._admit()
             self._decode(events)
         except BaseException:
             self.reset()
@@ -213,15 +220,49 @@ class Engine:
     def _fits(self, slots: int, length: int) -> bool:
         return self.memory is None or self.memory.fits(slots * length)
 
-    def _admit(self, events: list[Event]) -> None:
-        """Waiting sequences into the cache: a fresh cache for a group when nothing runs; free slots otherwise."""
-        if not self._waiting or self._rows:
+    def _admit(self) -> None:
+        """Waiting sequences into the cache, in order: a fresh cache for a group when nothing runs, else free slots
+        (the cache grows, keeping its rows, when the next needs more slots or a longer cache and the memory holds it)."""
+        if not self._waiting:
             return
-        group = self._group()
-        slots, length = len(group), max(self._need(j) for j in group)
-        self.runner.prepare(slots, length)
-        self._shape = (slots, length)
-        self._prefill(group, list(range(slots)), events)
+        if not self._rows:
+            group = self._group()
+            slots, length = len(group), max(self._need(j) for j in group)
+            self.runner.prepare(slots, length)
+            self._shape = (slots, length)
+            self._prefill(group, list(range(slots)))
+            return
+        assert self._shape is not None
+        jobs: list[Job] = []
+        while self._waiting and len(self._rows) + len(jobs) < self.max_batch:
+            job = self._waiting[0]
+            if job.images and jobs:
+                break  # a prompt with pictures is prefilled alone (its rotary positions are not padded)
+            rows, need = len(self._rows) + len(jobs) + 1, self._need(job)
+            if (rows > self._shape[0] or need > self._shape[1]) and not self._grow(rows, need):
+                break  # it waits for a slot, in order: nothing overtakes it
+            jobs.append(self._waiting.popleft())
+            if job.images:
+                break
+        if jobs:
+            free = [slot for slot in range(self._shape[0]) if slot not in self._rows]
+            self._prefill(jobs, free[: len(jobs)])
+
+    def _grow(self, rows: int, length: int) -> bool:
+        """Make the cache hold `rows` sequences of `length` positions, keeping what its rows hold; False if it cannot."""
+        assert self._shape is not None
+        slots, have = self._shape
+        if rows > self.max_batch:
+            return False
+        # Powers of two, so that a batch growing one sequence at a time captures few shapes.
+        wanted = (min(self.max_batch, 1 << (rows - 1).bit_length()) if rows > slots else slots,
+                  min(self.runner.config.max_position_embeddings, max(have, 1 << (length - 1).bit_length())) if length > have else have)
+        for size in (wanted, (max(rows, slots), max(have, length))):
+            if self._fits(*size):
+                self.runner.prepare(*size, keep=True)
+                self._shape = size
+                return True
+        return False
 
     def _group(self) -> list[Job]:
         """The waiting sequences that start together in a fresh cache: pictures alone; text, in order, as many as fit."""
@@ -238,8 +279,8 @@ class Engine:
             length = grown
         return group
 
-    def _prefill(self, jobs: Sequence[Job], slots: Sequence[int], events: list[Event]) -> None:
-        """Prefill `jobs` together (left-padded) into cache `slots`; choose and push each one's first token."""
+    def _prefill(self, jobs: Sequence[Job], slots: Sequence[int]) -> None:
+        """Prefill `jobs` together (left-padded) into cache `slots`; their first tokens come from the step's choice."""
         import numpy as np
 
         model = self.runner.model
@@ -251,23 +292,23 @@ class Engine:
         position = model.prefill_length(ids, image)
         start = time.perf_counter()
         progress.report("prefill")
-        logits = model.prefill(ids, image, pad=pads) if any(pads) else model.prefill(ids, image)
+        logits = model.prefill(ids, image, pad=pads if any(pads) else None, cache_rows=list(slots))
         self.runner.add_time("prefill", time.perf_counter() - start)
-        rows = []
         for job, slot in zip(jobs, slots, strict=True):
             text = TextState(StreamDecoder(self.tokenizer), job.sampling.stop) if self.tokenizer else None
             eos = frozenset() if job.sampling.ignore_eos else frozenset(job.eos_ids)
-            row = _Row(job, slot, Sampler(job.sampling, [job.index]), text, eos, position)
-            self._rows[slot] = row
-            rows.append(row)
-        chosen = self._choose(logits, rows)
-        for row, token in zip(rows, chosen, strict=True):
-            self._push(row, token, events)
+            self._rows[slot] = _Row(job, slot, Sampler(job.sampling, [job.index]), text, eos, position)
+        self._prefilled.append((logits, [self._rows[s] for s in slots]))
 
     def _decode(self, events: list[Event]) -> None:
-        """One decode step over every slot (a free slot's row rides along, masked); push each live row's token."""
+        """The first tokens of what was prefilled, then one decode step over every cache row (a free row rides along,
+        masked, in its own row); each live row's token pushed."""
         import numpy as np
 
+        prefilled, self._prefilled = self._prefilled, []
+        for logits, rows in prefilled:
+            for row, token in zip(rows, self._choose(logits, rows), strict=True):
+                self._push(row, token, events)
         if not self._rows:
             return
         model = self.runner.model
@@ -275,12 +316,13 @@ class Engine:
         slots = self._shape[0]
         rows = sorted(self._rows.values(), key=lambda r: r.slot)
         tokens = np.full([slots, 1], PAD_ID, dtype="int64")
+        positions = [0] * slots  # a free row writes its own position 0, which the next prefill of it overwrites
         for row in rows:
             tokens[row.slot, 0] = row.tokens[-1]
-        position = max(row.position for row in rows)  # every row of a group decodes at one position
+            positions[row.slot] = row.position
         start, core_start = time.perf_counter(), time.process_time()
         progress.report("decode")
-        logits = model.decode_step(tokens, position)
+        logits = model.decode_step(tokens, positions)
         picked = self._choose(logits, rows, [row.slot for row in rows])
         for row, token in zip(rows, picked, strict=True):
             row.position += 1

@@ -68,6 +68,8 @@ class ModelRunner:
     captured: dict[int, int] = field(default_factory=dict)
     # The platform's graph backend, one per model: every batch size's captures live in it (keys (batch, length)).
     graphs: GraphBackend | None = None
+    # The cache's (rows, length) since the last prepare.
+    shape: tuple[int, int] | None = None
     # Checkpoint tensors present and not loaded (reported once, on the first load).
     unused_tensors: list[str] = field(default_factory=list)
 
@@ -126,12 +128,16 @@ class ModelRunner:
         self.decision = self.backend.graph_decision(self.config, requested=self.graph)
         return self.decision
 
-    def prepare(self, batch: int, max_len: int) -> None:
-        """A zeroed cache for this batch; the decode step captured for its size (again if the cache length changed)."""
+    def prepare(self, batch: int, max_len: int, keep: bool = False) -> None:
+        """A cache of `batch` rows (zeroed, or with `keep` holding what its rows hold); the decode step captured for
+        its size (again if the cache length changed, or the cache tensors did)."""
         model, decision = self.model, self.decision
         assert model is not None and decision is not None, "load() and decide() come before prepare()"
-        model.allocate_cache(batch, max_len)
-        if decision.allowed and self.captured.get(batch) != max_len:
+        reshaped = self.shape != (batch, max_len)
+        model.allocate_cache(batch, max_len, keep=keep)
+        self.shape = (batch, max_len)
+        # A new shape means new cache tensors, which a device graph captured with the old ones would not write.
+        if decision.allowed and (self.captured.get(batch) != max_len or reshaped):
             self.log(f"capturing the decode step for batch size {batch} ({decision.mode})")
             progress.report("capturing")
             if self.graphs is None:
@@ -147,6 +153,7 @@ class ModelRunner:
         # Graphs first: a captured graph still points at the weights (releasing first hung FastDeploy).
         self._timed("clear", lambda: self.backend.clear_graphs(self.model))
         self.captured.clear()
+        self.shape = None
         self._timed("release", self.model.release_weights)
         self._timed("cleanup", lambda: self.backend.clean_memory_fragments(None))
         self.load()

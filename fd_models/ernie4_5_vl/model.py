@@ -9,7 +9,7 @@ the rotary positions follow the reference's `get_rope_index`; decode then contin
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import paddle
@@ -64,11 +64,12 @@ class Ernie4_5_VLMoeForConditionalGeneration(PictureTextModel):  # noqa: N801 - 
         self.language_model = CausalLM(config, ctx, options)
 
     def _prefill_pictures(
-        self, host_ids: np.ndarray, embeds: paddle.Tensor, rows: list[list[paddle.Tensor]], slots: np.ndarray, positions: Any, delta: Any
+        self, host_ids: np.ndarray, embeds: paddle.Tensor, rows: list[list[paddle.Tensor]], slots: np.ndarray, positions: Any, delta: Any,
+        cache_rows: Sequence[int] | None = None,
     ) -> paddle.Tensor:
         """The decoder over the spliced prompt: picture tokens and the image start/end tokens go to the vision experts."""
         vision_mask = np.isin(host_ids, self.vision_tokens)
-        return self.language_model.prefill_embeds(embeds, positions, (), delta, vision_mask)
+        return self.language_model.prefill_embeds(embeds, positions, (), delta, vision_mask, cache_rows=cache_rows)
 
     def _encode(self, picture: np.ndarray) -> tuple[tuple[int, int, int], list[paddle.Tensor]]:
         """One picture -> (its grid, [resampled embeddings])."""

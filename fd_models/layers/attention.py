@@ -20,7 +20,12 @@ from fd_models.layers.parallel import ColumnParallelLinear, RowParallelLinear
 
 
 def write_cache(cache: paddle.Tensor, new: paddle.Tensor, positions: paddle.Tensor) -> None:
-    """cache [T, B, kv_h, d] at `positions` [S] := new [B, S, kv_h, d], in place."""
+    """cache [T, B, kv_h, d] at `positions` [S] := new [B, S, kv_h, d], in place; with `positions` [B, 1] (a decode
+    step, each row at its own slot), cache[positions[b], b] := new[b, 0]."""
+    if len(positions.shape) == 2:
+        rows = paddle.arange(new.shape[0], dtype="int64")
+        paddle.index_put_(cache, (positions.reshape([-1]), rows), new[:, 0])
+        return
     paddle.index_put_(cache, (positions,), new.transpose([1, 0, 2, 3]))
 
 
@@ -58,7 +63,7 @@ class Attention(nn.Layer):
         self, x: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor], positions: paddle.Tensor,
         mask: paddle.Tensor, cache_k: paddle.Tensor, cache_v: paddle.Tensor,
     ) -> paddle.Tensor:
-        """x [B, S, H] at cache `positions` [S], attending over the first mask.shape[-1] positions -> [B, S, H].
+        """x [B, S, H] at cache `positions` [S] (or [B, 1], each row's own), attending over the first mask.shape[-1] positions -> [B, S, H].
 
         Writes this step's keys and values into cache_k / cache_v in place.
         """

@@ -118,13 +118,14 @@ class TextModel(nn.Layer):
         rope_positions: paddle.Tensor | None = None, deepstack: Sequence[paddle.Tensor] = (),
         vision_mask: paddle.Tensor | None = None, slots: paddle.Tensor | None = None, start: paddle.Tensor | None = None,
     ) -> paddle.Tensor:
-        """embeds [B, S, H] into cache slots `positions` [S] of `caches` [k0, v0, k1, v1, ...] (written in place) -> hidden [B, S, H].
+        """embeds [B, S, H] into cache slots `positions` [S] (or [B, S]: row b at its own) of `caches` [k0, v0, k1, v1, ...]
+        (written in place) -> hidden [B, S, H].
 
         Queries attend over the cache slots `slots` = arange(L) (default: up to the last position),
         masked after each query's own position.
 
-        `rope_positions` are the rotary positions when they differ from the slots: [S] (text after
-        an image) or [3, S] (M-RoPE over an image). `deepstack[i]` [B, S, H] is added to the hidden
+        `rope_positions` are the rotary positions when they differ from the slots: [S] or [B, S] (text
+        after an image) or [3, S] (M-RoPE over an image). `deepstack[i]` [B, S, H] is added to the hidden
         states after layer i (Qwen3-VL's DeepStack visual features, zero outside image tokens);
         `vision_mask` [B, S] marks image tokens for mixture-of-experts layers that route by modality.
         `start` [B] is each sequence's first cache slot (its left padding; None: 0): earlier slots are
@@ -134,14 +135,17 @@ class TextModel(nn.Layer):
             slots = paddle.arange(positions.shape[0], dtype="int64")  # prefill: slots [0, S)
         if start is None:
             start = paddle.zeros([embeds.shape[0]], dtype="int64")
+        # positions [S] (a prefill: every row at the same slots) or [B, S] (a decode step: each row at its own slot).
+        per_row = len(positions.shape) == 2
         where = positions.unsqueeze(-1)
         rope_at = positions if rope_positions is None else rope_positions
-        section = self.mrope_section if len(rope_at.shape) == 2 else None
+        section = self.mrope_section if len(rope_at.shape) == 2 and not per_row else None
         # Per sequence: mask [B, 1, 1, S, L] (broadcast over kv heads and their query groups) and
         # rotary tables [B, 1, S, d/2] (broadcast over heads).
         valid = paddle.logical_and(slots.unsqueeze(0) <= where, slots.reshape([1, 1, -1]) >= start.reshape([-1, 1, 1]))
         mask = ((valid.astype("float32") - 1.0) * -_MASKED).unsqueeze(1).unsqueeze(1)
-        rows = rope_at.unsqueeze(-2) - start.reshape([-1, 1])  # [S] -> [B, S]; [3, S] -> [3, B, S]
+        # [B, S] per row; [S] -> [B, S]; [3, S] -> [3, B, S]
+        rows = rope_at - start.reshape([-1, 1]) if per_row else rope_at.unsqueeze(-2) - start.reshape([-1, 1])
         cos, sin = rope_tables(rows, self.config.resolved_head_dim, self.config.rope_theta, section, self.mrope_style)
         rope = (cos.unsqueeze(1), sin.unsqueeze(1))
         x = embeds
@@ -172,8 +176,10 @@ class CausalLM(nn.Layer):
         # Rotary position minus cache slot during decode: nonzero after an M-RoPE image, whose
         # tokens take fewer rotary positions than cache slots (set by the VL model at prefill).
         self.rope_delta = 0
-        # Each sequence's first cache slot [B] (its left padding in a batch of unequal prompts), set at prefill.
-        self._start: paddle.Tensor | None = None
+        # Per cache row, set at its prefill: its first cache slot (its left padding in a batch of unequal
+        # prompts) and its rotary delta (rope_delta of its prompt).
+        self._row_start: list[int] = []
+        self._row_delta: list[int] = []
         cache_names = [f"cache_{i}_{kv}" for i in range(config.num_hidden_layers) for kv in "kv"]
         # The step handed to graph backends: (token_ids, position, rope_position, slots, start, cache_0_k, cache_0_v, ...)
         # -> logits; it writes the caches in place, so a backend must pass them through by reference.
@@ -205,57 +211,84 @@ class CausalLM(nn.Layer):
         kv_heads = self.config.num_key_value_heads // self.ctx.parallel.tp_size
         return [max_len, batch_size, kv_heads, self.config.resolved_head_dim]
 
-    def allocate_cache(self, batch_size: int, max_len: int) -> None:
-        """Preallocate zeroed k/v caches for every layer with fixed shapes (the same tensors again when the shape is unchanged)."""
+    def allocate_cache(self, batch_size: int, max_len: int, keep: bool = False) -> None:
+        """Preallocate k/v caches of `batch_size` rows (slots) for every layer with fixed shapes.
+
+        Zeroed (the same tensors again when the shape is unchanged); with `keep`, holding the current
+        cache's rows and positions that fit (a batch that grows while its sequences decode).
+        """
         shape = self.cache_shape(batch_size, max_len)
-        if self._caches is not None and list(self._caches[0].shape) == shape:
-            # A captured graph may hold these very tensors (see capture): keep them, zeroed.
-            for cache in self._caches:
-                cache.zero_()
+        old = self._caches
+        if old is not None and list(old[0].shape) == shape:
+            if not keep:
+                # A captured graph may hold these very tensors (see capture): keep them, zeroed.
+                for cache in old:
+                    cache.zero_()
+                self._row_start, self._row_delta = [0] * batch_size, [0] * batch_size
             return
         # paddle's stubs take a dtype name only as a Literal; ModelConfig.dtype is a str, which ModelConfig.check keeps to COMPUTE_DTYPES.
         self._caches = [
             paddle.zeros(shape, dtype=self.config.dtype) for _ in range(2 * self.config.num_hidden_layers)  # type: ignore[arg-type]
         ]
+        if keep and old is not None:
+            length, rows = min(max_len, old[0].shape[0]), min(batch_size, old[0].shape[1])
+            for new, cache in zip(self._caches, old, strict=True):
+                new[:length, :rows] = cache[:length, :rows]
+            fill = [0] * max(0, batch_size - len(self._row_start))
+            self._row_start, self._row_delta = (self._row_start + fill)[:batch_size], (self._row_delta + fill)[:batch_size]
+        else:
+            self._row_start, self._row_delta = [0] * batch_size, [0] * batch_size
 
     def cache_bytes(self) -> int:
         """Bytes the KV cache holds (0 before allocate_cache)."""
         return sum(int(c.numel()) * c.element_size() for c in self._caches or [])
 
-    def _require_cache(self, batch_size: int, length: int = 1) -> list[paddle.Tensor]:
+    def _require_cache(self, batch_size: int, length: int = 1, rows: Sequence[int] | None = None) -> list[paddle.Tensor]:
         if self._caches is None:
             raise RuntimeError("allocate_cache(batch_size, max_len) must be called before prefill/decode")
         max_len, cached_batch, _, _ = self._caches[0].shape
-        if cached_batch != batch_size or length > max_len:
-            raise ValueError(f"input batch {batch_size} x {length} tokens does not fit the cache [{cached_batch}, max_len={max_len}]")
+        fits = all(0 <= r < cached_batch for r in rows) and len(set(rows)) == len(rows) == batch_size if rows is not None else cached_batch == batch_size
+        if not fits or length > max_len:
+            where = f" into rows {list(rows)}" if rows is not None else ""
+            raise ValueError(f"input batch {batch_size} x {length} tokens{where} does not fit the cache [{cached_batch}, max_len={max_len}]")
         return self._caches
 
     def _decode(
         self, token_ids: paddle.Tensor, position: paddle.Tensor, rope_position: paddle.Tensor, slots: paddle.Tensor,
         start: paddle.Tensor, *caches: paddle.Tensor,
     ) -> paddle.Tensor:
-        """Decode step: (token_ids [B, 1], cache slot [1], rotary position [1], slots attended arange(L), first slots [B], *caches) -> logits [B, vocab]."""
+        """Decode step: (token_ids [B, 1], each row's cache slot [B, 1], its rotary position [B, 1], slots attended
+        arange(L), first slots [B], *caches) -> logits [B, vocab]."""
         hidden = self.model(self.model.embed_tokens(token_ids), position, caches, rope_position, slots=slots, start=start)
         return self.lm_head(hidden[:, -1])
 
     def prefill_embeds(
         self, embeds: paddle.Tensor, rope_positions: Any = None, deepstack: Sequence[paddle.Tensor] = (), rope_delta: int = 0,
-        vision_mask: Any = None, pad: Sequence[int] | None = None,
+        vision_mask: Any = None, pad: Sequence[int] | None = None, cache_rows: Sequence[int] | None = None,
     ) -> paddle.Tensor:
-        """Run embeds [B, S, H] causally into cache slots [0, S); return last-position logits [B, vocab].
+        """Run embeds [B, S, H] causally into cache slots [0, S) of cache rows `cache_rows` (default 0..B-1); return
+        last-position logits [B, vocab]. The other rows of the cache are untouched.
 
         `rope_positions` [3, S], `deepstack` and `vision_mask` come with an image (see TextModel.forward);
         `rope_delta` is what decode adds to each slot to get its rotary position. `pad[b]` leading
         positions of sequence b are padding (prompts of unequal lengths, left-padded): masked, and its
         rotary positions start after them, so each sequence computes what it would alone.
         """
-        batch = embeds.shape[0]
-        caches = self._require_cache(batch, embeds.shape[1])
-        self._start = as_int64([0] * batch if pad is None else list(pad))
-        positions = paddle.arange(embeds.shape[1], dtype="int64")
+        batch, length = embeds.shape[0], embeds.shape[1]
+        rows = list(range(batch)) if cache_rows is None else [int(r) for r in cache_rows]
+        caches = self._require_cache(batch, length, rows)
+        pads = [0] * batch if pad is None else [int(p) for p in pad]
+        # The prompt runs against a cache of its own rows, then lands in theirs: rows decoding meanwhile keep their cache.
+        scratch = [paddle.zeros(self.cache_shape(batch, length), dtype=self.config.dtype) for _ in caches]  # type: ignore[arg-type]  # as in allocate_cache
+        positions = paddle.arange(length, dtype="int64")
         rope = None if rope_positions is None else as_int64(rope_positions)
         mask = None if vision_mask is None else paddle.to_tensor(np.asarray(vision_mask, dtype=bool))
-        hidden = self.model(embeds, positions, caches, rope, deepstack, mask, start=self._start)
+        hidden = self.model(embeds, positions, scratch, rope, deepstack, mask, start=as_int64(pads))
+        at = (as_int64(np.repeat(np.arange(length), batch)), as_int64(np.tile(rows, length)))
+        for cache, written in zip(caches, scratch, strict=True):
+            paddle.index_put_(cache, at, written.reshape([length * batch, *written.shape[2:]]))
+        for row, p in zip(rows, pads, strict=True):
+            self._row_start[row], self._row_delta[row] = p, int(rope_delta)
         self.rope_delta = rope_delta
         return self.lm_head(hidden[:, -1])
 
@@ -263,24 +296,30 @@ class CausalLM(nn.Layer):
         """Cache positions `prefill` fills (the prompt length): the first decode position."""
         return int(as_int64(input_ids).shape[1])
 
-    def prefill(self, input_ids: Any, image: Any = None, pad: Sequence[int] | None = None) -> paddle.Tensor:
-        """Run the prompt [B, S] (text only: `image` must be None), `pad[b]` of row b's leading ids padding; last-position logits [B, vocab]."""
+    def prefill(self, input_ids: Any, image: Any = None, pad: Sequence[int] | None = None, cache_rows: Sequence[int] | None = None) -> paddle.Tensor:
+        """Run the prompt [B, S] (text only: `image` must be None) into cache rows `cache_rows`, `pad[b]` of row b's leading
+        ids padding; last-position logits [B, vocab]."""
         if image is not None:
             raise ValueError(f"{self.config.architecture} is a text-only model; it takes no image")
-        return self.prefill_embeds(self.model.embed_tokens(as_int64(input_ids)), pad=pad)
+        return self.prefill_embeds(self.model.embed_tokens(as_int64(input_ids)), pad=pad, cache_rows=cache_rows)
 
-    def decode_step(self, token_ids: Any, position: int) -> paddle.Tensor:
-        """One token per sequence [B, 1] at `position`; replays the captured graph for this batch size if any."""
+    def decode_step(self, token_ids: Any, position: int | Sequence[int]) -> paddle.Tensor:
+        """One token per cache row [B, 1], row b at cache slot `position[b]` (an int: every row at it); replays the
+        captured graph for this batch size if any."""
         ids = as_int64(token_ids).reshape([-1, 1])
-        slot, rope = paddle.to_tensor([position], dtype="int64"), paddle.to_tensor([position + self.rope_delta], dtype="int64")
-        caches = self._require_cache(ids.shape[0], position + 1)
-        if self._start is None or self._start.shape[0] != ids.shape[0]:
-            self._start = paddle.zeros([ids.shape[0]], dtype="int64")  # decoding without a prefill of this batch
-        bucket = self._bucket(ids.shape[0], position + 1)
+        batch = ids.shape[0]
+        where = [int(position)] * batch if isinstance(position, (int, np.integer)) else [int(p) for p in position]
+        if len(where) != batch:
+            raise ValueError(f"decode_step got {len(where)} positions for {batch} rows")
+        caches = self._require_cache(batch, max(where) + 1)
+        slot = as_int64(np.asarray(where).reshape(-1, 1))
+        rope = as_int64((np.asarray(where) + np.asarray(self._row_delta)).reshape(-1, 1))
+        start = as_int64(self._row_start)
+        bucket = self._bucket(batch, max(where) + 1)
         if bucket is not None:
-            inputs = [ids, slot, rope, self._slots[bucket], self._start, *caches]
-            return self._graphs.replay((ids.shape[0], bucket), inputs)  # type: ignore[union-attr]
-        return self.decode_fn(ids, slot, rope, paddle.arange(position + 1, dtype="int64"), self._start, *caches)
+            inputs = [ids, slot, rope, self._slots[bucket], start, *caches]
+            return self._graphs.replay((batch, bucket), inputs)  # type: ignore[union-attr]
+        return self.decode_fn(ids, slot, rope, paddle.arange(max(where) + 1, dtype="int64"), start, *caches)
 
     def _bucket(self, batch_size: int, length: int) -> int | None:
         """The smallest captured cache length holding `length` positions for this batch size, None if none is."""
@@ -296,16 +335,20 @@ class CausalLM(nn.Layer):
         max_len, cached_batch = self._caches[0].shape[:2]
         # The live caches when the batch size is theirs: a backend may keep the tensors it captured
         # with (a device graph's fixed addresses), and the step writes them in place. The trace
-        # writes slot 0, which every prefill overwrites.
-        caches = self._caches if cached_batch == batch_size else [
+        # writes slot 0 of every row, which is put back after (rows may hold sequences mid-decode).
+        live = cached_batch == batch_size
+        caches = self._caches if live else [
             paddle.zeros(self.cache_shape(batch_size, max_len), dtype=self.config.dtype) for _ in self._caches  # type: ignore[arg-type]  # as in allocate_cache
         ]
-        position = paddle.zeros([1], dtype="int64")
+        kept = [cache[:1].clone() for cache in caches] if live else []
+        position = paddle.zeros([batch_size, 1], dtype="int64")
         start = paddle.zeros([batch_size], dtype="int64")
         for length in cache_buckets(max_len):
             slots = self._slots.setdefault(length, paddle.arange(length, dtype="int64"))
             example = [paddle.zeros([batch_size, 1], dtype="int64"), position, position, slots, start, *caches]
             graph_backend.capture((batch_size, length), self.decode_fn, example)
+        for cache, first in zip(caches, kept, strict=False):
+            cache[:1] = first
         self._graphs = graph_backend
 
     @property

@@ -53,8 +53,11 @@ class PictureTextModel(nn.Layer):
         """The prompt length: image tokens are placeholders in the prompt, nothing is prepended."""
         return int(np.asarray(input_ids).shape[1])
 
-    def prefill(self, input_ids: Any, image: Any = None, pad: Sequence[int] | None = None) -> paddle.Tensor:
-        """Run the prompt [B, S] with its image(s) at their placeholders (see `batch_pictures`); last-position logits [B, vocab].
+    def prefill(
+        self, input_ids: Any, image: Any = None, pad: Sequence[int] | None = None, cache_rows: Sequence[int] | None = None,
+    ) -> paddle.Tensor:
+        """Run the prompt [B, S] with its image(s) at their placeholders (see `batch_pictures`) into cache rows `cache_rows`
+        (default 0..B-1); last-position logits [B, vocab].
 
         `pad[b]` leading ids of row b are padding (text-only batches of unequal prompts).
 
@@ -63,7 +66,7 @@ class PictureTextModel(nn.Layer):
         ids = as_int64(input_ids)
         embeds = self.language_model.model.embed_tokens(ids)
         if image is None:
-            return self.language_model.prefill_embeds(embeds, pad=pad)
+            return self.language_model.prefill_embeds(embeds, pad=pad, cache_rows=cache_rows)
         if pad is not None and any(pad):
             raise ValueError("prompts with pictures are not padded: give a batch of them equal lengths, or run them one by one")
         host_ids = ids.numpy()
@@ -71,27 +74,28 @@ class PictureTextModel(nn.Layer):
         positions, delta = batch_positions(host_ids, self.image_token_id, grids, self.vision_config.spatial_merge_size)
         slots = np.flatnonzero(host_ids[0] == self.image_token_id)
         embeds = scatter_rows(embeds, paddle.stack([row[0] for row in rows]), slots)
-        return self._prefill_pictures(host_ids, embeds, rows, slots, positions, delta)
+        return self._prefill_pictures(host_ids, embeds, rows, slots, positions, delta, cache_rows)
 
     def _encode(self, picture: np.ndarray) -> tuple[tuple[int, int, int], list[paddle.Tensor]]:
         """One picture -> (its grid, [its embeddings at the placeholders, any further features])."""
         raise NotImplementedError
 
     def _prefill_pictures(
-        self, host_ids: np.ndarray, embeds: paddle.Tensor, rows: list[list[paddle.Tensor]], slots: np.ndarray, positions: Any, delta: Any
+        self, host_ids: np.ndarray, embeds: paddle.Tensor, rows: list[list[paddle.Tensor]], slots: np.ndarray, positions: Any, delta: Any,
+        cache_rows: Sequence[int] | None = None,
     ) -> paddle.Tensor:
-        """The decoder's run over `embeds` (pictures spliced in at `slots`); last-position logits [B, vocab]."""
+        """The decoder's run over `embeds` (pictures spliced in at `slots`) into cache rows `cache_rows`; last-position logits [B, vocab]."""
         raise NotImplementedError
 
-    def allocate_cache(self, batch_size: int, max_len: int) -> None:
-        self.language_model.allocate_cache(batch_size, max_len)
+    def allocate_cache(self, batch_size: int, max_len: int, keep: bool = False) -> None:
+        self.language_model.allocate_cache(batch_size, max_len, keep)
 
     def cache_bytes(self) -> int:
         """Bytes the language model's KV cache holds."""
         return self.language_model.cache_bytes()
 
-    def decode_step(self, token_ids: Any, position: int) -> paddle.Tensor:
-        """One text token per sequence at cache slot `position` (its rotary position offset by the pictures' delta)."""
+    def decode_step(self, token_ids: Any, position: int | Sequence[int]) -> paddle.Tensor:
+        """One text token per cache row at cache slot `position[b]` (its rotary position offset by its pictures' delta)."""
         return self.language_model.decode_step(token_ids, position)
 
     def capture(self, graph_backend: GraphBackend, batch_size: int) -> None:

@@ -8,7 +8,7 @@ positions follow the reference's `get_rope_index`; decode then continues at slot
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import paddle
@@ -43,12 +43,13 @@ class Qwen3VLForConditionalGeneration(PictureTextModel):
         self.language_model = CausalLM(config, ctx, DecoderOptions(qk_norm=True, rope_layout="half"))
 
     def _prefill_pictures(
-        self, host_ids: np.ndarray, embeds: paddle.Tensor, rows: list[list[paddle.Tensor]], slots: np.ndarray, positions: Any, delta: Any
+        self, host_ids: np.ndarray, embeds: paddle.Tensor, rows: list[list[paddle.Tensor]], slots: np.ndarray, positions: Any, delta: Any,
+        cache_rows: Sequence[int] | None = None,
     ) -> paddle.Tensor:
         """The decoder over the spliced prompt: the DeepStack features join after the first layers at the picture tokens."""
         zeros = paddle.zeros_like(embeds)
         deepstack = [scatter_rows(zeros, paddle.stack([row[i] for row in rows]), slots) for i in range(1, len(rows[0]))]
-        return self.language_model.prefill_embeds(embeds, positions, deepstack, delta)
+        return self.language_model.prefill_embeds(embeds, positions, deepstack, delta, cache_rows=cache_rows)
 
     def _encode(self, picture: np.ndarray) -> tuple[tuple[int, int, int], list[paddle.Tensor]]:
         """One picture -> (its grid, [merged embeddings, DeepStack features...])."""
