@@ -89,7 +89,11 @@ def _load(url: str, clients: int, requests: int, tokens: int) -> dict[str, Any]:
 
 
 def serve_rows(smoke: bool) -> list[Line]:
+    import logging
+
     from fd_core.runtime import LLM, SamplingParams
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise, once paddle has configured logging
     from fd_core.serve.tiny import write_tiny_checkpoint
 
     requests, tokens = (16, 8) if smoke else (32, 32)

@@ -322,7 +322,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
-        raise ConfigError(f"fd serve needs the serve extra ({' and '.join(missing)} not installed): pip install 'fd-backends[cpu,serve]'")
+        raise ConfigError(f"fd serve needs the serve extra ({' and '.join(missing)} not installed): pip install 'fd-backends[serve]' (in a checkout: pip install '.[serve]')")
     _require_paddle()
     from pathlib import Path
 
@@ -537,7 +537,7 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
     p.add_argument("--name", default=None, metavar="NAME",
                    help="the model id clients send and GET /v1/models lists (default: the checkpoint directory's name, or ARCH-tiny)")
     p.add_argument("--tp", type=_positive, default=1, metavar="N", help="tensor-parallel ranks (default: 1)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    p.add_argument("--host", default="127.0.0.1", metavar="HOST", help="address to listen on (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=_int_at_least(0), default=8000, metavar="PORT", help="port to listen on; 0 picks a free one (default: 8000)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="refuse /v1 requests without the header 'Authorization: Bearer KEY' (default: $FD_API_KEY, else no key)")
