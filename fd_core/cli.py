@@ -322,7 +322,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
-        raise ConfigError(f"fd serve needs the serve extra ({' and '.join(missing)} not installed): pip install 'fd-backends[serve]' (in a checkout: pip install '.[serve]')")
+        raise ConfigError(f"fd serve needs the serve extra ({' and '.join(missing)} not installed): "
+                          f"pip install 'fd-backends[serve]' (in a checkout: pip install '.[serve]')")
     _require_paddle()
     from pathlib import Path
 

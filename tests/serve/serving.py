@@ -46,10 +46,14 @@ class Served:
     def stderr(self) -> str:
         return "\n".join(self.lines)
 
-    def stop(self, signum: int = signal.SIGTERM, timeout: float = 60) -> int:
-        """Send `signum`, wait for the exit code (killed, and the test failed, if it does not come)."""
+    def stop(self, signum: int = signal.SIGTERM, timeout: float = 60, group: bool = False) -> int:
+        """Send `signum` (to its whole process group with `group`, as Ctrl-C in a terminal does), wait for the exit code
+        (killed, and the test failed, if it does not come)."""
         if self.process.poll() is None:
-            self.process.send_signal(signum)
+            if group:
+                os.killpg(self.process.pid, signum)
+            else:
+                self.process.send_signal(signum)
         try:
             return self.process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -101,7 +105,8 @@ def start_server(args: Sequence[str], site: Path | None = None, env: Mapping[str
         full["PYTHONPATH"] = os.pathsep.join([str(site), full.get("PYTHONPATH", "")])
     full.update({MARKER: marker, **(env or {})})
     process = subprocess.Popen([sys.executable, "-m", "fd_core.cli", "serve", *args, "--port", "0"], stdin=subprocess.DEVNULL,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full,
+                               start_new_session=True)  # its own process group, as a terminal gives a command
     served = Served(process, "", marker)
     found = threading.Event()
 
@@ -123,10 +128,11 @@ def start_server(args: Sequence[str], site: Path | None = None, env: Mapping[str
     return served
 
 
-def finish(served: Served) -> None:
-    """End a module's server; it must exit 143 on SIGTERM and leave nothing running."""
-    code = served.stop()
-    assert code == 143, served.stderr
+def finish(served: Served, interrupt: bool = False) -> None:
+    """End a module's server: SIGTERM to it (exit 143), or with `interrupt` SIGINT to its whole process group, ranks
+    included, as Ctrl-C does (exit 130); either way nothing may be left running."""
+    code = served.stop(signal.SIGINT, group=True) if interrupt else served.stop()
+    assert code == (130 if interrupt else 143), served.stderr
     assert left_over(served.marker) == []
 
 

@@ -93,7 +93,7 @@ def test_sigterm_under_load_drains_cancels_and_exits_143_leaving_nothing(server:
     outcomes: dict[str, Any] = {}
 
     def short() -> None:
-        reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 24}, headers=AUTH, timeout=60)
+        reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 64, "ignore_eos": True}, headers=AUTH, timeout=60)
         outcomes["short"] = reply.status_code
 
     def long(name: str) -> None:
@@ -105,9 +105,11 @@ def test_sigterm_under_load_drains_cancels_and_exits_143_leaving_nothing(server:
             outcomes[name] = exc
 
     threads = [threading.Thread(target=long, args=(f"long{i}",)) for i in range(2)] + [threading.Thread(target=short)]
-    for t in threads:
+    for t in threads[:2]:
         t.start()
-    wait_for(lambda: metric(metrics(server), "fd_queue_length") == 3, 10, "three requests admitted")
+    wait_for(lambda: metric(metrics(server), "fd_queue_length") == 2, 10, "the two long requests admitted")
+    threads[2].start()  # then the short one (64 tokens), which must be in flight when the signal comes
+    wait_for(lambda: metric(metrics(server), "fd_queue_length") == 3, 10, "the short request admitted")
     assert len(processes_with(server.marker)) >= 3  # the server and its two ranks
     started = time.monotonic()
     server.process.send_signal(signal.SIGTERM)

@@ -44,7 +44,7 @@ def server(request: pytest.FixtureRequest, checkpoint: Path, tmp_path_factory: p
     site = make_distribution(tmp_path_factory.mktemp("site"), "fd-serve-gate", {"serve_gate": GATE}, {"fd.plugins": {"serve_gate": "serve_gate"}})
     served = start_server(["--checkpoint", str(checkpoint), "--tp", str(request.param), "--max-queue", "32"], site=site)
     yield served
-    finish(served)
+    finish(served, interrupt=request.param == 2)  # tp=2 ends as Ctrl-C ends it: SIGINT to the server and its ranks
 
 
 @pytest.fixture
