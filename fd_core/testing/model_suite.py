@@ -5,6 +5,8 @@ architecture's tiny preset and on its `odd_preset` when it declares one:
 
 - tp: tp=2 over two real ranks (graphs off and on) gives tp=1's tokens;
 - graph: a captured decode step gives the eager tokens;
+- continuous batching: prompts joining a running batch (prefilled into free cache rows, decoding at their
+  own positions, the cache growing under them) give their tokens alone;
 - graph clear: `fd_clear_graphs` really drops what was captured, a replay after it is refused, decoding
   after it is eager and gives the same tokens;
 - reload: weight-update cycles (clear, release, load) keep the tokens; a seeded random checkpoint
@@ -233,6 +235,44 @@ class ModelSuite:
         after = engine.generate(request)[0].token_ids
         assert spy.replays == replays, f"{architecture.name}: decode still replayed a graph after fd_clear_graphs"
         assert after == before, f"{architecture.name}: decoding after fd_clear_graphs gives {after}, with graphs {before}"
+
+    def test_sequences_joining_a_running_batch_get_their_alone_tokens(
+        self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]
+    ) -> None:
+        """Continuous batching through the engine (graphs where allowed): prompts prefilled into free cache rows while
+        others decode (two of unequal lengths together), each row at its own position, one into a row another left,
+        the cache growing under them: each gives its tokens alone."""
+        from fd_core.backend import Backend
+        from fd_core.runtime.engine import Engine, Job
+        from fd_core.runtime.lifecycle import ModelRunner
+        from fd_core.runtime.request import Request
+        from fd_core.runtime.sampling import SamplingParams
+
+        if config_index:
+            pytest.skip("checked on the preset only: rows and positions do not depend on the sizes")
+        plan = self._plan(plugins, architecture, config_index, source, graph="auto")
+        runner = ModelRunner(Backend(plugins), architecture, plan.config, plan.run.checkpoint, graph="auto")
+        runner.load()
+        runner.decide()
+        engine = Engine(runner, max_batch=4)
+        base = list(_prompt(architecture, config_index))
+        prompts = [base, base[:3], base[::-1][:4], base[1:], base[:2]]
+        jobs = [Job(i, tuple(p), SamplingParams(max_new_tokens=n, ignore_eos=True)) for i, (p, n) in enumerate(zip(prompts, (10, 4, 7, 6, 5), strict=True))]
+        alone = [engine.generate(Request((j.prompt,), j.sampling))[0].token_ids for j in jobs]
+        got: dict[int, list[int]] = {}
+        arrivals = {0: [0], 1: [1], 3: [2, 3], 4: [4]}
+        step = 0
+        while step <= max(arrivals) or engine.pending:
+            for i in arrivals.get(step, []):
+                engine.add(jobs[i])
+            got.update({e.key: e.done.token_ids for e in engine.step() if e.done is not None})
+            step += 1
+        for i, job in enumerate(jobs):
+            assert got[i] == alone[i], (
+                f"{architecture.name}: prompt {list(job.prompt)} gives {got[i]} when it joins a running batch, {alone[i]} alone; "
+                f"a cache row is written or read at another row's positions (prefill's cache_rows, decode_step's per-row "
+                f"positions, or allocate_cache(keep=True))"
+            )
 
     def test_reload_cycles_keep_the_tokens(self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]) -> None:
         """`fd run --reload-cycles 2` (graphs on where allowed): clear, release, load, capture again; the same tokens each cycle."""

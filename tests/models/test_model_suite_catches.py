@@ -47,6 +47,7 @@ def test_the_good_package_passes_what_the_broken_ones_fail(suite: Any, tmp_path:
     checks.test_graph_on_equals_graph_off(*_args(plugins, "suite_llama"))
     checks.test_graph_clear_really_clears(*_args(plugins, "suite_llama"))
     checks.test_reload_cycles_keep_the_tokens(*_args(plugins, "suite_llama"))
+    checks.test_sequences_joining_a_running_batch_get_their_alone_tokens(*_args(plugins, "suite_llama"))
 
 
 def test_a_wrong_rotary_layout_fails_the_reference_check(suite: Any, tmp_path: Path) -> None:
@@ -77,6 +78,12 @@ def test_a_reload_that_changes_the_weights_fails_the_reload_check(suite: Any) ->
     plugins, checks = suite
     with pytest.raises(AssertionError, match=r"suite_llama_reload_drift: reload cycle 1 changed the output"):
         checks.test_reload_cycles_keep_the_tokens(*_args(plugins, "suite_llama_reload_drift"))
+
+
+def test_one_position_for_every_row_fails_the_continuous_batching_check(suite: Any) -> None:
+    plugins, checks = suite
+    with pytest.raises(AssertionError, match=r"suite_llama_one_position: prompt \[.*\] gives .* when it joins a running batch"):
+        checks.test_sequences_joining_a_running_batch_get_their_alone_tokens(*_args(plugins, "suite_llama_one_position"))
 
 
 def test_fd_check_model_names_the_failed_reference_check(package: Path) -> None:
