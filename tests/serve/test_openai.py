@@ -60,8 +60,17 @@ def test_models_health_and_metrics_answer(server: Served, client: openai.OpenAI)
     assert [m.id for m in client.models.list().data] == ["tiny"]
     health = httpx.get(f"{server.url}/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
-    text = httpx.get(f"{server.url}/metrics").text
-    assert "# TYPE fd_time_to_first_token_seconds histogram" in text and metric(text, "fd_queue_length") == 0
+    before = httpx.get(f"{server.url}/metrics").text
+    assert "# TYPE fd_time_to_first_token_seconds histogram" in before and metric(before, "fd_queue_length") == 0
+    reply = client.completions.create(model="tiny", prompt="Hello there", max_tokens=9, extra_body={"ignore_eos": True})
+    after = httpx.get(f"{server.url}/metrics").text
+    assert reply.usage.completion_tokens == 9
+    assert metric(after, "fd_generation_tokens_total") - metric(before, "fd_generation_tokens_total") == 9
+    assert metric(after, "fd_prompt_tokens_total") - metric(before, "fd_prompt_tokens_total") == reply.usage.prompt_tokens
+    assert metric(after, "fd_time_to_first_token_seconds_count") - metric(before, "fd_time_to_first_token_seconds_count") == 1
+    assert metric(after, "fd_decode_tokens_total") - metric(before, "fd_decode_tokens_total") == 8
+    assert metric(after, "fd_decode_tokens_per_second") > 0
+    assert 'fd_requests_total{endpoint="/v1/completions",status="200"}' in after
 
 
 def test_completions_equal_the_engine_alone(client: openai.OpenAI, oracle: Any) -> None:
@@ -182,8 +191,13 @@ def test_errors_come_in_the_openai_format_with_one_log_line_each(server: Served,
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=13)
     assert "this device cannot generate 13 tokens" in refused.value.message and refused.value.code == "request_refused"
+    # A picture reaches the engine, which says this model takes none.
+    picture = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAAAAAA6fptVAAAACklEQVR4nGNgAAAAAgABSK+kcQAAAABJRU5ErkJggg=="
+    with pytest.raises(openai.BadRequestError, match="takes no image"):
+        client.chat.completions.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": picture}}, {"type": "text", "text": "What is this?"}]}])
     errors = [line for line in server.lines if line.startswith("fd serve: 4")]
-    assert len(errors) - logged == 8, "\n".join(errors)
+    assert len(errors) - logged == 9, "\n".join(errors)
     assert not [line for line in server.lines if "Traceback" in line], server.stderr
     # The server is still serving.
     assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].text is not None
