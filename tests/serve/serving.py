@@ -97,8 +97,10 @@ def left_over(marker: str, wait: float = 3.0) -> list[int]:
     return alive
 
 
-def start_server(args: Sequence[str], site: Path | None = None, env: Mapping[str, str] | None = None, timeout: float = 120) -> Served:
-    """`fd serve ARGS --port 0` as a user starts it; returns once it prints its address (fails with its stderr if it exits first)."""
+def start_server(args: Sequence[str], site: Path | None = None, env: Mapping[str, str] | None = None, timeout: float = 120,
+                 until: re.Pattern[str] | None = None) -> Served:
+    """`fd serve ARGS --port 0` as a user starts it; returns once it prints its address, or a line matching `until`
+    (fails with its stderr if it exits first)."""
     marker = uuid.uuid4().hex
     full = {k: v for k, v in os.environ.items() if not k.startswith("FD_")}
     if site is not None:
@@ -118,10 +120,12 @@ def start_server(args: Sequence[str], site: Path | None = None, env: Mapping[str
             if match and not served.url:
                 served.url = match.group(1)
                 found.set()
+            if until is not None and until.search(line):
+                found.set()
         found.set()
 
     threading.Thread(target=read, daemon=True).start()
-    if not found.wait(timeout) or not served.url:
+    if not found.wait(timeout) or not (served.url or until is not None and any(until.search(x) for x in served.lines)):
         process.kill()
         process.wait()
         raise AssertionError(f"fd serve did not start (exit code {process.returncode}):\n{served.stderr}")

@@ -1,10 +1,12 @@
 """A rank of `fd serve --tp 2` that dies: the next request gets 503 naming the rank, the server ends with the
-rank named in its one error line (exit 2), and no process is left; never a hang."""
+rank named in its one error line (exit 2), and no process is left; never a hang. And SIGTERM while the ranks load."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -50,3 +52,14 @@ def test_a_rank_that_dies_ends_the_server_naming_it() -> None:
     last = served.lines[-1]
     assert last.startswith("fd: error: rank ") and "Traceback" not in served.stderr, served.stderr
     assert left_over(served.marker) == []
+
+
+def test_sigterm_while_the_ranks_load_stops_them_and_removes_the_tiny_preset() -> None:
+    before = set(Path(tempfile.gettempdir()).glob("fd-serve-tiny-*"))
+    served = start_server(["--tp", "2"], until=re.compile(r"loading .* on 2 rank"))
+    code = served.stop(signal.SIGTERM, timeout=45)
+    assert code == 143, served.stderr
+    assert served.lines[-1] == "fd serve: terminated while loading; every rank was stopped", served.stderr
+    assert "Traceback" not in served.stderr
+    assert left_over(served.marker) == []
+    assert set(Path(tempfile.gettempdir()).glob("fd-serve-tiny-*")) <= before  # its directory is gone
