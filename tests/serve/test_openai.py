@@ -113,6 +113,7 @@ def test_streaming_sends_the_same_text_in_openai_chunks_ending_with_done(server:
     want = expected(oracle, PROMPTS[5], max_new_tokens=24)
     chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[5], max_tokens=24, stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert len([c for c in chunks if c.choices and c.choices[0].text]) > 1  # piece by piece, not the whole text at the end
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == {"eos": "stop", "stop": "stop", "length": "length"}[want.finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
     chat_want = expected(oracle, "Tell a story", chat=True, max_new_tokens=16)
