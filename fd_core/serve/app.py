@@ -103,16 +103,7 @@ class Server:
     def build(self) -> FastAPI:
         app = FastAPI(title="fd serve", docs_url=None, redoc_url=None, openapi_url=None)
 
-        @app.middleware("http")
-        async def authorize(request: Request, call_next: Callable[[Request], Any]) -> Response:
-            # The API (/v1/...) needs the key; /health and /metrics stay open for probes and scrapers.
-            if self.api_key is not None and request.url.path.startswith("/v1"):
-                given = request.headers.get("authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                    return self.answer(request, ApiError(401, "a valid API key is needed: send the header Authorization: Bearer KEY",
-                                                         kind="authentication_error", code="invalid_api_key"))
-            response: Response = await call_next(request)
-            return response
+        app.add_middleware(RequireKey, server=self)
 
         @app.exception_handler(ApiError)
         async def api_error(request: Request, exc: ApiError) -> Response:
@@ -307,17 +298,32 @@ class Server:
         if stream:
             body = self.sse(request, endpoint, generations, ident, created, chat, include_usage, len(items))
             return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        collect = asyncio.ensure_future(self.collect(generations))
+        watch = asyncio.ensure_future(gone(request))
         try:
-            async for _ in self.events(generations):
-                pass
-        except BaseException as exc:
+            await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this task was cancelled (the server is stopping at once)
+            watch.cancel()
+            collect.cancel()
             self.release(generations, endpoint, len(items))
-            if isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt)):
-                raise
-            raise self.engine_error(exc) from None
+            raise
+        watch.cancel()
+        if not collect.done() or collect.cancelled():
+            collect.cancel()
+            self.release(generations, endpoint, len(items))
+            log(f"POST {endpoint}: the client went away before its answer; its generation(s) were cancelled")
+            return Response(status_code=499)  # nobody reads it: the code nginx logs for a client that closed the request
+        error = collect.exception()
         self.release(generations, endpoint, len(items))
+        if error is not None:
+            raise self.engine_error(error) from None
         self.metrics.request(endpoint, 200)
         return JSONResponse(self.whole(generations, ident, created, chat))
+
+    async def collect(self, generations: Sequence[Generation]) -> None:
+        """Every generation run to its end (their completions kept on them)."""
+        async for _ in self.events(generations):
+            pass
 
     def whole(self, generations: Sequence[Generation], ident: str, created: int, chat: bool) -> dict[str, Any]:
         choices: list[dict[str, Any]] = []
@@ -405,6 +411,32 @@ class Server:
             while self.admitted and time.monotonic() < end:
                 await asyncio.sleep(0.05)
         self.stop()
+
+
+class RequireKey:
+    """The API (/v1/...) needs the key; /health and /metrics stay open for probes and scrapers. Plain ASGI (not
+    BaseHTTPMiddleware), so that a route still sees its client disconnect."""
+
+    def __init__(self, app: Any, server: Server) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        key = self.server.api_key
+        if key is not None and scope["type"] == "http" and str(scope.get("path", "")).startswith("/v1"):
+            request = Request(scope, receive)
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                response = self.server.answer(request, ApiError(401, "a valid API key is needed: send the header Authorization: Bearer KEY",
+                                                                kind="authentication_error", code="invalid_api_key"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def gone(request: Request) -> None:
+    """Returns once the client has closed the connection (a request without a stream has no other way to see it)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:

@@ -75,6 +75,15 @@ def test_a_client_that_disconnects_mid_stream_is_cancelled(server: Served) -> No
     assert reply.status_code == 200, reply.text
 
 
+def test_a_client_that_gives_up_on_a_whole_answer_is_cancelled_too(server: Served) -> None:
+    cancelled = metric(metrics(server), "fd_requests_cancelled_total")
+    with pytest.raises(httpx.ReadTimeout):  # it waits a second for 3000 tokens, then closes the connection
+        httpx.post(f"{server.url}/v1/completions", json={"prompt": "Once", "max_tokens": LONG, "ignore_eos": True}, headers=AUTH, timeout=1.0)
+    wait_for(lambda: idle(server), 10, "the engine dropping the abandoned request")
+    assert metric(metrics(server), "fd_requests_cancelled_total") == cancelled + 1
+    assert "the client went away before its answer" in server.stderr
+
+
 def test_a_full_queue_answers_503_with_retry_after(server: Served) -> None:
     streams = [open_stream(server) for _ in range(3)]
     try:
@@ -93,7 +102,7 @@ def test_sigterm_under_load_drains_cancels_and_exits_143_leaving_nothing(server:
     outcomes: dict[str, Any] = {}
 
     def short() -> None:
-        reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 64, "ignore_eos": True}, headers=AUTH, timeout=60)
+        reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 32, "ignore_eos": True}, headers=AUTH, timeout=60)
         outcomes["short"] = reply.status_code
 
     def long(name: str) -> None:
@@ -108,7 +117,7 @@ def test_sigterm_under_load_drains_cancels_and_exits_143_leaving_nothing(server:
     for t in threads[:2]:
         t.start()
     wait_for(lambda: metric(metrics(server), "fd_queue_length") == 2, 10, "the two long requests admitted")
-    threads[2].start()  # then the short one (64 tokens), which must be in flight when the signal comes
+    threads[2].start()  # then the short one (32 tokens), which must be in flight when the signal comes
     wait_for(lambda: metric(metrics(server), "fd_queue_length") == 3, 10, "the short request admitted")
     assert len(processes_with(server.marker)) >= 3  # the server and its two ranks
     started = time.monotonic()
