@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 from fd_core.backend import Backend
 from fd_core.config import ParallelConfig
-from fd_core.errors import ConfigError
+from fd_core.errors import CheckpointError, ConfigError, RankError
 from fd_core.graphs import CastVote, GraphDecision
 from fd_core.paddle_logs import quiet_paddle_logs
 from fd_core.plugins import load_plugins
+from fd_core.runtime.chat import expand_placeholders, render_chat
 from fd_core.runtime.distributed import DEFAULT_STALL_S
 from fd_core.runtime.engine import Completion, Event, Job, jobs_of
 from fd_core.runtime.images import load_image
@@ -89,21 +90,57 @@ class LLM:
         return GraphDecision(data["allowed"], data["mode"], tuple(CastVote(**v) for v in data["votes"]), data["requested"])
 
     @property
+    def error(self) -> BaseException | None:
+        """The failure that stopped this LLM's ranks (every later call raises RankError); None while it can generate."""
+        return self._scheduler.error
+
+    @property
     def timings(self) -> dict[str, float]:
         """Seconds spent so far in each phase on rank 0 (build, load, cleanup, capture, prefill, decode)."""
         return dict(self._driver.info["timings_s"])
 
     # -- generating ----------------------------------------------------------------------
     def submit(
-        self, prompt: Prompt, sampling: SamplingParams | None = None, *, chat: bool = False, images: Sequence[Any] = (),
+        self, prompt: Prompt | Sequence[Mapping[str, Any]], sampling: SamplingParams | None = None, *, chat: bool = False,
+        images: Sequence[Any] = (),
     ) -> Submission:
-        """Queue one prompt (text or token ids) and return at once; it joins the running batch at the next step boundary.
+        """Queue one prompt (text, token ids, or chat messages: a list of {"role", "content"} mappings rendered through the
+        checkpoint's chat template) and return at once; it joins the running batch at the next step boundary.
 
         Thread-safe. The request is checked first: a bad one raises ConfigError (or RequestRefused) here, before it queues.
         """
+        if not isinstance(prompt, str) and prompt and isinstance(prompt[0], Mapping):
+            pictures = self._pictures(images)
+            messages: Sequence[Mapping[str, Any]] = prompt  # type: ignore[assignment]  # narrowed by the check above
+            return self._submit(self._request(self._chat_ids(messages, pictures), sampling, False, pictures, stream=True))[0]
         if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
             raise ConfigError("submit() takes one prompt; call it once per prompt")
-        return self._submit(self._request(prompt, sampling, chat, images, stream=True))[0]
+        text_or_ids: Prompt = prompt  # type: ignore[assignment]  # not messages: checked above
+        return self._submit(self._request(text_or_ids, sampling, chat, images, stream=True))[0]
+
+    def _pictures(self, images: Sequence[Any]) -> tuple[Any, ...]:
+        """Pictures as arrays [C, H, W]: paths read and checked, arrays as given."""
+        return tuple(load_image(str(p)) if isinstance(p, (str, Path)) else p for p in images)
+
+    def _chat_ids(self, messages: Sequence[Mapping[str, Any]], pictures: Sequence[Any]) -> list[int]:
+        """Chat messages rendered through the checkpoint's chat template (with a generation prompt), as token ids
+        with each picture's placeholder expanded to its number of tokens."""
+        checkpoint, tokenizer = self._plan.checkpoint, self.tokenizer
+        if checkpoint is None or tokenizer is None:
+            raise ConfigError("chat messages are rendered through a checkpoint's chat template and tokenizer, and this LLM has none")
+        for index, message in enumerate(messages):
+            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) or "content" not in message:
+                raise ConfigError(f"message {index + 1} must be a mapping with a 'role' string and a 'content', got {message!r:.80}")
+        template = checkpoint.chat_template()
+        if template is None:
+            raise CheckpointError(f"{checkpoint.directory} has no chat template; submit the prompt as text or token ids instead")
+        ids = tokenizer.encode(render_chat(template, messages, tokenizer.special_tokens()), add_special_tokens=False)
+        arch = self._plan.architecture(self._plugins)
+        if pictures and arch.image_tokens is not None:
+            shapes = [(int(p.shape[0]), int(p.shape[1]), int(p.shape[2])) for p in pictures]
+            counts = [arch.image_tokens(self._plan.config, shape) for shape in shapes]
+            ids = expand_placeholders(ids, int(self._plan.config.extra["image_token_id"]), counts)
+        return ids
 
     def queued(self) -> int:
         """Sequences waiting or running (every caller's)."""
@@ -144,7 +181,7 @@ class LLM:
         if self._closed:
             raise ConfigError("this LLM is closed; create a new one")
         if self._scheduler.error is not None:
-            raise ConfigError(f"this LLM's ranks failed ({self._scheduler.error}); create a new one")
+            raise RankError(f"this LLM's ranks failed earlier ({self._scheduler.error}); create a new one")
         return self._scheduler.submit(jobs_of(request))
 
     def _request(
@@ -156,7 +193,7 @@ class LLM:
         items: list[Any] = [prompts] if single else list(prompts)
         if not items:
             raise ConfigError("no prompt given; pass a string, a list of token ids, or a list of either")
-        pictures = tuple(load_image(str(p)) if isinstance(p, (str, Path)) else p for p in images)
+        pictures = self._pictures(images)
         texts = [p for p in items if isinstance(p, str)]
         if texts and len(texts) != len(items):
             raise ConfigError("pass text prompts or token-id prompts in one call, not both")

@@ -173,11 +173,9 @@ class CausalLM(nn.Layer):
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, ctx, tied, config.dtype)
         self._caches: list[paddle.Tensor] | None = None
         self._graphs: GraphBackend | None = None
-        # Rotary position minus cache slot during decode: nonzero after an M-RoPE image, whose
-        # tokens take fewer rotary positions than cache slots (set by the VL model at prefill).
-        self.rope_delta = 0
         # Per cache row, set at its prefill: its first cache slot (its left padding in a batch of unequal
-        # prompts) and its rotary delta (rope_delta of its prompt).
+        # prompts) and its rotary delta (rotary position minus cache slot during decode: nonzero after an
+        # M-RoPE image, whose tokens take fewer rotary positions than cache slots).
         self._row_start: list[int] = []
         self._row_delta: list[int] = []
         cache_names = [f"cache_{i}_{kv}" for i in range(config.num_hidden_layers) for kv in "kv"]
@@ -289,7 +287,6 @@ class CausalLM(nn.Layer):
             paddle.index_put_(cache, at, written.reshape([length * batch, *written.shape[2:]]))
         for row, p in zip(rows, pads, strict=True):
             self._row_start[row], self._row_delta[row] = p, int(rope_delta)
-        self.rope_delta = rope_delta
         return self.lm_head(hidden[:, -1])
 
     def prefill_length(self, input_ids: Any, image: Any = None) -> int:

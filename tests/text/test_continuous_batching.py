@@ -100,6 +100,27 @@ def test_a_cancelled_sequence_frees_its_slot_and_the_others_go_on(plugins: Plugi
     assert done[other.key].token_ids == alone[other.key] and done[later.key].token_ids == alone[later.key]
 
 
+def test_a_prompt_with_a_picture_joins_a_running_batch(plugins: PluginSet) -> None:
+    import numpy as np
+
+    engine = _engine(plugins, "qwen3_vl", "off", max_batch=4)
+    config = engine.runner.config
+    picture = np.random.default_rng(0).random((3, 64, 64), dtype=np.float32)
+    count = engine.runner.arch.image_tokens(config, picture.shape)  # type: ignore[misc]
+    with_picture = (1, 2, *[int(config.extra["image_token_id"])] * count, 5, 6)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    jobs = [Job(0, (1, 2, 3, 4), params), Job(1, with_picture, params, (), (picture,)), Job(2, (9, 8, 7), params)]
+    alone = [engine.generate(Request((j.prompt,), j.sampling, (), j.images))[0].token_ids for j in jobs]
+    done: dict[int, Completion] = {}
+    for job in jobs:  # one a step: the picture's prompt is prefilled while the first decodes, its rotary delta its own
+        engine.add(job)
+        _step(engine, done, {})
+    assert len(engine.running) == 3
+    while engine.pending:
+        _step(engine, done, {})
+    assert [done[j.key].token_ids for j in jobs] == alone
+
+
 # -- the Python API ---------------------------------------------------------------------------
 TEXTS = ["Hello world", "The quick brown fox", "Привет", "Numbers 12345 and more", "a", "Café crème", "zz top", "one two three four"]
 
@@ -193,6 +214,14 @@ def test_a_bad_request_is_refused_by_submit_before_it_queues(llm: LLM) -> None:
     with pytest.raises(ConfigError, match="exceed the model's context"):
         llm.submit(TEXTS[0], SamplingParams(max_new_tokens=10**6))
     assert llm.queued() == 0
+
+
+def test_chat_messages_are_rendered_through_the_template(llm: LLM) -> None:
+    params = SamplingParams(max_new_tokens=6)
+    submitted = llm.submit([{"role": "user", "content": TEXTS[1]}], params).result(60)
+    assert submitted.token_ids == llm.generate(TEXTS[1], params, chat=True)[0].token_ids
+    with pytest.raises(ConfigError, match="message 1 must be a mapping with a 'role'"):
+        llm.submit([{"content": "no role"}], params)
 
 
 def test_a_script_that_forgets_close_exits_promptly(checkpoint: Path, tmp_path: Path) -> None:

@@ -133,8 +133,15 @@ def test_tp2_from_python_equals_tp1_and_stops_its_ranks(checkpoints: dict[str, P
 def test_a_rank_that_dies_is_named_and_the_others_stop(checkpoints: dict[str, Path]) -> None:
     llm = LLM(checkpoints["ernie4_5"], tp=2)
     pids = list(llm._pool.pids)
+    running = llm.submit(PROMPTS[1], SamplingParams(max_new_tokens=200, ignore_eos=True))
     os.kill(pids[1], signal.SIGKILL)
     with pytest.raises(RankError, match="rank 1 failed: killed by SIGKILL"):
+        llm.generate(PROMPTS[0], GREEDY)
+    # What was running fails with it, and the LLM says why it can no longer generate.
+    with pytest.raises(RankError, match="rank 1 failed: killed by SIGKILL"):
+        running.result(30)
+    assert isinstance(llm.error, RankError)
+    with pytest.raises(RankError, match="failed earlier"):
         llm.generate(PROMPTS[0], GREEDY)
     llm.close()
     assert not [pid for pid in pids if _alive(pid)]
