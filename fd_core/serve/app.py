@@ -24,7 +24,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from fd_core.errors import CheckpointError, ConfigError, FdError, RankError, RequestRefused
-from fd_core.runtime.chat import render_chat
 from fd_core.runtime.scheduler import SchedulerClosed
 from fd_core.serve.metrics import CONTENT_TYPE, Metrics
 from fd_core.serve.protocol import (
@@ -42,7 +41,6 @@ from fd_core.serve.protocol import (
 if TYPE_CHECKING:
     from fd_core.runtime.engine import Completion
     from fd_core.runtime.sampling import SamplingParams
-    from fd_core.runtime.tokenizer import Tokenizer
 
 RETRY_AFTER_S = 1  # what a client told "queue full" waits before it tries again
 
@@ -67,6 +65,9 @@ class Submitter(Protocol):
 
     def queued(self) -> int: ...
 
+    @property
+    def error(self) -> BaseException | None: ...
+
 
 def log(message: str) -> None:
     """One line on stderr: the server's own log (uvicorn's access log is off)."""
@@ -87,9 +88,9 @@ class Generation:
 class Server:
     """The routes and the state they share: admitted requests, the engine's submissions, draining, failure."""
 
-    def __init__(self, engine: Submitter, *, name: str, tokenizer: "Tokenizer | None", chat_template: str | None, max_queue: int = 64,
+    def __init__(self, engine: Submitter, *, name: str, max_queue: int = 64,
                  api_key: str | None = None, image_roots: Sequence[Path] = ()) -> None:
-        self.engine, self.name, self.tokenizer, self.chat_template = engine, name, tokenizer, chat_template
+        self.engine, self.name = engine, name
         self.max_queue, self.api_key, self.image_roots = max_queue, api_key, tuple(r.resolve() for r in image_roots)
         self.admitted = 0  # requests' prompts admitted and not yet answered (touched on the event loop only)
         self.active: set[Generation] = set()
@@ -171,25 +172,19 @@ class Server:
 
     # -- prompts ----------------------------------------------------------------------------
     def conversation(self, body: ChatRequest) -> tuple[Any, bool, tuple[Any, ...]]:
-        """(prompt, whether the engine applies the chat template, pictures): one user turn goes to the engine as
-        `fd run --chat` sends it; a longer conversation is rendered here through the same template."""
-        parts = [message_parts(m, i) for i, m in enumerate(body.messages)]
-        urls = [u for _, found in parts for u in found]
+        """(the messages as the engine renders them through the checkpoint's chat template, False, the pictures in order).
+
+        A message with pictures has a list content (an image part per picture where it stood, then its text), as VL
+        templates expect; one without keeps a string, which every template takes."""
+        turns: list[dict[str, Any]] = []
+        urls: list[str] = []
+        for index, message in enumerate(body.messages):
+            text, found = message_parts(message, index)
+            urls += found
+            content: Any = text if not found else [*({"type": "image"} for _ in found), {"type": "text", "text": text}]
+            turns.append({"role": message.role, "content": content})
         pictures = tuple(read_image(u, self.image_roots) for u in urls)
-        if len(body.messages) == 1 and body.messages[0].role == "user":
-            return parts[0][0], True, pictures
-        if pictures:
-            raise ApiError(400, "pictures are taken in a conversation of one user message; send the picture with a single user turn", param="messages")
-        if self.tokenizer is None or self.chat_template is None:
-            what = "tokenizer" if self.tokenizer is None else "chat template"
-            raise ApiError(400, f"the checkpoint has no {what}, so chat messages cannot be rendered; use /v1/completions", param="messages")
-        turns = [{"role": m.role, "content": text} for m, (text, _) in zip(body.messages, parts, strict=True)]
-        try:
-            rendered = render_chat(self.chat_template, turns, self.tokenizer.special_tokens())
-        except ConfigError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
-        # The template holds the special tokens the model expects, as the engine's chat path encodes it.
-        return self.tokenizer.encode(rendered, add_special_tokens=False), False, ()
+        return turns, False, pictures
 
     # -- generating -------------------------------------------------------------------------
     def admit(self, count: int) -> None:
@@ -541,9 +536,18 @@ def run(server: Server, sock: socket.socket, options: ServeOptions, announce: Ca
                 shown = f"[{host}]" if ":" in host else host
                 announce(f"http://{shown}:{port}")
 
-        waiter = loop.create_task(ready())
+        async def watch_ranks() -> None:
+            # Ranks that fail while no request runs: the LLM says so, and the server ends as when a request meets it.
+            while server.failure is None:
+                await asyncio.sleep(0.5)
+                error = server.engine.error
+                if error is not None:
+                    server.fail(error if isinstance(error, FdError) else RankError(str(error)))
+
+        waiter, watcher = loop.create_task(ready()), loop.create_task(watch_ranks())
         await http.serve(sockets=[sock])
         waiter.cancel()
+        watcher.cancel()
 
     asyncio.run(main())
     if server.failure is not None:

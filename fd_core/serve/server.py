@@ -15,7 +15,6 @@ from fd_core.serve.app import EXIT_TERMINATED, ServeOptions, Server, bind, log, 
 
 def serve(options: ServeOptions, *, checkpoint: str | None, model: str | None, name: str | None, tp: int, **llm_options: Any) -> int:
     """Load, listen, serve; the exit code (143 after SIGTERM, 130 after SIGINT). Nothing is left running when it returns."""
-    from fd_core.runtime.chat import load_chat_template
     from fd_core.runtime.distributed import Terminated, raise_terminated
     from fd_core.runtime.session import LLM
 
@@ -41,8 +40,7 @@ def serve(options: ServeOptions, *, checkpoint: str | None, model: str | None, n
             served = name or Path(checkpoint).resolve().name
         log(f"loading {checkpoint} on {tp} rank(s)")
         llm = LLM(checkpoint, model=model, tp=tp, **llm_options)
-        template = load_chat_template(checkpoint) if llm.tokenizer is not None else None
-        server = Server(llm, name=served, tokenizer=llm.tokenizer, chat_template=template, max_queue=options.max_queue,
+        server = Server(llm, name=served, max_queue=options.max_queue,
                         api_key=options.api_key, image_roots=options.image_roots)
 
         def announce(address: str) -> None:
