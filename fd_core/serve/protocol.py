@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import secrets
 import time
 import uuid
 from pathlib import Path
@@ -83,7 +84,9 @@ class Sampling(BaseModel):
         try:
             return SamplingParams(
                 max_new_tokens=max_tokens or DEFAULT_MAX_TOKENS, temperature=self.temperature or 0.0,
-                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed or 0, stop=self.stops(),
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, stop=self.stops(),
+                # As OpenAI's API: without a seed, a sampled request draws a different sample each time.
+                seed=secrets.randbelow(2**31) if self.seed is None else self.seed,
                 ignore_eos=self.ignore_eos,
             )
         except ConfigError as exc:

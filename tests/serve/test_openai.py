@@ -146,6 +146,9 @@ def test_a_seed_gives_the_same_sample_and_another_seed_another(client: openai.Op
     first = sample(7)
     assert first == sample(7) == expected(oracle, "Once", max_new_tokens=16, temperature=1.0, top_p=0.95, seed=7).text
     assert any(sample(seed) != first for seed in (8, 9))
+    # Without a seed each request draws anew, as OpenAI's API does (not seed 0 every time).
+    unseeded = {client.completions.create(model="tiny", prompt="Once", max_tokens=16, temperature=1.0).choices[0].text for _ in range(3)}
+    assert len(unseeded) > 1
 
 
 def test_sixteen_concurrent_clients_get_their_sequential_outputs(server: Served, oracle: Any) -> None:
