@@ -118,6 +118,9 @@ class Engine:
     # first token of the first request was chosen (time.time()), for the time to first token.
     decode_core_s: float = 0.0
     first_token_at: float | None = None
+    # Of the decode time: choosing tokens (the non-finite check and the sample op) and how many times (a per-step breakdown).
+    choose_s: float = 0.0
+    choose_calls: int = 0
     # The plan's KV-cache capacity: the cache (slots x length) is kept within it (None: up to max_batch slots).
     memory: MemoryPlan | None = None
     steps: int = 0
@@ -336,6 +339,7 @@ class Engine:
     def _choose(self, logits: Any, rows: Sequence[_Row], at: Sequence[int] | None = None) -> list[int]:
         """Each row's next token from logits [B, vocab] (row i at logits row at[i]) through the Backend's sample op,
         once its live rows' logits are known to be finite."""
+        start = time.perf_counter()
         at = list(range(len(rows))) if at is None else list(at)
         live = [False] * int(logits.shape[0])
         for i in at:
@@ -345,8 +349,12 @@ class Engine:
         if all(row.job.sampling.greedy for row in rows):
             # One call for the whole batch: greedy draws nothing, so the rows need no sampler of their own.
             every = sample(logits, 0.0, 0, 1.0, [0.0] * len(live))
-            return [int(every[i]) for i in at]
-        return [row.sampler.choose(logits[i : i + 1], sample)[0] for row, i in zip(rows, at, strict=True)]
+            chosen = [int(every[i]) for i in at]
+        else:
+            chosen = [row.sampler.choose(logits[i : i + 1], sample)[0] for row, i in zip(rows, at, strict=True)]
+        self.choose_s += time.perf_counter() - start
+        self.choose_calls += 1
+        return chosen
 
     def _push(self, row: _Row, token: int, events: list[Event]) -> None:
         """A row's new token: its text, and whether it ends the sequence (then the slot is free)."""

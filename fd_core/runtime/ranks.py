@@ -67,6 +67,7 @@ class RankPool:
         self.conns = [ours for ours, _ in pairs]
         theirs = tuple(end for _, end in pairs)
         self.error: BaseException | None = None
+        self.aborted = False
         self.pids: list[int] = []
         self.thread = threading.Thread(target=self._spawn, args=(plan, theirs, tp, grace, stall), name="fd-ranks", daemon=True)
         self.thread.start()
@@ -111,6 +112,14 @@ class RankPool:
 
     def tick(self, adds: Sequence["Job"], cancels: Sequence[int]) -> list["Event"]:
         """One engine step on every rank for the jobs added and keys cancelled since the last; rank 0's events."""
+        try:
+            return self._tick(adds, cancels)
+        except (OSError, EOFError) as exc:
+            if self.aborted:  # the pipes were closed under this step by abort()
+                raise RankError("the ranks were stopped (the LLM was aborted) before this request finished") from None
+            raise RankError(f"the pipe to the ranks failed: {exc}") from None
+
+    def _tick(self, adds: Sequence["Job"], cancels: Sequence[int]) -> list["Event"]:
         for conn in self.conns:
             conn.send(("tick", list(adds), list(cancels)))
         events, info = self._receive(0, "events")[1:]
@@ -134,6 +143,7 @@ class RankPool:
 
     def abort(self) -> None:
         """Stop every rank now (after an error or Ctrl-C in the caller): SIGTERM, then spawn's own cleanup."""
+        self.aborted = True
         for pid in self.pids:
             try:
                 os.kill(pid, signal.SIGTERM)

@@ -41,6 +41,7 @@ class Submission:
         while True:
             piece = self._pieces.get()
             if piece is _END:
+                self._pieces.put(_END)  # a second iteration ends at once too
                 break
             assert isinstance(piece, str)
             yield piece

@@ -76,18 +76,23 @@ class LLM:
     @property
     def platform(self) -> str:
         """The platform the ranks run on."""
-        return str(self._driver.info["platform"])
+        return str(self._info["platform"])
 
     @property
     def model(self) -> str:
         """The architecture's registered name."""
-        return str(self._driver.info["model"])
+        return str(self._info["model"])
 
     @property
     def graph(self) -> GraphDecision:
         """Whether decode steps replay a captured graph, and every plugin's vote."""
-        data = self._driver.info["graph"]
+        data = self._info["graph"]
         return GraphDecision(data["allowed"], data["mode"], tuple(CastVote(**v) for v in data["votes"]), data["requested"])
+
+    @property
+    def _info(self) -> dict[str, Any]:
+        """Rank 0's description (platform, model, graph decision, timings), as of the last sequence that ended."""
+        return dict(self._driver.info)
 
     @property
     def error(self) -> BaseException | None:
@@ -97,7 +102,7 @@ class LLM:
     @property
     def timings(self) -> dict[str, float]:
         """Seconds spent so far in each phase on rank 0 (build, load, cleanup, capture, prefill, decode)."""
-        return dict(self._driver.info["timings_s"])
+        return dict(self._info["timings_s"])
 
     # -- generating ----------------------------------------------------------------------
     def submit(
@@ -222,8 +227,8 @@ class LLM:
             self._closed = True
             self._worker = self._pool = None
             self._finalizer.detach()
+            self._driver.abort()  # the ranks may be mid-step: stop them rather than wait (the step then fails)
             self._scheduler.close()
-            self._driver.abort()  # the ranks may be mid-step: stop them rather than wait
             return
         self.close()
 

@@ -249,3 +249,17 @@ def test_a_script_that_forgets_close_exits_promptly(checkpoint: Path, tmp_path: 
     assert code == 0 and last == "length", process.stderr.read() if process.stderr else ""
     assert took < 15, f"the script took {took:.1f} s to exit after its last line"
     assert len(pids) == 2 and _until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids), 5), "ranks left running"
+
+
+def test_an_exception_in_the_with_block_stops_the_ranks_and_fails_what_runs(checkpoint: Path) -> None:
+    from fd_core.errors import RankError
+
+    with pytest.raises(ValueError, match="the caller's own"):
+        with LLM(checkpoint, tp=2, graph="off") as llm:
+            pids = list(llm._pool.pids)  # type: ignore[union-attr]
+            running = llm.submit(TEXTS[0], SamplingParams(max_new_tokens=400, ignore_eos=True))
+            assert _until(lambda: running.first_token_at is not None)
+            raise ValueError("the caller's own")
+    with pytest.raises(RankError, match="the ranks were stopped"):
+        running.result(10)
+    assert _until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids), 5), "ranks left running"
