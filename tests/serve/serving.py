@@ -41,6 +41,14 @@ class Served:
     url: str
     marker: str
     lines: list[str] = field(default_factory=list)
+    reader: threading.Thread | None = None  # reads its stderr into `lines`
+
+    def wait(self, timeout: float) -> int:
+        """Its exit code, once its stderr is read to the end (so `lines` holds its last line)."""
+        code = self.process.wait(timeout)
+        if self.reader is not None:
+            self.reader.join(10)
+        return code
 
     @property
     def stderr(self) -> str:
@@ -55,7 +63,7 @@ class Served:
             else:
                 self.process.send_signal(signum)
         try:
-            return self.process.wait(timeout)
+            return self.wait(timeout)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
@@ -124,7 +132,8 @@ def start_server(args: Sequence[str], site: Path | None = None, env: Mapping[str
                 found.set()
         found.set()
 
-    threading.Thread(target=read, daemon=True).start()
+    served.reader = threading.Thread(target=read, daemon=True)
+    served.reader.start()
     if not found.wait(timeout) or not (served.url or until is not None and any(until.search(x) for x in served.lines)):
         process.kill()
         process.wait()

@@ -5,6 +5,7 @@ through the Python API's LLM one at a time; and every error case in the OpenAI e
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
@@ -13,7 +14,7 @@ import pytest
 
 from fakedist import make_distribution
 from fd_core.runtime.sampling import SamplingParams
-from serving import GATE, Served, finish, metric, start_server
+from serving import GATE, Served, finish, metric, start_server, wait_for
 
 # Without them (the test extra brings both) the module skips, saying which is missing.
 httpx = pytest.importorskip("httpx", reason="the serve tests need httpx (pip install -e '.[cpu,test]')")
@@ -200,8 +201,13 @@ def test_errors_come_in_the_openai_format_with_one_log_line_each(server: Served,
     with pytest.raises(openai.BadRequestError, match="takes no image"):
         client.chat.completions.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": picture}}, {"type": "text", "text": "What is this?"}]}])
-    errors = [line for line in server.lines if line.startswith("fd serve: 4")]
-    assert len(errors) - logged == 9, "\n".join(errors)
+    def errors() -> list[str]:
+        return [line for line in server.lines if line.startswith("fd serve: 4")]
+
+    # The server's stderr is read by a thread of this process: its last line may land a moment after the answer.
+    wait_for(lambda: len(errors()) - logged >= 9, 5, "nine error lines")
+    time.sleep(0.2)
+    assert len(errors()) - logged == 9, server.stderr
     assert not [line for line in server.lines if "Traceback" in line], server.stderr
     # The server is still serving.
     assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].text is not None

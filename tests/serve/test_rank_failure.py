@@ -44,7 +44,7 @@ def test_a_rank_that_dies_ends_the_server_naming_it() -> None:
         if reply is not None:
             assert reply.status_code == 503, reply.text
             assert "rank" in reply.json()["error"]["message"], reply.text
-        code = served.process.wait(60)
+        code = served.wait(60)
     finally:
         if served.process.poll() is None:
             served.stop(signal.SIGKILL)
