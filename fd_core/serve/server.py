@@ -56,8 +56,10 @@ def serve(options: ServeOptions, *, checkpoint: str | None, model: str | None, n
     finally:
         signal.signal(signal.SIGTERM, previous)
         sock.close()
-        if llm is not None:
-            llm.close()  # stops the ranks
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+        try:
+            if llm is not None:
+                llm.close()  # stops the ranks
+        finally:
+            if scratch is not None:  # even when closing failed (ranks already gone)
+                shutil.rmtree(scratch, ignore_errors=True)
 
