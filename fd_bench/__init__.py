@@ -31,6 +31,7 @@ ROWS: dict[str, str] = {
     "realsize": "ERNIE-4.5-0.3B (random bf16 weights): fd run at tp=1 and tp=2 vs transformers, vs read bandwidth; peak RSS vs weights + cache",
     "kvwrite": "one decode step's KV-cache writes at cache lengths 80 and 320, eager and in a static program",
     "kernels": "a layer's call of a resolved op vs a direct call; the cpu platform's fused RMSNorm vs the native op",
+    "serve": "fd serve at 1, 4 and 16 concurrent streaming clients vs the same requests through LLM one at a time: req/s, tok/s, time to first token",
 }
 DEFAULT_JSON = Path("benchmarks/results/latest.json")
 # A smoke run (CI) must not overwrite the recorded full run.
@@ -108,6 +109,10 @@ def _runners(selected: list[str], smoke: bool) -> list[tuple[tuple[str, ...], Ca
         jobs.append((("kvwrite",), lambda: kvwrite.kvwrite_rows(smoke)))
     if "kernels" in chosen:
         jobs.append((("kernels",), lambda: kernels.kernel_rows(smoke)))
+    if "serve" in chosen:
+        from fd_bench import serving
+
+        jobs.append((("serve",), lambda: serving.serve_rows(smoke)))
     return jobs
 
 

@@ -1,4 +1,4 @@
-"""The `fd` command: plugins | explain | run | save-random | check | help, and the commands plugins add (bench)."""
+"""The `fd` command: plugins | explain | run | serve | save-random | check | help, and the commands plugins add (bench)."""
 
 from __future__ import annotations
 
@@ -317,6 +317,28 @@ def _add_wall_time(result: dict[str, Any], started_at: float | None) -> None:
     result["wall_s"] = round(now - started_at, 4)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"fd serve needs the serve extra ({' and '.join(missing)} not installed): "
+                          f"pip install 'fd-backends[serve]' (in a checkout: pip install '.[serve]')")
+    _require_paddle()
+    from pathlib import Path
+
+    from fd_core.paddle_logs import quiet_paddle_logs
+    from fd_core.serve.server import ServeOptions, serve
+
+    quiet_paddle_logs()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the ranks start after this process has tokenized
+    options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("FD_API_KEY") or None,
+                           max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout, image_roots=tuple(Path(p) for p in args.image_root or ()))
+    return serve(options, checkpoint=args.checkpoint, model=args.model, name=args.name, tp=args.tp, dtype=args.dtype,
+                 graph=args.graph, seed=args.seed, max_batch=args.max_batch, rank_timeout=args.rank_timeout,
+                 stall_timeout=args.stall_timeout, memory_fraction=args.memory_fraction)
+
+
 def cmd_save_random(args: argparse.Namespace) -> int:
     from fd_core.paddle_logs import quiet_paddle_logs
     from fd_core.runtime.save_random import save_random_checkpoint
@@ -508,6 +530,35 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
     p.add_argument("--allow-non-finite", action="store_true", help="load weights holding NaN or Inf instead of refusing them (experiments only)")
     p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION, metavar="F", help=memory_help)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (needs the serve extra)", **models)
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="a checkpoint directory with its tokenizer (default: --model's tiny preset, seeded random weights, with a small tokenizer built here)")
+    p.add_argument("--model", default=None, metavar="ARCH", help="architecture name or alias (default: the checkpoint's, else ernie4_5)")
+    p.add_argument("--name", default=None, metavar="NAME",
+                   help="the model id clients send and GET /v1/models lists (default: the checkpoint directory's name, or ARCH-tiny)")
+    p.add_argument("--tp", type=_positive, default=1, metavar="N", help="tensor-parallel ranks (default: 1)")
+    p.add_argument("--host", default="127.0.0.1", metavar="HOST", help="address to listen on (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=_int_at_least(0), default=8000, metavar="PORT", help="port to listen on; 0 picks a free one (default: 8000)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="refuse /v1 requests without the header 'Authorization: Bearer KEY' (default: $FD_API_KEY, else no key)")
+    p.add_argument("--max-queue", type=_positive, default=64, metavar="N",
+                   help="most requests admitted at once (waiting or running); more get 503 with Retry-After (default: 64)")
+    p.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, how long admitted requests may run on before they are cancelled (default: 30)")
+    p.add_argument("--image-root", action="append", default=None, metavar="DIR",
+                   help="a directory whose files chat requests may name as pictures (repeatable; default: none, data URLs only)")
+    p.add_argument("--max-batch", type=_positive, default=8, metavar="N", help="most requests decoded together (default: 8)")
+    p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
+                   help="compute dtype (default: the platform's preferred one, the first it lists; see fd plugins)")
+    p.add_argument("--graph", choices=("auto", "on", "off"), default="auto", help=graph_help)
+    p.add_argument("--seed", type=_non_negative, default=0, metavar="N", help="seeds the tiny preset's random weights (default: 0)")
+    p.add_argument("--rank-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                   help="how long to wait for the other ranks once one has failed (default: 30)")
+    p.add_argument("--stall-timeout", type=_seconds, default=60.0, metavar="SECONDS",
+                   help="how long a rank may go without progress before the server stops (default: 60)")
+    p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION, metavar="F", help=memory_help)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("check", help="run the conformance suite against an installed platform (needs pytest: the [test] extra)")
     p.add_argument("platform", nargs="?", default=None, help="platform name (default: the active one)")

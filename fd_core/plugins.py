@@ -454,7 +454,7 @@ def _register_models(pm: pluggy.PluginManager, registry: ModelRegistry, records:
 
 
 # Subcommands of `fd` itself; a plugin may not take these names.
-CORE_COMMANDS = ("plugins", "explain", "run", "save-random", "check", "help")
+CORE_COMMANDS = ("plugins", "explain", "run", "serve", "save-random", "check", "help")
 
 
 def _register_commands(pm: pluggy.PluginManager, records: list[PluginRecord]) -> tuple[dict[str, Any], list[str]]:

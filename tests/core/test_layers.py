@@ -2,7 +2,7 @@
 TYPE_CHECKING ones included, and an arrow that points up, an import cycle among fd_core's modules, or a
 private name taken from another module fails.
 
-contract (fd_core/*.py)  <-  runtime (fd_core/runtime/)  <-  testing (fd_core/testing/)  <-  cli (fd_core/cli.py)
+contract (fd_core/*.py)  <-  runtime (fd_core/runtime/)  <-  testing (fd_core/testing/)  <-  serve (fd_core/serve/)  <-  cli (fd_core/cli.py)
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FD_PACKAGES = ("fd_core", "fd_plugins", "fd_models", "fd_bench")
-LAYERS = ("contract", "runtime", "testing", "cli")
+LAYERS = ("contract", "runtime", "testing", "serve", "cli")
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def layer_of(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] != "fd_core":
         return None
-    if len(parts) > 1 and parts[1] in ("runtime", "testing"):
+    if len(parts) > 1 and parts[1] in ("runtime", "testing", "serve"):
         return parts[1]
     if len(parts) > 1 and parts[1] == "cli":
         return "cli"
@@ -214,6 +214,12 @@ def test_the_check_fails_a_private_name_taken_or_read(tmp_path: Path) -> None:
         "fd_core.runtime.plan:1 takes fd_core.runtime.engine._pad, a private name; make it public or keep it there",
         "fd_core.runtime.worker:2 reads fd_core.runtime.engine._pad, a private name",
     ]
+
+
+def test_the_check_fails_the_runtime_importing_the_server(tmp_path: Path) -> None:
+    tree = _tree(tmp_path, {"fd_core/serve/__init__.py": "", "fd_core/serve/app.py": "from fd_core.runtime.engine import Engine\n",
+                            "fd_core/runtime/plan.py": "def f():\n    from fd_core.serve.app import Server\n"})
+    assert check_tree(tree) == ["fd_core.runtime.plan:2 (runtime) imports fd_core.serve.app (serve): an arrow pointing up"]
 
 
 def test_the_check_fails_fd_core_importing_a_plugin(tmp_path: Path) -> None:

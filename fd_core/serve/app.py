@@ -1,0 +1,557 @@
+"""The HTTP side of `fd serve`: FastAPI routes over an LLM's submit(), server-sent events, errors in the
+OpenAI format, the API key, admission (--max-queue), and the lifecycle under uvicorn (signals, draining,
+a failed rank ending the server)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Protocol, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from fd_core.errors import CheckpointError, ConfigError, FdError, RankError, RequestRefused
+from fd_core.runtime.scheduler import SchedulerClosed
+from fd_core.serve.metrics import CONTENT_TYPE, Metrics
+from fd_core.serve.protocol import (
+    FINISH_REASONS,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    message_parts,
+    new_id,
+    now,
+    read_image,
+    usage,
+)
+
+if TYPE_CHECKING:
+    from fd_core.runtime.engine import Completion
+    from fd_core.runtime.sampling import SamplingParams
+
+RETRY_AFTER_S = 1  # what a client told "queue full" waits before it tries again
+
+
+class Submission(Protocol):
+    """One request in the engine (fd_core.runtime.session's Submission)."""
+
+    prompt_tokens: int
+    first_token_at: float | None
+
+    def __iter__(self) -> Iterator[str]: ...
+
+    def result(self, timeout: float | None = None) -> "Completion": ...
+
+    def cancel(self) -> None: ...
+
+
+class Submitter(Protocol):
+    """What the server needs of an LLM: thread-safe submit() that checks a request at once, and the queue's length."""
+
+    def submit(self, prompt: Any, sampling: "SamplingParams | None" = None, *, chat: bool = False, images: Sequence[Any] = ()) -> Submission: ...
+
+    def queued(self) -> int: ...
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+
+def log(message: str) -> None:
+    """One line on stderr: the server's own log (uvicorn's access log is off)."""
+    print(f"fd serve: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass(eq=False)  # one per submission: hashed by identity
+class Generation:
+    """A submission as the HTTP side follows it: its choice index, its completion once done."""
+
+    index: int
+    submission: Submission
+    submitted: float = field(default_factory=time.time)
+    completion: "Completion | None" = None
+    cancelled: str | None = None  # why the server cancelled it (shutting down, a rank failed), if it did
+
+
+class Server:
+    """The routes and the state they share: admitted requests, the engine's submissions, draining, failure."""
+
+    def __init__(self, engine: Submitter, *, name: str, max_queue: int = 64,
+                 api_key: str | None = None, image_roots: Sequence[Path] = ()) -> None:
+        self.engine, self.name = engine, name
+        self.max_queue, self.api_key, self.image_roots = max_queue, api_key, tuple(r.resolve() for r in image_roots)
+        self.admitted = 0  # requests' prompts admitted and not yet answered (touched on the event loop only)
+        self.active: set[Generation] = set()
+        self.draining: str | None = None  # why new requests are refused (shutting down, a rank failed)
+        self.failure: BaseException | None = None
+        self.stop: Callable[[], None] = lambda: None  # ends the HTTP server (set by run())
+        self.metrics = Metrics(lambda: self.admitted, engine.queued)
+        self.app = self.build()
+
+    # -- the application ------------------------------------------------------------------
+    def build(self) -> FastAPI:
+        app = FastAPI(title="fd serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+        app.add_middleware(RequireKey, server=self)
+
+        @app.exception_handler(ApiError)
+        async def api_error(request: Request, exc: ApiError) -> Response:
+            return self.answer(request, exc)
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid(request: Request, exc: RequestValidationError) -> Response:
+            return self.answer(request, validation_error(exc))
+
+        @app.exception_handler(HTTPException)
+        async def http_error(request: Request, exc: HTTPException) -> Response:
+            kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+            return self.answer(request, ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind=kind))
+
+        @app.exception_handler(Exception)
+        async def unexpected(request: Request, exc: Exception) -> Response:
+            # No traceback reaches a client; the log keeps the one line a maintainer needs to start from.
+            return self.answer(request, ApiError(500, f"internal error ({type(exc).__name__}: {exc})".replace("\n", " "), kind="server_error"))
+
+        @app.get("/health")
+        async def health() -> Response:
+            if self.failure is not None:
+                return JSONResponse({"status": "failed", "error": str(self.failure)}, status_code=503)
+            if self.draining is not None:
+                return JSONResponse({"status": "draining", "reason": self.draining}, status_code=503)
+            return JSONResponse({"status": "ok", "model": self.name, "queued": self.engine.queued()})
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(self.metrics.text(), media_type=CONTENT_TYPE)
+
+        @app.get("/v1/models")
+        async def models(request: Request) -> Response:
+            self.metrics.request("/v1/models", 200)
+            return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model", "created": 0, "owned_by": "fd"}]})
+
+        @app.post("/v1/completions")
+        async def completions(request: Request, body: CompletionRequest) -> Response:
+            self.check_model(body.model)
+            body.refuse_unsupported()
+            prompts = body.prompts()
+            sampling = body.sampling(body.max_tokens)
+            return await self.respond(request, "/v1/completions", [(p, False, ()) for p in prompts], sampling, body.stream, body.include_usage, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request, body: ChatRequest) -> Response:
+            self.check_model(body.model)
+            body.refuse_unsupported()
+            sampling = body.sampling(body.limit())
+            prompt, as_chat, images = self.conversation(body)
+            return await self.respond(request, "/v1/chat/completions", [(prompt, as_chat, images)], sampling, body.stream, body.include_usage, chat=True)
+
+        return app
+
+    def answer(self, request: Request, error: ApiError) -> Response:
+        """An error response in the OpenAI format, logged in one line and counted."""
+        log(f"{error.status} {request.method} {request.url.path}: {error.message}")
+        self.metrics.request(request.url.path, error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise ApiError(404, f"model {model!r} is not served here; this server serves {self.name!r} (GET /v1/models)",
+                           kind="not_found_error", param="model", code="model_not_found")
+
+    # -- prompts ----------------------------------------------------------------------------
+    def conversation(self, body: ChatRequest) -> tuple[Any, bool, tuple[Any, ...]]:
+        """(the messages as the engine renders them through the checkpoint's chat template, False, the pictures in order).
+
+        A message with pictures has a list content (an image part per picture where it stood, then its text), as VL
+        templates expect; one without keeps a string, which every template takes."""
+        turns: list[dict[str, Any]] = []
+        urls: list[str] = []
+        for index, message in enumerate(body.messages):
+            text, found = message_parts(message, index)
+            urls += found
+            content: Any = text if not found else [*({"type": "image"} for _ in found), {"type": "text", "text": text}]
+            turns.append({"role": message.role, "content": content})
+        pictures = tuple(read_image(u, self.image_roots) for u in urls)
+        return turns, False, pictures
+
+    # -- generating -------------------------------------------------------------------------
+    def admit(self, count: int) -> None:
+        if self.failure is not None:
+            raise ApiError(503, f"the server has stopped: {self.failure}", kind="server_error", code="unavailable")
+        if self.draining is not None:
+            raise ApiError(503, f"the server is {self.draining}; it admits no new request", kind="server_error", code="unavailable")
+        if self.admitted + count > self.max_queue:
+            raise ApiError(503, f"the queue is full ({self.admitted} of --max-queue {self.max_queue} requests admitted); retry later",
+                           kind="server_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.admitted += count
+
+    def submit(self, items: Sequence[tuple[Any, bool, tuple[Any, ...]]], sampling: "SamplingParams") -> list[Generation]:
+        """Every prompt submitted (checked at once by the engine); one refused withdraws the others."""
+        generations: list[Generation] = []
+        try:
+            for index, (prompt, chat, images) in enumerate(items):
+                generations.append(Generation(index, self.engine.submit(prompt, sampling, chat=chat, images=images)))
+        except RequestRefused as exc:
+            self.withdraw(generations)
+            raise ApiError(400, str(exc), code="request_refused") from None
+        except (ConfigError, CheckpointError) as exc:
+            self.withdraw(generations)
+            raise ApiError(400, str(exc)) from None
+        except (RankError, SchedulerClosed) as exc:
+            self.withdraw(generations)
+            self.fail(exc)
+            raise ApiError(503, str(exc), kind="server_error", code="rank_failed") from None
+        self.active.update(generations)
+        return generations
+
+    def withdraw(self, generations: Sequence[Generation], reason: str | None = None) -> None:
+        """Cancel these generations (freed at the engine's next step); `reason` is what their clients are told."""
+        for g in generations:
+            if reason is not None and g.cancelled is None:
+                g.cancelled = reason
+            g.submission.cancel()
+
+    async def events(self, generations: Sequence[Generation]) -> AsyncIterator[tuple[Generation, str | None]]:
+        """(generation, new text) as the engine produces it, then (generation, None) when it is done; errors re-raised."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[Generation, str, Any]] = asyncio.Queue()
+
+        def pump(generation: Generation) -> None:
+            # The engine's iterators block: one thread per generation carries its pieces onto the event loop.
+            def put(kind: str, value: Any) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is listening any more
+                    loop.call_soon_threadsafe(queue.put_nowait, (generation, kind, value))
+
+            try:
+                for piece in generation.submission:
+                    put("text", piece)
+                put("done", generation.submission.result())
+            except BaseException as exc:  # noqa: BLE001 - carried to the event loop, which answers the client
+                put("error", exc)
+
+        for g in generations:
+            threading.Thread(target=pump, args=(g,), name=f"fd-serve-{g.index}", daemon=True).start()
+        remaining = len(generations)
+        while remaining:
+            generation, kind, value = await queue.get()
+            if kind == "text":
+                yield generation, value
+            elif kind == "done":
+                if generation.cancelled is not None:
+                    raise ApiError(503, generation.cancelled, kind="server_error", code="unavailable")
+                generation.completion = value
+                remaining -= 1
+                s = generation.submission
+                self.metrics.finished(s.prompt_tokens, len(value.token_ids), generation.submitted, s.first_token_at, time.time())
+                yield generation, None
+            elif generation.cancelled is not None:
+                raise ApiError(503, generation.cancelled, kind="server_error", code="unavailable")
+            else:
+                raise value
+
+    def release(self, generations: Sequence[Generation], endpoint: str, count: int) -> None:
+        """The request has been answered or abandoned: unfinished generations are cancelled, its places freed."""
+        unfinished = [g for g in generations if g.completion is None]
+        self.withdraw(unfinished)
+        self.active.difference_update(generations)
+        self.admitted -= count
+        if unfinished and self.draining is None:
+            self.metrics.request(endpoint, "cancelled")
+
+    def engine_error(self, exc: BaseException) -> ApiError:
+        """What a failure while generating becomes for the client; a failed rank ends the server."""
+        if isinstance(exc, ApiError):
+            return exc
+        if isinstance(exc, (RankError, SchedulerClosed)):
+            self.fail(exc)
+            return ApiError(503, str(exc), kind="server_error", code="rank_failed")
+        if isinstance(exc, FdError):
+            return ApiError(500, str(exc), kind="server_error")
+        return ApiError(500, f"internal error ({type(exc).__name__}: {exc})".replace("\n", " "), kind="server_error")
+
+    async def respond(self, request: Request, endpoint: str, items: Sequence[tuple[Any, bool, tuple[Any, ...]]], sampling: "SamplingParams",
+                      stream: bool, include_usage: bool, chat: bool) -> Response:
+        self.admit(len(items))
+        try:
+            generations = self.submit(items, sampling)
+        except BaseException:
+            self.admitted -= len(items)
+            raise
+        ident, created = new_id("chatcmpl" if chat else "cmpl"), now()
+        if stream:
+            body = self.sse(request, endpoint, generations, ident, created, chat, include_usage, len(items))
+            return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        collect = asyncio.ensure_future(self.collect(generations))
+        watch = asyncio.ensure_future(gone(request))
+        try:
+            await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this task was cancelled (the server is stopping at once)
+            watch.cancel()
+            collect.cancel()
+            self.release(generations, endpoint, len(items))
+            raise
+        watch.cancel()
+        if not collect.done() or collect.cancelled():
+            collect.cancel()
+            self.release(generations, endpoint, len(items))
+            log(f"POST {endpoint}: the client went away before its answer; its generation(s) were cancelled")
+            return Response(status_code=499)  # nobody reads it: the code nginx logs for a client that closed the request
+        error = collect.exception()
+        self.release(generations, endpoint, len(items))
+        if error is not None:
+            raise self.engine_error(error) from None
+        self.metrics.request(endpoint, 200)
+        return JSONResponse(self.whole(generations, ident, created, chat))
+
+    async def collect(self, generations: Sequence[Generation]) -> None:
+        """Every generation run to its end (their completions kept on them)."""
+        async for _ in self.events(generations):
+            pass
+
+    def whole(self, generations: Sequence[Generation], ident: str, created: int, chat: bool) -> dict[str, Any]:
+        choices: list[dict[str, Any]] = []
+        prompt_tokens = completion_tokens = 0
+        for g in generations:
+            c = g.completion
+            assert c is not None
+            prompt_tokens += len(c.prompt_ids)
+            completion_tokens += len(c.token_ids)
+            reason = FINISH_REASONS.get(c.finish_reason, c.finish_reason)
+            if chat:
+                choices.append({"index": g.index, "message": {"role": "assistant", "content": c.text or ""}, "logprobs": None, "finish_reason": reason})
+            else:
+                choices.append({"index": g.index, "text": c.text or "", "logprobs": None, "finish_reason": reason})
+        return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created, "model": self.name,
+                "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+    async def sse(self, request: Request, endpoint: str, generations: Sequence[Generation], ident: str, created: int, chat: bool,
+                  include_usage: bool, count: int) -> AsyncIterator[str]:
+        """Server-sent events in the OpenAI chunk format, ending with `data: [DONE]`; a client that goes away cancels its generations."""
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            data = {"id": ident, "object": kind, "created": created, "model": self.name, "choices": choices, **extra}
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        def choice(index: int, text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
+            if not chat:
+                return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+
+        status: int | str = 200
+        try:
+            if chat:
+                yield chunk([choice(g.index, None, None, first=True) for g in generations])
+            try:
+                async for generation, text in self.events(generations):
+                    if text is not None:
+                        yield chunk([choice(generation.index, text, None)])
+                    else:
+                        c = generation.completion
+                        assert c is not None
+                        yield chunk([choice(generation.index, None, FINISH_REASONS.get(c.finish_reason, c.finish_reason))])
+            except (asyncio.CancelledError, GeneratorExit):
+                raise
+            except Exception as exc:  # noqa: BLE001 - the headers are sent: the error travels as an event, as OpenAI's does
+                error = self.engine_error(exc)
+                log(f"{error.status} POST {endpoint} (streaming): {error.message}")
+                status = error.status
+                yield f"data: {json.dumps(error.body())}\n\n"
+                return
+            if include_usage:
+                done = [g.completion for g in generations if g.completion is not None]
+                yield chunk([], usage=usage(sum(len(c.prompt_ids) for c in done), sum(len(c.token_ids) for c in done)))
+            yield "data: [DONE]\n\n"
+        finally:
+            self.release(generations, endpoint, count)
+            if all(g.completion is not None for g in generations) or status != 200:
+                self.metrics.request(endpoint, status)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def fail(self, exc: BaseException) -> None:
+        """A rank failed: refuse everything from now on, cancel what runs, end the server (run() re-raises it)."""
+        if self.failure is not None:
+            return
+        self.failure = exc
+        self.draining = "stopping: a rank failed"
+        log(f"stopping: {exc}")
+        self.withdraw(list(self.active), f"cancelled: the server is stopping ({exc})")
+        self.stop()
+
+    async def drain(self, reason: str, timeout: float) -> None:
+        """Stop admitting; let admitted requests finish for `timeout` seconds; cancel the rest; end the server."""
+        self.draining = reason
+        log(f"{reason}: admitting no new request; {self.admitted} in flight get up to {timeout:g} s to finish")
+        deadline = time.monotonic() + timeout
+        while self.admitted and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.admitted:
+            log(f"cancelling {len(self.active)} generation(s) still running after {timeout:g} s")
+            self.withdraw(list(self.active), f"cancelled: the server is {reason} and the request ran past --shutdown-timeout {timeout:g} s")
+            # Their streams end at the engine's next step; a little while for them to say so.
+            end = time.monotonic() + 2.0
+            while self.admitted and time.monotonic() < end:
+                await asyncio.sleep(0.05)
+        self.stop()
+
+
+class RequireKey:
+    """The API (/v1/...) needs the key; /health and /metrics stay open for probes and scrapers. Plain ASGI (not
+    BaseHTTPMiddleware), so that a route still sees its client disconnect."""
+
+    def __init__(self, app: Any, server: Server) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        key = self.server.api_key
+        if key is not None and scope["type"] == "http" and str(scope.get("path", "")).startswith("/v1"):
+            request = Request(scope, receive)
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                response = self.server.answer(request, ApiError(401, "a valid API key is needed: send the header Authorization: Bearer KEY",
+                                                                kind="authentication_error", code="invalid_api_key"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def gone(request: Request) -> None:
+    """Returns once the client has closed the connection (a request without a stream has no other way to see it)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+
+
+def validation_error(exc: RequestValidationError) -> ApiError:
+    """FastAPI's validation error as a 400 naming the first field that is wrong (or saying the body is not JSON)."""
+    errors = list(exc.errors())
+    first = errors[0] if errors else {}
+    given = first.get("input")
+    if first.get("type") == "json_invalid" or (tuple(first.get("loc", ())) == ("body",) and isinstance(given, (bytes, str))):
+        return ApiError(400, "the request body is not valid JSON: send a JSON object with Content-Type: application/json")
+    # Union members (str, list[int], ...) appear in pydantic's location; the client named only the fields.
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and (isinstance(p, int) or FIELD.match(str(p)) and str(p) not in TYPE_TAGS)]
+    param = ".".join(loc) or None
+    if first.get("type") == "missing":
+        return ApiError(400, f"{param or 'the body'}: a required field is missing", param=param)
+    shown = json.dumps(given)[:80] if isinstance(given, (int, float, str, bool, list)) else ""
+    return ApiError(400, f"{param or 'the body'}: {first.get('msg', 'invalid')}" + (f" (got {shown})" if shown else ""), param=param)
+
+
+FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (port 0: a free one), before the model loads, so that a taken port fails at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and without it a response
+    # written in two pieces waits ~40 ms for the client's delayed ACK (Nagle's algorithm).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port or --host") from None
+    return sock
+
+
+@dataclass
+class ServeOptions:
+    """How `fd serve` listens and admits."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_queue: int = 64
+    shutdown_timeout: float = 30.0
+    image_roots: tuple[Path, ...] = ()
+
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as fd's other commands exit
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+
+def run(server: Server, sock: socket.socket, options: ServeOptions, announce: Callable[[str], None]) -> int:
+    """Serve until SIGTERM or SIGINT (drained within options.shutdown_timeout: 143 or 130) or a rank fails (its RankError raised)."""
+    import uvicorn
+
+    # The engine's thread, the pump threads and the event loop hand every token on: with Python's default
+    # 5 ms switch interval each hand-off can wait that long for the GIL, which at a tiny model's step time
+    # would cost more than the step itself.
+    sys.setswitchinterval(0.0005)
+
+    class Uvicorn(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # fd's handlers drain first and decide the exit code; uvicorn's would re-raise the signal at exit.
+            yield
+
+    config = uvicorn.Config(server.app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=3,
+                            timeout_keep_alive=5)
+    http = Uvicorn(config)
+    received: list[int] = []
+
+    def stop() -> None:
+        http.should_exit = True
+
+    server.stop = stop
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+
+        def on_signal(signum: int) -> None:
+            if received:
+                # A second signal: no more waiting.
+                server.withdraw(list(server.active), "cancelled: the server was told to stop at once (a second signal)")
+                http.force_exit = True
+                stop()
+                return
+            received.append(signum)
+            name = "SIGTERM" if signum == signal.SIGTERM else "SIGINT"
+            loop.create_task(server.drain(f"shutting down ({name})", options.shutdown_timeout))
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, on_signal, signum)
+
+        async def ready() -> None:
+            while not http.started and not http.should_exit:
+                await asyncio.sleep(0.01)
+            if http.started:
+                host, port = sock.getsockname()[:2]
+                shown = f"[{host}]" if ":" in host else host
+                announce(f"http://{shown}:{port}")
+
+        async def watch_ranks() -> None:
+            # Ranks that fail while no request runs: the LLM says so, and the server ends as when a request meets it.
+            while server.failure is None:
+                await asyncio.sleep(0.5)
+                error = server.engine.error
+                if error is not None:
+                    server.fail(error if isinstance(error, FdError) else RankError(str(error)))
+
+        waiter, watcher = loop.create_task(ready()), loop.create_task(watch_ranks())
+        await http.serve(sockets=[sock])
+        waiter.cancel()
+        watcher.cancel()
+
+    asyncio.run(main())
+    if server.failure is not None:
+        raise server.failure
+    if received:
+        return EXIT_TERMINATED if received[0] == signal.SIGTERM else EXIT_INTERRUPTED
+    return 0

@@ -1,0 +1,213 @@
+"""The official `openai` client against `fd serve` at tp=1 and tp=2 (one server per tp, started as a user starts it):
+completions, chat, streaming, stop strings, seeds and 16 concurrent clients, each compared with the same request
+through the Python API's LLM one at a time; and every error case in the OpenAI error format."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from fakedist import make_distribution
+from fd_core.runtime.sampling import SamplingParams
+from serving import GATE, Served, finish, metric, start_server, wait_for
+
+# Without them (the test extra brings both) the module skips, saying which is missing.
+httpx = pytest.importorskip("httpx", reason="the serve tests need httpx (pip install -e '.[cpu,test]')")
+openai = pytest.importorskip("openai", reason="the serve tests use the official openai client (pip install -e '.[cpu,test]')")
+
+PROMPTS = ["Hello world", "The quick brown fox", "Once upon a time", "A language model reads", "Numbers like 1, 2, 3",
+           "The server keeps the model", "Clients send prompts", "How are you today?"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from fd_core.serve.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("serve") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def oracle(checkpoint: Path) -> Iterator[Any]:
+    """The same checkpoint through the Python API in this process, one request at a time."""
+    from fd_core.runtime import LLM
+
+    with LLM(checkpoint, tp=1) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def server(request: pytest.FixtureRequest, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    site = make_distribution(tmp_path_factory.mktemp("site"), "fd-serve-gate", {"serve_gate": GATE}, {"fd.plugins": {"serve_gate": "serve_gate"}})
+    served = start_server(["--checkpoint", str(checkpoint), "--tp", str(request.param), "--max-queue", "32"], site=site)
+    yield served
+    finish(served, interrupt=request.param == 2)  # tp=2 ends as Ctrl-C ends it: SIGINT to the server and its ranks
+
+
+@pytest.fixture
+def client(server: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def expected(oracle: Any, prompt: Any, chat: bool = False, **sampling: Any) -> Any:
+    return oracle.generate(prompt, SamplingParams(**sampling), chat=chat)[0]
+
+
+def test_models_health_and_metrics_answer(server: Served, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    health = httpx.get(f"{server.url}/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    before = httpx.get(f"{server.url}/metrics").text
+    assert "# TYPE fd_time_to_first_token_seconds histogram" in before and metric(before, "fd_queue_length") == 0
+    reply = client.completions.create(model="tiny", prompt="Hello there", max_tokens=9, extra_body={"ignore_eos": True})
+    after = httpx.get(f"{server.url}/metrics").text
+    assert reply.usage.completion_tokens == 9
+    assert metric(after, "fd_generation_tokens_total") - metric(before, "fd_generation_tokens_total") == 9
+    assert metric(after, "fd_prompt_tokens_total") - metric(before, "fd_prompt_tokens_total") == reply.usage.prompt_tokens
+    assert metric(after, "fd_time_to_first_token_seconds_count") - metric(before, "fd_time_to_first_token_seconds_count") == 1
+    assert metric(after, "fd_decode_tokens_total") - metric(before, "fd_decode_tokens_total") == 8
+    assert metric(after, "fd_decode_tokens_per_second") > 0
+    assert 'fd_requests_total{endpoint="/v1/completions",status="200"}' in after
+
+
+def test_completions_equal_the_engine_alone(client: openai.OpenAI, oracle: Any) -> None:
+    reasons = set()
+    for prompt, tokens in zip(PROMPTS[:3], (12, 5, 20), strict=True):
+        want = expected(oracle, prompt, max_new_tokens=tokens)
+        reasons.add(want.finish_reason)
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=tokens)
+        assert got.choices[0].text == want.text
+        assert got.choices[0].finish_reason == {"eos": "stop", "stop": "stop", "length": "length"}[want.finish_reason]
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(want.prompt_ids), len(want.token_ids))
+    assert reasons == {"eos", "length"}  # both mappings were seen ("Hello world" meets the end-of-sequence id at its 7th token)
+    # Token ids in, and several prompts in one request (one choice each, in order).
+    ids = oracle.tokenizer.encode("Hello world")
+    assert client.completions.create(model="tiny", prompt=ids, max_tokens=6).choices[0].text == expected(oracle, ids, max_new_tokens=6).text
+    many = client.completions.create(model="tiny", prompt=PROMPTS[3:5], max_tokens=7)
+    assert [c.text for c in sorted(many.choices, key=lambda c: c.index)] == [expected(oracle, p, max_new_tokens=7).text for p in PROMPTS[3:5]]
+
+
+def test_chat_goes_through_the_chat_template(client: openai.OpenAI, oracle: Any, checkpoint: Path) -> None:
+    want = expected(oracle, "Say hello", chat=True, max_new_tokens=10)
+    got = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hello"}], max_tokens=10)
+    assert got.choices[0].message.role == "assistant" and got.choices[0].message.content == want.text
+    assert got.usage.prompt_tokens == len(want.prompt_ids)
+    # A conversation: rendered here with jinja2 from the checkpoint's template, as an independent reading of it.
+    import jinja2
+
+    template = json.loads((checkpoint / "tokenizer_config.json").read_text())["chat_template"]
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+             {"role": "user", "content": "Count"}]
+    rendered = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(template).render(messages=turns, add_generation_prompt=True,
+                                                                                                        bos_token="<s>")
+    ids = oracle.tokenizer.encode(rendered, add_special_tokens=False)
+    got = client.chat.completions.create(model="tiny", messages=turns, max_tokens=9)  # type: ignore[arg-type]
+    assert got.usage.prompt_tokens == len(ids)
+    assert got.choices[0].message.content == expected(oracle, ids, max_new_tokens=9).text
+
+
+def test_streaming_sends_the_same_text_in_openai_chunks_ending_with_done(server: Served, client: openai.OpenAI, oracle: Any) -> None:
+    want = expected(oracle, PROMPTS[5], max_new_tokens=24)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[5], max_tokens=24, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert len([c for c in chunks if c.choices and c.choices[0].text]) > 1  # piece by piece, not the whole text at the end
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == {"eos": "stop", "stop": "stop", "length": "length"}[want.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
+    chat_want = expected(oracle, "Tell a story", chat=True, max_new_tokens=16)
+    deltas = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Tell a story"}], max_tokens=16, stream=True))
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(d.choices[0].delta.content or "" for d in deltas) == chat_want.text
+    assert deltas[-1].choices[0].finish_reason is not None
+    # On the wire: server-sent events, each `data: {json}`, the last `data: [DONE]`.
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "stream": True}, timeout=60) as raw:
+        assert raw.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in raw.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: {") for e in events[:-1])
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] is not None
+
+
+def test_a_stop_string_cuts_the_text_before_it(client: openai.OpenAI, oracle: Any) -> None:
+    whole = expected(oracle, PROMPTS[6], max_new_tokens=32).text
+    stop = next(ch for ch in whole[3:] if ch.isascii() and ch.isalnum())  # a character that appears after the start
+    cut = whole[: whole.index(stop)]
+    got = client.completions.create(model="tiny", prompt=PROMPTS[6], max_tokens=32, stop=[stop])
+    assert (got.choices[0].text, got.choices[0].finish_reason) == (cut, "stop")
+    streamed = client.completions.create(model="tiny", prompt=PROMPTS[6], max_tokens=32, stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut
+
+
+def test_a_seed_gives_the_same_sample_and_another_seed_another(client: openai.OpenAI, oracle: Any) -> None:
+    def sample(seed: int) -> str:
+        return client.completions.create(model="tiny", prompt="Once", max_tokens=16, temperature=1.0, top_p=0.95, seed=seed).choices[0].text or ""
+
+    first = sample(7)
+    assert first == sample(7) == expected(oracle, "Once", max_new_tokens=16, temperature=1.0, top_p=0.95, seed=7).text
+    assert any(sample(seed) != first for seed in (8, 9))
+    # Without a seed each request draws anew, as OpenAI's API does (not seed 0 every time).
+    unseeded = {client.completions.create(model="tiny", prompt="Once", max_tokens=16, temperature=1.0).choices[0].text for _ in range(3)}
+    assert len(unseeded) > 1
+
+
+def test_sixteen_concurrent_clients_get_their_sequential_outputs(server: Served, oracle: Any) -> None:
+    jobs = [(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)), 6 + i % 7, i % 3 == 0) for i in range(16)]
+    sequential = [expected(oracle, p, max_new_tokens=n).text for p, n, _ in jobs]
+
+    def ask(job: tuple[str, int, bool]) -> str:
+        prompt, tokens, stream = job
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        if stream:
+            return "".join(c.choices[0].text for c in client.completions.create(model="tiny", prompt=prompt, max_tokens=tokens, stream=True))
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=tokens).choices[0].text
+
+    with ThreadPoolExecutor(16) as pool:
+        concurrent = list(pool.map(ask, jobs))
+    assert concurrent == sequential
+
+
+def openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
+    """The response is `status` with an OpenAI error body and no traceback."""
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert "Traceback" not in response.text
+    return dict(body["error"])
+
+
+def test_errors_come_in_the_openai_format_with_one_log_line_each(server: Served, client: openai.OpenAI, oracle: Any) -> None:
+    url = f"{server.url}/v1/completions"
+    logged = len([line for line in server.lines if line.startswith("fd serve: 4")])
+    assert "not valid JSON" in openai_error(httpx.post(url, content=b'{"prompt": "Hi",', headers={"content-type": "application/json"}), 400)["message"]
+    wrong = openai_error(httpx.post(url, json={"prompt": "Hi", "max_tokens": "many"}), 400)
+    assert wrong["param"] == "max_tokens"
+    assert openai_error(httpx.post(url, json={"max_tokens": 3}), 400)["param"] == "prompt"
+    assert openai_error(httpx.post(url, json={"prompt": "Hi", "n": 2}), 400)["param"] == "n"
+    assert openai_error(httpx.post(f"{server.url}/v1/embeddings", json={}), 404)["type"] == "not_found_error"
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.completions.create(model="gpt-4", prompt="Hi", max_tokens=3)
+    assert unknown.value.status_code == 404 and "'gpt-4' is not served here" in unknown.value.message
+    with pytest.raises(openai.BadRequestError) as long:
+        client.completions.create(model="tiny", prompt="Hello world", max_tokens=5000)
+    n = len(oracle.tokenizer.encode("Hello world"))
+    assert f"has {n} tokens and 5000 new tokens are asked for: {n + 5000} exceed the model's context of 4096" in long.value.message
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=13)
+    assert "this device cannot generate 13 tokens" in refused.value.message and refused.value.code == "request_refused"
+    # A picture reaches the engine, which says this model takes none.
+    picture = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAAAAAA6fptVAAAACklEQVR4nGNgAAAAAgABSK+kcQAAAABJRU5ErkJggg=="
+    with pytest.raises(openai.BadRequestError, match="takes no image"):
+        client.chat.completions.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": picture}}, {"type": "text", "text": "What is this?"}]}])
+    def errors() -> list[str]:
+        return [line for line in server.lines if line.startswith("fd serve: 4")]
+
+    # The server's stderr is read by a thread of this process: its last line may land a moment after the answer.
+    wait_for(lambda: len(errors()) - logged >= 9, 5, "nine error lines")
+    time.sleep(0.2)
+    assert len(errors()) - logged == 9, server.stderr
+    assert not [line for line in server.lines if "Traceback" in line], server.stderr
+    # The server is still serving.
+    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].text is not None
