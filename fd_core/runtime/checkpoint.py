@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from fd_core.config import read_config_json
 from fd_core.errors import CheckpointError, ConfigError
-from fd_core.runtime.chat import load_chat_template
+from fd_core.runtime.chat import find_chat_template
 from fd_core.runtime.generation_config import GenerationDefaults
 from fd_core.runtime.tokenizer import has_tokenizer, load_tokenizer, read_json
 from fd_core.runtime.weights import check_checkpoint_dir
@@ -39,7 +39,7 @@ class Checkpoint:
         self.preprocessor = preprocessor
         self._json: dict[Path, dict[str, Any]] = {}
         self._tokenizer: Tokenizer | None = None
-        self._template: tuple[str | None] | None = None
+        self._template: tuple[tuple[str, Path] | None] | None = None
 
     @classmethod
     def open(cls, directory: str | Path) -> "Checkpoint":
@@ -93,7 +93,15 @@ class Checkpoint:
 
     def chat_template(self) -> str | None:
         """The chat template (chat_template.jinja, chat_template.json or tokenizer_config.json's), if any."""
-        if self._template is None:
-            self._template = (load_chat_template(self.directory, self._read),)
-        return self._template[0]
+        found = self._find_template()
+        return None if found is None else found[0]
 
+    def chat_template_file(self) -> Path | None:
+        """The file the chat template comes from, if there is one."""
+        found = self._find_template()
+        return None if found is None else found[1]
+
+    def _find_template(self) -> tuple[str, Path] | None:
+        if self._template is None:
+            self._template = (find_chat_template(self.directory, self._read),)
+        return self._template[0]

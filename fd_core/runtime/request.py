@@ -57,7 +57,7 @@ def chat_prompt(tokenizer: Tokenizer, checkpoint: "Checkpoint", text: str, image
             f"{checkpoint.directory} has no chat template (looked for chat_template.jinja, chat_template.json and "
             f"tokenizer_config.json's chat_template); drop --chat to send the prompt as it is"
         )
-    rendered = render_chat(template, [user_message(text, images)], tokenizer.special_tokens())
+    rendered = render_chat(template, [user_message(text, images)], tokenizer.special_tokens(), source=checkpoint.chat_template_file())
     # The template already holds every special token the model expects (as transformers encodes it).
     return tokenizer.encode(rendered, add_special_tokens=False)
 
