@@ -70,7 +70,9 @@ class Checkpoint:
 
     def generation_defaults(self) -> GenerationDefaults:
         """End-of-sequence ids and sampling defaults (generation_config.json, then config.json's ids)."""
-        return GenerationDefaults.of(self.generation, self.config)
+        directory = Path(self.directory)
+        return GenerationDefaults.of(self.generation, self.config, source=str(directory / "generation_config.json"),
+                                     model_source=str(directory / "config.json"))
 
     def _read(self, path: Path) -> dict[str, Any]:
         if path not in self._json:

@@ -7,9 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from fd_core.errors import CheckpointError, ConfigError
+from fd_core.errors import CheckpointError, ConfigError, FdError, package_failure
 from fd_core.runtime.chat import expand_placeholders, render_chat, user_message
 from fd_core.runtime.generation_config import GenerationDefaults
+from fd_core.runtime.images import check_picture
 from fd_core.runtime.sampling import SamplingParams
 from fd_core.runtime.tokenizer import TOKENIZER_FILES, Tokenizer
 
@@ -62,15 +63,41 @@ def chat_prompt(tokenizer: Tokenizer, checkpoint: "Checkpoint", text: str, image
     return tokenizer.encode(rendered, add_special_tokens=False)
 
 
+def _check_utf8(text: str, which: str) -> None:
+    """Text a tokenizer can take: a command line that is not UTF-8 arrives with its bytes as lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = ord(text[exc.start])
+        what = f"the byte {char - 0xDC00:#04x}" if 0xDC80 <= char <= 0xDCFF else f"the lone surrogate U+{char:04X}"
+        raise ConfigError(f"{which} is not valid UTF-8 text ({what} at character {exc.start}); pass the text encoded as UTF-8") from None
+
+
+def _image_tokens(arch: "Architecture", config: "ModelConfig", shape: tuple[int, int, int], index: int, count: int) -> int:
+    """The tokens a picture takes; a picture the model's processor refuses (its ValueError says why) is one line naming the picture."""
+    assert arch.image_tokens is not None
+    try:
+        return arch.image_tokens(config, shape)
+    except FdError:
+        raise
+    except ValueError as exc:
+        which = f"picture {index + 1}" if count > 1 else "the picture"
+        raise ConfigError(f"{which}: {' '.join(str(exc).split())}") from None
+    except Exception as exc:  # noqa: BLE001 - the package's own bug: one line naming it, the traceback in a file
+        raise package_failure(arch.package, "image_tokens", exc, ConfigError) from None
+
+
 def text_prompts(
     texts: Sequence[str], tokenizer: Tokenizer, checkpoint: "Checkpoint", chat: bool, arch: "Architecture", config: "ModelConfig",
     image_shapes: Sequence[tuple[int, int, int]] = (),
 ) -> list[list[int]]:
     """Token ids of each text prompt; each image placeholder expanded to its picture's number of tokens."""
+    for index, text in enumerate(texts):
+        _check_utf8(text, f"prompt {index + 1}" if len(texts) > 1 else "the prompt")
     prompts = [chat_prompt(tokenizer, checkpoint, t, len(image_shapes)) if chat else tokenizer.encode(t) for t in texts]
     if image_shapes and arch.image_tokens is not None:
         token_id = int(config.extra["image_token_id"])
-        counts = [arch.image_tokens(config, shape) for shape in image_shapes]
+        counts = [_image_tokens(arch, config, shape, index, len(image_shapes)) for index, shape in enumerate(image_shapes)]
         prompts = [expand_placeholders(ids, token_id, counts) for ids in prompts]
     return prompts
 
@@ -111,6 +138,7 @@ def build_request(
     With `memory` (the plan's), a request whose longest sequence needs more KV cache than the capacity is
     refused; with `backend`, every plugin's fd_check_request may refuse it (`parallel` is the run's layout,
     `stream` whether its text is streamed to the caller as it is produced). Both before any rank sees it."""
+    images = [check_picture(p, f"images[{index}]") for index, p in enumerate(images)]
     shapes = [(int(p.shape[0]), int(p.shape[1]), int(p.shape[2])) for p in images]
     texts = [p for p in prompts if isinstance(p, str)]
     if texts:
