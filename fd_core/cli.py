@@ -497,7 +497,7 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
                    help="sample from the k most likely tokens; 0 is all (default: generation_config.json's, else 0)")
     p.add_argument("--max-batch", type=_positive, default=8, metavar="N", help="most prompts decoded together (default: 8)")
     p.add_argument("--image", action="append", default=None, metavar="PATH",
-                   help="a picture for a VL model: PNG, JPEG, or .npy [C,H,W] in [0,1]; repeat for several, in the order of their placeholders (default: none)")
+                   help="a picture for a VL model: PNG, JPEG, or .npy [3,H,W] in [0,1]; repeat for several, in the order of their placeholders (default: none)")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="a checkpoint directory as transformers saves it: config.json, *.safetensors (default: seeded random weights)")
     p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,

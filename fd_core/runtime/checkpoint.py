@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from fd_core.config import read_config_json
 from fd_core.errors import CheckpointError, ConfigError
+from fd_core.runtime import progress
 from fd_core.runtime.chat import find_chat_template
 from fd_core.runtime.generation_config import GenerationDefaults
 from fd_core.runtime.tokenizer import has_tokenizer, load_tokenizer, read_json
@@ -86,6 +87,7 @@ class Checkpoint:
     def tokenizer(self) -> "Tokenizer":
         """The tokenizer, loaded on first use; a directory without one is a one-line error naming the files looked for."""
         if self._tokenizer is None:
+            progress.report("loading the tokenizer")  # a rank stuck here is named for it, not for the phase before
             self._tokenizer = load_tokenizer(self.directory, self._read)
         return self._tokenizer
 

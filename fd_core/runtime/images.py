@@ -53,7 +53,7 @@ def load_image(path: str) -> Any:
     label = f"--image {path}"
     file = Path(path)
     if not file.exists():
-        raise ConfigError(f"{label}: no such file; pass a PNG or JPEG picture or a .npy array [C, H, W]")
+        raise ConfigError(f"{label}: no such file; pass a PNG or JPEG picture or a .npy array [3, H, W]")
     regular_file(file, label, error=ConfigError, fix="pass a PNG or JPEG picture or a .npy array [3, H, W]")
     if file.suffix.lower() == ".npy":
         with open(file, "rb") as f:
@@ -68,7 +68,7 @@ def load_image(path: str) -> Any:
     try:
         from PIL import Image, UnidentifiedImageError
     except ImportError:
-        raise ConfigError(f"{label}: reading pictures needs Pillow (pip install pillow), or pass a .npy array [C, H, W]") from None
+        raise ConfigError(f"{label}: reading pictures needs Pillow (pip install pillow), or pass a .npy array [3, H, W]") from None
     Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
     try:
         with warnings.catch_warnings():

@@ -31,7 +31,7 @@ class RunConfig:
     tp: int = 1
     steps: int = 16
     prompt_ids: tuple[int, ...] = (1, 2, 3, 4)
-    # Pictures for a VL prompt, in the order of its placeholder runs: PNG, JPEG or .npy [C, H, W] in [0, 1].
+    # Pictures for a VL prompt, in the order of its placeholder runs: PNG, JPEG or .npy [3, H, W] in [0, 1].
     images: tuple[str, ...] = ()
     checkpoint: str | None = None
     # Compute dtype; None means the platform's preferred one (the first of its Detection.dtypes).
