@@ -396,3 +396,15 @@ def test_picture_arrays_given_to_the_api_are_checked(make: Callable[[], Any], me
                       checkpoint=None, images=[make()])
     assert message in str(caught.value)
 
+
+
+def test_a_rank_loading_the_tokenizer_notes_the_phase(qwen: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A rank slow in the tokenizer (20,000 added tokens took 56 s) was blamed by the stall watch on the phase before it.
+    from fd_core.runtime import progress
+    from fd_core.runtime.checkpoint import Checkpoint
+
+    note = tmp_path / "progress"
+    monkeypatch.setenv(progress.PROGRESS_ENV, str(note))
+    Checkpoint.open(qwen).tokenizer()
+    found = progress.read(str(note))
+    assert found is not None and found[1] == "loading the tokenizer"
