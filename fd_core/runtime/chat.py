@@ -76,38 +76,70 @@ class _TooLarge(Exception):
 
 
 class _Deadline:
-    """Interrupts the calling thread with _Overrun after `seconds` (CPython's asynchronous exception), unless stopped first.
+    """Interrupts the calling thread with _Overrun after `seconds` (CPython's asynchronous exception), and again
+    every 50 ms until stopped: one that lands in a finaliser run mid-render is swallowed there, the next is not.
 
     Template code is Python bytecode, so the exception lands between two of its steps, whatever loop it is in.
     """
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self) -> None:
         import threading
 
         self.thread = threading.get_ident()
         self.lock = threading.Lock()
         self.done = self.fired = False
-        self.timer = threading.Timer(seconds, self._fire)
-        self.timer.daemon = True
-        self.timer.start()
+        self.stopped = threading.Event()
 
-    def _fire(self) -> None:
+    def start(self, seconds: float) -> None:
+        """Arm: called inside the try whose finally calls stop(), so that a watch once started is always stopped."""
+        import threading
+
+        threading.Thread(target=self._watch, args=(seconds,), name="fd-chat-template-deadline", daemon=True).start()
+
+    def _watch(self, seconds: float) -> None:
         import ctypes
 
-        with self.lock:
-            if not self.done:
+        wait = seconds
+        while not self.stopped.wait(wait):
+            with self.lock:
+                if self.done:
+                    return
                 self.fired = True
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread), ctypes.py_object(_Overrun))
+            wait = 0.05
 
     def stop(self) -> None:
-        """Disarm; an interruption set but not yet delivered is withdrawn, so it cannot land after the render."""
+        """Disarm; an interruption set but not yet delivered is withdrawn, so none lands after this returns."""
         import ctypes
 
-        self.timer.cancel()
         with self.lock:
             self.done = True
             if self.fired:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread), None)
+        self.stopped.set()
+
+
+def _render(env: Any, template: str, variables: Mapping[str, Any]) -> str:
+    """The template rendered within RENDER_SECONDS (else _Overrun) and MAX_RENDER_CHARS of output (else _TooLarge)."""
+    deadline = _Deadline()
+    try:
+        deadline.start(RENDER_SECONDS)
+        out: list[str] = []
+        length = 0
+        for piece in env.from_string(template).generate(**variables):
+            length += len(piece)
+            if length > MAX_RENDER_CHARS:
+                raise _TooLarge(f"its output passes {MAX_RENDER_CHARS} characters")
+            out.append(piece)
+        return "".join(out)
+    finally:
+        # Until stop() has run, another interruption may land, here too; once it has, none can.
+        while True:
+            try:
+                deadline.stop()
+                break
+            except _Overrun:
+                pass
 
 
 def _kind(value: Any, length: int) -> str:
@@ -190,22 +222,9 @@ def render_chat(
 
     what = f"the chat template in {source}" if source is not None else "the chat template"
     fix = "fix the template" if source is not None else "fix the checkpoint's chat template"
-    env = _environment()
-    out: list[str] = []
-    length = 0
+    variables = {"messages": list(messages), "add_generation_prompt": add_generation_prompt, "tools": None, "documents": None, **special_tokens}
     try:
-        deadline = _Deadline(RENDER_SECONDS)
-        try:
-            pieces = env.from_string(template).generate(
-                messages=list(messages), add_generation_prompt=add_generation_prompt, tools=None, documents=None, **special_tokens
-            )
-            for piece in pieces:
-                length += len(piece)
-                if length > MAX_RENDER_CHARS:
-                    raise _TooLarge(f"its output passes {MAX_RENDER_CHARS} characters")
-                out.append(piece)
-        finally:
-            deadline.stop()
+        return _render(_environment(), template, variables)
     except _Overrun:
         raise ConfigError(f"{what} did not finish rendering within {RENDER_SECONDS:g} s (a loop without end?); {fix}") from None
     except TemplateError as exc:
@@ -219,7 +238,6 @@ def render_chat(
     except Exception as exc:  # noqa: BLE001 - whatever the template's own code raises is the template's error
         detail = " ".join(str(exc).split()) or "no message"
         raise ConfigError(f"{what} failed to render: {exc.__class__.__name__}: {detail}; {fix}") from None
-    return "".join(out)
 
 
 def expand_placeholders(ids: Sequence[int], token_id: int, counts: Sequence[int]) -> list[int]:
