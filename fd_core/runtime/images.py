@@ -90,4 +90,6 @@ def load_image(path: str) -> Any:
         raise ConfigError(f"{label}: above the {MAX_IMAGE_PIXELS} pixels fd reads; downscale it") from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
         raise ConfigError(f"{label}: not a readable picture ({exc.__class__.__name__}: {exc}); pass a PNG or JPEG file") from None
-    return pixels.transpose(2, 0, 1).astype(np.float32) / np.float32(255.0)
+    picture = pixels.transpose(2, 0, 1).astype(np.float32)
+    picture /= np.float32(255.0)  # in place: a large picture is not copied once more
+    return picture
