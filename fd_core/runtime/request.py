@@ -73,18 +73,22 @@ def _check_utf8(text: str, which: str) -> None:
         raise ConfigError(f"{which} is not valid UTF-8 text ({what} at character {exc.start}); pass the text encoded as UTF-8") from None
 
 
-def _image_tokens(arch: "Architecture", config: "ModelConfig", shape: tuple[int, int, int], index: int, count: int) -> int:
-    """The tokens a picture takes; a picture the model's processor refuses (its ValueError says why) is one line naming the picture."""
+def image_token_counts(arch: "Architecture", config: "ModelConfig", shapes: Sequence[tuple[int, int, int]]) -> list[int]:
+    """The placeholder tokens each picture takes (`arch.image_tokens`); a picture the model's processor refuses (its
+    ValueError says why: an aspect ratio above 200, say) is one line naming the picture, another exception the package's."""
     assert arch.image_tokens is not None
-    try:
-        return arch.image_tokens(config, shape)
-    except FdError:
-        raise
-    except ValueError as exc:
-        which = f"picture {index + 1}" if count > 1 else "the picture"
-        raise ConfigError(f"{which}: {' '.join(str(exc).split())}") from None
-    except Exception as exc:  # noqa: BLE001 - the package's own bug: one line naming it, the traceback in a file
-        raise package_failure(arch.package, "image_tokens", exc, ConfigError) from None
+    counts = []
+    for index, shape in enumerate(shapes):
+        try:
+            counts.append(arch.image_tokens(config, shape))
+        except FdError:
+            raise
+        except ValueError as exc:
+            which = f"picture {index + 1}" if len(shapes) > 1 else "the picture"
+            raise ConfigError(f"{which}: {' '.join(str(exc).split())}") from None
+        except Exception as exc:  # noqa: BLE001 - the package's own bug: one line naming it, the traceback in a file
+            raise package_failure(arch.package, "image_tokens", exc, ConfigError) from None
+    return counts
 
 
 def text_prompts(
@@ -97,7 +101,7 @@ def text_prompts(
     prompts = [chat_prompt(tokenizer, checkpoint, t, len(image_shapes)) if chat else tokenizer.encode(t) for t in texts]
     if image_shapes and arch.image_tokens is not None:
         token_id = int(config.extra["image_token_id"])
-        counts = [_image_tokens(arch, config, shape, index, len(image_shapes)) for index, shape in enumerate(image_shapes)]
+        counts = image_token_counts(arch, config, image_shapes)
         prompts = [expand_placeholders(ids, token_id, counts) for ids in prompts]
     return prompts
 
