@@ -408,3 +408,12 @@ def test_a_rank_loading_the_tokenizer_notes_the_phase(qwen: Path, tmp_path: Path
     Checkpoint.open(qwen).tokenizer()
     found = progress.read(str(note))
     assert found is not None and found[1] == "loading the tokenizer"
+
+
+def test_save_random_refuses_a_config_that_is_a_fifo(tmp_path: Path) -> None:
+    # Another path fd reads: `fd save-random --config FIFO` blocked in open().
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    run = run_fd(["save-random", "--config", str(fifo), str(tmp_path / "out")], timeout=60)
+    assert_one_line_error(run, f"--config {fifo} is not a regular file; pass a model's config.json")
+    assert not (tmp_path / "out").exists()
