@@ -357,6 +357,7 @@ def test_a_100_megapixel_png_is_refused_from_its_header(pictures: dict[str, Path
         ("grey", "expected 3 channels first ([3, H, W], RGB), got shape [1, 16, 16]"),
         ("rgba", "expected 3 channels first ([3, H, W], RGB), got shape [4, 16, 16]"),
     ],
+    ids=["text-file", "channels-last", "one-channel", "four-channels"],
 )
 def test_a_npy_that_is_not_an_rgb_picture_is_refused_by_fd_run(pictures: dict[str, Path], name: str, message: str) -> None:
     # The text file got numpy's advice to use allow_pickle; the layouts passed and failed in the ranks.
