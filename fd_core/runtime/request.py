@@ -153,7 +153,11 @@ def build_request(
         ids = [[int(t) for t in p] for p in prompts]
     check_prompts(ids, sampling.max_new_tokens, arch, config, shapes)
     defaults = checkpoint.generation_defaults() if checkpoint is not None else GenerationDefaults()
-    sampling = sampling.with_defaults(defaults.sampling, given)
+    try:
+        sampling = sampling.with_defaults(defaults.sampling, given)
+    except ConfigError as exc:  # a default of the checkpoint's out of range: name the file it came from
+        assert checkpoint is not None
+        raise CheckpointError(f"{checkpoint.directory}/generation_config.json: its default {exc}; fix the file, or pass the setting") from None
     eos = list(defaults.eos_ids)
     held = checkpoint.tokenizer_if_any() if checkpoint is not None else None
     tokenizer_eos = held.role_id("eos_token") if held is not None else None

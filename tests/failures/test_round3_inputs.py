@@ -275,6 +275,16 @@ def test_generation_config_values_are_checked_by_type(ernie: Path, tmp_path: Pat
     assert str(caught.value) == f"{path}/generation_config.json: {message}; fix the file"
 
 
+def test_a_checkpoint_default_out_of_range_names_generation_config(ernie: Path, tmp_path: Path) -> None:
+    # The checkpoint's temperature 1e-310 sampled NaN probabilities (every token the last id); now the file is named.
+    path = _copy(ernie, tmp_path / "ckpt")
+    (path / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 1e-310}))
+    with pytest.raises(CheckpointError) as caught:
+        _plan(path, prompts=("hi",))
+    _one_line(caught.value, f"{path}/generation_config.json: its default temperature 1e-310 is below 1e-05", "fix the file, or pass the setting")
+    assert _plan(path, prompts=("hi",), temperature=0.0).request.sampling.greedy  # the setting passed wins over the file
+
+
 def test_a_temperature_that_underflows_is_refused_and_the_floor_samples_finitely() -> None:
     from fd_core import native_ops
     from fd_core.runtime.sampling import MIN_TEMPERATURE, SamplingParams
