@@ -179,15 +179,18 @@ def _prompt_ids(text: str) -> tuple[int, ...]:
         raise ConfigError(f"--prompt-ids {text!r}: expected comma-separated integers such as 1,2,3") from None
 
 
+# Largest --prompts file fd reads (far beyond any context; /dev/zero and FIFOs are refused as special files).
+MAX_PROMPTS_BYTES = 64 << 20
+
+
 def _text_prompts(prompts: list[str] | None, path: str | None) -> tuple[str, ...]:
-    """--prompt values, then the non-empty lines of the --prompts file."""
+    """--prompt values, then the non-empty lines of the --prompts file (a regular file of UTF-8 text)."""
+    from fd_core.runtime.files import read_text
+
     texts = list(prompts or ())
     if path is not None:
-        try:
-            with open(path, encoding="utf-8") as f:
-                texts += [line.rstrip("\r\n") for line in f if line.strip()]
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"--prompts {path}: cannot read it ({exc.__class__.__name__}: {exc})") from None
+        text = read_text(path, f"--prompts {path}", MAX_PROMPTS_BYTES, error=ConfigError, fix="pass a text file, one prompt per line")
+        texts += [line.rstrip("\r") for line in text.split("\n") if line.strip()]
         if not texts:
             raise ConfigError(f"--prompts {path} holds no prompt; write one per line")
     return tuple(texts)
@@ -235,6 +238,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     # before a fork would make the library warn (and fall back) in every rank.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     launched = launched_rank()
+    if sys.stdout is None:
+        raise ConfigError("stdout is closed, and fd run writes its output there; redirect it (> out.txt, or > /dev/null to discard)")
     texts = _text_prompts(args.prompt, args.prompts)
     id_prompts = tuple(_prompt_ids(p) for p in args.prompt_ids or ())
     run = RunConfig(
@@ -514,7 +519,7 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
                    help="sample from the k most likely tokens; 0 is all (default: generation_config.json's, else 0)")
     p.add_argument("--max-batch", type=_positive, default=8, metavar="N", help="most prompts decoded together (default: 8)")
     p.add_argument("--image", action="append", default=None, metavar="PATH",
-                   help="a picture for a VL model: PNG, JPEG, or .npy [C,H,W] in [0,1]; repeat for several, in the order of their placeholders (default: none)")
+                   help="a picture for a VL model: PNG, JPEG, or .npy [3,H,W] in [0,1]; repeat for several, in the order of their placeholders (default: none)")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="a checkpoint directory as transformers saves it: config.json, *.safetensors (default: seeded random weights)")
     p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,

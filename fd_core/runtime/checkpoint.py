@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from fd_core.config import read_config_json
 from fd_core.errors import CheckpointError, ConfigError
-from fd_core.runtime.chat import load_chat_template
+from fd_core.runtime import progress
+from fd_core.runtime.chat import find_chat_template
 from fd_core.runtime.generation_config import GenerationDefaults
 from fd_core.runtime.tokenizer import has_tokenizer, load_tokenizer, read_json
 from fd_core.runtime.weights import check_checkpoint_dir
@@ -39,7 +40,7 @@ class Checkpoint:
         self.preprocessor = preprocessor
         self._json: dict[Path, dict[str, Any]] = {}
         self._tokenizer: Tokenizer | None = None
-        self._template: tuple[str | None] | None = None
+        self._template: tuple[tuple[str, Path] | None] | None = None
 
     @classmethod
     def open(cls, directory: str | Path) -> "Checkpoint":
@@ -70,7 +71,9 @@ class Checkpoint:
 
     def generation_defaults(self) -> GenerationDefaults:
         """End-of-sequence ids and sampling defaults (generation_config.json, then config.json's ids)."""
-        return GenerationDefaults.of(self.generation, self.config)
+        directory = Path(self.directory)
+        return GenerationDefaults.of(self.generation, self.config, source=str(directory / "generation_config.json"),
+                                     model_source=str(directory / "config.json"))
 
     def _read(self, path: Path) -> dict[str, Any]:
         if path not in self._json:
@@ -84,6 +87,7 @@ class Checkpoint:
     def tokenizer(self) -> "Tokenizer":
         """The tokenizer, loaded on first use; a directory without one is a one-line error naming the files looked for."""
         if self._tokenizer is None:
+            progress.report("loading the tokenizer")  # a rank stuck here is named for it, not for the phase before
             self._tokenizer = load_tokenizer(self.directory, self._read)
         return self._tokenizer
 
@@ -93,7 +97,15 @@ class Checkpoint:
 
     def chat_template(self) -> str | None:
         """The chat template (chat_template.jinja, chat_template.json or tokenizer_config.json's), if any."""
-        if self._template is None:
-            self._template = (load_chat_template(self.directory, self._read),)
-        return self._template[0]
+        found = self._find_template()
+        return None if found is None else found[0]
 
+    def chat_template_file(self) -> Path | None:
+        """The file the chat template comes from, if there is one."""
+        found = self._find_template()
+        return None if found is None else found[1]
+
+    def _find_template(self) -> tuple[str, Path] | None:
+        if self._template is None:
+            self._template = (find_chat_template(self.directory, self._read),)
+        return self._template[0]

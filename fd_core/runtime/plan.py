@@ -3,6 +3,7 @@ against the installed plugins, the model's config and the checkpoint, with the r
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ class RunConfig:
     tp: int = 1
     steps: int = 16
     prompt_ids: tuple[int, ...] = (1, 2, 3, 4)
-    # Pictures for a VL prompt, in the order of its placeholder runs: PNG, JPEG or .npy [C, H, W] in [0, 1].
+    # Pictures for a VL prompt, in the order of its placeholder runs: PNG, JPEG or .npy [3, H, W] in [0, 1].
     images: tuple[str, ...] = ()
     checkpoint: str | None = None
     # Compute dtype; None means the platform's preferred one (the first of its Detection.dtypes).
@@ -63,6 +64,18 @@ class RunConfig:
     spawned_at: float | None = None
     # The share of each device's free memory fd plans weights and KV cache in (--memory-fraction).
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
+
+    def __post_init__(self) -> None:
+        # Checked here, where `fd run` and the Python API both pass, in the API's words (the CLI's own
+        # parser refuses these first, naming its options).
+        for name in ("seed", "max_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise ConfigError(f"{name} must be an integer, got {value!r:.40}")
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
+        if self.max_batch < 1:
+            raise ConfigError(f"max_batch must be >= 1 (prompts decoded together), got {self.max_batch}")
 
 
 @dataclass(frozen=True)

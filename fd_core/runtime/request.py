@@ -7,9 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from fd_core.errors import CheckpointError, ConfigError
+from fd_core.errors import CheckpointError, ConfigError, FdError, package_failure
 from fd_core.runtime.chat import expand_placeholders, render_chat, user_message
 from fd_core.runtime.generation_config import GenerationDefaults
+from fd_core.runtime.images import check_picture
 from fd_core.runtime.sampling import SamplingParams
 from fd_core.runtime.tokenizer import TOKENIZER_FILES, Tokenizer
 
@@ -57,9 +58,37 @@ def chat_prompt(tokenizer: Tokenizer, checkpoint: "Checkpoint", text: str, image
             f"{checkpoint.directory} has no chat template (looked for chat_template.jinja, chat_template.json and "
             f"tokenizer_config.json's chat_template); drop --chat to send the prompt as it is"
         )
-    rendered = render_chat(template, [user_message(text, images)], tokenizer.special_tokens())
+    rendered = render_chat(template, [user_message(text, images)], tokenizer.special_tokens(), source=checkpoint.chat_template_file())
     # The template already holds every special token the model expects (as transformers encodes it).
     return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def _check_utf8(text: str, which: str) -> None:
+    """Text a tokenizer can take: a command line that is not UTF-8 arrives with its bytes as lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = ord(text[exc.start])
+        what = f"the byte {char - 0xDC00:#04x}" if 0xDC80 <= char <= 0xDCFF else f"the lone surrogate U+{char:04X}"
+        raise ConfigError(f"{which} is not valid UTF-8 text ({what} at character {exc.start}); pass the text encoded as UTF-8") from None
+
+
+def image_token_counts(arch: "Architecture", config: "ModelConfig", shapes: Sequence[tuple[int, int, int]]) -> list[int]:
+    """The placeholder tokens each picture takes (`arch.image_tokens`); a picture the model's processor refuses (its
+    ValueError says why: an aspect ratio above 200, say) is one line naming the picture, another exception the package's."""
+    assert arch.image_tokens is not None
+    counts = []
+    for index, shape in enumerate(shapes):
+        try:
+            counts.append(arch.image_tokens(config, shape))
+        except FdError:
+            raise
+        except ValueError as exc:
+            which = f"picture {index + 1}" if len(shapes) > 1 else "the picture"
+            raise ConfigError(f"{which}: {' '.join(str(exc).split())}") from None
+        except Exception as exc:  # noqa: BLE001 - the package's own bug: one line naming it, the traceback in a file
+            raise package_failure(arch.package, "image_tokens", exc, ConfigError) from None
+    return counts
 
 
 def text_prompts(
@@ -67,10 +96,12 @@ def text_prompts(
     image_shapes: Sequence[tuple[int, int, int]] = (),
 ) -> list[list[int]]:
     """Token ids of each text prompt; each image placeholder expanded to its picture's number of tokens."""
+    for index, text in enumerate(texts):
+        _check_utf8(text, f"prompt {index + 1}" if len(texts) > 1 else "the prompt")
     prompts = [chat_prompt(tokenizer, checkpoint, t, len(image_shapes)) if chat else tokenizer.encode(t) for t in texts]
     if image_shapes and arch.image_tokens is not None:
         token_id = int(config.extra["image_token_id"])
-        counts = [arch.image_tokens(config, shape) for shape in image_shapes]
+        counts = image_token_counts(arch, config, image_shapes)
         prompts = [expand_placeholders(ids, token_id, counts) for ids in prompts]
     return prompts
 
@@ -111,6 +142,7 @@ def build_request(
     With `memory` (the plan's), a request whose longest sequence needs more KV cache than the capacity is
     refused; with `backend`, every plugin's fd_check_request may refuse it (`parallel` is the run's layout,
     `stream` whether its text is streamed to the caller as it is produced). Both before any rank sees it."""
+    images = [check_picture(p, f"images[{index}]") for index, p in enumerate(images)]
     shapes = [(int(p.shape[0]), int(p.shape[1]), int(p.shape[2])) for p in images]
     texts = [p for p in prompts if isinstance(p, str)]
     if texts:
@@ -121,7 +153,11 @@ def build_request(
         ids = [[int(t) for t in p] for p in prompts]
     check_prompts(ids, sampling.max_new_tokens, arch, config, shapes)
     defaults = checkpoint.generation_defaults() if checkpoint is not None else GenerationDefaults()
-    sampling = sampling.with_defaults(defaults.sampling, given)
+    try:
+        sampling = sampling.with_defaults(defaults.sampling, given)
+    except ConfigError as exc:  # a default of the checkpoint's out of range: name the file it came from
+        assert checkpoint is not None
+        raise CheckpointError(f"{checkpoint.directory}/generation_config.json: its default {exc}; fix the file, or pass the setting") from None
     eos = list(defaults.eos_ids)
     held = checkpoint.tokenizer_if_any() if checkpoint is not None else None
     tokenizer_eos = held.role_id("eos_token") if held is not None else None

@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from fd_core.errors import ConfigError
+
+# The smallest positive temperature: below it float32 logits divided by it overflow (1e-310 made every
+# probability NaN and every token the last id), whatever the platform's sample op.
+MIN_TEMPERATURE = 1e-5
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -14,7 +28,7 @@ class SamplingParams:
 
     `temperature` 0 is greedy (the default). Sampling applies temperature, then top-k (0: all tokens),
     then top-p (1.0: all), as transformers does. The same `seed` gives the same tokens.
-    `stop` strings end a sequence; its text is cut before the stop string.
+    `stop` strings end a sequence; its text is cut before the stop string (one str is one stop string).
     """
 
     max_new_tokens: int = 16
@@ -26,14 +40,32 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        # One stop string given as a str is that string (a str is also a sequence: of single characters).
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) for s in stop):
+            raise ConfigError(f"stop must be a string or a list of strings, got {stop!r:.60}")
+        object.__setattr__(self, "stop", tuple(stop))
+        for name in ("max_new_tokens", "top_k", "seed"):
+            if not _integer(getattr(self, name)):
+                raise ConfigError(f"{name} must be an integer, got {getattr(self, name)!r:.40}")
+        for name in ("temperature", "top_p"):
+            if not _number(getattr(self, name)):
+                raise ConfigError(f"{name} must be a number, got {getattr(self, name)!r:.40}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0:
-            raise ConfigError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ConfigError(f"temperature must be finite and >= 0 (0 is greedy), got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ConfigError(
+                f"temperature {self.temperature:g} is below {MIN_TEMPERATURE:g}, where logits / temperature overflow and "
+                f"sampling is undefined; pass 0 for greedy decoding (what such a temperature approaches) or at least {MIN_TEMPERATURE:g}"
+            )
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0 (0: no limit), got {self.top_k}")
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
         if any(not s for s in self.stop):
             raise ConfigError("a stop string must not be empty")
 

@@ -10,6 +10,7 @@ from fd_core.config import ParallelConfig, read_config_json
 from fd_core.errors import ConfigError
 from fd_core.plugins import load_plugins
 from fd_core.runtime.checkpoint import architecture_of
+from fd_core.runtime.files import regular_file
 from fd_core.runtime.lifecycle import init_std
 from fd_core.runtime.weights import check_new_directory, random_state_dict, save_checkpoint
 
@@ -30,6 +31,8 @@ def save_random_checkpoint(
         data = dict(arch.preset)
         files = dict(arch.preset_files)
     else:
+        if Path(config_path).exists():  # a FIFO or device would block the read or never end
+            regular_file(config_path, f"--config {config_path}", error=ConfigError, fix="pass a model's config.json")
         data = read_config_json(Path(config_path))
         found = architecture_of(data)
         if found is None:

@@ -4,11 +4,13 @@ with the special and added tokens its JSON files declare, as transformers loads 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from fd_core.errors import CheckpointError
+from fd_core.runtime.files import read_text, regular_file
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 # The special-token roles transformers passes to a chat template, by their tokenizer_config.json keys.
@@ -18,14 +20,19 @@ SPECIAL_ROLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token"
 JsonReader = Callable[[Path], dict[str, Any]]
 
 
+# Largest JSON file fd reads beside the weights (tokenizer.json itself is read by its library).
+MAX_JSON_BYTES = 64 << 20
+
+
 def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object file, or {} when it is absent; a malformed one is a one-line CheckpointError."""
-    if not path.is_file():
+    """A JSON object file, or {} when it is absent; a malformed or special (FIFO, device) one is a one-line CheckpointError."""
+    if not os.path.lexists(path):
         return {}
+    text = read_text(path, str(path), MAX_JSON_BYTES)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not a readable JSON file ({exc})") from None
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{path}: not a readable JSON file ({exc.__class__.__name__}: {exc}); fix or re-download it") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -40,6 +47,35 @@ def _content(value: Any) -> str | None:
     return None
 
 
+def _describe(value: Any) -> str:
+    """A JSON value for a message: its type and, shortened, the value."""
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def flag(data: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
+    """A true/false setting of a checkpoint's JSON file: a JSON boolean (or null: the default); the string "false" is refused, not read as true."""
+    value = data.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise CheckpointError(f"{where}: {key} must be true or false, got {_describe(value)}; fix the file")
+    return value
+
+
+def _token_list(data: Mapping[str, Any], key: str, where: str) -> list[Any]:
+    """A list of tokens (strings or {"content": ...}); a string where the list belongs is refused (it is not a list of its letters)."""
+    value = data.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list) or any(_content(v) is None for v in value):
+        raise CheckpointError(
+            f"{where}: {key} must be a list of token strings (or {{\"content\": ...}} objects), got {_describe(value)}; "
+            f"write it as [\"<token>\", ...]"
+        )
+    return value
+
+
 class Tokenizer:
     """Text to ids and back, the special tokens by role, and which ids are special (skipped when decoding)."""
 
@@ -48,19 +84,23 @@ class Tokenizer:
         self.config = dict(config)
         # Roles (bos_token, eos_token, ...) as strings; special_tokens_map.json overrides tokenizer_config.json.
         self.roles: dict[str, str] = {}
-        for source in (config, special_map):
+        sources = ((config, f"{directory}/tokenizer_config.json"), (special_map, f"{directory}/special_tokens_map.json"))
+        for source, where in sources:
             for role in SPECIAL_ROLES:
-                token = _content(source.get(role))
-                if token is not None:
+                value = source.get(role)
+                token = _content(value)
+                if value is not None and token is None:
+                    raise CheckpointError(f"{where}: {role} must be a token string (or {{\"content\": ...}}), got {_describe(value)}; fix the file")
+                if token:  # an empty role names no token
                     self.roles[role] = token
-        extra = [*(config.get("additional_special_tokens") or ()), *(special_map.get("additional_special_tokens") or ())]
+        extra = [item for source, where in sources for item in _token_list(source, "additional_special_tokens", where)]
         extras = config.get("extra_special_tokens")
         if isinstance(extras, Mapping):
-            extra += list(extras.values())
-        elif isinstance(extras, list):
-            extra += extras
-        self.extra_special = [t for t in (_content(v) for v in extra) if t is not None]
-        self.clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+            extras = list(extras.values())
+        if extras is not None:
+            extra += _token_list({"extra_special_tokens": extras}, "extra_special_tokens", sources[0][1])
+        self.extra_special = [t for t in (_content(v) for v in extra) if t]
+        self.clean_up_spaces = flag(config, "clean_up_tokenization_spaces", False, sources[0][1])
 
     # -- the backend's part ----------------------------------------------------------------
     def _encode(self, text: str) -> list[int]:
@@ -127,14 +167,17 @@ class JsonTokenizer(Tokenizer):
             self.backend = Backend.from_file(str(path))
         except Exception as exc:  # the library raises plain Exception for a malformed file
             raise CheckpointError(f"{path}: not a tokenizer the tokenizers library reads ({exc})") from None
-        # Added tokens the JSON files declare but tokenizer.json lacks, as transformers adds them.
+        # Added tokens the JSON files declare but tokenizer.json lacks, as transformers adds them: in id order,
+        # in one call (the library rebuilds its matcher on every call, so one call per token is quadratic),
+        # then the special ones marked special (which leaves them where they are).
+        missing = [AddedToken(entry["content"], special=entry["special"], lstrip=entry["lstrip"], rstrip=entry["rstrip"],
+                              normalized=entry["normalized"], single_word=entry["single_word"])
+                   for _, entry in sorted(added.items()) if self.backend.token_to_id(entry["content"]) is None]
+        if missing:
+            self.backend.add_tokens(missing)
+            self.backend.add_special_tokens([t for t in missing if t.special])
         for token_id, entry in sorted(added.items()):
             content = entry["content"]
-            if self.backend.token_to_id(content) is None:
-                token = AddedToken(content, special=bool(entry.get("special", True)), lstrip=bool(entry.get("lstrip", False)),
-                                   rstrip=bool(entry.get("rstrip", False)), normalized=bool(entry.get("normalized", False)),
-                                   single_word=bool(entry.get("single_word", False)))
-                self.backend.add_special_tokens([token]) if token.special else self.backend.add_tokens([token])
             if self.backend.token_to_id(content) != token_id:
                 raise CheckpointError(
                     f"{directory}: added token {content!r} is declared as id {token_id} but tokenizer.json gives it "
@@ -195,7 +238,7 @@ class SentencePieceTokenizer(Tokenizer):
         self.size = self.sp.GetPieceSize()
         # Added tokens: declared ones with their ids; special roles and extras that are vocabulary pieces.
         self.added: dict[str, int] = {entry["content"]: token_id for token_id, entry in added.items()}
-        special = {entry["content"] for entry in added.values() if entry.get("special", True)}
+        special = {entry["content"] for entry in added.values() if entry["special"]}
         for token in (*self.roles.values(), *self.extra_special):
             special.add(token)
             if token not in self.added:
@@ -207,8 +250,9 @@ class SentencePieceTokenizer(Tokenizer):
         # Longest first, so that a token containing another is matched whole (as transformers' trie does).
         names = sorted(self.added, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
-        self.add_bos = bool(config.get("add_bos_token", False))
-        self.add_eos = bool(config.get("add_eos_token", False))
+        where = f"{directory}/tokenizer_config.json"
+        self.add_bos = flag(config, "add_bos_token", False, where)
+        self.add_eos = flag(config, "add_eos_token", False, where)
 
     def _encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -259,25 +303,43 @@ class SentencePieceTokenizer(Tokenizer):
         return self._special
 
 
+# An added token's true/false settings in tokenizer_config.json, with transformers' defaults.
+ADDED_TOKEN_FLAGS = {"special": True, "lstrip": False, "rstrip": False, "normalized": False, "single_word": False}
+
+
 def _added_tokens(directory: Path, config: Mapping[str, Any], read: JsonReader) -> dict[int, dict[str, Any]]:
-    """Added tokens by id: tokenizer_config.json's `added_tokens_decoder`, then added_tokens.json (content -> id)."""
+    """Added tokens by id: tokenizer_config.json's `added_tokens_decoder`, then added_tokens.json (content -> id).
+
+    Each entry is checked by type (a non-empty content, true/false flags), so that a malformed file is one line
+    naming the entry rather than a token that matches everywhere (an empty one) or a flag read backwards ("false")."""
+    where = f"{directory}/tokenizer_config.json"
     added: dict[int, dict[str, Any]] = {}
-    decoder = config.get("added_tokens_decoder") or {}
+    decoder = config.get("added_tokens_decoder")
+    if decoder is None:
+        decoder = {}
+    if not isinstance(decoder, Mapping):
+        raise CheckpointError(f"{where}: added_tokens_decoder must be an object of token id -> token, got {_describe(decoder)}; fix the file")
     for key, entry in decoder.items():
         content = _content(entry)
         if content is None or not str(key).isdigit():
-            raise CheckpointError(f"{directory}/tokenizer_config.json: added_tokens_decoder entry {key!r} is malformed")
-        added[int(key)] = {**entry, "content": content} if isinstance(entry, Mapping) else {"content": content, "special": True}
+            raise CheckpointError(f"{where}: added_tokens_decoder entry {key!r} is malformed")
+        if not content:
+            raise CheckpointError(f"{where}: added_tokens_decoder entry {key!r} is an empty token, which would match between every character; remove it")
+        fields = entry if isinstance(entry, Mapping) else {}
+        flags = {name: flag(fields, name, default, f"{where}: added_tokens_decoder entry {key!r}") for name, default in ADDED_TOKEN_FLAGS.items()}
+        added[int(key)] = {**flags, "content": content}
     for content, token_id in read(directory / "added_tokens.json").items():
-        if not isinstance(token_id, int):
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
             raise CheckpointError(f"{directory}/added_tokens.json: {content!r} maps to {token_id!r}, not a token id")
-        added.setdefault(token_id, {"content": content, "special": False})
+        if not content:
+            raise CheckpointError(f"{directory}/added_tokens.json: an empty token (id {token_id}) would match between every character; remove it")
+        added.setdefault(token_id, {**ADDED_TOKEN_FLAGS, "special": False, "content": content})
     return added
 
 
 def has_tokenizer(directory: str | Path) -> bool:
-    """Whether the directory holds a tokenizer fd can read."""
-    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
+    """Whether the directory holds a tokenizer fd can read (a special file by that name is refused when it is loaded)."""
+    return any(os.path.lexists(Path(directory) / name) for name in TOKENIZER_FILES)
 
 
 def load_tokenizer(directory: str | Path, read: JsonReader = read_json) -> Tokenizer:
@@ -291,9 +353,11 @@ def load_tokenizer(directory: str | Path, read: JsonReader = read_json) -> Token
             f"{path} has no tokenizer (looked for {' and '.join(TOKENIZER_FILES)}); "
             f"pass token ids with --prompt-ids, which needs none"
         )
+    name = next(n for n in TOKENIZER_FILES if os.path.lexists(path / n))
+    regular_file(path / name, str(path / name))
     config = read(path / "tokenizer_config.json")
     special_map = read(path / "special_tokens_map.json")
     added = _added_tokens(path, config, read)
-    if (path / "tokenizer.json").is_file():
+    if name == "tokenizer.json":
         return JsonTokenizer(path, config, special_map, added)
     return SentencePieceTokenizer(path, config, special_map, added)

@@ -12,7 +12,6 @@ import json
 import math
 import os
 import shutil
-import stat
 import tempfile
 import zlib
 from pathlib import Path
@@ -24,6 +23,7 @@ if TYPE_CHECKING:
 from fd_core.errors import CheckpointError, NumericsError
 from fd_core.models import WeightSpec
 from fd_core.runtime import progress
+from fd_core.runtime.files import regular_file
 
 # Files that unpickle when loaded: refused, since loading them can run arbitrary code.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".pdparams")  # compared case-blind
@@ -88,12 +88,7 @@ def random_state_dict(
 
 def _regular_file(path: Path, what: str) -> None:
     """Refuse a FIFO, device or directory where a file is expected: reading one can block forever."""
-    try:
-        mode = path.stat().st_mode
-    except OSError as exc:
-        raise CheckpointError(f"checkpoint {path}: {what} cannot be read ({exc.strerror}); check the file") from None
-    if not stat.S_ISREG(mode):
-        raise CheckpointError(f"checkpoint {path}: {what} is not a regular file; replace it with the real file")
+    regular_file(path, f"checkpoint {path}: {what}")
 
 
 def _read_index(index: Path) -> dict[str, str]:

@@ -252,7 +252,7 @@ QWEN_PROMPT = "5,17,508,510,510,510,510,509,42"  # one run of 4 placeholders: a 
         ("text", "--image {path}: not a readable picture (UnidentifiedImageError: cannot identify image file '{path}'); pass a PNG or JPEG file"),
         ("empty", "--image {path}: not a readable picture (UnidentifiedImageError: cannot identify image file '{path}'); pass a PNG or JPEG file"),
         ("huge", "--image {path}: 10000x10000 is above the 67108864 pixels fd reads; downscale it"),
-        ("missing", "--image {path}: no such file; pass a PNG or JPEG picture or a .npy array [C, H, W]"),
+        ("missing", "--image {path}: no such file; pass a PNG or JPEG picture or a .npy array [3, H, W]"),
     ],
 )
 def test_bad_pictures_are_one_line_before_any_process(pictures: dict[str, Path], tmp_path: Path, picture: str, message: str) -> None:

@@ -57,7 +57,7 @@ def test_a_chat_template_that_fails_gives_its_error(tmp_path: Path) -> None:
     config["chat_template"] = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('Conversations must start with a system message') }}{% endif %}"
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     run = run_fd(["run", "--checkpoint", str(path), "--chat", "--prompt", "hello"], traced=True)
-    assert_one_line_error(run, "the chat template failed to render: Conversations must start with a system message")
+    assert_one_line_error(run, f"the chat template in {path}/tokenizer_config.json failed to render: Conversations must start with a system message")
     _assert_nothing_started(run)
 
 
@@ -79,7 +79,7 @@ def test_a_prompt_longer_than_the_context_gives_both_numbers(tmp_path: Path) -> 
         (["--prompt", "hi", "--prompt-ids", "1,2"], "pass text prompts (--prompt, --prompts) or token ids (--prompt-ids), not both"),
         (["--prompt-ids", "1,2", "--stop", "x"], "--stop strings are matched in the text, and without a tokenizer there is none; drop --stop"),
         (["--chat", "--prompt-ids", "1,2"], "--chat applies the chat template to text; pass the message with --prompt"),
-        (["--prompts", "/nonexistent/prompts.txt"], "--prompts /nonexistent/prompts.txt: cannot read it"),
+        (["--prompts", "/nonexistent/prompts.txt"], "--prompts /nonexistent/prompts.txt cannot be read (No such file or directory)"),
         (["--prompt-ids", "1,2", "--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
     ],
 )
