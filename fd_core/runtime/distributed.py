@@ -21,9 +21,8 @@ from typing import Any, Callable, Iterator, Literal, Sequence
 
 from fd_core.errors import ConfigError, FdError, PlatformError, RankError
 from fd_core.paddle_logs import quiet_paddle_logs
-from fd_core.runtime import progress
-
-LOOPBACK = "127.0.0.1"
+from fd_core.runtime import progress, rendezvous
+from fd_core.runtime.rendezvous import LOOPBACK, LoopbackStore
 
 
 def launched_rank() -> tuple[int, int] | None:
@@ -47,6 +46,10 @@ def init_rank() -> tuple[int, int]:
     """Join the process group of a spawned or launched rank; returns (rank, world size)."""
     import paddle.distributed as dist
 
+    launched = launched_rank()
+    if launched is not None:
+        # A rank spawn_ranks started joins the loopback store its parent serves (Paddle's own would listen on every interface).
+        rendezvous.join_store(launched[1])
     # init_parallel_env prints a table of modified flags to stderr on every rank.
     with contextlib.redirect_stderr(io.StringIO()):
         dist.init_parallel_env()
@@ -159,7 +162,7 @@ def _die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _call_and_save(fn: Callable[..., Any], out_dir: str, errors_dir: str, parent: int, *args: Any) -> None:
+def _call_and_save(fn: Callable[..., Any], out_dir: str, errors_dir: str, parent: int, store: str, *args: Any) -> None:
     """Run `fn` on a spawned rank and leave its result in a file: a large result through the return
     queue's pipe would block the rank's exit while the parent waits for that exit."""
     _die_with_parent(parent)
@@ -168,6 +171,7 @@ def _call_and_save(fn: Callable[..., Any], out_dir: str, errors_dir: str, parent
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     rank = os.environ.get("PADDLE_TRAINER_ID", "0")
+    os.environ[rendezvous.STORE_ENV] = store
     os.environ[progress.PROGRESS_ENV] = os.path.join(out_dir, f"rank{rank}.progress")
     progress.report("starting")
     try:
@@ -253,11 +257,11 @@ def spawn_ranks(
         raise PlatformError(f"the platform's Detection.dist_backend is {dist_backend!r}: {problem}; fix the platform plugin")
     errors_dir = tempfile.mkdtemp(prefix="fd-rank-errors-")
     try:
-        with tempfile.TemporaryDirectory(prefix="fd-ranks-") as out_dir, _sigterm_raises():
+        with tempfile.TemporaryDirectory(prefix="fd-ranks-") as out_dir, _sigterm_raises(), LoopbackStore() as store:
             with _quiet_root_logger():
                 context = dist.spawn(
                     # paddle's typed options omit `backend`, which spawn reads at run time.
-                    _call_and_save, args=(fn, out_dir, errors_dir, os.getpid(), *args), nprocs=nprocs, join=False,
+                    _call_and_save, args=(fn, out_dir, errors_dir, os.getpid(), store.address, *args), nprocs=nprocs, join=False,
                     backend=dist_backend, ips=LOOPBACK, start_method=start_method,  # type: ignore[call-arg]
                 )
             _watch(context, out_dir, grace, stall, stall_hint)
