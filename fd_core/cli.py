@@ -10,7 +10,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Callable, Mapping, NoReturn, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Sequence, TextIO
 
 from fd_core.config import COMPUTE_DTYPES
 from fd_core.errors import ConfigError, FdError, RankError
@@ -58,8 +58,15 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _stdout() -> TextIO:
+    """fd's own output: the real stdout, while what plugins print goes to stderr (see fd_core.plugins.plugin_prints_to_stderr)."""
+    from fd_core.plugins import fd_stdout
+
+    return fd_stdout()
+
+
 def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, sort_keys=False))
+    print(json.dumps(data, indent=2, sort_keys=False), file=_stdout())
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -73,7 +80,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         _print_json({"platform": plugins.platform, "selection": plugins.selection, "plugins": rows, "architectures": architectures,
                      "problems": plugins.problems})
     else:
-        print("\n".join(_plugin_listing(plugins)))
+        print("\n".join(_plugin_listing(plugins)), file=_stdout())
     if plugins.problems:
         # The listing is printed; the exit code and the last line say the set is not usable for a run.
         plugins.require_usable()
@@ -168,7 +175,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
               f"kernels: {kernel_line(backend.kernels.providers())}", f"graph: {decision.summary()}"]
     lines += [f"  {vote.line()}" for vote in decision.votes]
     lines += [f"dtype: {config.dtype}", f"memory: {memory.summary()}"]
-    print(_fit(lines))
+    print(_fit(lines), file=_stdout())
     return 0
 
 
@@ -295,14 +302,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         _add_wall_time(results[0], run.started_at)
         if args.json:
-            print(as_json(results))
+            print(as_json(results), file=_stdout())
         elif texts:
             # The text is the output; the report goes to stderr, so `fd run --prompt ... > out.txt` keeps only text.
             if not run.stream:
-                print("\n\n".join(o["text"] for o in results[0]["outputs"]))
+                print("\n\n".join(o["text"] for o in results[0]["outputs"]), file=_stdout())
             print(_fit(summary_lines(results)), file=sys.stderr)
         else:
-            print(_fit(summary_lines(results)))
+            print(_fit(summary_lines(results)), file=_stdout())
     return 0
 
 
@@ -325,7 +332,7 @@ def cmd_save_random(args: argparse.Namespace) -> int:
 
     quiet_paddle_logs()
     path = save_random_checkpoint(args.model, args.directory, seed=args.seed, config_path=args.config, dtype=args.dtype)
-    print(f"wrote {path}")
+    print(f"wrote {path}", file=_stdout())
     return 0
 
 
@@ -417,11 +424,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     # One row a check, never wrapped, so that grep finds a check with its outcome and detail
     # (pytest's own summary lines are the same); --json is the form to parse.
     width = max(map(len, names), default=10)
-    print(f"conformance of model {model!r} on platform {platform!r}:" if model else f"conformance of platform {platform!r}:")
+    print(f"conformance of model {model!r} on platform {platform!r}:" if model else f"conformance of platform {platform!r}:", file=_stdout())
     for name, row in ordered:
-        print(f"  {row.outcome:<8} {name:<{width}}  {row.detail}".rstrip())
-    print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
-    print(f"verdict: {verdict}", file=sys.stderr if status in (EXIT_INTERRUPTED, EXIT_TERMINATED) else sys.stdout)
+        print(f"  {row.outcome:<8} {name:<{width}}  {row.detail}".rstrip(), file=_stdout())
+    print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped", file=_stdout())
+    print(f"verdict: {verdict}", file=sys.stderr if status in (EXIT_INTERRUPTED, EXIT_TERMINATED) else _stdout())
     return status
 
 
@@ -547,11 +554,11 @@ def _architecture_lines() -> list[str]:
 
 def _help(parser: argparse.ArgumentParser, sub: Any, topic: str | None) -> int:
     if topic is None:
-        parser.print_help()
+        parser.print_help(_stdout())
         return 0
     if topic not in sub.choices:
         raise ConfigError(f"no command {topic!r}; commands: {', '.join(sorted(sub.choices))}")
-    sub.choices[topic].print_help()
+    sub.choices[topic].print_help(_stdout())
     return 0
 
 
@@ -581,7 +588,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = build_parser(commands, _architecture_lines() if wants_help else ())
         args = parser.parse_args(argv)
         func: Callable[[argparse.Namespace], int] = args.func
-        return func(args)
+        from fd_core.plugins import plugin_prints_to_stderr
+
+        # What a plugin prints (at import, from a hook or a kernel, here or in a rank) must not mix with --json or the text.
+        with plugin_prints_to_stderr():
+            return func(args)
     except FdError as exc:
         print(f"fd: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

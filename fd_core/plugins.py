@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import sys
@@ -9,7 +10,7 @@ import threading
 from dataclasses import dataclass, field, replace
 from importlib.metadata import EntryPoint, entry_points
 from types import ModuleType
-from typing import Any, Callable, Iterable, Literal, Mapping, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, TextIO, TypeVar
 
 import pluggy
 
@@ -28,6 +29,32 @@ HOOK_NAMES: tuple[str, ...] = tuple(n for n in vars(hookspecs) if n.startswith(f
 HOOK_TIMEOUT_ENV = "FD_HOOK_TIMEOUT"
 DEFAULT_HOOK_TIMEOUT = 60.0
 T = TypeVar("T")
+
+
+# The stdout fd's own output goes to while plugin_prints_to_stderr is in effect (None: not in effect).
+_fd_stdout: TextIO | None = None
+
+
+def fd_stdout() -> TextIO:
+    """Where fd writes its own output (--json, the generated text, reports): the real stdout, even while
+    plugin_prints_to_stderr sends what everything else prints to stderr."""
+    return _fd_stdout if _fd_stdout is not None else sys.stdout
+
+
+@contextlib.contextmanager
+def plugin_prints_to_stderr() -> Iterator[TextIO]:
+    """While fd runs one of its commands, what a plugin prints (at import, from a hook, a kernel, a
+    thread) goes to stderr, so that `--json` and the text on stdout are fd's alone; fd writes its own
+    output to fd_stdout(), which this yields. Ranks forked meanwhile inherit the arrangement."""
+    global _fd_stdout
+    if _fd_stdout is not None:  # already in effect (a rank forked from a command)
+        yield _fd_stdout
+        return
+    _fd_stdout, sys.stdout = sys.stdout, sys.stderr
+    try:
+        yield _fd_stdout
+    finally:
+        sys.stdout, _fd_stdout = _fd_stdout, None
 
 
 @dataclass

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator, Literal, Sequence
 
 from fd_core.errors import ConfigError, FdError, PlatformError, RankError
 from fd_core.paddle_logs import quiet_paddle_logs
+from fd_core.plugins import plugin_prints_to_stderr
 from fd_core.runtime import progress, rendezvous
 from fd_core.runtime.rendezvous import LOOPBACK, LoopbackStore
 
@@ -175,7 +176,9 @@ def _call_and_save(fn: Callable[..., Any], out_dir: str, errors_dir: str, parent
     os.environ[progress.PROGRESS_ENV] = os.path.join(out_dir, f"rank{rank}.progress")
     progress.report("starting")
     try:
-        result = fn(*args)
+        # A rank's stdout is its parent's: what plugins print there must not mix with fd's output (see plugin_prints_to_stderr).
+        with plugin_prints_to_stderr():
+            result = fn(*args)
     except Exception as exc:
         # When and why, so the parent can tell the rank that failed first from the peers it took down;
         # the whole traceback goes to a file that outlives the run, for whoever must fix the cause.

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from fd_core.backend import Backend, load_backend
 from fd_core.config import ParallelConfig
 from fd_core.errors import PlatformError
-from fd_core.plugins import PluginSet, load_plugins
+from fd_core.plugins import PluginSet, fd_stdout, load_plugins
 from fd_core.runtime import progress
 from fd_core.runtime.engine import Completion, Engine
 from fd_core.runtime.lifecycle import ModelRunner
@@ -21,8 +21,9 @@ from fd_core.runtime.request import Request
 
 def print_text(index: int, text: str) -> None:
     """Stream new text to stdout as it is produced (rank 0 of an interactive run)."""
-    sys.stdout.write(text)
-    sys.stdout.flush()
+    out = fd_stdout()  # the real stdout: what plugins print goes to stderr meanwhile
+    out.write(text)
+    out.flush()
 
 
 @dataclass
