@@ -18,7 +18,7 @@ from fd_core.errors import ConfigError, FdError, RankError
 EXIT_USAGE = 2
 EXIT_NOT_VERIFIED = 3  # fd check: nothing failed, but the checks that need the hardware could not run
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
-EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it; SIGHUP exits 129 and SIGQUIT 131 (Terminated.exit_code)
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -291,9 +291,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             results = spawn_ranks(
                 spawned_rank, (plan,), run.tp, plan.dist_backend, grace=args.rank_timeout, stall=args.stall_timeout, start_method="fork"
             )
-        except Terminated:
-            print("fd: terminated; every rank was stopped", file=sys.stderr)
-            return EXIT_TERMINATED
+        except Terminated as exc:  # SIGTERM, SIGHUP or SIGQUIT: 128 + its number
+            print(exc.message(), file=sys.stderr)
+            return exc.exit_code
         diverged = [r["rank"] for r in results if r["outputs"] != results[0]["outputs"]]
         if diverged:
             raise RankError(f"rank {diverged[0]} generated different tokens than rank 0; the ranks disagree")
@@ -375,21 +375,43 @@ def cmd_check(args: argparse.Namespace) -> int:
         module = Path(model_check_module.__file__)
         extra += ["--fd-model", model]
         os.environ["FD_PLATFORM"] = platform  # the suite's plans and ranks select the platform checked
-    # SIGTERM stops the suite as Ctrl-C does (pytest ends the session on KeyboardInterrupt). Paddle
-    # installs its own handler when imported, so import it first and install ours over it.
+    # SIGTERM (SIGHUP, SIGQUIT) stops the suite as Ctrl-C does (pytest ends the session on
+    # KeyboardInterrupt). Paddle installs its own handler when imported, so import it first and install ours over it.
     import paddle  # noqa: F401
+
+    class StopBetweenChecks:
+        """Raises a signal's stop when the running check ends: raised inside Paddle's C++ code (a graph
+        being captured in this process), the exception aborts the process (SIGABRT) instead of stopping it."""
+
+        in_check = False
+        pending: BaseException | None = None
+
+        @pytest.hookimpl(wrapper=True)
+        def pytest_runtest_protocol(self, item: Any, nextitem: Any) -> Any:
+            self.in_check = True
+            try:
+                result = yield
+            finally:
+                self.in_check = False
+            if self.pending is not None:
+                raise self.pending
+            return result
+
+    guard = StopBetweenChecks()
 
     def on_signal(signum: int, frame: Any) -> None:
         table.interrupted = signal.Signals(signum).name
-        if signum == signal.SIGTERM:
-            distributed.raise_terminated(signum, frame)
-        raise KeyboardInterrupt
+        stop = distributed.note_stop_signal(signum) if signum in distributed.STOP_SIGNALS else KeyboardInterrupt()
+        if guard.in_check and guard.pending is None:  # a second signal stops at once
+            guard.pending = stop
+            return
+        raise stop
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, *distributed.STOP_SIGNALS)}
     try:
         code = pytest.main(
             ["-p", "no:terminal", "-p", "no:cacheprovider", f"--rootdir={module.parent}", "--fd-platform", platform, *extra, str(module)],
-            plugins=[table],
+            plugins=[table, guard],
         )
     finally:
         for sig, handler in previous.items():
@@ -404,7 +426,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     unverified = [r for r in table.rows if r.outcome == "skipped" and ("hardware not detected here" in r.detail or r.detail.startswith("not verified:"))]
     if code == pytest.ExitCode.INTERRUPTED or table.interrupted:
         verdict, status = "interrupted: only the checks listed ran; nothing is verified", (
-            EXIT_TERMINATED if distributed.sigterm_received else EXIT_INTERRUPTED)
+            128 + (distributed.stop_signal or signal.SIGTERM) if distributed.sigterm_received else EXIT_INTERRUPTED)
     elif counts["failed"] or code == pytest.ExitCode.TESTS_FAILED:
         verdict, status = f"failed ({counts['failed']} check(s))", 1
     elif unverified and model is not None:
@@ -428,7 +450,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     for name, row in ordered:
         print(f"  {row.outcome:<8} {name:<{width}}  {row.detail}".rstrip(), file=_stdout())
     print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped", file=_stdout())
-    print(f"verdict: {verdict}", file=sys.stderr if status in (EXIT_INTERRUPTED, EXIT_TERMINATED) else _stdout())
+    print(f"verdict: {verdict}", file=sys.stderr if verdict.startswith("interrupted") else _stdout())
     return status
 
 
@@ -607,7 +629,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             print(f"fd: error: {where}{exc.strerror or exc}; check the path, its permissions and the free space", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        from fd_core.runtime.distributed import Terminated
+
+        if isinstance(exc, Terminated):  # SIGTERM, SIGHUP or SIGQUIT while ranks ran: 128 + its number
+            print(exc.message(), file=sys.stderr)
+            return exc.exit_code
         print("fd: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
 

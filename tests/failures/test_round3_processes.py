@@ -86,3 +86,154 @@ def test_what_a_plugin_prints_never_lands_in_the_text(printer: Path, tmp_path: P
     assert plain.returncode == printed.returncode == 0, printed.stderr
     assert printed.stdout == plain.stdout, printed.stdout
     assert {"PRINTER-IMPORT", "PRINTER-CLEAN"} <= set(_printed(printed.stderr))
+
+
+# --- signals, temporary directories and the rendezvous store during `fd run --tp 2` ---------------------
+
+RUN = ["run", "--tp", "2", "--steps", "2000", "--graph", "off", "--rank-timeout", "3"]
+LEFT_BEHIND = ("fd-ranks-", "fd-rank-errors-")
+
+
+def listening(pid: int) -> list[str]:
+    """"address:port" of every TCP socket process `pid` listens on (from /proc, as failprobe_plugin.py reads its own)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                continue
+            address, port = fields[1].split(":")
+            host = ".".join(str(int(address[i : i + 2], 16)) for i in (6, 4, 2, 0)) if len(address) == 8 else address
+            found.append(f"{host}:{int(port, 16)}")
+    return sorted(found)
+
+
+def _left_behind(tmpdir: Path) -> list[str]:
+    return sorted(p.name for p in tmpdir.iterdir() if p.name.startswith(LEFT_BEHIND))
+
+
+class Scenario:
+    """One `fd run --tp 2` in its own TMPDIR, signalled once both ranks decode."""
+
+    def __init__(self, name: str, probe_root: Path, work: Path, target: str, sig: signal.Signals) -> None:
+        self.name, self.target, self.sig = name, target, sig
+        self.tmpdir = work / f"{name}-tmp"
+        self.probe = work / f"{name}-probe"
+        self.tmpdir.mkdir()
+        self.probe.mkdir()
+        self.marker = new_marker()
+        env = fd_env(self.marker, probe_root, {"FDTEST_PROBE_DIR": str(self.probe), "FDTEST_PROBE_AT": "20", "TMPDIR": str(self.tmpdir)})
+        self.env = env
+        self.proc = subprocess.Popen([sys.executable, "-m", "fd_core.cli", *RUN], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+        self.listening: dict[str, list[str]] = {}
+        self.during: list[str] = []
+
+    def play(self) -> None:
+        deadline = time.monotonic() + 90
+        while not all((self.probe / f"rank{r}.json").exists() for r in (0, 1)):
+            assert self.proc.poll() is None and time.monotonic() < deadline, f"{self.name}: the ranks never reached decoding"
+            time.sleep(0.05)
+        self.listening["parent"] = listening(self.proc.pid)
+        for r in (0, 1):
+            self.listening[f"rank {r}"] = json.loads((self.probe / f"rank{r}.json").read_text())["listening"]
+        self.during = _left_behind(self.tmpdir)
+        self.signalled_at = time.monotonic()
+        if self.target == "group":
+            os.killpg(self.proc.pid, self.sig)
+        else:
+            os.kill(self.proc.pid, self.sig)
+        try:
+            self.out, self.err = self.proc.communicate(timeout=60)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.out, self.err = self.proc.communicate()
+        self.seconds = time.monotonic() - self.signalled_at
+        self.survivors = left_over(self.marker)
+        self.after = _left_behind(self.tmpdir)
+
+
+SCENARIOS = {
+    "sighup": ("parent", signal.SIGHUP),
+    "sighup-group": ("group", signal.SIGHUP),  # a closed terminal signals the whole job
+    "sigquit": ("parent", signal.SIGQUIT),
+    "sigkill": ("parent", signal.SIGKILL),
+}
+
+
+@pytest.fixture(scope="module")
+def played(probe_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Scenario | BaseException]:
+    import threading
+
+    work = tmp_path_factory.mktemp("signals")
+    results: dict[str, Scenario | BaseException] = {}
+
+    def play(name: str) -> None:
+        try:
+            scenario = Scenario(name, probe_root, work, *SCENARIOS[name])
+            scenario.play()
+            results[name] = scenario
+        except BaseException as exc:  # reported by the test that reads this scenario
+            results[name] = exc
+
+    threads = [threading.Thread(target=play, args=(name,)) for name in SCENARIOS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def scenario(played: dict, name: str) -> Scenario:
+    result = played[name]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+@pytest.mark.parametrize(("name", "code", "line"), [
+    ("sighup", 129, "fd: terminated by SIGHUP; every rank was stopped"),
+    ("sighup-group", 129, "fd: terminated by SIGHUP; every rank was stopped"),
+    ("sigquit", 131, "fd: terminated by SIGQUIT; every rank was stopped"),
+])
+def test_sighup_and_sigquit_stop_every_rank_like_sigterm(played: dict, name: str, code: int, line: str) -> None:
+    """Exit 128 + the signal, one line, no process and no temporary directory left (SIGTERM's own test is in test_ranks.py)."""
+    s = scenario(played, name)
+    assert s.proc.returncode == code, s.err
+    assert s.err.strip().splitlines()[-1] == line, s.err
+    assert "Traceback" not in s.err and s.out == "", s.err
+    assert s.seconds < 10
+    assert s.survivors == []
+    assert s.during, "the run's directories should exist while it runs (else this test checks nothing)"
+    assert s.after == [], s.after
+
+
+def test_what_a_killed_run_left_behind_is_removed_by_the_next_run(played: dict) -> None:
+    """SIGKILL runs no code of fd's: its directories stay until the next run, which removes those of dead processes."""
+    s = scenario(played, "sigkill")
+    assert s.proc.returncode == -signal.SIGKILL
+    assert s.after, "SIGKILL leaves the run's directories (else this test checks nothing)"
+    for name in s.after:  # as if killed a while ago (a live run's directory is never touched)
+        os.utime(s.tmpdir / name, (time.time() - 3600, time.time() - 3600))
+    live = s.tmpdir / f"fd-ranks-{os.getpid()}-live"  # a live process's: kept
+    live.mkdir()
+    os.utime(live, (time.time() - 3600, time.time() - 3600))
+    again = run_fd(["run", "--tp", "2", "--steps", "1"], env={"TMPDIR": str(s.tmpdir)})
+    assert again.returncode == 0, again.stderr
+    assert _left_behind(s.tmpdir) == [live.name]
+
+
+def test_the_rendezvous_store_listens_on_loopback_only(played: dict) -> None:
+    """The spawning process serves the store on 127.0.0.1; no rank listens beyond loopback (Paddle's store would, on 0.0.0.0)."""
+    s = scenario(played, "sighup")
+    assert len(s.listening["parent"]) == 1 and s.listening["parent"][0].startswith("127.0.0.1:"), s.listening
+    assert all(a.startswith("127.") for addresses in s.listening.values() for a in addresses), s.listening
