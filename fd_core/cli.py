@@ -15,6 +15,10 @@ from typing import Any, Callable, Mapping, NoReturn, Sequence, TextIO
 from fd_core.config import COMPUTE_DTYPES
 from fd_core.errors import ConfigError, FdError, RankError
 
+# When fd's entry point was imported: a run's clock starts here if the process was created long
+# before, for something else, and exec'd fd (see procstats.process_start_time).
+ENTERED_AT = time.time()
+
 EXIT_USAGE = 2
 EXIT_NOT_VERIFIED = 3  # fd check: nothing failed, but the checks that need the hardware could not run
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
@@ -55,6 +59,10 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text}")
+    from fd_core.plugins import MAX_TIMEOUT_S
+
+    if value > MAX_TIMEOUT_S:  # a wait this long overflows (Python's timeouts end near 1e10 s)
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_TIMEOUT_S} seconds (a week), got {text}")
     return value
 
 
@@ -267,7 +275,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         memory_fraction=args.memory_fraction,
         # Text streams to an interactive terminal as it is produced (one prompt; several print in order at the end).
         stream=bool(texts) and len(texts) == 1 and not args.json and sys.stdout.isatty(),
-        started_at=process_start_time(),
+        started_at=process_start_time(ENTERED_AT),
     )
     if texts and id_prompts:
         raise ConfigError("pass text prompts (--prompt, --prompts) or token ids (--prompt-ids), not both")
@@ -289,7 +297,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             plan = dataclasses.replace(plan, run=dataclasses.replace(run, spawned_at=time.time()))
             results = spawn_ranks(
-                spawned_rank, (plan,), run.tp, plan.dist_backend, grace=args.rank_timeout, stall=args.stall_timeout, start_method="fork"
+                spawned_rank, (plan,), run.tp, plan.dist_backend, grace=args.rank_timeout, stall=args.stall_timeout, start_method="fork",
+                platform=plan.platform,
             )
         except Terminated as exc:  # SIGTERM, SIGHUP or SIGQUIT: 128 + its number
             print(exc.message(), file=sys.stderr)
@@ -485,7 +494,7 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
 
     p = sub.add_parser("help", help="show help for fd or for one command")
     p.add_argument("topic", nargs="?", default=None, metavar="COMMAND", help="a command (default: fd itself)")
-    p.set_defaults(func=lambda args: _help(parser, sub, args.topic))
+    p.set_defaults(func=lambda args: _help(parser, sub, args.topic, commands or {}))
 
     p = sub.add_parser("plugins", help="list every discovered plugin, its hooks and its detection answer")
     p.add_argument("--json", action="store_true", help="print JSON instead of the listing")
@@ -574,7 +583,9 @@ def _architecture_lines() -> list[str]:
     return [f"  {a.name:<{width}}{', '.join(a.aliases) or '-'}" + (" (vision-language)" if a.multimodal else "") for a in registry]
 
 
-def _help(parser: argparse.ArgumentParser, sub: Any, topic: str | None) -> int:
+def _help(parser: argparse.ArgumentParser, sub: Any, topic: str | None, commands: Mapping[str, tuple[str, Any, str]]) -> int:
+    if topic is not None and topic in commands:  # a plugin's command parses its own options, --help among them
+        return int(commands[topic][1](["--help"]) or 0)
     if topic is None:
         parser.print_help(_stdout())
         return 0
@@ -588,7 +599,7 @@ def _plugin_commands(argv: Sequence[str]) -> dict[str, tuple[str, Any, str]]:
     """Subcommands plugins add; plugins are loaded only when argv does not start with one of fd's own."""
     from fd_core.plugins import CORE_COMMANDS, load_plugins
 
-    if argv and argv[0] in CORE_COMMANDS:
+    if argv and argv[0] in CORE_COMMANDS and argv[0] != "help":  # fd help knows every command, plugins' too
         return {}
     try:
         return load_plugins(strict=False).commands
@@ -612,6 +623,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         func: Callable[[argparse.Namespace], int] = args.func
         from fd_core.plugins import plugin_prints_to_stderr
 
+        if args.command == "help":  # a plugin command's help is the plugin's own output
+            return func(args)
         # What a plugin prints (at import, from a hook or a kernel, here or in a rank) must not mix with --json or the text.
         with plugin_prints_to_stderr():
             return func(args)

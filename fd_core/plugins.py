@@ -28,6 +28,9 @@ HOOK_NAMES: tuple[str, ...] = tuple(n for n in vars(hookspecs) if n.startswith(f
 # Seconds a plugin's hook may take when called at selection (detection, votes) before fd gives up on it.
 HOOK_TIMEOUT_ENV = "FD_HOOK_TIMEOUT"
 DEFAULT_HOOK_TIMEOUT = 60.0
+# The longest wait fd accepts (FD_HOOK_TIMEOUT, --rank-timeout, --stall-timeout): a week. Python's own
+# waits overflow near 1e10 s, and a wait of more than a week is a typo.
+MAX_TIMEOUT_S = 7 * 24 * 3600
 T = TypeVar("T")
 
 
@@ -311,7 +314,7 @@ def discover(env: Mapping[str, str] | None = None, extra: Iterable[tuple[Kind, s
             continue
         try:
             record.module = ep.load()
-        except Exception as exc:  # noqa: BLE001 - any import failure is the plugin's, reported below
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - any import failure is the plugin's (sys.exit too), reported below
             record.load_error = f"import failed: {type(exc).__name__}: {exc}"
             record.status = "not loaded"
             print(f"fd: warning: plugin {record.name!r} ({record.value}) failed to import: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -336,6 +339,8 @@ def hook_timeout(env: Mapping[str, str] | None = None) -> float:
         raise PluginError(f"{HOOK_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
     if not value > 0 or value == float("inf"):
         raise PluginError(f"{HOOK_TIMEOUT_ENV}={raw!r} must be a positive, finite number of seconds")
+    if value > MAX_TIMEOUT_S:
+        raise PluginError(f"{HOOK_TIMEOUT_ENV}={raw!r} is more than a week; give at most {MAX_TIMEOUT_S} seconds")
     return value
 
 
@@ -375,7 +380,7 @@ def _detect(record: PluginRecord, timeout: float) -> None:
         record.detect_error = str(exc).split(": ", 1)[1]
         print(f"fd: warning: {exc}", file=sys.stderr)
         return
-    except Exception as exc:  # noqa: BLE001 - a detection that raises is reported, never fatal
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - a detection that raises (or calls sys.exit) is reported, never fatal
         record.detect_error = f"fd_platform_detect raised {type(exc).__name__}: {exc}"
         print(f"fd: warning: platform {record.name!r}: {record.detect_error}", file=sys.stderr)
         return
@@ -384,10 +389,12 @@ def _detect(record: PluginRecord, timeout: float) -> None:
         return
     if not isinstance(answer, Detection):
         record.detect_error = f"fd_platform_detect returned {type(answer).__name__}, expected fd_core.Detection or None"
+        print(f"fd: warning: platform {record.name!r}: {record.detect_error}", file=sys.stderr)
         return
     problem = answer.problem()
     if problem is not None:
         record.detect_error = f"fd_platform_detect returned a Detection with {problem}; fix the plugin"
+        print(f"fd: warning: platform {record.name!r}: {record.detect_error}", file=sys.stderr)
         return
     record.detection = answer
 
@@ -452,7 +459,7 @@ def _call_each(
             caller_for(pm, hook, owner)(register=register_for(owner))
         except PluginError as exc:
             message = str(exc)
-        except Exception as exc:  # noqa: BLE001 - the plugin's own error
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the plugin's own error (sys.exit included)
             message = f"plugin {owner!r}: {hook} raised {type(exc).__name__}: {exc}"
         else:
             continue

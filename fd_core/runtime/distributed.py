@@ -270,6 +270,7 @@ def spawn_ranks(
     stall: float = DEFAULT_STALL_S,
     start_method: Literal["spawn", "fork", "forkserver"] = "spawn",
     stall_hint: str = STALL_HINT,
+    platform: str | None = None,
 ) -> list[Any]:
     """Run `fn(*args)` on `nprocs` local ranks; return each rank's result in rank order.
 
@@ -282,14 +283,22 @@ def spawn_ranks(
     (`fd_core.runtime.progress.report`) for `stall` seconds, ends the run the same way. Ctrl-C
     (KeyboardInterrupt) and SIGTERM (Terminated) stop every rank before they propagate; a rank also
     dies with this process if it is killed outright. `stall_hint` ends a stalled rank's error: how the
-    caller's user gives a slow rank more time.
+    caller's user gives a slow rank more time. `platform` names the plugin whose detection gave `dist_backend`.
     """
     import paddle.distributed as dist
 
     quiet_paddle_logs()
     problem = dist_backend_problem(dist_backend)
     if problem is not None:
-        raise PlatformError(f"the platform's Detection.dist_backend is {dist_backend!r}: {problem}; fix the platform plugin")
+        who = f"platform {platform!r}" if platform else "the platform"
+        raise PlatformError(f"{who}: fd_platform_detect returned a Detection with dist_backend={dist_backend!r}: {problem}; fix the platform plugin")
+    stray = os.environ.get("PADDLE_TRAINERS_NUM")
+    if stray is not None and launched_rank() is None:
+        # Left over from a launcher's environment: paddle.distributed.spawn would assert on it.
+        raise ConfigError(
+            f"PADDLE_TRAINERS_NUM={stray} is set, but this process was not started by paddle.distributed.launch "
+            f"(PADDLE_TRAINER_ID is unset); unset PADDLE_TRAINERS_NUM to spawn the ranks here"
+        )
     remove_stale_dirs()
     # The handlers first: a stop signal from here on removes the directories below on its way out.
     with _sigterm_raises():

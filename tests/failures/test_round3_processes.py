@@ -237,3 +237,89 @@ def test_the_rendezvous_store_listens_on_loopback_only(played: dict) -> None:
     s = scenario(played, "sighup")
     assert len(s.listening["parent"]) == 1 and s.listening["parent"][0].startswith("127.0.0.1:"), s.listening
     assert all(a.startswith("127.") for addresses in s.listening.values() for a in addresses), s.listening
+
+
+# --- bad values in options, the environment and plugins' answers ----------------------------------------
+
+
+@pytest.mark.parametrize(("args", "env", "expected"), [
+    (["run", "--tp", "2", "--rank-timeout", "1e13"], {}, "argument --rank-timeout: must be at most 604800 seconds (a week), got 1e13"),
+    (["run", "--tp", "2", "--stall-timeout", "1e13"], {}, "argument --stall-timeout: must be at most 604800 seconds (a week), got 1e13"),
+    (["explain"], {"FD_HOOK_TIMEOUT": "1e13"}, "FD_HOOK_TIMEOUT='1e13' is more than a week; give at most 604800 seconds"),
+], ids=["rank-timeout", "stall-timeout", "hook-timeout"])
+def test_a_wait_too_long_to_give_is_refused_at_once(args: list[str], env: dict[str, str], expected: str) -> None:
+    run = run_fd(args, env=env, traced=True)
+    assert_one_line_error(run, f"{expected} (see fd run --help)" if args[0] == "run" else expected)
+    assert run.paddle_imported is False
+    assert run.seconds < 20
+
+
+def test_a_stray_trainers_num_is_refused_naming_it() -> None:
+    """PADDLE_TRAINERS_NUM without the rest of a launcher's environment: Paddle's spawn would assert."""
+    run = run_fd(["run", "--tp", "2", "--steps", "2"], env={"PADDLE_TRAINERS_NUM": "2"})
+    assert_one_line_error(run, "PADDLE_TRAINERS_NUM=2 is set, but this process was not started by paddle.distributed.launch "
+                               "(PADDLE_TRAINER_ID is unset); unset PADDLE_TRAINERS_NUM to spawn the ranks here")
+    assert left_over(run.marker) == []
+
+
+BAD_PLATFORM = """
+import sys
+
+from fd_core import Detection, hookimpl
+
+
+@hookimpl
+def fd_platform_detect():
+    if "{how}" == "exit":
+        sys.exit(3)
+    return Detection(detected=True, priority=9, reason="a bad answer", device="cpu", dist_backend={backend!r}, max_ranks=2)
+"""
+
+
+def test_a_detection_calling_sys_exit_is_the_plugins_failure(distribution) -> None:
+    path = distribution("fd-exits", {"fd_exits": BAD_PLATFORM.format(how="exit", backend="gloo")}, {"fd.platforms": {"exits": "fd_exits"}})
+    run = run_fd(["explain"], path)
+    assert run.returncode == 0, run.stderr  # the cpu platform is chosen; the plugin is reported, not obeyed
+    assert "fd: warning: platform 'exits': fd_platform_detect raised SystemExit: 3" in run.stderr
+    assert "platform: cpu" in run.stdout
+    listing = run_fd(["plugins"], path)
+    assert "not active: fd_platform_detect raised SystemExit: 3" in listing.stdout
+
+
+def test_a_dist_backend_paddle_does_not_know_names_the_plugin_and_the_hook(distribution) -> None:
+    """Asked of paddle.distributed before spawning (fd_core cannot list backends: their names are platforms')."""
+    path = distribution("fd-badback", {"fd_badback": BAD_PLATFORM.format(how="", backend="carrier-pigeon")}, {"fd.platforms": {"badback": "fd_badback"}})
+    run = run_fd(["run", "--tp", "2", "--steps", "2"], path)
+    assert_one_line_error(run, "platform 'badback': fd_platform_detect returned a Detection with dist_backend='carrier-pigeon': "
+                               "backend argument can only be one of", exact=False)
+    assert run.error_lines[0].endswith("; fix the platform plugin")
+    assert left_over(run.marker) == []
+
+
+def test_a_dist_backend_that_is_not_a_name_is_a_detection_problem_said_aloud(distribution) -> None:
+    path = distribution("fd-badback", {"fd_badback": BAD_PLATFORM.format(how="", backend=7)}, {"fd.platforms": {"badback": "fd_badback"}})
+    run = run_fd(["explain"], path)
+    assert run.returncode == 0, run.stderr
+    assert ("fd: warning: platform 'badback': fd_platform_detect returned a Detection with dist_backend=7, "
+            "expected a paddle.distributed backend name (a string); fix the plugin") in run.stderr.splitlines()
+    assert "platform: cpu" in run.stdout
+
+
+# --- help and the clock ----------------------------------------------------------------------------------
+
+
+def test_fd_help_knows_plugin_commands() -> None:
+    helped, direct = run_fd(["help", "bench"]), run_fd(["bench", "--help"])
+    assert helped.returncode == direct.returncode == 0, helped.stderr
+    assert helped.stdout == direct.stdout and helped.stdout.startswith("usage: fd bench")
+
+
+def test_the_clock_starts_when_fd_starts_not_when_its_process_was_created() -> None:
+    """`bash -c 'sleep 3 && exec fd run'`: the process was created 3 s before fd; none of those 3 s is fd's."""
+    marker = new_marker()
+    script = f"sleep 3 && exec {sys.executable} -m fd_core.cli run --tp 1 --steps 2 --json"
+    done = subprocess.run(["bash", "-c", script], env=fd_env(marker), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["timings_s"]["start"] < 2.5, result["timings_s"]
+    assert result["wall_s"] < 10, result
