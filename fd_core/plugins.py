@@ -532,13 +532,16 @@ def _register_kernels(pm: pluggy.PluginManager, records: list[PluginRecord]) -> 
 
 
 def load_plugins(
-    env: Mapping[str, str] | None = None, extra: Iterable[tuple[Kind, str, object]] = (), *, strict: bool = True
+    env: Mapping[str, str] | None = None, extra: Iterable[tuple[Kind, str, object]] = (), *, strict: bool = True,
+    planned: str | None = None,
 ) -> PluginSet:
     """Discover, validate and register plugins, select the platform, and fill the architecture registry.
 
     With `strict` (every caller but `fd plugins`), a plugin that fails validation or registration,
     or a name two distributions claim, raises a PluginError naming it; without, it is recorded on
-    its record and in `problems`, left out, and the listing goes on.
+    its record and in `problems`, left out, and the listing goes on. `planned` (a rank's call) is the
+    platform the planning process selected: only its detection runs again, so that a detection that
+    hangs costs its time limit once, in the planning process, not again in every rank.
     """
     env = os.environ if env is None else env
     timeout = hook_timeout(env)
@@ -555,6 +558,9 @@ def load_plugins(
         raise PluginError(problems[0])
     for record in records:
         if record.kind == "platform" and record.module is not None and record.error is None:
+            if planned is not None and record.name != planned:
+                record.detect_error = f"not asked: the run was planned on {planned!r}"
+                continue
             _detect(record, timeout)
     platform, why = select_platform(records, env)
     pm = new_plugin_manager()

@@ -52,7 +52,7 @@ class RankWorker:
         run = plan.run
         if plugins is None:
             progress.report("loading plugins")
-            plugins = load_plugins(plugin_env(run.platform))
+            plugins = load_plugins(plugin_env(run.platform), planned=plan.platform)  # the others' detections were asked in planning
         backend = load_backend(ParallelConfig(tp_size=tp, tp_rank=rank, group=group), plugins=plugins)
         if backend.platform != plan.platform:
             # Detection that answers differently from one call to the next would run ranks on two platforms.

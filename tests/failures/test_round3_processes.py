@@ -323,3 +323,25 @@ def test_the_clock_starts_when_fd_starts_not_when_its_process_was_created() -> N
     result = json.loads(done.stdout)
     assert result["timings_s"]["start"] < 2.5, result["timings_s"]
     assert result["wall_s"] < 10, result
+
+
+HANGS = """
+import threading
+
+from fd_core import hookimpl
+
+
+@hookimpl
+def fd_platform_detect():
+    threading.Event().wait()
+"""
+
+
+def test_a_hanging_detection_costs_its_limit_once_not_again_in_every_rank(distribution) -> None:
+    """Selection is decided in the planning process; a rank asks only the planned platform again."""
+    path = distribution("fd-hangs", {"fd_hangs": HANGS}, {"fd.platforms": {"hangs": "fd_hangs"}})
+    run = run_fd(["run", "--tp", "2", "--steps", "2"], path, env={"FD_HOOK_TIMEOUT": "3"})
+    assert run.returncode == 0, run.stderr
+    warned = [line for line in run.stderr.splitlines() if line.startswith("fd: warning: platform 'hangs': fd_platform_detect did not return within 3 s")]
+    assert len(warned) == 1, run.stderr
+    assert left_over(run.marker) == []
