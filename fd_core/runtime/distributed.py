@@ -305,7 +305,7 @@ def spawn_ranks(
         errors_dir = tempfile.mkdtemp(prefix=f"{ERRORS_PREFIX}{os.getpid()}-")
         try:
             with tempfile.TemporaryDirectory(prefix=f"{RANKS_PREFIX}{os.getpid()}-") as out_dir, LoopbackStore() as store:
-                with _quiet_root_logger():
+                with _quiet_root_logger(), _naming_shared_memory():
                     context = dist.spawn(
                         # paddle's typed options omit `backend`, which spawn reads at run time.
                         _call_and_save, args=(fn, out_dir, errors_dir, os.getpid(), store.address, *args), nprocs=nprocs, join=False,
@@ -317,6 +317,41 @@ def spawn_ranks(
             # Tracebacks of failed ranks outlive the run (the error line names them); nothing else does.
             if not os.listdir(errors_dir):
                 shutil.rmtree(errors_dir, ignore_errors=True)
+
+
+SHM_DIR = "/dev/shm"
+
+
+def shared_memory_problem(path: str = SHM_DIR) -> str | None:
+    """What keeps processes from sharing memory through `path` (read-only, full), or None."""
+    if not os.path.isdir(path):
+        return None
+    if not os.access(path, os.W_OK):
+        return f"{path} is not writable"
+    try:
+        info = os.statvfs(path)
+    except OSError:
+        return None
+    if info.f_bavail * info.f_frsize < 1 << 20:
+        return f"{path} is full ({info.f_bavail * info.f_frsize} bytes free)"
+    return None
+
+
+@contextlib.contextmanager
+def _naming_shared_memory() -> Iterator[None]:
+    """An OSError without a path while starting ranks (multiprocessing's locks live in /dev/shm) as one line naming it."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        problem = shared_memory_problem()
+        if problem is None:
+            raise RankError(f"starting the ranks failed: {exc.strerror or exc}") from None
+        raise RankError(
+            f"starting the ranks failed: {exc.strerror or exc}: {problem}; the ranks' locks and shared memory live there: "
+            f"make it writable with free space (docker run --shm-size), or run with --tp 1"
+        ) from None
 
 
 # A run's temporary directories in $TMPDIR, named with the pid of the process that spawned the ranks.

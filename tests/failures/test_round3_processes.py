@@ -345,3 +345,35 @@ def test_a_hanging_detection_costs_its_limit_once_not_again_in_every_rank(distri
     warned = [line for line in run.stderr.splitlines() if line.startswith("fd: warning: platform 'hangs': fd_platform_detect did not return within 3 s")]
     assert len(warned) == 1, run.stderr
     assert left_over(run.marker) == []
+
+
+def _in_private_shm(mount: str, args: list[str]) -> subprocess.CompletedProcess[str]:
+    """`fd args` in a mount namespace of its own whose /dev/shm is `mount` (a shell fragment); the host's is untouched."""
+    script = f"{mount} && exec {sys.executable} -m fd_core.cli {' '.join(args)}"
+    return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], env=fd_env(new_marker()),
+                          capture_output=True, text=True, timeout=120)
+
+
+def _can_mount() -> bool:
+    if os.geteuid() != 0 or not Path("/dev/shm").is_dir():
+        return False
+    try:
+        return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /dev/shm"],
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _can_mount(), reason="needs root and unshare to give a run a /dev/shm of its own")
+@pytest.mark.parametrize(("mount", "problem"), [
+    ("mount -t tmpfs -o ro,size=1m tmpfs /dev/shm", "Read-only file system: /dev/shm is not writable"),
+    ("mount -t tmpfs -o size=64k tmpfs /dev/shm && dd if=/dev/zero of=/dev/shm/fill bs=4k count=100 2>/dev/null; true",
+     "No space left on device: /dev/shm is full (0 bytes free)"),
+], ids=["read-only", "full"])
+def test_a_read_only_or_full_dev_shm_is_named_with_the_fix(mount: str, problem: str) -> None:
+    done = _in_private_shm(mount, ["run", "--tp", "2", "--steps", "2"])
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"fd: error: starting the ranks failed: {problem}; the ranks' locks and shared memory live there: "
+        "make it writable with free space (docker run --shm-size), or run with --tp 1"), done.stderr
