@@ -72,7 +72,7 @@ def test_what_a_plugin_prints_never_mixes_with_json(printer: Path, args: list[st
     json.loads(run.stdout)  # nothing but the JSON
     assert _printed(run.stdout) == []
     expected = {"PRINTER-IMPORT", "PRINTER-VOTE"} | ({"PRINTER-CLEAN", "PRINTER-WRITE", "PRINTER-GATE"} if args[0] == "run" else set())
-    assert expected <= set(_printed(run.stderr)), run.stderr
+    assert expected <= set(_printed(run.stderr)), (expected - set(_printed(run.stderr)), run.stderr)
 
 
 def test_what_a_plugin_prints_never_lands_in_the_text(printer: Path, tmp_path: Path) -> None:
