@@ -357,11 +357,13 @@ def _naming_shared_memory() -> Iterator[None]:
 # A run's temporary directories in $TMPDIR, named with the pid of the process that spawned the ranks.
 RANKS_PREFIX = "fd-ranks-"
 ERRORS_PREFIX = "fd-rank-errors-"
-# A dead process's directory untouched this long is left over (ranks note progress every second or so).
+# A dead process's directory untouched this long is left over. The wait is for a run in another pid
+# namespace sharing $TMPDIR, whose pid looks dead from here: its ranks note progress every second or so.
 STALE_S = 30.0
 
 
 def _alive(pid: int) -> bool:
+    """Whether process `pid` exists (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -34,6 +34,7 @@ class _Closed(Exception):
 
 
 def _receive(conn: socket.socket, size: int) -> bytes:
+    """Exactly `size` bytes from `conn`; _Closed if it closes first."""
     data = bytearray()
     while len(data) < size:
         chunk = conn.recv(size - len(data))
@@ -44,6 +45,7 @@ def _receive(conn: socket.socket, size: int) -> bytes:
 
 
 def _receive_bytes(conn: socket.socket) -> bytes:
+    """A length-prefixed byte string, as Paddle's client sends keys and values."""
     (size,) = struct.unpack("<Q", _receive(conn, 8))
     return _receive(conn, size)
 
@@ -60,14 +62,15 @@ class LoopbackStore:
         self.waiting: dict[bytes, list[socket.socket]] = {}
         self.lock = threading.Lock()
         self.clients: list[socket.socket] = []
-        self.closed = False
         threading.Thread(target=self._accept, name="fd-rendezvous", daemon=True).start()
 
     @property
     def address(self) -> str:
+        """"host:port", as a rank's STORE_ENV holds it."""
         return f"{self.host}:{self.port}"
 
     def _accept(self) -> None:
+        """Accept clients until closed, each served by a thread of its own."""
         while True:
             try:
                 conn, _ = self.listener.accept()
@@ -79,6 +82,7 @@ class LoopbackStore:
             threading.Thread(target=self._serve, args=(conn,), name="fd-rendezvous client", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        """Answer one client's commands until it closes its connection (or sends something else)."""
         try:
             while True:
                 (command,) = struct.unpack("<i", _receive(conn, 4))
@@ -95,7 +99,7 @@ class LoopbackStore:
                     with self.lock:
                         self.values[key] = data
                         self._notify(key)
-                elif command == _GET:
+                elif command == _GET:  # Paddle's client waits for the key first
                     with self.lock:
                         data = self.values.get(key, b"")
                     conn.sendall(struct.pack("<Q", len(data)) + data)
@@ -125,7 +129,6 @@ class LoopbackStore:
 
     def close(self) -> None:
         """Stop listening and drop every client."""
-        self.closed = True
         self.listener.close()
         with self.lock:
             for conn in self.clients:
@@ -136,9 +139,11 @@ class LoopbackStore:
                 conn.close()
 
     def __enter__(self) -> "LoopbackStore":
+        """The store itself; closed on exit."""
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        """Close the store."""
         self.close()
 
 
