@@ -426,3 +426,30 @@ def test_a_stop_signal_during_a_check_waits_for_the_check_to_end(distribution, t
     assert "verdict: interrupted: only the checks listed ran; nothing is verified" in err
     assert "Traceback" not in err and "Fatal Python error" not in err
     assert left_over(marker) == []
+
+
+def test_the_loopback_store_speaks_paddles_store_protocol() -> None:
+    """Paddle's own TCPStore client (the independent oracle: what every rank runs) against fd's server."""
+    import threading
+
+    from paddle.base import core
+
+    from fd_core.runtime.rendezvous import LoopbackStore
+
+    with LoopbackStore() as server:
+        assert server.host == "127.0.0.1"
+        assert [a for a in listening(os.getpid()) if a.endswith(f":{server.port}")] == [server.address]
+        first = core.TCPStore("127.0.0.1", server.port, False, 2, 30)
+        second = core.TCPStore("127.0.0.1", server.port, False, 2, 30)
+        first.set("key", "a value")
+        assert second.get("key") == b"a value"
+        assert first.add("count", 2) == 2 and second.add("count", 3) == 5
+        got: list[bytes] = []
+        waiter = threading.Thread(target=lambda: got.append(second.get("later")))  # blocks until it is set
+        waiter.start()
+        time.sleep(0.3)
+        assert got == []
+        first.set("later", "now")
+        waiter.join(10)
+        assert got == [b"now"]
+        second.wait("later")
