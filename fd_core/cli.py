@@ -274,7 +274,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         memory_fraction=args.memory_fraction,
         # Text streams to an interactive terminal as it is produced (one prompt; several print in order at the end).
-        stream=bool(texts) and len(texts) == 1 and not args.json and sys.stdout.isatty(),
+        stream=bool(texts) and len(texts) == 1 and not args.json and _stdout().isatty(),
         started_at=process_start_time(ENTERED_AT),
     )
     if texts and id_prompts:
