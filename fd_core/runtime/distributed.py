@@ -49,7 +49,10 @@ def init_rank() -> tuple[int, int]:
 
     launched = launched_rank()
     if launched is not None:
-        # A rank spawn_ranks started joins the loopback store its parent serves (Paddle's own would listen on every interface).
+        # A rank spawn_ranks started joins the loopback store its parent serves (Paddle's own would listen on
+        # every interface); under a launcher, rank 0 serves it on the master address the user gave.
+        if not os.environ.get(rendezvous.STORE_ENV):
+            rendezvous.serve_launched_store(launched[0])
         rendezvous.join_store(launched[1])
     # init_parallel_env prints a table of modified flags to stderr on every rank.
     with contextlib.redirect_stderr(io.StringIO()):

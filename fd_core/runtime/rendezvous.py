@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import sys
 import threading
 from typing import Any
 
@@ -53,9 +54,10 @@ def _receive_bytes(conn: socket.socket) -> bytes:
 class LoopbackStore:
     """A TCPStore server on `host` (loopback by default), a port the kernel picks; a thread per client."""
 
-    def __init__(self, host: str = LOOPBACK) -> None:
+    def __init__(self, host: str = LOOPBACK, port: int = 0) -> None:
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.listener.bind((host, 0))
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind((host, port))
         self.listener.listen(64)
         self.host, self.port = self.listener.getsockname()[:2]
         self.values: dict[bytes, bytes] = {}
@@ -145,6 +147,38 @@ class LoopbackStore:
     def __exit__(self, *exc: Any) -> None:
         """Close the store."""
         self.close()
+
+
+# Rank 0's store under a launcher, kept for the life of the process.
+_served: list[LoopbackStore] = []
+
+
+def master_address() -> str | None:
+    """"host:port" where a launched job's rank 0 serves its store, as paddle.distributed reads it
+    (MASTER_ADDR and MASTER_PORT, else PADDLE_MASTER, else the first trainer endpoint)."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if host and port:
+        return f"{host}:{port}"
+    endpoints = os.environ.get("PADDLE_MASTER") or os.environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",")[0]
+    return endpoints or None
+
+
+def serve_launched_store(rank: int) -> None:
+    """Under paddle.distributed.launch: rank 0 serves the store bound to the master address the user gave
+    (Paddle's own binds every interface), and every rank joins it there (STORE_ENV)."""
+    address = master_address()
+    if address is None or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    if rank == 0:
+        try:
+            _served.append(LoopbackStore(socket.gethostbyname(host), int(port)))
+        except (OSError, ValueError) as exc:
+            # Not an address of this host (a NAT's, say): Paddle's own store, on every interface, still works.
+            print(f"fd: warning: cannot serve the rendezvous store on {address} ({exc}); Paddle's own store listens on every interface",
+                  file=sys.stderr)
+            return
+    os.environ[STORE_ENV] = address
 
 
 def join_store(world: int) -> None:

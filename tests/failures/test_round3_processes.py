@@ -453,3 +453,37 @@ def test_the_loopback_store_speaks_paddles_store_protocol() -> None:
         waiter.join(10)
         assert got == [b"now"]
         second.wait("later")
+
+
+def test_under_a_launcher_rank_0_serves_the_store_on_the_master_address_only(probe_root: Path, tmp_path: Path) -> None:
+    """Two single-process nodes (`paddle.distributed.launch --master 127.0.0.1:PORT`): no rank listens beyond the address given."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    marker = new_marker()
+    env = fd_env(marker, probe_root, {"FDTEST_PROBE_DIR": str(probe), "FDTEST_PROBE_AT": "1"})
+    env = {k: v for k, v in env.items() if not k.startswith("PADDLE_")}
+    fd = str(Path(sys.executable).with_name("fd"))
+    nodes = [
+        subprocess.Popen([sys.executable, "-m", "paddle.distributed.launch", "--log_level", "WARNING", "--nnodes", "2", "--nproc_per_node", "1",
+                          "--master", f"127.0.0.1:{port}", "--rank", str(rank), "--log_dir", str(tmp_path / f"log{rank}"),
+                          fd, "run", "--steps", "2", "--graph", "off"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    records = [json.loads((probe / f"rank{r}.json").read_text()) for r in (0, 1)]
+    master = records[0]["env"]["PADDLE_MASTER"]
+    assert master and master.startswith("127.0.0.1:"), records
+    assert master in records[0]["listening"], records  # rank 0 serves the store where the launcher said
+    assert all(a.startswith("127.0.0.1:") for r in records for a in r["listening"]), records
+    assert left_over(marker) == []
