@@ -10,15 +10,19 @@ import math
 import os
 import sys
 import time
-from typing import Any, Callable, Mapping, NoReturn, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Sequence, TextIO
 
 from fd_core.config import COMPUTE_DTYPES
 from fd_core.errors import ConfigError, FdError, RankError
 
+# When fd's entry point was imported: a run's clock starts here if the process was created long
+# before, for something else, and exec'd fd (see procstats.process_start_time).
+ENTERED_AT = time.time()
+
 EXIT_USAGE = 2
 EXIT_NOT_VERIFIED = 3  # fd check: nothing failed, but the checks that need the hardware could not run
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
-EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it; SIGHUP exits 129 and SIGQUIT 131 (Terminated.exit_code)
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -55,11 +59,22 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text}")
+    from fd_core.plugins import MAX_TIMEOUT_S
+
+    if value > MAX_TIMEOUT_S:  # a wait this long overflows (Python's timeouts end near 1e10 s)
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_TIMEOUT_S} seconds (a week), got {text}")
     return value
 
 
+def _stdout() -> TextIO:
+    """fd's own output: the real stdout, while what plugins print goes to stderr (see fd_core.plugins.plugin_prints_to_stderr)."""
+    from fd_core.plugins import fd_stdout
+
+    return fd_stdout()
+
+
 def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, sort_keys=False))
+    print(json.dumps(data, indent=2, sort_keys=False), file=_stdout())
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -73,7 +88,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         _print_json({"platform": plugins.platform, "selection": plugins.selection, "plugins": rows, "architectures": architectures,
                      "problems": plugins.problems})
     else:
-        print("\n".join(_plugin_listing(plugins)))
+        print("\n".join(_plugin_listing(plugins)), file=_stdout())
     if plugins.problems:
         # The listing is printed; the exit code and the last line say the set is not usable for a run.
         plugins.require_usable()
@@ -168,7 +183,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
               f"kernels: {kernel_line(backend.kernels.providers())}", f"graph: {decision.summary()}"]
     lines += [f"  {vote.line()}" for vote in decision.votes]
     lines += [f"dtype: {config.dtype}", f"memory: {memory.summary()}"]
-    print(_fit(lines))
+    print(_fit(lines), file=_stdout())
     return 0
 
 
@@ -264,8 +279,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         memory_fraction=args.memory_fraction,
         # Text streams to an interactive terminal as it is produced (one prompt; several print in order at the end).
-        stream=bool(texts) and len(texts) == 1 and not args.json and sys.stdout.isatty(),
-        started_at=process_start_time(),
+        stream=bool(texts) and len(texts) == 1 and not args.json and _stdout().isatty(),
+        started_at=process_start_time(ENTERED_AT),
     )
     if texts and id_prompts:
         raise ConfigError("pass text prompts (--prompt, --prompts) or token ids (--prompt-ids), not both")
@@ -287,11 +302,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             plan = dataclasses.replace(plan, run=dataclasses.replace(run, spawned_at=time.time()))
             results = spawn_ranks(
-                spawned_rank, (plan,), run.tp, plan.dist_backend, grace=args.rank_timeout, stall=args.stall_timeout, start_method="fork"
+                spawned_rank, (plan,), run.tp, plan.dist_backend, grace=args.rank_timeout, stall=args.stall_timeout, start_method="fork",
+                platform=plan.platform,
             )
-        except Terminated:
-            print("fd: terminated; every rank was stopped", file=sys.stderr)
-            return EXIT_TERMINATED
+        except Terminated as exc:  # SIGTERM, SIGHUP or SIGQUIT: 128 + its number
+            print(exc.message(), file=sys.stderr)
+            return exc.exit_code
         diverged = [r["rank"] for r in results if r["outputs"] != results[0]["outputs"]]
         if diverged:
             raise RankError(f"rank {diverged[0]} generated different tokens than rank 0; the ranks disagree")
@@ -300,14 +316,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         _add_wall_time(results[0], run.started_at)
         if args.json:
-            print(as_json(results))
+            print(as_json(results), file=_stdout())
         elif texts:
             # The text is the output; the report goes to stderr, so `fd run --prompt ... > out.txt` keeps only text.
             if not run.stream:
-                print("\n\n".join(o["text"] for o in results[0]["outputs"]))
+                print("\n\n".join(o["text"] for o in results[0]["outputs"]), file=_stdout())
             print(_fit(summary_lines(results)), file=sys.stderr)
         else:
-            print(_fit(summary_lines(results)))
+            print(_fit(summary_lines(results)), file=_stdout())
     return 0
 
 
@@ -352,7 +368,7 @@ def cmd_save_random(args: argparse.Namespace) -> int:
 
     quiet_paddle_logs()
     path = save_random_checkpoint(args.model, args.directory, seed=args.seed, config_path=args.config, dtype=args.dtype)
-    print(f"wrote {path}")
+    print(f"wrote {path}", file=_stdout())
     return 0
 
 
@@ -395,21 +411,43 @@ def cmd_check(args: argparse.Namespace) -> int:
         module = Path(model_check_module.__file__)
         extra += ["--fd-model", model]
         os.environ["FD_PLATFORM"] = platform  # the suite's plans and ranks select the platform checked
-    # SIGTERM stops the suite as Ctrl-C does (pytest ends the session on KeyboardInterrupt). Paddle
-    # installs its own handler when imported, so import it first and install ours over it.
+    # SIGTERM (SIGHUP, SIGQUIT) stops the suite as Ctrl-C does (pytest ends the session on
+    # KeyboardInterrupt). Paddle installs its own handler when imported, so import it first and install ours over it.
     import paddle  # noqa: F401
+
+    class StopBetweenChecks:
+        """Raises a signal's stop when the running check ends: raised inside Paddle's C++ code (a graph
+        being captured in this process), the exception aborts the process (SIGABRT) instead of stopping it."""
+
+        in_check = False
+        pending: BaseException | None = None
+
+        @pytest.hookimpl(wrapper=True)
+        def pytest_runtest_protocol(self, item: Any, nextitem: Any) -> Any:
+            self.in_check = True
+            try:
+                result = yield
+            finally:
+                self.in_check = False
+            if self.pending is not None:
+                raise self.pending
+            return result
+
+    guard = StopBetweenChecks()
 
     def on_signal(signum: int, frame: Any) -> None:
         table.interrupted = signal.Signals(signum).name
-        if signum == signal.SIGTERM:
-            distributed.raise_terminated(signum, frame)
-        raise KeyboardInterrupt
+        stop = distributed.note_stop_signal(signum) if signum in distributed.STOP_SIGNALS else KeyboardInterrupt()
+        if guard.in_check and guard.pending is None:  # a second signal stops at once
+            guard.pending = stop
+            return
+        raise stop
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, *distributed.STOP_SIGNALS)}
     try:
         code = pytest.main(
             ["-p", "no:terminal", "-p", "no:cacheprovider", f"--rootdir={module.parent}", "--fd-platform", platform, *extra, str(module)],
-            plugins=[table],
+            plugins=[table, guard],
         )
     finally:
         for sig, handler in previous.items():
@@ -424,7 +462,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     unverified = [r for r in table.rows if r.outcome == "skipped" and ("hardware not detected here" in r.detail or r.detail.startswith("not verified:"))]
     if code == pytest.ExitCode.INTERRUPTED or table.interrupted:
         verdict, status = "interrupted: only the checks listed ran; nothing is verified", (
-            EXIT_TERMINATED if distributed.sigterm_received else EXIT_INTERRUPTED)
+            128 + (distributed.stop_signal or signal.SIGTERM) if distributed.sigterm_received else EXIT_INTERRUPTED)
     elif counts["failed"] or code == pytest.ExitCode.TESTS_FAILED:
         verdict, status = f"failed ({counts['failed']} check(s))", 1
     elif unverified and model is not None:
@@ -444,11 +482,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     # One row a check, never wrapped, so that grep finds a check with its outcome and detail
     # (pytest's own summary lines are the same); --json is the form to parse.
     width = max(map(len, names), default=10)
-    print(f"conformance of model {model!r} on platform {platform!r}:" if model else f"conformance of platform {platform!r}:")
+    print(f"conformance of model {model!r} on platform {platform!r}:" if model else f"conformance of platform {platform!r}:", file=_stdout())
     for name, row in ordered:
-        print(f"  {row.outcome:<8} {name:<{width}}  {row.detail}".rstrip())
-    print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
-    print(f"verdict: {verdict}", file=sys.stderr if status in (EXIT_INTERRUPTED, EXIT_TERMINATED) else sys.stdout)
+        print(f"  {row.outcome:<8} {name:<{width}}  {row.detail}".rstrip(), file=_stdout())
+    print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped", file=_stdout())
+    print(f"verdict: {verdict}", file=sys.stderr if verdict.startswith("interrupted") else _stdout())
     return status
 
 
@@ -483,7 +521,7 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
 
     p = sub.add_parser("help", help="show help for fd or for one command")
     p.add_argument("topic", nargs="?", default=None, metavar="COMMAND", help="a command (default: fd itself)")
-    p.set_defaults(func=lambda args: _help(parser, sub, args.topic))
+    p.set_defaults(func=lambda args: _help(parser, sub, args.topic, commands or {}))
 
     p = sub.add_parser("plugins", help="list every discovered plugin, its hooks and its detection answer")
     p.add_argument("--json", action="store_true", help="print JSON instead of the listing")
@@ -601,13 +639,15 @@ def _architecture_lines() -> list[str]:
     return [f"  {a.name:<{width}}{', '.join(a.aliases) or '-'}" + (" (vision-language)" if a.multimodal else "") for a in registry]
 
 
-def _help(parser: argparse.ArgumentParser, sub: Any, topic: str | None) -> int:
+def _help(parser: argparse.ArgumentParser, sub: Any, topic: str | None, commands: Mapping[str, tuple[str, Any, str]]) -> int:
+    if topic is not None and topic in commands:  # a plugin's command parses its own options, --help among them
+        return int(commands[topic][1](["--help"]) or 0)
     if topic is None:
-        parser.print_help()
+        parser.print_help(_stdout())
         return 0
     if topic not in sub.choices:
         raise ConfigError(f"no command {topic!r}; commands: {', '.join(sorted(sub.choices))}")
-    sub.choices[topic].print_help()
+    sub.choices[topic].print_help(_stdout())
     return 0
 
 
@@ -615,7 +655,7 @@ def _plugin_commands(argv: Sequence[str]) -> dict[str, tuple[str, Any, str]]:
     """Subcommands plugins add; plugins are loaded only when argv does not start with one of fd's own."""
     from fd_core.plugins import CORE_COMMANDS, load_plugins
 
-    if argv and argv[0] in CORE_COMMANDS:
+    if argv and argv[0] in CORE_COMMANDS and argv[0] != "help":  # fd help knows every command, plugins' too
         return {}
     try:
         return load_plugins(strict=False).commands
@@ -637,7 +677,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = build_parser(commands, _architecture_lines() if wants_help else ())
         args = parser.parse_args(argv)
         func: Callable[[argparse.Namespace], int] = args.func
-        return func(args)
+        from fd_core.plugins import plugin_prints_to_stderr
+
+        if args.command == "help":  # a plugin command's help is the plugin's own output
+            return func(args)
+        # What a plugin prints (at import, from a hook or a kernel, here or in a rank) must not mix with --json or the text.
+        with plugin_prints_to_stderr():
+            return func(args)
     except FdError as exc:
         print(f"fd: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -652,7 +698,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             print(f"fd: error: {where}{exc.strerror or exc}; check the path, its permissions and the free space", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        from fd_core.runtime.distributed import Terminated
+
+        if isinstance(exc, Terminated):  # SIGTERM, SIGHUP or SIGQUIT while ranks ran: 128 + its number
+            print(exc.message(), file=sys.stderr)
+            return exc.exit_code
         print("fd: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
 

@@ -58,6 +58,8 @@ class Detection:
 
         if not isinstance(self.detected, bool):
             return f"detected={self.detected!r}, expected True or False"
+        if not isinstance(self.dist_backend, str):
+            return f"dist_backend={self.dist_backend!r}, expected a paddle.distributed backend name (a string)"
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             return f"priority={self.priority!r}, expected an integer"
         if self.max_ranks is not None and (isinstance(self.max_ranks, bool) or not isinstance(self.max_ranks, int) or self.max_ranks < 1):

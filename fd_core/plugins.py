@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import sys
@@ -9,7 +10,7 @@ import threading
 from dataclasses import dataclass, field, replace
 from importlib.metadata import EntryPoint, entry_points
 from types import ModuleType
-from typing import Any, Callable, Iterable, Literal, Mapping, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, TextIO, TypeVar
 
 import pluggy
 
@@ -27,7 +28,36 @@ HOOK_NAMES: tuple[str, ...] = tuple(n for n in vars(hookspecs) if n.startswith(f
 # Seconds a plugin's hook may take when called at selection (detection, votes) before fd gives up on it.
 HOOK_TIMEOUT_ENV = "FD_HOOK_TIMEOUT"
 DEFAULT_HOOK_TIMEOUT = 60.0
+# The longest wait fd accepts (FD_HOOK_TIMEOUT, --rank-timeout, --stall-timeout): a week. Python's own
+# waits overflow near 1e10 s, and a wait of more than a week is a typo.
+MAX_TIMEOUT_S = 7 * 24 * 3600
 T = TypeVar("T")
+
+
+# The stdout fd's own output goes to while plugin_prints_to_stderr is in effect (None: not in effect).
+_fd_stdout: TextIO | None = None
+
+
+def fd_stdout() -> TextIO:
+    """Where fd writes its own output (--json, the generated text, reports): the real stdout, even while
+    plugin_prints_to_stderr sends what everything else prints to stderr."""
+    return _fd_stdout if _fd_stdout is not None else sys.stdout
+
+
+@contextlib.contextmanager
+def plugin_prints_to_stderr() -> Iterator[TextIO]:
+    """While fd runs one of its commands, what a plugin prints (at import, from a hook, a kernel, a
+    thread) goes to stderr, so that `--json` and the text on stdout are fd's alone; fd writes its own
+    output to fd_stdout(), which this yields. Ranks forked meanwhile inherit the arrangement."""
+    global _fd_stdout
+    if _fd_stdout is not None:  # already in effect (a rank forked from a command)
+        yield _fd_stdout
+        return
+    _fd_stdout, sys.stdout = sys.stdout, sys.stderr
+    try:
+        yield _fd_stdout
+    finally:
+        sys.stdout, _fd_stdout = _fd_stdout, None
 
 
 @dataclass
@@ -284,7 +314,7 @@ def discover(env: Mapping[str, str] | None = None, extra: Iterable[tuple[Kind, s
             continue
         try:
             record.module = ep.load()
-        except Exception as exc:  # noqa: BLE001 - any import failure is the plugin's, reported below
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - any import failure is the plugin's (sys.exit too), reported below
             record.load_error = f"import failed: {type(exc).__name__}: {exc}"
             record.status = "not loaded"
             print(f"fd: warning: plugin {record.name!r} ({record.value}) failed to import: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -309,6 +339,8 @@ def hook_timeout(env: Mapping[str, str] | None = None) -> float:
         raise PluginError(f"{HOOK_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
     if not value > 0 or value == float("inf"):
         raise PluginError(f"{HOOK_TIMEOUT_ENV}={raw!r} must be a positive, finite number of seconds")
+    if value > MAX_TIMEOUT_S:
+        raise PluginError(f"{HOOK_TIMEOUT_ENV}={raw!r} is more than a week; give at most {MAX_TIMEOUT_S} seconds")
     return value
 
 
@@ -348,7 +380,7 @@ def _detect(record: PluginRecord, timeout: float) -> None:
         record.detect_error = str(exc).split(": ", 1)[1]
         print(f"fd: warning: {exc}", file=sys.stderr)
         return
-    except Exception as exc:  # noqa: BLE001 - a detection that raises is reported, never fatal
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - a detection that raises (or calls sys.exit) is reported, never fatal
         record.detect_error = f"fd_platform_detect raised {type(exc).__name__}: {exc}"
         print(f"fd: warning: platform {record.name!r}: {record.detect_error}", file=sys.stderr)
         return
@@ -357,10 +389,12 @@ def _detect(record: PluginRecord, timeout: float) -> None:
         return
     if not isinstance(answer, Detection):
         record.detect_error = f"fd_platform_detect returned {type(answer).__name__}, expected fd_core.Detection or None"
+        print(f"fd: warning: platform {record.name!r}: {record.detect_error}", file=sys.stderr)
         return
     problem = answer.problem()
     if problem is not None:
         record.detect_error = f"fd_platform_detect returned a Detection with {problem}; fix the plugin"
+        print(f"fd: warning: platform {record.name!r}: {record.detect_error}", file=sys.stderr)
         return
     record.detection = answer
 
@@ -425,7 +459,7 @@ def _call_each(
             caller_for(pm, hook, owner)(register=register_for(owner))
         except PluginError as exc:
             message = str(exc)
-        except Exception as exc:  # noqa: BLE001 - the plugin's own error
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the plugin's own error (sys.exit included)
             message = f"plugin {owner!r}: {hook} raised {type(exc).__name__}: {exc}"
         else:
             continue
@@ -498,13 +532,16 @@ def _register_kernels(pm: pluggy.PluginManager, records: list[PluginRecord]) -> 
 
 
 def load_plugins(
-    env: Mapping[str, str] | None = None, extra: Iterable[tuple[Kind, str, object]] = (), *, strict: bool = True
+    env: Mapping[str, str] | None = None, extra: Iterable[tuple[Kind, str, object]] = (), *, strict: bool = True,
+    planned: str | None = None,
 ) -> PluginSet:
     """Discover, validate and register plugins, select the platform, and fill the architecture registry.
 
     With `strict` (every caller but `fd plugins`), a plugin that fails validation or registration,
     or a name two distributions claim, raises a PluginError naming it; without, it is recorded on
-    its record and in `problems`, left out, and the listing goes on.
+    its record and in `problems`, left out, and the listing goes on. `planned` (a rank's call) is the
+    platform the planning process selected: only its detection runs again, so that a detection that
+    hangs costs its time limit once, in the planning process, not again in every rank.
     """
     env = os.environ if env is None else env
     timeout = hook_timeout(env)
@@ -521,6 +558,9 @@ def load_plugins(
         raise PluginError(problems[0])
     for record in records:
         if record.kind == "platform" and record.module is not None and record.error is None:
+            if planned is not None and record.name != planned:
+                record.detect_error = f"not asked: the run was planned on {planned!r}"
+                continue
             _detect(record, timeout)
     platform, why = select_platform(records, env)
     pm = new_plugin_manager()

@@ -21,9 +21,9 @@ from typing import Any, Callable, Iterator, Literal, Sequence
 
 from fd_core.errors import ConfigError, FdError, PlatformError, RankError
 from fd_core.paddle_logs import quiet_paddle_logs
-from fd_core.runtime import progress
-
-LOOPBACK = "127.0.0.1"
+from fd_core.plugins import plugin_prints_to_stderr
+from fd_core.runtime import progress, rendezvous
+from fd_core.runtime.rendezvous import LOOPBACK, LoopbackStore
 
 
 def launched_rank() -> tuple[int, int] | None:
@@ -47,21 +47,49 @@ def init_rank() -> tuple[int, int]:
     """Join the process group of a spawned or launched rank; returns (rank, world size)."""
     import paddle.distributed as dist
 
+    launched = launched_rank()
+    if launched is not None:
+        # A rank spawn_ranks started joins the loopback store its parent serves (Paddle's own would listen on
+        # every interface); under a launcher, rank 0 serves it on the master address the user gave.
+        if not os.environ.get(rendezvous.STORE_ENV):
+            rendezvous.serve_launched_store(launched[0])
+        rendezvous.join_store(launched[1])
     # init_parallel_env prints a table of modified flags to stderr on every rank.
     with contextlib.redirect_stderr(io.StringIO()):
         dist.init_parallel_env()
     return dist.get_rank(), dist.get_world_size()
 
 
+# The signals that stop a run as SIGTERM does: a closed terminal's SIGHUP and SIGQUIT too. Each
+# exits 128 + its number, as a shell reports a process it ended (143, 129, 131).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+
 class Terminated(KeyboardInterrupt):
-    """SIGTERM reached `fd run` while its ranks ran; they have been stopped (exit code 143).
+    """SIGTERM (or SIGHUP, SIGQUIT) reached `fd run` while its ranks ran; they have been stopped.
 
     A KeyboardInterrupt, so that whatever treats Ctrl-C as "stop everything" (pytest under
     `fd check`, for one) treats SIGTERM the same; `sigterm_received` tells the two apart.
     """
 
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal's number (143 for SIGTERM, 129 for SIGHUP, 131 for SIGQUIT)."""
+        return 128 + self.signum
+
+    def message(self) -> str:
+        """The line `fd` prints once every rank has been stopped."""
+        by = "" if self.signum == signal.SIGTERM else f" by {signal.Signals(self.signum).name}"
+        return f"fd: terminated{by}; every rank was stopped"
+
 
 sigterm_received = False
+# The stop signal received (one of STOP_SIGNALS), or None.
+stop_signal: int | None = None
 
 
 # After the first rank fails, how long to let the failures it causes land before naming a culprit.
@@ -159,7 +187,7 @@ def _die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _call_and_save(fn: Callable[..., Any], out_dir: str, errors_dir: str, parent: int, *args: Any) -> None:
+def _call_and_save(fn: Callable[..., Any], out_dir: str, errors_dir: str, parent: int, store: str, *args: Any) -> None:
     """Run `fn` on a spawned rank and leave its result in a file: a large result through the return
     queue's pipe would block the rank's exit while the parent waits for that exit."""
     _die_with_parent(parent)
@@ -167,11 +195,17 @@ def _call_and_save(fn: Callable[..., Any], out_dir: str, errors_dir: str, parent
     # and its SIGTERM ends a rank at once, without the crash report Paddle's handler would print.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # A closed terminal's SIGHUP and Ctrl-\'s SIGQUIT reach the whole job: the parent stops the ranks for them too.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGQUIT, signal.SIG_IGN)
     rank = os.environ.get("PADDLE_TRAINER_ID", "0")
+    os.environ[rendezvous.STORE_ENV] = store
     os.environ[progress.PROGRESS_ENV] = os.path.join(out_dir, f"rank{rank}.progress")
     progress.report("starting")
     try:
-        result = fn(*args)
+        # A rank's stdout is its parent's: what plugins print there must not mix with fd's output (see plugin_prints_to_stderr).
+        with plugin_prints_to_stderr():
+            result = fn(*args)
     except Exception as exc:
         # When and why, so the parent can tell the rank that failed first from the peers it took down;
         # the whole traceback goes to a file that outlives the run, for whoever must fix the cause.
@@ -193,25 +227,33 @@ def _call_and_save(fn: Callable[..., Any], out_dir: str, errors_dir: str, parent
     os.replace(path + ".tmp", path)
 
 
+def note_stop_signal(signum: int) -> Terminated:
+    """Note that a stop signal (one of STOP_SIGNALS) was received; the Terminated to raise for it."""
+    global sigterm_received, stop_signal
+    sigterm_received, stop_signal = True, signum
+    return Terminated(signum)
+
+
 def raise_terminated(signum: int, frame: Any) -> None:
-    """A SIGTERM handler: note it and raise Terminated in the main thread."""
-    global sigterm_received
-    sigterm_received = True
-    raise Terminated()
+    """A handler of STOP_SIGNALS: note the signal and raise Terminated in the main thread."""
+    raise note_stop_signal(signum)
 
 
 @contextlib.contextmanager
 def _sigterm_raises() -> Iterator[None]:
-    """Turn SIGTERM into `Terminated` while ranks run, so they are stopped rather than orphaned."""
+    """Turn SIGTERM, SIGHUP and SIGQUIT into `Terminated` while ranks run, so they are stopped (and the
+    run's temporary directories removed) rather than orphaned."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    previous = {sig: signal.signal(sig, raise_terminated) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            # None: a handler installed from C (Paddle's), which Python cannot reinstate; the default is the nearest.
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 @contextlib.contextmanager
@@ -231,6 +273,7 @@ def spawn_ranks(
     stall: float = DEFAULT_STALL_S,
     start_method: Literal["spawn", "fork", "forkserver"] = "spawn",
     stall_hint: str = STALL_HINT,
+    platform: str | None = None,
 ) -> list[Any]:
     """Run `fn(*args)` on `nprocs` local ranks; return each rank's result in rank order.
 
@@ -243,29 +286,130 @@ def spawn_ranks(
     (`fd_core.runtime.progress.report`) for `stall` seconds, ends the run the same way. Ctrl-C
     (KeyboardInterrupt) and SIGTERM (Terminated) stop every rank before they propagate; a rank also
     dies with this process if it is killed outright. `stall_hint` ends a stalled rank's error: how the
-    caller's user gives a slow rank more time.
+    caller's user gives a slow rank more time. `platform` names the plugin whose detection gave `dist_backend`.
     """
     import paddle.distributed as dist
 
     quiet_paddle_logs()
     problem = dist_backend_problem(dist_backend)
     if problem is not None:
-        raise PlatformError(f"the platform's Detection.dist_backend is {dist_backend!r}: {problem}; fix the platform plugin")
-    errors_dir = tempfile.mkdtemp(prefix="fd-rank-errors-")
+        who = f"platform {platform!r}" if platform else "the platform"
+        raise PlatformError(f"{who}: fd_platform_detect returned a Detection with dist_backend={dist_backend!r}: {problem}; fix the platform plugin")
+    stray = os.environ.get("PADDLE_TRAINERS_NUM")
+    if stray is not None and launched_rank() is None:
+        # Left over from a launcher's environment: paddle.distributed.spawn would assert on it.
+        raise ConfigError(
+            f"PADDLE_TRAINERS_NUM={stray} is set, but this process was not started by paddle.distributed.launch "
+            f"(PADDLE_TRAINER_ID is unset); unset PADDLE_TRAINERS_NUM to spawn the ranks here"
+        )
+    remove_stale_dirs()
+    # The handlers first: a stop signal from here on removes the directories below on its way out.
+    with _sigterm_raises():
+        errors_dir = tempfile.mkdtemp(prefix=f"{ERRORS_PREFIX}{os.getpid()}-")
+        try:
+            with tempfile.TemporaryDirectory(prefix=f"{RANKS_PREFIX}{os.getpid()}-") as out_dir, LoopbackStore() as store:
+                with _quiet_root_logger(), _naming_shared_memory():
+                    context = dist.spawn(
+                        # paddle's typed options omit `backend`, which spawn reads at run time.
+                        _call_and_save, args=(fn, out_dir, errors_dir, os.getpid(), store.address, *args), nprocs=nprocs, join=False,
+                        backend=dist_backend, ips=LOOPBACK, start_method=start_method,  # type: ignore[call-arg]
+                    )
+                _watch(context, out_dir, grace, stall, stall_hint)
+                return _results(out_dir, nprocs)
+        finally:
+            # Tracebacks of failed ranks outlive the run (the error line names them); nothing else does.
+            if not os.listdir(errors_dir):
+                shutil.rmtree(errors_dir, ignore_errors=True)
+
+
+SHM_DIR = "/dev/shm"
+
+
+def shared_memory_problem(path: str = SHM_DIR) -> str | None:
+    """What keeps processes from sharing memory through `path` (read-only, full), or None."""
+    if not os.path.isdir(path):
+        return None
+    if not os.access(path, os.W_OK):
+        return f"{path} is not writable"
     try:
-        with tempfile.TemporaryDirectory(prefix="fd-ranks-") as out_dir, _sigterm_raises():
-            with _quiet_root_logger():
-                context = dist.spawn(
-                    # paddle's typed options omit `backend`, which spawn reads at run time.
-                    _call_and_save, args=(fn, out_dir, errors_dir, os.getpid(), *args), nprocs=nprocs, join=False,
-                    backend=dist_backend, ips=LOOPBACK, start_method=start_method,  # type: ignore[call-arg]
-                )
-            _watch(context, out_dir, grace, stall, stall_hint)
-            return _results(out_dir, nprocs)
-    finally:
-        # Tracebacks of failed ranks outlive the run (the error line names them); nothing else does.
-        if not os.listdir(errors_dir):
-            shutil.rmtree(errors_dir, ignore_errors=True)
+        info = os.statvfs(path)
+    except OSError:
+        return None
+    if info.f_bavail * info.f_frsize < 1 << 20:
+        return f"{path} is full ({info.f_bavail * info.f_frsize} bytes free)"
+    return None
+
+
+@contextlib.contextmanager
+def _naming_shared_memory() -> Iterator[None]:
+    """An OSError without a path while starting ranks (multiprocessing's locks live in /dev/shm) as one line naming it."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        problem = shared_memory_problem()
+        if problem is None:
+            raise RankError(f"starting the ranks failed: {exc.strerror or exc}") from None
+        raise RankError(
+            f"starting the ranks failed: {exc.strerror or exc}: {problem}; the ranks' locks and shared memory live there: "
+            f"make it writable with free space (docker run --shm-size), or run with --tp 1"
+        ) from None
+
+
+# A run's temporary directories in $TMPDIR, named with the pid of the process that spawned the ranks.
+RANKS_PREFIX = "fd-ranks-"
+ERRORS_PREFIX = "fd-rank-errors-"
+# A dead process's directory untouched this long is left over. The wait is for a run in another pid
+# namespace sharing $TMPDIR, whose pid looks dead from here: its ranks note progress every second or so.
+STALE_S = 30.0
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def remove_stale_dirs(root: str | None = None) -> list[str]:
+    """Remove what runs killed outright (SIGKILL: no code of theirs ran) left in `root` ($TMPDIR): a dead
+    process's rank directories, and its error directories if empty (a traceback outlives its run).
+    Returns the paths removed."""
+    root = tempfile.gettempdir() if root is None else root
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        prefix = next((p for p in (RANKS_PREFIX, ERRORS_PREFIX) if entry.name.startswith(p)), None)
+        if prefix is None:
+            continue
+        pid = entry.name[len(prefix):].split("-", 1)[0]
+        try:
+            info = entry.stat(follow_symlinks=False)
+            if not (pid.isdigit() and entry.is_dir(follow_symlinks=False) and info.st_uid == os.getuid()):
+                continue
+        except OSError:
+            continue
+        if _alive(int(pid)) or now - info.st_mtime < STALE_S:
+            continue
+        if prefix == RANKS_PREFIX:
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            try:
+                os.rmdir(entry.path)  # only when empty
+            except OSError:
+                continue
+        if not os.path.exists(entry.path):
+            removed.append(entry.path)
+    return removed
 
 
 def dist_backend_problem(name: Any) -> str | None:
@@ -291,7 +435,7 @@ def run_here(fn: Callable[..., Any], *args: Any) -> Any:
     except (FdError, KeyboardInterrupt):
         raise
     except Exception as exc:
-        errors_dir = tempfile.mkdtemp(prefix="fd-rank-errors-")
+        errors_dir = tempfile.mkdtemp(prefix=f"{ERRORS_PREFIX}{os.getpid()}-")
         trace = os.path.join(errors_dir, "rank0.traceback")
         with open(trace, "w") as f:
             f.write(traceback.format_exc())

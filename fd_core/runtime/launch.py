@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from fd_core.errors import RankError
 from fd_core.paddle_logs import quiet_paddle_logs
-from fd_core.plugins import PluginSet
+from fd_core.plugins import PluginSet, fd_stdout
 from fd_core.runtime import progress
 from fd_core.runtime.distributed import init_rank
 from fd_core.runtime.plan import Plan
@@ -44,7 +44,7 @@ def run_rank(
     runner.timings = {**early, **before, **runner.timings}
     first = worker.generate(worker.plan.request, print_text if rank == 0 and run.stream else None)
     if rank == 0 and run.stream:
-        print(flush=True)
+        print(file=fd_stdout(), flush=True)
     first_token_s = (engine.first_token_at or time.time()) - started
     worker.log(f"first token {first_token_s:.2f}s after start")
     cycles = []

@@ -5,9 +5,24 @@ from __future__ import annotations
 import os
 import time
 
+# More than this between the process's creation and fd's entry point means the process ran something
+# else first and then exec'd fd (a shell's `bash -c '... && fd run'` keeps its process); Python's own
+# start-up and fd's imports take about 0.1 s.
+INHERITED_S = 1.0
 
-def process_start_time() -> float:
-    """When this process started, as time.time() (from /proc where there is one; else now)."""
+
+def process_start_time(entered: float | None = None) -> float:
+    """When fd started in this process, as time.time(): the process's creation (from /proc where there is
+    one), unless that was more than INHERITED_S before `entered`, the time fd's entry point was imported:
+    then the process was created for something else and exec'd fd later, and `entered` is fd's start."""
+    created = _created()
+    if entered is not None and entered - created > INHERITED_S:
+        return entered
+    return created
+
+
+def _created() -> float:
+    """When this process was created (forked), as time.time(); now where /proc cannot say."""
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from fd_core.backend import Backend, load_backend
 from fd_core.config import ParallelConfig
 from fd_core.errors import PlatformError
-from fd_core.plugins import PluginSet, load_plugins
+from fd_core.plugins import PluginSet, fd_stdout, load_plugins
 from fd_core.runtime import progress
 from fd_core.runtime.engine import Completion, Engine
 from fd_core.runtime.lifecycle import ModelRunner
@@ -21,8 +21,9 @@ from fd_core.runtime.request import Request
 
 def print_text(index: int, text: str) -> None:
     """Stream new text to stdout as it is produced (rank 0 of an interactive run)."""
-    sys.stdout.write(text)
-    sys.stdout.flush()
+    out = fd_stdout()  # the real stdout: what plugins print goes to stderr meanwhile
+    out.write(text)
+    out.flush()
 
 
 @dataclass
@@ -51,7 +52,7 @@ class RankWorker:
         run = plan.run
         if plugins is None:
             progress.report("loading plugins")
-            plugins = load_plugins(plugin_env(run.platform))
+            plugins = load_plugins(plugin_env(run.platform), planned=plan.platform)  # the others' detections were asked in planning
         backend = load_backend(ParallelConfig(tp_size=tp, tp_rank=rank, group=group), plugins=plugins)
         if backend.platform != plan.platform:
             # Detection that answers differently from one call to the next would run ranks on two platforms.
@@ -82,6 +83,8 @@ class RankWorker:
         runner.load()
         log(f"loaded {arch.name} on {backend.platform} (tp={tp}) in {runner.timings['load']:.2f}s")
         runner.decide()
+        # A tokenizer with many added tokens takes long to load: the stall watch must name this phase, not the last one.
+        progress.report("loading the tokenizer")
         tokenizer = plan.checkpoint.tokenizer_if_any() if plan.checkpoint is not None else None
         return cls(rank, tp, plan, backend, runner, Engine(runner, tokenizer, run.max_batch, memory=plan.memory), log)
 
