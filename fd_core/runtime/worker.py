@@ -83,8 +83,6 @@ class RankWorker:
         runner.load()
         log(f"loaded {arch.name} on {backend.platform} (tp={tp}) in {runner.timings['load']:.2f}s")
         runner.decide()
-        # A tokenizer with many added tokens takes long to load: the stall watch must name this phase, not the last one.
-        progress.report("loading the tokenizer")
         tokenizer = plan.checkpoint.tokenizer_if_any() if plan.checkpoint is not None else None
         return cls(rank, tp, plan, backend, runner, Engine(runner, tokenizer, run.max_batch, memory=plan.memory), log)
 
