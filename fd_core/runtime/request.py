@@ -5,7 +5,7 @@ checked against the model, the checkpoint's sampling defaults and end-of-sequenc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from fd_core.errors import CheckpointError, ConfigError, FdError, package_failure
 from fd_core.runtime.chat import expand_placeholders, render_chat, user_message
@@ -50,17 +50,40 @@ def tokenizer_for(checkpoint: "Checkpoint | None", arch_name: str) -> Tokenizer:
     return checkpoint.tokenizer()
 
 
-def chat_prompt(tokenizer: Tokenizer, checkpoint: "Checkpoint", text: str, images: int = 0) -> list[int]:
-    """The ids of one user message rendered through the checkpoint's chat template (with a generation prompt)."""
+def render_messages(tokenizer: Tokenizer, checkpoint: "Checkpoint", messages: Sequence[Mapping[str, Any]], instead: str) -> list[int]:
+    """The ids of a conversation rendered through the checkpoint's chat template (with a generation prompt);
+    `instead` is what to do when the checkpoint has no template."""
     template = checkpoint.chat_template()
     if template is None:
         raise CheckpointError(
             f"{checkpoint.directory} has no chat template (looked for chat_template.jinja, chat_template.json and "
-            f"tokenizer_config.json's chat_template); drop --chat to send the prompt as it is"
+            f"tokenizer_config.json's chat_template); {instead}"
         )
-    rendered = render_chat(template, [user_message(text, images)], tokenizer.special_tokens(), source=checkpoint.chat_template_file())
+    rendered = render_chat(template, messages, tokenizer.special_tokens(), source=checkpoint.chat_template_file())
     # The template already holds every special token the model expects (as transformers encodes it).
     return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def chat_prompt(tokenizer: Tokenizer, checkpoint: "Checkpoint", text: str, images: int = 0) -> list[int]:
+    """The ids of one user message rendered through the checkpoint's chat template (with a generation prompt)."""
+    return render_messages(tokenizer, checkpoint, [user_message(text, images)], "drop --chat to send the prompt as it is")
+
+
+def messages_prompt(
+    messages: Sequence[Mapping[str, Any]], checkpoint: "Checkpoint | None", arch: "Architecture", config: "ModelConfig", images: Sequence[Any] = (),
+) -> list[int]:
+    """Chat messages ({"role", "content"} mappings) as prompt ids, each picture's placeholder expanded to its number of tokens."""
+    if checkpoint is None or not checkpoint.has_tokenizer():
+        raise ConfigError("chat messages are rendered through a checkpoint's chat template and tokenizer, and this model has none")
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) or "content" not in message:
+            raise ConfigError(f"message {index + 1} must be a mapping with a 'role' string and a 'content', got {message!r:.80}")
+    ids = render_messages(checkpoint.tokenizer(), checkpoint, messages, "send the prompt as text or token ids instead")
+    if images and arch.image_tokens is not None:
+        pictures = [check_picture(p, f"images[{index}]") for index, p in enumerate(images)]
+        shapes = [(int(p.shape[0]), int(p.shape[1]), int(p.shape[2])) for p in pictures]
+        ids = expand_placeholders(ids, int(config.extra["image_token_id"]), image_token_counts(arch, config, shapes))
+    return ids
 
 
 def _check_utf8(text: str, which: str) -> None:

@@ -9,18 +9,17 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 from fd_core.backend import Backend
 from fd_core.config import ParallelConfig
-from fd_core.errors import CheckpointError, ConfigError, RankError
+from fd_core.errors import ConfigError, RankError
 from fd_core.graphs import CastVote, GraphDecision
 from fd_core.paddle_logs import quiet_paddle_logs
 from fd_core.plugins import load_plugins
-from fd_core.runtime.chat import expand_placeholders, render_chat
 from fd_core.runtime.distributed import DEFAULT_STALL_S
 from fd_core.runtime.engine import Completion, Event, Job, jobs_of
 from fd_core.runtime.images import load_image
 from fd_core.runtime.memory import DEFAULT_MEMORY_FRACTION
 from fd_core.runtime.plan import RunConfig, plan_run, plugin_env
 from fd_core.runtime.ranks import RankPool
-from fd_core.runtime.request import Request, build_request
+from fd_core.runtime.request import Request, build_request, messages_prompt
 from fd_core.runtime.sampling import SamplingParams
 from fd_core.runtime.scheduler import Scheduler, Submission
 from fd_core.runtime.worker import RankWorker
@@ -128,24 +127,8 @@ class LLM:
         return tuple(load_image(str(p)) if isinstance(p, (str, Path)) else p for p in images)
 
     def _chat_ids(self, messages: Sequence[Mapping[str, Any]], pictures: Sequence[Any]) -> list[int]:
-        """Chat messages rendered through the checkpoint's chat template (with a generation prompt), as token ids
-        with each picture's placeholder expanded to its number of tokens."""
-        checkpoint, tokenizer = self._plan.checkpoint, self.tokenizer
-        if checkpoint is None or tokenizer is None:
-            raise ConfigError("chat messages are rendered through a checkpoint's chat template and tokenizer, and this LLM has none")
-        for index, message in enumerate(messages):
-            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) or "content" not in message:
-                raise ConfigError(f"message {index + 1} must be a mapping with a 'role' string and a 'content', got {message!r:.80}")
-        template = checkpoint.chat_template()
-        if template is None:
-            raise CheckpointError(f"{checkpoint.directory} has no chat template; submit the prompt as text or token ids instead")
-        ids = tokenizer.encode(render_chat(template, messages, tokenizer.special_tokens()), add_special_tokens=False)
-        arch = self._plan.architecture(self._plugins)
-        if pictures and arch.image_tokens is not None:
-            shapes = [(int(p.shape[0]), int(p.shape[1]), int(p.shape[2])) for p in pictures]
-            counts = [arch.image_tokens(self._plan.config, shape) for shape in shapes]
-            ids = expand_placeholders(ids, int(self._plan.config.extra["image_token_id"]), counts)
-        return ids
+        """Chat messages as prompt ids through the checkpoint's chat template (request.messages_prompt)."""
+        return messages_prompt(messages, self._plan.checkpoint, self._plan.architecture(self._plugins), self._plan.config, pictures)
 
     def queued(self) -> int:
         """Sequences waiting or running (every caller's)."""
