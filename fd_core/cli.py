@@ -240,7 +240,7 @@ def _require_paddle() -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from fd_core.paddle_logs import quiet_paddle_logs
-    from fd_core.plugins import load_plugins
+    from fd_core.plugins import fd_stdout_closed, load_plugins
     from fd_core.runtime.distributed import Terminated, launched_rank, run_here, spawn_ranks
     from fd_core.runtime.launch import run_rank, spawned_rank
     from fd_core.runtime.plan import RunConfig, plan_run, plugin_env
@@ -253,7 +253,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     # before a fork would make the library warn (and fall back) in every rank.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     launched = launched_rank()
-    if sys.stdout is None:
+    if fd_stdout_closed():
         raise ConfigError("stdout is closed, and fd run writes its output there; redirect it (> out.txt, or > /dev/null to discard)")
     texts = _text_prompts(args.prompt, args.prompts)
     id_prompts = tuple(_prompt_ids(p) for p in args.prompt_ids or ())
