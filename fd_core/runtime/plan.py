@@ -3,10 +3,12 @@ against the installed plugins, the model's config and the checkpoint, with the r
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from fd_core.backend import Backend
 from fd_core.config import ModelConfig, ParallelConfig
@@ -15,7 +17,7 @@ from fd_core.models import Architecture
 from fd_core.plugins import PluginSet, load_plugins
 from fd_core.runtime.checkpoint import Checkpoint
 from fd_core.runtime.images import load_image
-from fd_core.runtime.memory import DEFAULT_MEMORY_FRACTION, MemoryPlan, plan_memory
+from fd_core.runtime.memory import DEFAULT_MEMORY_FRACTION, MemoryPlan, local_ranks, plan_memory
 from fd_core.runtime.request import Request, build_request
 from fd_core.runtime.sampling import SamplingParams
 
@@ -63,6 +65,105 @@ class RunConfig:
     spawned_at: float | None = None
     # The share of each device's free memory fd plans weights and KV cache in (--memory-fraction).
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
+    # Compute threads per rank (--threads); None: the cores this process may use, shared among the
+    # host's ranks, unless the user's OMP_NUM_THREADS says otherwise (see decide_threads).
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class Threads:
+    """How many compute threads each rank runs, and why (plain data: it travels in the Plan)."""
+
+    per_rank: int
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"per_rank": self.per_rank, "reason": self.reason}
+
+
+THREADS_ENV = "OMP_NUM_THREADS"
+CGROUP_V2_CPU_MAX = "/sys/fs/cgroup/cpu.max"
+CGROUP_V1_QUOTA = ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+
+
+def affinity_cores() -> int:
+    """CPUs this process may run on (its affinity mask; the CPU count where the OS has no masks)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def cgroup_cpu_limit(read: Callable[[str], str | None] = _read) -> float | None:
+    """The cgroup's CPU quota in cores (cgroup v2 `cpu.max`, else v1 cfs quota / period); None when unlimited or unknown."""
+    line = read(CGROUP_V2_CPU_MAX)
+    if line is not None:
+        quota, _, period = line.partition(" ")
+        pair = (quota, period or "100000")
+    else:
+        v1 = [read(path) for path in CGROUP_V1_QUOTA]
+        if v1[0] is None or v1[1] is None:
+            return None
+        pair = (v1[0], v1[1])
+    try:
+        quota_us, period_us = int(pair[0]), int(pair[1])
+    except ValueError:  # "max": no quota
+        return None
+    if quota_us <= 0 or period_us <= 0:  # v1 writes -1 for no quota
+        return None
+    return quota_us / period_us
+
+
+def decide_threads(
+    requested: int | None, ranks_on_host: int, cores: int, quota: float | None, env: Mapping[str, str], paddle_imported: bool = False,
+) -> Threads:
+    """Compute threads per rank: --threads, else the user's OMP_NUM_THREADS, else the usable cores shared among the host's ranks.
+
+    Usable cores are the affinity mask's, capped by the cgroup quota (rounded up: a 1.5-core quota
+    still runs two threads part of the time). Paddle's import writes OMP_NUM_THREADS=1 when it is
+    unset, so a "1" found after paddle was imported is paddle's, not the user's.
+    """
+    if requested is not None:
+        if requested < 1:
+            raise ConfigError(f"--threads must be >= 1, got {requested}")
+        return Threads(requested, "--threads")
+    raw = env.get(THREADS_ENV, "").strip()
+    if raw and not (paddle_imported and raw == "1"):
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ConfigError(f"{THREADS_ENV}={raw!r} is not a number of threads; set it to a positive integer or unset it") from None
+        if value < 1:
+            raise ConfigError(f"{THREADS_ENV}={raw!r} must be >= 1; set it to a positive integer or unset it")
+        return Threads(value, THREADS_ENV)
+    usable = max(1, cores)
+    why = f"{cores} core(s) in the affinity mask"
+    if quota is not None and math.ceil(quota) < usable:
+        usable = max(1, math.ceil(quota))
+        why = f"a cgroup quota of {quota:g} core(s) ({cores} in the affinity mask)"
+    ranks = max(1, ranks_on_host)
+    per_rank = max(1, usable // ranks)
+    return Threads(per_rank, f"{why}, shared by {ranks} rank(s) on this host")
+
+
+def run_threads(run: RunConfig) -> Threads:
+    """decide_threads for `run` on this host: the ranks that start here (under a launcher, its local size) share its cores."""
+    return decide_threads(run.threads, local_ranks(run.tp), affinity_cores(), cgroup_cpu_limit(), os.environ, "paddle" in sys.modules)
+
+
+def apply_threads(threads: Threads) -> None:
+    """Set this process's compute threads (Paddle's OpenMP and MKL pools): a forked rank inherits its parent's setting."""
+    from paddle.base import core
+
+    core.set_num_threads(threads.per_rank)
 
 
 @dataclass(frozen=True)
@@ -82,6 +183,8 @@ class Plan:
     checkpoint: Checkpoint | None = None
     # Weights per rank and the KV-cache capacity, from the platform's memory report (fd_core.runtime.memory).
     memory: MemoryPlan | None = None
+    # Compute threads per rank (RankWorker applies them before loading).
+    threads: Threads | None = None
 
     def architecture(self, plugins: PluginSet) -> Architecture:
         """The planned architecture as `plugins` registers it."""
@@ -176,6 +279,7 @@ def plan_run(run: RunConfig, plugins: PluginSet | None = None, *, gate: bool = T
     backend.check_graph_request(run.graph)
     if run.steps < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {run.steps}")
+    threads = run_threads(run)
     model = run.model
     checkpoint = None
     if run.checkpoint is not None:
@@ -200,4 +304,4 @@ def plan_run(run: RunConfig, plugins: PluginSet | None = None, *, gate: bool = T
     # fd_check_request refusal: all fail here, before any rank starts.
     pictures = [load_image(path) for path in run.images]
     request = _run_request(run, arch, config, checkpoint, pictures, memory, backend if gate else None)
-    return Plan(run, arch.name, config, backend.platform, backend.detection.dist_backend, request, checkpoint, memory)
+    return Plan(run, arch.name, config, backend.platform, backend.detection.dist_backend, request, checkpoint, memory, threads)

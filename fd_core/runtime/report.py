@@ -14,6 +14,11 @@ def kernel_line(providers: Mapping[str, str]) -> str:
     return ", ".join(f"{op}: {provider}" for op, provider in providers.items())
 
 
+def threads_line(threads: Mapping[str, Any]) -> str:
+    """ "threads: 2 per rank (2 core(s) in the affinity mask, shared by 1 rank(s) on this host)"."""
+    return f"threads: {threads['per_rank']} per rank ({threads['reason']})"
+
+
 def summary_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:
     """The human-readable report: rank 0's result, and every reporting rank's peak memory."""
     result = results[0]
@@ -24,6 +29,8 @@ def summary_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:
         f"graph: {graph['summary']}",
     ]
     lines += [f"  {CastVote(**v).line()}" for v in graph["votes"]]
+    if result.get("threads"):
+        lines.append(threads_line(result["threads"]))
     outputs = result.get("outputs") or [{"ids": result["tokens"]}]
     for index, output in enumerate(outputs):
         label = "tokens" if len(outputs) == 1 else f"tokens [{index + 1}]"
@@ -52,7 +59,7 @@ def as_json(results: Sequence[Mapping[str, Any]]) -> str:
             "reload_cycles", "rss_bytes", "peak_rss_bytes")
     data = {k: results[0][k] for k in keys}
     # The compute dtype, and the memory plan: weights per rank, KV-cache capacity (tokens), the fraction.
-    data.update({k: results[0][k] for k in ("dtype", "memory") if k in results[0]})
+    data.update({k: results[0][k] for k in ("dtype", "memory", "threads") if k in results[0]})
     if "wall_s" in results[0]:
         data["wall_s"] = results[0]["wall_s"]
     data["weight_bytes_by_rank"] = [r["weight_bytes"] for r in results]

@@ -40,13 +40,15 @@ class LLM:
         self, checkpoint: str | Path | None = None, *, model: str | None = None, tp: int = 1, platform: str | None = None,
         dtype: str | None = None, graph: str = "auto", seed: int = 0, max_batch: int = 8, progress: bool = False,
         rank_timeout: float = 30.0, memory_fraction: float = DEFAULT_MEMORY_FRACTION, stall_timeout: float = DEFAULT_STALL_S,
+        threads: int | None = None,
     ) -> None:
         quiet_paddle_logs()  # before paddle is imported: its C++ logs stay off the caller's terminal
         if graph not in ("auto", "off", "on"):
             raise ConfigError(f"graph must be 'auto', 'off' or 'on', got {graph!r}")
         self.checkpoint = None if checkpoint is None else str(checkpoint)
         run = RunConfig(model=model or "", tp=tp, checkpoint=self.checkpoint, dtype=dtype, graph=graph, seed=seed,
-                        max_batch=max_batch, progress=progress, platform=platform, memory_fraction=memory_fraction)
+                        max_batch=max_batch, progress=progress, platform=platform, memory_fraction=memory_fraction,
+                        threads=threads)
         self._plugins = load_plugins(plugin_env(platform))
         # The plan's request is a placeholder: the plugins' fd_check_request is asked about each real one (_request).
         self._plan = plan_run(run, self._plugins, gate=False)
@@ -81,6 +83,11 @@ class LLM:
         """Whether decode steps replay a captured graph, and every plugin's vote."""
         data = self._info["graph"]
         return GraphDecision(data["allowed"], data["mode"], tuple(CastVote(**v) for v in data["votes"]), data["requested"])
+
+    @property
+    def threads(self) -> int:
+        """Compute threads each rank runs (LLM(threads=), else OMP_NUM_THREADS, else the host's usable cores shared among its ranks)."""
+        return int(self._info["threads"]["per_rank"])
 
     @property
     def timings(self) -> dict[str, float]:

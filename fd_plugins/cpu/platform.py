@@ -50,24 +50,8 @@ def fd_all_reduce(tensor: Any, group: Any) -> Any:
         from fd_plugins.cpu.shm import setup_group
 
         state = setup_group(group, gloo_all_reduce)
-        _share_cores(state.local_ranks)
         reducer = _REDUCERS[group] = state.reducer()
     return reducer(tensor)
-
-
-def _share_cores(local_ranks: int) -> None:
-    """Give this rank its share of the host's cores for paddle's math threads.
-
-    Each process would otherwise start a thread per core, and ranks on one host would run
-    cores x ranks spinning OpenMP threads: measured on 2 cores at tp=2, decode ran several times
-    slower. Called when the first process group is set up (at tp=1 there is none: all cores).
-    A user's OMP_NUM_THREADS is left as it is.
-    """
-    if os.environ.get("OMP_NUM_THREADS"):
-        return
-    from paddle.base import core
-
-    core.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_ranks)))
 
 
 def gloo_all_reduce(tensor: Any, group: Any) -> Any:

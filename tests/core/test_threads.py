@@ -1,0 +1,76 @@
+"""The compute-thread decision: --threads, then the user's OMP_NUM_THREADS, then the usable cores shared among the host's ranks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fd_core.errors import ConfigError
+from fd_core.runtime.plan import CGROUP_V1_QUOTA, CGROUP_V2_CPU_MAX, RunConfig, cgroup_cpu_limit, decide_threads, plan_run
+
+
+def files(contents: dict[str, str]):
+    return lambda path: contents.get(path)
+
+
+def test_cgroup_quota_v2_v1_and_unlimited() -> None:
+    assert cgroup_cpu_limit(files({CGROUP_V2_CPU_MAX: "150000 100000"})) == 1.5
+    assert cgroup_cpu_limit(files({CGROUP_V2_CPU_MAX: "max 100000"})) is None
+    assert cgroup_cpu_limit(files({CGROUP_V1_QUOTA[0]: "50000", CGROUP_V1_QUOTA[1]: "100000"})) == 0.5
+    assert cgroup_cpu_limit(files({CGROUP_V1_QUOTA[0]: "-1", CGROUP_V1_QUOTA[1]: "100000"})) is None
+    assert cgroup_cpu_limit(files({})) is None
+
+
+@pytest.mark.parametrize(
+    ("ranks", "cores", "quota", "expected"),
+    [
+        (1, 2, None, 2),  # tp=1 on 2 cores: both
+        (2, 2, None, 1),  # tp=2: one each
+        (1, 8, 2.0, 2),  # the quota caps the affinity mask
+        (1, 8, 1.5, 2),  # a part core still runs a thread part of the time
+        (2, 8, 4.0, 2),
+        (4, 2, None, 1),  # never below one
+        (1, 3, 16.0, 3),  # a quota above the mask changes nothing
+    ],
+)
+def test_usable_cores_shared_among_ranks(ranks: int, cores: int, quota: float | None, expected: int) -> None:
+    threads = decide_threads(None, ranks, cores, quota, {})
+    assert threads.per_rank == expected
+    assert f"shared by {ranks} rank(s)" in threads.reason
+
+
+def test_threads_option_then_user_env_override() -> None:
+    assert decide_threads(3, 2, 2, None, {"OMP_NUM_THREADS": "1"}).per_rank == 3  # --threads wins
+    user = decide_threads(None, 1, 2, None, {"OMP_NUM_THREADS": "1"})
+    assert (user.per_rank, user.reason) == (1, "OMP_NUM_THREADS")
+    assert decide_threads(None, 2, 2, None, {"OMP_NUM_THREADS": "4"}).per_rank == 4
+    # Paddle's import writes OMP_NUM_THREADS=1 when it is unset: after it, "1" is not the user's choice.
+    assert decide_threads(None, 1, 2, None, {"OMP_NUM_THREADS": "1"}, paddle_imported=True).per_rank == 2
+    assert decide_threads(None, 1, 2, None, {"OMP_NUM_THREADS": " "}).per_rank == 2
+
+
+@pytest.mark.parametrize("raw", ["two", "0", "-3"])
+def test_bad_env_is_one_line(raw: str) -> None:
+    with pytest.raises(ConfigError, match="OMP_NUM_THREADS"):
+        decide_threads(None, 1, 2, None, {"OMP_NUM_THREADS": raw})
+
+
+def test_plan_carries_the_decision(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    plan = plan_run(RunConfig(model="ernie4_5", tp=2))
+    assert plan.threads is not None and (plan.threads.per_rank, plan.threads.reason) == (3, "OMP_NUM_THREADS")
+    assert plan_run(RunConfig(model="ernie4_5", tp=2, threads=5)).threads.per_rank == 5  # type: ignore[union-attr]
+
+
+def test_fd_run_and_explain_report_threads_per_rank() -> None:
+    env_free = {k: v for k, v in __import__("os").environ.items() if k != "OMP_NUM_THREADS"}
+    run = subprocess.run([sys.executable, "-m", "fd_core.cli", "run", "--tp", "1", "--steps", "2", "--threads", "1", "--json"],
+                         capture_output=True, text=True, env=env_free, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout)["threads"] == {"per_rank": 1, "reason": "--threads"}
+    explain = subprocess.run([sys.executable, "-m", "fd_core.cli", "explain", "--tp", "2"], capture_output=True, text=True, env=env_free, timeout=300)
+    assert explain.returncode == 0, explain.stderr[-2000:]
+    assert "threads: " in explain.stdout and "shared by 2 rank(s)" in explain.stdout
