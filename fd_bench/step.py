@@ -68,8 +68,8 @@ def instrument(worker: Any, timer: StepTimer) -> Callable[[], float]:
     from fd_core.runtime import engine
     from fd_models.layers import attention as attention_module
     from fd_models.layers.attention import Attention
-    from fd_models.layers.norm import RMSNorm
     from fd_models.layers.mlp import SwiGLUMLP
+    from fd_models.layers.norm import RMSNorm
     from fd_models.layers.parallel import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear, VocabParallelEmbedding
 
     model = worker.runner.model
