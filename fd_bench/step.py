@@ -1,7 +1,7 @@
 """Where a decode step's time goes: the model loaded as `fd run` loads it (RankWorker, the engine's own loop), its
 layers' calls timed in place, each call's time counted once (a call's own time, less the timed calls inside it).
 
-    python -m fd_bench.step CHECKPOINT TP STEPS PROMPT_IDS [GRAPH]
+    python -m fd_bench.step CHECKPOINT TP STEPS PROMPT_IDS [GRAPH [THREADS]]
 
 Prints one JSON line per rank 0: milliseconds a decode step in each part, the step's total and the
 all-reduce's own waits (cpu platform). Eager unless GRAPH is "on" (a static program hides its ops:
@@ -40,13 +40,15 @@ class StepTimer:
         self.calls: dict[str, int] = defaultdict(int)
         self._inner: list[float] = []
         self.active = False
+        self.generating = False
 
     def wrap(self, owner: Any, attr: str, part: str) -> None:
         """Replace `owner.attr` (an instance's callable attribute) with a timed call of it."""
         fn: Callable[..., Any] = getattr(owner, attr)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if not self.active:
+            # Inside a decode step; the sampling between steps (of the previous step's logits) while generating.
+            if not (self.active or (part == "sample" and self.generating)):
                 return fn(*args, **kwargs)
             start = time.perf_counter()
             self._inner.append(0.0)
@@ -87,6 +89,8 @@ def instrument(worker: Any, timer: StepTimer) -> Callable[[], float]:
             timer.wrap(layer, "rms_norm", "norm")
         elif isinstance(layer, SwiGLUMLP):
             timer.wrap(layer, "silu_and_mul", "silu_mul")
+            if layer.fused:  # its projections are its own matrices, not linear layers
+                timer.wrap(layer, "forward", "linear")
     timer.wrap(attention_module, "write_cache", "kv_write")
     timer.wrap(worker.backend, "all_reduce", "all_reduce")
     timer.wrap(engine, "check_finite", "sample")
@@ -95,12 +99,16 @@ def instrument(worker: Any, timer: StepTimer) -> Callable[[], float]:
     decode = model.decode_step
 
     def timed_step(*args: Any, **kwargs: Any) -> Any:
+        if not timer.generating:
+            return decode(*args, **kwargs)
+        timer.active = True
         start = time.perf_counter()
         try:
             return decode(*args, **kwargs)
         finally:
             steps["seconds"] += time.perf_counter() - start
             steps["count"] += 1
+            timer.active = False
 
     model.decode_step = timed_step
     return lambda: steps["seconds"]
@@ -124,15 +132,18 @@ def measure_rank(plan: Any, rank: int = 0, tp: int = 1, group: Any = None) -> di
     timer = StepTimer()
     total = instrument(worker, timer)
     shm_before = _shm_stats()
-    timer.active = True
+    timer.generating = True
     engine = worker.engine
     decoded, spent, core = engine.decoded_tokens, engine.decode_s, engine.decode_core_s
     out = worker.generate(plan.request)
-    timer.active = False
+    timer.generating = False
     shm_after = _shm_stats()
     steps = plan.request.sampling.max_new_tokens - 1
     step_s = total() / max(1, steps)
     parts = {k: v / max(1, steps) * 1e3 for k, v in timer.seconds.items()}
+    # Every step samples once, the last one included (its logits come from the last decode step): per decode step, one sampling.
+    if "sample" in parts:
+        parts["sample"] *= steps / (steps + 1)
     # The sample op and the finite check run outside decode_step (on the previous step's logits): add them to the step.
     inside = sum(v for k, v in parts.items() if k != "sample")
     parts["other"] = step_s * 1e3 - inside
@@ -140,7 +151,7 @@ def measure_rank(plan: Any, rank: int = 0, tp: int = 1, group: Any = None) -> di
         "rank": rank,
         "tp": tp,
         "threads": plan.threads.per_rank if plan.threads is not None else None,
-        "graph": worker.runner.decision.mode if worker.runner.decision is not None else None,
+        "graph": worker.runner.decision.summary() if worker.runner.decision is not None else None,
         "step_ms": step_s * 1e3 + parts.get("sample", 0.0),
         "parts_ms": {k: round(parts.get(k, 0.0), 4) for k in PARTS},
         "calls_per_step": {k: v / max(1, steps) for k, v in timer.calls.items()},
@@ -175,8 +186,9 @@ def main(argv: list[str]) -> int:
     quiet_paddle_logs()
     checkpoint, tp, steps, prompt = argv[0], int(argv[1]), int(argv[2]), tuple(int(t) for t in argv[3].split(","))
     graph = argv[4] if len(argv) > 4 else "off"
+    threads = int(argv[5]) if len(argv) > 5 else None
     source: dict[str, Any] = {"model": "ernie4_5"} if checkpoint == "-" else {"model": "", "checkpoint": checkpoint}
-    plan = plan_run(RunConfig(tp=tp, steps=steps, prompt_ids=prompt, graph=graph, progress=False, **source))
+    plan = plan_run(RunConfig(tp=tp, steps=steps, prompt_ids=prompt, graph=graph, progress=False, threads=threads, **source))
     if tp == 1:
         results = [measure_rank(plan)]
     else:
