@@ -47,12 +47,12 @@ def one(config: dict[str, Any], library: str, share: int, threads: int, repeats:
 
         paddle.set_device("cpu")
         core.set_num_threads(threads)
-        weights = [paddle.randn([k, n]) for k, n in mats]  # [in, out], x @ W: the layout Paddle's CPU product reads fastest
+        weights_p = [paddle.randn([k, n]) for k, n in mats]  # [in, out], x @ W: the layout Paddle's CPU product reads fastest
         inputs_p = {k: paddle.randn([1, k]) for k, _ in mats}
 
         def run() -> None:
             out = None
-            for (k, _), w in zip(mats, weights, strict=True):
+            for (k, _), w in zip(mats, weights_p, strict=True):
                 out = paddle.matmul(inputs_p[k], w)
             assert out is not None
             out.numpy()
