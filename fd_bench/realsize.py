@@ -159,7 +159,7 @@ def realsize_rows(smoke: bool, m: dict[str, Any] | None = None) -> list[Line]:
     ceiling_name = max(at_cores, key=at_cores.__getitem__)
     lines.append(line(f"fd's faster layout vs the matrix-vector ceiling on {cores} core(s)", fd_best, f"matvec pass ({ceiling_name})", speed[fd_best],
                       at_cores[ceiling_name], "tok/s", "fd / ceiling", 0.85,
-                      "one float32 product per weight matrix of the model (18 layers' 7 projections and the LM head), nothing else, "
+                      "one float32 product per weight matrix of the model (every layer's 7 projections and the LM head), nothing else, "
                       "median passes/s: " + ", ".join(f"{n} {v:.2f} ({_median(m['matvec'][n], 'gb_s'):.1f} GB/s)" for n, v in passes.items())))
     lines.append(line("fd tp=2 beside one busy thread vs fd tp=2 alone", BUSY_SIDE, "fd tp=2", speed[BUSY_SIDE], speed["fd tp=2"], "tok/s",
                       "busy / quiet", 0.6,

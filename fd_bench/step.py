@@ -41,6 +41,7 @@ class StepTimer:
         self._inner: list[float] = []
         self.active = False
         self.generating = False
+        self.shm: dict[str, float] = {}
 
     def wrap(self, owner: Any, attr: str, part: str) -> None:
         """Replace `owner.attr` (an instance's callable attribute) with a timed call of it."""
@@ -102,6 +103,7 @@ def instrument(worker: Any, timer: StepTimer) -> Callable[[], float]:
         if not timer.generating:
             return decode(*args, **kwargs)
         timer.active = True
+        before = _shm_stats()
         start = time.perf_counter()
         try:
             return decode(*args, **kwargs)
@@ -109,6 +111,10 @@ def instrument(worker: Any, timer: StepTimer) -> Callable[[], float]:
             steps["seconds"] += time.perf_counter() - start
             steps["count"] += 1
             timer.active = False
+            after = _shm_stats()
+            if before is not None and after is not None:  # the all-reduce's own counters, decode steps only
+                for key in ("calls", "waits", "wait_s", "slept_s"):
+                    timer.shm[key] = timer.shm.get(key, 0) + after[key] - before[key]
 
     model.decode_step = timed_step
     return lambda: steps["seconds"]
@@ -131,13 +137,11 @@ def measure_rank(plan: Any, rank: int = 0, tp: int = 1, group: Any = None) -> di
     worker.generate(plan.request)  # warm-up: first calls, allocations
     timer = StepTimer()
     total = instrument(worker, timer)
-    shm_before = _shm_stats()
     timer.generating = True
     engine = worker.engine
     decoded, spent, core = engine.decoded_tokens, engine.decode_s, engine.decode_core_s
     out = worker.generate(plan.request)
     timer.generating = False
-    shm_after = _shm_stats()
     steps = plan.request.sampling.max_new_tokens - 1
     step_s = total() / max(1, steps)
     parts = {k: v / max(1, steps) * 1e3 for k, v in timer.seconds.items()}
@@ -159,13 +163,12 @@ def measure_rank(plan: Any, rank: int = 0, tp: int = 1, group: Any = None) -> di
         "core_share": (engine.decode_core_s - core) / max(1e-9, engine.decode_s - spent),
         "tokens": out[0].token_ids,
     }
-    if shm_before is not None and shm_after is not None:
-        calls = shm_after["calls"] - shm_before["calls"]
+    if timer.shm:
         result["shm"] = {
-            "calls_per_step": calls / max(1, steps),
-            "wait_ms_per_step": (shm_after["wait_s"] - shm_before["wait_s"]) / max(1, steps) * 1e3,
-            "slept_ms_per_step": (shm_after["slept_s"] - shm_before["slept_s"]) / max(1, steps) * 1e3,
-            "waits_per_step": (shm_after["waits"] - shm_before["waits"]) / max(1, steps),
+            "calls_per_step": timer.shm["calls"] / max(1, steps),
+            "wait_ms_per_step": timer.shm["wait_s"] / max(1, steps) * 1e3,
+            "slept_ms_per_step": timer.shm["slept_s"] / max(1, steps) * 1e3,
+            "waits_per_step": timer.shm["waits"] / max(1, steps),
         }
     return result
 
