@@ -295,6 +295,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if results:
         from fd_core.runtime.report import as_json, summary_lines
 
+        verbose = os.environ.get("FD_VERBOSE", "0") not in ("", "0")
         _add_wall_time(results[0], run.started_at)
         if args.json:
             print(as_json(results))
@@ -302,9 +303,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             # The text is the output; the report goes to stderr, so `fd run --prompt ... > out.txt` keeps only text.
             if not run.stream:
                 print("\n\n".join(o["text"] for o in results[0]["outputs"]))
-            print(_fit(summary_lines(results)), file=sys.stderr)
+            print(_fit(summary_lines(results, verbose)), file=sys.stderr)
         else:
-            print(_fit(summary_lines(results)))
+            print(_fit(summary_lines(results, verbose)))
     return 0
 
 

@@ -78,6 +78,9 @@ class Engine:
     # first token of the first request was chosen (time.time()), for the time to first token.
     decode_core_s: float = 0.0
     first_token_at: float | None = None
+    # Of the decode time: choosing tokens (the non-finite check and the sample op) and how many times (a per-step breakdown).
+    choose_s: float = 0.0
+    choose_calls: int = 0
     # The plan's KV-cache capacity: prompts decode together in batches whose cache fits it (None: up to max_batch).
     memory: MemoryPlan | None = None
 
@@ -116,8 +119,12 @@ class Engine:
 
     def _choose(self, logits: Any, step: int, live: Sequence[bool], sampler: Sampler) -> list[int]:
         """Each row's next token through the Backend's sample op, once its live rows' logits are known to be finite."""
+        start = time.perf_counter()
         check_finite(logits, step, live)
-        return sampler.choose(logits, self.runner.backend.ops.sample)
+        chosen = sampler.choose(logits, self.runner.backend.ops.sample)
+        self.choose_s += time.perf_counter() - start
+        self.choose_calls += 1
+        return chosen
 
     def _batch(self, request: Request, rows: Sequence[int], image: Any) -> Generator[tuple[int, str], None, list[Completion]]:
         import numpy as np

@@ -1,4 +1,5 @@
-"""The compute-thread decision: --threads, then the user's OMP_NUM_THREADS, then the usable cores shared among the host's ranks."""
+"""The compute-thread decision: --threads, then the user's OMP_NUM_THREADS, then the usable cores shared among the host's ranks;
+and what fd run reports of it (and of the decode step's parts)."""
 
 from __future__ import annotations
 
@@ -70,7 +71,11 @@ def test_fd_run_and_explain_report_threads_per_rank() -> None:
     run = subprocess.run([sys.executable, "-m", "fd_core.cli", "run", "--tp", "1", "--steps", "2", "--threads", "1", "--json"],
                          capture_output=True, text=True, env=env_free, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert json.loads(run.stdout)["threads"] == {"per_rank": 1, "reason": "--threads"}
+    doc = json.loads(run.stdout)
+    assert doc["threads"] == {"per_rank": 1, "reason": "--threads"}
+    # The decode step's parts (fd -v prints them): choosing the token and the rest add up to the step.
+    step = doc["decode_step_ms"]
+    assert 0 < step["choose"] < step["step"] and abs(step["choose"] + step["model_and_loop"] - step["step"]) < 0.01, step
     explain = subprocess.run([sys.executable, "-m", "fd_core.cli", "explain", "--tp", "2"], capture_output=True, text=True, env=env_free, timeout=300)
     assert explain.returncode == 0, explain.stderr[-2000:]
     assert "threads: " in explain.stdout and "shared by 2 rank(s)" in explain.stdout
