@@ -76,9 +76,13 @@ class Threads:
 
     per_rank: int
     reason: str
+    # Threads of Paddle's own OpenMP loops (elementwise ops, norms, cache writes); the matrix products
+    # (MKL) take per_rank. 1 unless the user's OMP_NUM_THREADS asks for more: on a decode step's small
+    # tensors a second OpenMP thread costs more than it gives (docs/benchmarks.md measures it).
+    openmp: int = 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {"per_rank": self.per_rank, "reason": self.reason}
+        return {"per_rank": self.per_rank, "reason": self.reason, "openmp": self.openmp}
 
 
 THREADS_ENV = "OMP_NUM_THREADS"
@@ -143,7 +147,7 @@ def decide_threads(
             raise ConfigError(f"{THREADS_ENV}={raw!r} is not a number of threads; set it to a positive integer or unset it") from None
         if value < 1:
             raise ConfigError(f"{THREADS_ENV}={raw!r} must be >= 1; set it to a positive integer or unset it")
-        return Threads(value, THREADS_ENV)
+        return Threads(value, THREADS_ENV, openmp=value)
     usable = max(1, cores)
     why = f"{cores} core(s) in the affinity mask"
     if quota is not None and math.ceil(quota) < usable:
@@ -164,6 +168,47 @@ def apply_threads(threads: Threads) -> None:
     from paddle.base import core
 
     core.set_num_threads(threads.per_rank)
+    if threads.openmp != threads.per_rank:
+        set_openmp_threads(threads.openmp)
+    if threads.per_rank > 1 and "KMP_BLOCKTIME" not in os.environ:
+        # Intel's OpenMP keeps an idle worker spinning for 200 ms after each parallel region: a core
+        # taken from the host's other processes (a peer rank among them) between every matrix
+        # product. Measured on a shared 2-core host, sleeping at once cut a 2-thread decode step
+        # from 188 to 130 ms (1 thread: 121 to 135 ms in the same runs).
+        runtime = openmp_runtime()
+        if runtime is not None and hasattr(runtime, "kmp_set_blocktime"):
+            runtime.kmp_set_blocktime(0)
+
+
+# OpenMP runtimes a Paddle build links (Intel's with MKL, GNU's otherwise), as their sonames.
+OPENMP_LIBRARIES = ("libiomp5.so", "libgomp.so.1")
+
+
+def openmp_runtime() -> Any:
+    """The OpenMP runtime already loaded in this process (ctypes), None if none is: never loads a second one."""
+    import ctypes
+
+    for name in OPENMP_LIBRARIES:
+        try:
+            return ctypes.CDLL(name, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+    return None
+
+
+def set_openmp_threads(count: int) -> bool:
+    """Limit the loaded OpenMP runtime to `count` threads; False if none is loaded.
+
+    MKL keeps its own count (set by core.set_num_threads), so its products still run on every
+    thread while Paddle's own OpenMP loops (norms, rotary, cache writes) run on `count`.
+    """
+    import ctypes
+
+    runtime = openmp_runtime()
+    if runtime is None:
+        return False
+    runtime.omp_set_num_threads(ctypes.c_int(count))
+    return True
 
 
 @dataclass(frozen=True)

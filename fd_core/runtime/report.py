@@ -16,7 +16,9 @@ def kernel_line(providers: Mapping[str, str]) -> str:
 
 def threads_line(threads: Mapping[str, Any]) -> str:
     """ "threads: 2 per rank (2 core(s) in the affinity mask, shared by 1 rank(s) on this host)"."""
-    return f"threads: {threads['per_rank']} per rank ({threads['reason']})"
+    openmp = threads.get("openmp", threads["per_rank"])
+    loops = "" if openmp == threads["per_rank"] else f"; Paddle's own OpenMP loops {openmp}"
+    return f"threads: {threads['per_rank']} per rank for matrix products ({threads['reason']}{loops})"
 
 
 def summary_lines(results: Sequence[Mapping[str, Any]], verbose: bool = False) -> list[str]:

@@ -47,7 +47,9 @@ def test_threads_option_then_user_env_override() -> None:
     assert decide_threads(3, 2, 2, None, {"OMP_NUM_THREADS": "1"}).per_rank == 3  # --threads wins
     user = decide_threads(None, 1, 2, None, {"OMP_NUM_THREADS": "1"})
     assert (user.per_rank, user.reason) == (1, "OMP_NUM_THREADS")
-    assert decide_threads(None, 2, 2, None, {"OMP_NUM_THREADS": "4"}).per_rank == 4
+    asked = decide_threads(None, 2, 2, None, {"OMP_NUM_THREADS": "4"})
+    assert (asked.per_rank, asked.openmp) == (4, 4)  # the user's OpenMP setting holds for Paddle's own loops too
+    assert decide_threads(None, 1, 2, None, {}).openmp == 1  # otherwise they run one thread; the products take per_rank
     # Paddle's import writes OMP_NUM_THREADS=1 when it is unset: after it, "1" is not the user's choice.
     assert decide_threads(None, 1, 2, None, {"OMP_NUM_THREADS": "1"}, paddle_imported=True).per_rank == 2
     assert decide_threads(None, 1, 2, None, {"OMP_NUM_THREADS": " "}).per_rank == 2
@@ -72,10 +74,31 @@ def test_fd_run_and_explain_report_threads_per_rank() -> None:
                          capture_output=True, text=True, env=env_free, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     doc = json.loads(run.stdout)
-    assert doc["threads"] == {"per_rank": 1, "reason": "--threads"}
+    assert doc["threads"] == {"per_rank": 1, "reason": "--threads", "openmp": 1}
     # The decode step's parts (fd -v prints them): choosing the token and the rest add up to the step.
     step = doc["decode_step_ms"]
     assert 0 < step["choose"] < step["step"] and abs(step["choose"] + step["model_and_loop"] - step["step"]) < 0.01, step
     explain = subprocess.run([sys.executable, "-m", "fd_core.cli", "explain", "--tp", "2"], capture_output=True, text=True, env=env_free, timeout=300)
     assert explain.returncode == 0, explain.stderr[-2000:]
     assert "threads: " in explain.stdout and "shared by 2 rank(s)" in explain.stdout
+
+
+def test_openmp_limit_reaches_the_loaded_runtime() -> None:
+    """set_openmp_threads changes the OpenMP runtime paddle loaded (and loads none of its own)."""
+    code = (
+        "import ctypes, os, paddle\n"
+        "from fd_core.runtime.plan import OPENMP_LIBRARIES, set_openmp_threads\n"
+        "def loaded():\n"
+        "    for n in OPENMP_LIBRARIES:\n"
+        "        try:\n"
+        "            return ctypes.CDLL(n, mode=os.RTLD_NOLOAD)\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "omp = loaded()\n"
+        "assert omp is not None, 'paddle loaded no OpenMP runtime'\n"
+        "assert set_openmp_threads(3) and omp.omp_get_max_threads() == 3\n"
+        "assert set_openmp_threads(1) and omp.omp_get_max_threads() == 1\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
