@@ -157,7 +157,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         model_line = f"{args.model} (no model package registers it)"
     memory = plan_memory(config, args.tp, backend.detection, args.memory_fraction, backend.platform, config.architecture)
     decision = backend.graph_decision(config, requested=args.graph)
-    threads = run_threads(RunConfig(model=config.architecture, tp=args.tp, threads=args.threads))
+    threads = run_threads(RunConfig(model=config.architecture, tp=args.tp, threads=args.threads), backend.detection)
     if args.json:
         _print_json({**backend.describe(), "model": config.architecture, "graph": decision.to_dict(), "dtype": config.dtype,
                      "memory": memory.to_dict(), "threads": threads.to_dict()})

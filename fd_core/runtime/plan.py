@@ -3,15 +3,15 @@ against the installed plugins, the model's config and the checkpoint, with the r
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from fd_core.backend import Backend
 from fd_core.config import ModelConfig, ParallelConfig
+from fd_core.detection import Detection
 from fd_core.errors import CheckpointError, ConfigError, FdError
 from fd_core.models import Architecture
 from fd_core.plugins import PluginSet, load_plugins
@@ -86,54 +86,25 @@ class Threads:
 
 
 THREADS_ENV = "OMP_NUM_THREADS"
-CGROUP_V2_CPU_MAX = "/sys/fs/cgroup/cpu.max"
-CGROUP_V1_QUOTA = ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")
 
 
 def affinity_cores() -> int:
-    """CPUs this process may run on (its affinity mask; the CPU count where the OS has no masks)."""
+    """Cores this process's affinity mask allows (1 where the OS has no masks: a platform reports more through Detection.host_cores)."""
     try:
         return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def cgroup_cpu_limit(read: Callable[[str], str | None] = _read) -> float | None:
-    """The cgroup's CPU quota in cores (cgroup v2 `cpu.max`, else v1 cfs quota / period); None when unlimited or unknown."""
-    line = read(CGROUP_V2_CPU_MAX)
-    if line is not None:
-        quota, _, period = line.partition(" ")
-        pair = (quota, period or "100000")
-    else:
-        v1 = [read(path) for path in CGROUP_V1_QUOTA]
-        if v1[0] is None or v1[1] is None:
-            return None
-        pair = (v1[0], v1[1])
-    try:
-        quota_us, period_us = int(pair[0]), int(pair[1])
-    except ValueError:  # "max": no quota
-        return None
-    if quota_us <= 0 or period_us <= 0:  # v1 writes -1 for no quota
-        return None
-    return quota_us / period_us
+    except AttributeError:
+        return 1
 
 
 def decide_threads(
-    requested: int | None, ranks_on_host: int, cores: int, quota: float | None, env: Mapping[str, str], paddle_imported: bool = False,
+    requested: int | None, ranks_on_host: int, cores: int, env: Mapping[str, str], paddle_imported: bool = False, cores_from: str = "",
 ) -> Threads:
     """Compute threads per rank: --threads, else the user's OMP_NUM_THREADS, else the usable cores shared among the host's ranks.
 
-    Usable cores are the affinity mask's, capped by the cgroup quota (rounded up: a 1.5-core quota
-    still runs two threads part of the time). Paddle's import writes OMP_NUM_THREADS=1 when it is
-    unset, so a "1" found after paddle was imported is paddle's, not the user's.
+    `cores` is what the platform reports this process may use (Detection.host_cores: the affinity
+    mask capped by the cgroup quota), else the affinity mask; `cores_from` says which. Paddle's
+    import writes OMP_NUM_THREADS=1 when it is unset, so a "1" found after paddle was imported is
+    paddle's, not the user's.
     """
     if requested is not None:
         if requested < 1:
@@ -148,19 +119,16 @@ def decide_threads(
         if value < 1:
             raise ConfigError(f"{THREADS_ENV}={raw!r} must be >= 1; set it to a positive integer or unset it")
         return Threads(value, THREADS_ENV, openmp=value)
-    usable = max(1, cores)
-    why = f"{cores} core(s) in the affinity mask"
-    if quota is not None and math.ceil(quota) < usable:
-        usable = max(1, math.ceil(quota))
-        why = f"a cgroup quota of {quota:g} core(s) ({cores} in the affinity mask)"
     ranks = max(1, ranks_on_host)
-    per_rank = max(1, usable // ranks)
-    return Threads(per_rank, f"{why}, shared by {ranks} rank(s) on this host")
+    per_rank = max(1, max(1, cores) // ranks)
+    return Threads(per_rank, f"{cores} usable core(s){f' ({cores_from})' if cores_from else ''}, shared by {ranks} rank(s) on this host")
 
 
-def run_threads(run: RunConfig) -> Threads:
+def run_threads(run: RunConfig, detection: Detection | None = None) -> Threads:
     """decide_threads for `run` on this host: the ranks that start here (under a launcher, its local size) share its cores."""
-    return decide_threads(run.threads, local_ranks(run.tp), affinity_cores(), cgroup_cpu_limit(), os.environ, "paddle" in sys.modules)
+    reported = detection.host_cores if detection is not None else None
+    cores, source = (reported, "the platform's report") if reported is not None else (affinity_cores(), "the affinity mask")
+    return decide_threads(run.threads, local_ranks(run.tp), cores, os.environ, "paddle" in sys.modules, source)
 
 
 def apply_threads(threads: Threads) -> None:
@@ -324,7 +292,7 @@ def plan_run(run: RunConfig, plugins: PluginSet | None = None, *, gate: bool = T
     backend.check_graph_request(run.graph)
     if run.steps < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {run.steps}")
-    threads = run_threads(run)
+    threads = run_threads(run, backend.detection)
     model = run.model
     checkpoint = None
     if run.checkpoint is not None:

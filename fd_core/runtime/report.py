@@ -28,11 +28,10 @@ def summary_lines(results: Sequence[Mapping[str, Any]], verbose: bool = False) -
     lines = [
         f"platform: {result['platform']}   model: {result['model']}   tp: {result['tp']}" + (f"   dtype: {result['dtype']}" if "dtype" in result else ""),
         f"kernels: {kernel_line(result['kernels'])}",
+        *([threads_line(result["threads"])] if result.get("threads") else []),
         f"graph: {graph['summary']}",
     ]
     lines += [f"  {CastVote(**v).line()}" for v in graph["votes"]]
-    if result.get("threads"):
-        lines.append(threads_line(result["threads"]))
     outputs = result.get("outputs") or [{"ids": result["tokens"]}]
     for index, output in enumerate(outputs):
         label = "tokens" if len(outputs) == 1 else f"tokens [{index + 1}]"

@@ -23,11 +23,14 @@ _REDUCERS: dict[Any, Any] = {}
 @hookimpl
 def fd_platform_detect() -> Detection:
     """Always available: every build of paddle has CPU kernels."""
+    from fd_plugins.cpu.cores import affinity_cores, cgroup_cpu_limit, describe, usable_cores
+
     cores = os.cpu_count() or 1
+    affinity, quota = affinity_cores(), cgroup_cpu_limit()
     return Detection(
         detected=True,
         priority=0,
-        reason=f"always available ({cores} cores)",
+        reason=f"always available ({cores} cores; {describe(affinity, quota)})",
         device="cpu",
         dist_backend="gloo",
         max_ranks=cores,
@@ -35,6 +38,8 @@ def fd_platform_detect() -> Detection:
         dtypes=("float32",),
         # The host is one device, which every rank on it shares: its memory within this process's cgroup limit.
         device_memory=tuple(m for m in (host_memory(),) if m is not None),
+        # What compute threads may use; the plan divides it among the host's ranks.
+        host_cores=usable_cores(affinity, quota),
     )
 
 

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from fd_core.errors import ConfigError
-from fd_core.runtime.plan import CGROUP_V1_QUOTA, CGROUP_V2_CPU_MAX, RunConfig, cgroup_cpu_limit, decide_threads, plan_run
+from fd_core.runtime.plan import RunConfig, decide_threads, plan_run
+from fd_plugins.cpu.cores import CGROUP_V1_QUOTA, CGROUP_V2_CPU_MAX, cgroup_cpu_limit, usable_cores
 
 
 def files(contents: dict[str, str]):
@@ -38,27 +39,35 @@ def test_cgroup_quota_v2_v1_and_unlimited() -> None:
     ],
 )
 def test_usable_cores_shared_among_ranks(ranks: int, cores: int, quota: float | None, expected: int) -> None:
-    threads = decide_threads(None, ranks, cores, quota, {})
+    threads = decide_threads(None, ranks, usable_cores(cores, quota), {})
     assert threads.per_rank == expected
     assert f"shared by {ranks} rank(s)" in threads.reason
 
 
+def test_the_cpu_platform_reports_its_usable_cores() -> None:
+    from fd_plugins.cpu.platform import fd_platform_detect
+
+    detection = fd_platform_detect()
+    assert detection.host_cores == usable_cores(len(__import__("os").sched_getaffinity(0)), cgroup_cpu_limit())
+    assert detection.problem() is None
+
+
 def test_threads_option_then_user_env_override() -> None:
-    assert decide_threads(3, 2, 2, None, {"OMP_NUM_THREADS": "1"}).per_rank == 3  # --threads wins
-    user = decide_threads(None, 1, 2, None, {"OMP_NUM_THREADS": "1"})
+    assert decide_threads(3, 2, 2, {"OMP_NUM_THREADS": "1"}).per_rank == 3  # --threads wins
+    user = decide_threads(None, 1, 2, {"OMP_NUM_THREADS": "1"})
     assert (user.per_rank, user.reason) == (1, "OMP_NUM_THREADS")
-    asked = decide_threads(None, 2, 2, None, {"OMP_NUM_THREADS": "4"})
+    asked = decide_threads(None, 2, 2, {"OMP_NUM_THREADS": "4"})
     assert (asked.per_rank, asked.openmp) == (4, 4)  # the user's OpenMP setting holds for Paddle's own loops too
-    assert decide_threads(None, 1, 2, None, {}).openmp == 1  # otherwise they run one thread; the products take per_rank
+    assert decide_threads(None, 1, 2, {}).openmp == 1  # otherwise they run one thread; the products take per_rank
     # Paddle's import writes OMP_NUM_THREADS=1 when it is unset: after it, "1" is not the user's choice.
-    assert decide_threads(None, 1, 2, None, {"OMP_NUM_THREADS": "1"}, paddle_imported=True).per_rank == 2
-    assert decide_threads(None, 1, 2, None, {"OMP_NUM_THREADS": " "}).per_rank == 2
+    assert decide_threads(None, 1, 2, {"OMP_NUM_THREADS": "1"}, paddle_imported=True).per_rank == 2
+    assert decide_threads(None, 1, 2, {"OMP_NUM_THREADS": " "}).per_rank == 2
 
 
 @pytest.mark.parametrize("raw", ["two", "0", "-3"])
 def test_bad_env_is_one_line(raw: str) -> None:
     with pytest.raises(ConfigError, match="OMP_NUM_THREADS"):
-        decide_threads(None, 1, 2, None, {"OMP_NUM_THREADS": raw})
+        decide_threads(None, 1, 2, {"OMP_NUM_THREADS": raw})
 
 
 def test_plan_carries_the_decision(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,7 +89,8 @@ def test_fd_run_and_explain_report_threads_per_rank() -> None:
     assert 0 < step["choose"] < step["step"] and abs(step["choose"] + step["model_and_loop"] - step["step"]) < 0.01, step
     explain = subprocess.run([sys.executable, "-m", "fd_core.cli", "explain", "--tp", "2"], capture_output=True, text=True, env=env_free, timeout=300)
     assert explain.returncode == 0, explain.stderr[-2000:]
-    assert "threads: " in explain.stdout and "shared by 2 rank(s)" in explain.stdout
+    text = " ".join(explain.stdout.split())  # the report wraps at 100 columns
+    assert "threads: 1 per rank" in text and "shared by 2 rank(s)" in text, text
 
 
 def test_openmp_limit_reaches_the_loaded_runtime() -> None:
