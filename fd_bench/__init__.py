@@ -28,7 +28,9 @@ ROWS: dict[str, str] = {
     "allreduce": "cpu platform (shared memory) vs gloo all-reduce at tp=2: 1 KiB, 64 KiB, 1 MiB, 16 MiB",
     "graph": "tiny ERNIE decode step, static graph vs eager, cpu platform, tp=1",
     "reload": "time and RSS across weight-reload cycles of ModelRunner",
-    "realsize": "ERNIE-4.5-0.3B (random bf16 weights): fd run at tp=1 and tp=2 vs transformers, vs read bandwidth; peak RSS vs weights + cache",
+    "realsize": ("ERNIE-4.5-0.3B (random bf16 weights): fd run at tp=1 and tp=2 vs transformers at 1 and 2 threads, vs the matrix-vector "
+                 "ceiling, tp=2 beside a busy thread; peak RSS vs weights + cache"),
+    "step": "where an ERNIE-4.5-0.3B decode step's time goes at tp=1 and tp=2: matrix work, attention, LM head, sampling, KV writes, all-reduce waits",
     "kvwrite": "one decode step's KV-cache writes at cache lengths 80 and 320, eager and in a static program",
     "kernels": "a layer's call of a resolved op vs a direct call; the cpu platform's fused RMSNorm vs the native op",
     "serve": "fd serve at 1, 4 and 16 concurrent streaming clients vs the same requests through LLM one at a time: req/s, tok/s, time to first token",
@@ -103,8 +105,14 @@ def _runners(selected: list[str], smoke: bool) -> list[tuple[tuple[str, ...], Ca
         jobs.append((("graph",), lambda: graph.graph_rows(smoke)))
     if "reload" in chosen:
         jobs.append((("reload",), lambda: reload.reload_rows(smoke)))
-    if "realsize" in chosen:
-        jobs.append((("realsize",), lambda: realsize.realsize_rows(smoke)))
+    sized = tuple(r for r in ("realsize", "step") if r in chosen)
+    if sized:
+
+        def real() -> list[Any]:
+            m = realsize.measure(smoke)
+            return (realsize.realsize_rows(smoke, m) if "realsize" in sized else []) + (realsize.step_rows(smoke, m) if "step" in sized else [])
+
+        jobs.append((sized, real))
     if "kvwrite" in chosen:
         jobs.append((("kvwrite",), lambda: kvwrite.kvwrite_rows(smoke)))
     if "kernels" in chosen:
@@ -122,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     from fd_core.paddle_logs import quiet_paddle_logs
 
     quiet_paddle_logs()  # before any row imports paddle
-    from fd_bench.report import Line, machine, table
+    from fd_bench.report import Line, impossible, machine, table
 
     prog = "python -m fd_bench" if sys.argv and sys.argv[0].endswith("__main__.py") else "fd bench"
     command = " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
@@ -147,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
             lines.extend(Line(row=r, case="failed", a="-", b="-", a_value=None, b_value=None, unit="", ratio=None,
                               ratio_label="", target="", met=False, note=f"error: {type(exc).__name__}: {exc}") for r in rows)
         timings[",".join(rows)] = time.perf_counter() - t0
+    for ln in lines:
+        problem = impossible(ln)
+        if problem is not None:
+            # A value no measurement can give (a negative size, a NaN ratio) is a broken row, never a verdict.
+            errors[ln.row] = f"{ln.case}: {problem}"
+            ln.met, ln.note = None, f"error: {problem}" + (f"; {ln.note}" if ln.note else "")
     order = {r: i for i, r in enumerate(ROWS)}
     lines.sort(key=lambda ln: order[ln.row])
     print(file=out)
@@ -156,10 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "met": sorted({ln.row for ln in checked if ln.met} - {ln.row for ln in checked if not ln.met}, key=order.__getitem__),
         "missed": sorted({ln.row for ln in checked if not ln.met}, key=order.__getitem__),
-        "reported": sorted({ln.row for ln in lines if ln.met is None}, key=order.__getitem__),
+        "reported": sorted({ln.row for ln in lines if ln.met is None} - set(errors), key=order.__getitem__),
+        "errors": sorted(errors, key=order.__getitem__),
     }
     print(f"\n{'smoke run: numbers are not the record; ' if args.smoke else ''}targets met: {', '.join(summary['met']) or 'none'}; "
-          f"missed: {', '.join(summary['missed']) or 'none'}; total {total:.1f} s", file=out)
+          f"missed: {', '.join(summary['missed']) or 'none'}; errors: {', '.join(summary['errors']) or 'none'}; total {total:.1f} s", file=out)
     doc = {
         "mode": "smoke" if args.smoke else "full",
         "command": command,

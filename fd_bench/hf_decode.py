@@ -1,9 +1,10 @@
 """Greedy decode with Hugging Face transformers on a checkpoint directory, timed as `fd run` times it.
 
-    python -m fd_bench.hf_decode CHECKPOINT PROMPT_IDS STEPS
+    python -m fd_bench.hf_decode CHECKPOINT PROMPT_IDS STEPS [THREADS [DTYPE]]
 
 Prints one JSON line: the tokens, decode tokens per second (the steps after the first token) and the
-peak RSS. float32, as fd computes on cpu; the reference side of the real-size rows.
+peak RSS. THREADS is torch's thread count (default: torch's own, one per core); DTYPE float32 (the
+default, as fd computes on cpu) or bfloat16 (reported: Paddle's CPU build has no bfloat16 matmul).
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ def main(argv: list[str]) -> int:
     from transformers import AutoModelForCausalLM
 
     directory, prompt, steps = argv[0], [int(t) for t in argv[1].split(",")], int(argv[2])
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    if len(argv) > 3:
+        torch.set_num_threads(int(argv[3]))
+    dtype = getattr(torch, argv[4]) if len(argv) > 4 else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         out = model(ids, use_cache=True)
@@ -35,6 +39,7 @@ def main(argv: list[str]) -> int:
         "tokens": tokens,
         "tokens_per_s": (steps - 1) / decode_s if decode_s > 0 else 0.0,
         "threads": torch.get_num_threads(),
+        "dtype": str(dtype).replace("torch.", ""),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }))
     return 0

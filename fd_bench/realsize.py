@@ -1,14 +1,19 @@
-"""Real-size rows: ERNIE-4.5-0.3B's published config with random bfloat16 weights, `fd run --checkpoint` at tp=1
-and tp=2 against transformers on the same checkpoint and against the machine's read bandwidth, and the peak
-RSS per rank over its weights and KV cache.
+"""Real-size rows: ERNIE-4.5-0.3B's published config with random bfloat16 weights saved as transformers saves
+them; `fd run --checkpoint` at tp=1 and tp=2 as a user starts it (no environment set), against transformers
+at 1 and 2 torch threads (float32; bfloat16 reported), against the measured matrix-vector ceiling at the
+same number of cores, fd tp=2 beside one competing busy thread, the peak RSS per rank over its weights and
+KV cache, and where a decode step's time goes (the `step` row).
 
-Every side is a whole process (as a user runs it); the sides take turns, the order flipping every round, and
-each reports medians over the rounds. `--smoke` runs the tiny preset once per side, to prove the rows run.
+Every side is a whole process; the sides take turns, the order flipping every round, and each reports
+medians over the rounds. The machine's load average is recorded with the figures. `--smoke` runs the tiny
+preset once per side, to prove the rows run.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import shutil
 import statistics
 import subprocess
@@ -22,13 +27,29 @@ from fd_bench.report import Line
 CONFIG = Path(__file__).resolve().parents[1] / "benchmarks" / "configs" / "ernie-4.5-0.3b.json"
 PROMPT = "5,17,42,99,7,300,1024,2048,4096,8192,16384,32768,65536,100000,77,3"
 SMOKE_PROMPT = "5,17,42,99,7,300,1,2"
+BUSY = "while True: pass"
+FD_SIDES = ("fd tp=1", "fd tp=2")
+HF_SIDES = ("transformers 1 thread", "transformers 2 threads")
+HF_BF16 = "transformers 2 threads bfloat16"
+BUSY_SIDE = "fd tp=2, one busy thread beside it"
 
 
 def _run(args: list[str], timeout: float = 900) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}  # as a user starts it
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode:
         raise RuntimeError(f"{' '.join(args[:3])} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}")
     return json.loads(done.stdout[done.stdout.index("{"):])
+
+
+def _busy_run(args: list[str]) -> dict[str, Any]:
+    """`args` run while one other process spins a core (a competing single-thread load)."""
+    busy = subprocess.Popen([sys.executable, "-c", BUSY])
+    try:
+        return _run(args)
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def _idle_paddle_rss() -> int:
@@ -44,76 +65,114 @@ def _has_transformers() -> bool:
 
 
 def measure(smoke: bool) -> dict[str, Any]:
-    """Every side's results per round, the idle RSS and the bandwidth, from one run."""
+    """Every side's results per round, the matrix-vector ceilings, the idle RSS, the step breakdowns and the load, from one run."""
     workdir = Path(tempfile.mkdtemp(prefix="fd-bench-realsize-"))
     checkpoint = workdir / "checkpoint"
     save = ["-m", "fd_core.cli", "save-random", "--dtype", "bfloat16", str(checkpoint)]
     save[3:3] = ["--model", "ernie4_5"] if smoke else ["--config", str(CONFIG)]
     subprocess.run([sys.executable, *save], capture_output=True, text=True, check=True, timeout=900)
     prompt, steps, rounds = (SMOKE_PROMPT, 8, 1) if smoke else (PROMPT, 32, 3)
-    sides = {
-        "fd tp=1": ["-m", "fd_core.cli", "run", "--checkpoint", str(checkpoint), "--tp", "1", "--steps", str(steps), "--prompt-ids", prompt, "--json"],
-        "fd tp=2": ["-m", "fd_core.cli", "run", "--checkpoint", str(checkpoint), "--tp", "2", "--steps", str(steps), "--prompt-ids", prompt, "--json"],
+    config_path = str(checkpoint / "config.json")
+    fd = ["-m", "fd_core.cli", "run", "--checkpoint", str(checkpoint), "--steps", str(steps), "--prompt-ids", prompt, "--json"]
+    sides: dict[str, list[str]] = {"fd tp=1": [*fd, "--tp", "1"], "fd tp=2": [*fd, "--tp", "2"], BUSY_SIDE: [*fd, "--tp", "2"]}
+    hf = _has_transformers()
+    if hf:
+        base = ["-m", "fd_bench.hf_decode", str(checkpoint), prompt, str(steps)]
+        sides.update({HF_SIDES[0]: [*base, "1"], HF_SIDES[1]: [*base, "2"], HF_BF16: [*base, "2", "bfloat16"]})
+    ceilings: dict[str, list[str]] = {
+        "paddle, 1 process x 1 thread": ["-m", "fd_bench.matvec", config_path, "paddle", "1", "1"],
+        "paddle, 2 processes x 1 thread": ["-m", "fd_bench.matvec", config_path, "paddle", "2", "1"],
     }
-    if _has_transformers():
-        sides["transformers"] = ["-m", "fd_bench.hf_decode", str(checkpoint), prompt, str(steps)]
+    if hf:
+        ceilings.update({"torch, 1 thread": ["-m", "fd_bench.matvec", config_path, "torch", "1", "1"],
+                         "torch, 2 threads": ["-m", "fd_bench.matvec", config_path, "torch", "1", "2"]})
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
+    matvec: dict[str, list[dict[str, Any]]] = {name: [] for name in ceilings}
     idle: list[int] = []
-    bandwidth: dict[int, list[float]] = {1: [], 2: []}
+    load = [os.getloadavg()[0]]
     try:
         for r in range(rounds):
             order = list(sides) if r % 2 == 0 else list(sides)[::-1]
             for name in order:
-                results[name].append(_run(sides[name]))
+                results[name].append(_busy_run(sides[name]) if name == BUSY_SIDE else _run(sides[name]))
+            for name, args in ceilings.items():
+                matvec[name].append(_run(args))
             idle.append(_idle_paddle_rss())
-            for procs in (1, 2):
-                bandwidth[procs].append(_run(["-m", "fd_bench.bandwidth", str(procs), "64" if smoke else "512"])["total_gb_s"])
+            load.append(os.getloadavg()[0])
+        step = {tp: _run(["-m", "fd_bench.step", str(checkpoint), str(tp), str(steps), prompt, "off"]) for tp in (1, 2)}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    return {"results": results, "idle_rss": statistics.median(idle), "bandwidth": {k: statistics.median(v) for k, v in bandwidth.items()},
-            "steps": steps, "rounds": rounds}
+    return {"results": results, "matvec": matvec, "idle_rss": statistics.median(idle), "steps": steps, "rounds": rounds,
+            "load": load, "step": step}
 
 
-def realsize_rows(smoke: bool) -> list[Line]:
-    m = measure(smoke)
+def _median(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _cores(name: str, threads: dict[str, int]) -> int:
+    """Cores a side computes on: its ranks times threads per rank."""
+    return 2 if "tp=2" in name else threads.get(name, 1)
+
+
+def realsize_rows(smoke: bool, m: dict[str, Any] | None = None) -> list[Line]:
+    m = m if m is not None else measure(smoke)
     res, rounds = m["results"], m["rounds"]
-    speed = {name: statistics.median(r["tokens_per_s"] for r in runs) for name, runs in res.items()}
+    speed = {name: _median(runs, "tokens_per_s") for name, runs in res.items()}
     size = "tiny preset" if smoke else "ERNIE-4.5-0.3B"
     lines: list[Line] = []
-    same = all(r["tokens"] == res["fd tp=1"][0]["tokens"] for runs in res.values() for r in runs)
-    common = f"medians of {rounds} interleaved round(s), {m['steps']} tokens each; same tokens on every side: {same}"
-    hf = "transformers" in speed
-
-    bw = m["bandwidth"]
-    shares = {n: [statistics.median(r["decode_core_share_by_rank"][i] for r in runs) for i in range(len(runs[0]["decode_core_share_by_rank"]))]
+    reference = res["fd tp=1"][0]["tokens"]
+    same = {name: all(r["tokens"] == reference for r in runs) for name, runs in res.items()}
+    loads = ", ".join(f"{x:.1f}" for x in m["load"])
+    common = (f"medians of {rounds} interleaved round(s), {m['steps']} tokens each; 1-minute load average before and after each round: {loads}; "
+              f"same tokens as fd tp=1: " + ", ".join(f"{n} {s}" for n, s in same.items()))
+    threads = {name: runs[0]["threads"]["per_rank"] for name, runs in res.items() if name.startswith("fd")}
+    threads.update({name: runs[0]["threads"] for name, runs in res.items() if name.startswith("transformers")})
+    shares = {n: "/".join(f"{statistics.median(r['decode_core_share_by_rank'][i] for r in runs):.2f}" for i in range(len(runs[0]["decode_core_share_by_rank"])))
               for n, runs in res.items() if n.startswith("fd")}
-    machine = (f"; two processes at once read {bw[2] / bw[1]:.2f}x what one reads in this run ({bw[2]:.1f} vs {bw[1]:.1f} GB/s), "
-               f"the ceiling of tp=2 over tp=1 here; core share while decoding: "
-               + ", ".join(f"{n} " + "/".join(f"{s:.2f}" for s in v) for n, v in shares.items()))
+    details = {"tokens_per_s": {n: [r["tokens_per_s"] for r in runs] for n, runs in res.items()}, "threads": threads, "load": m["load"],
+               "matvec": m["matvec"], "core_share": shares}
+    fd_best = max(FD_SIDES, key=speed.__getitem__)
+    fd_worst = min(FD_SIDES, key=speed.__getitem__)
+    setting = ", ".join(f"{n}: {threads[n]} thread(s) a rank, core share {shares[n]}" for n in FD_SIDES)
 
-    def decode_line(a: str, b: str, target: float) -> Line:
-        ratio = speed[a] / speed[b]
-        return Line(row="realsize", case=f"{size} decode, {a} vs {b}", a=a, b=b, a_value=speed[a], b_value=speed[b], unit="tok/s",
-                    ratio=ratio, ratio_label=f"{a} / {b}", target=f">= {target:.1f}", met=ratio >= target,
-                    note=common + (machine if "tp=2" in a else ""),
-                    details={"tokens_per_s": {n: [r["tokens_per_s"] for r in runs] for n, runs in res.items()}, "bandwidth_gb_s": bw,
-                             "decode_core_share": shares})
+    def line(case: str, a: str, b: str, a_value: float, b_value: float, unit: str, label: str, target: float | None, note: str) -> Line:
+        ratio = a_value / b_value if b_value else math.nan
+        return Line(row="realsize", case=f"{size}: {case}", a=a, b=b, a_value=a_value, b_value=b_value, unit=unit, ratio=ratio, ratio_label=label,
+                    target="reported" if target is None else f">= {target:.2f}", met=None if target is None else ratio >= target,
+                    note=note, details=details)
 
-    if hf:
-        lines.append(decode_line("fd tp=1", "transformers", 1.2))
-        lines.append(decode_line("fd tp=2", "transformers", 2.0))
-    lines.append(decode_line("fd tp=2", "fd tp=1", 1.6))
-    # Against the bandwidth bound: one token reads every weight once (each rank its shard, at once).
-    for name, procs in (("fd tp=1", 1), ("fd tp=2", 2)):
-        weights = sum(res[name][0]["weight_bytes_by_rank"])
-        bound = m["bandwidth"][procs] * 1e9 / weights
-        lines.append(Line(row="realsize", case=f"{size} decode, {name} vs read bandwidth", a=name,
-                          b=f"bandwidth bound ({procs} process{'es' if procs > 1 else ''})",
-                          a_value=speed[name], b_value=bound, unit="tok/s", ratio=speed[name] / bound, ratio_label="fd / bound", target="reported", met=None,
-                          note=(f"bound = {m['bandwidth'][procs]:.1f} GB/s measured (float32 matrix-vector, {procs} process(es) at once) "
-                                f"/ {weights / 1e9:.3f} GB of weights per token")))
-    idle = m["idle_rss"]
-    for name in ("fd tp=1", "fd tp=2"):
+    hf_best = max(HF_SIDES, key=speed.__getitem__) if HF_SIDES[0] in speed else None
+    if hf_best is not None:
+        lines.append(line("fd's faster layout vs transformers' faster float32 setting", fd_best, hf_best, speed[fd_best], speed[hf_best],
+                          "tok/s", "fd / transformers", 1.1,
+                          f"{common}; transformers: 1 thread {speed[HF_SIDES[0]]:.2f}, 2 threads {speed[HF_SIDES[1]]:.2f}, "
+                          f"2 threads bfloat16 {speed[HF_BF16]:.2f} tok/s (Paddle's CPU build has no bfloat16 matmul); {setting}"))
+    else:
+        common += "; transformers is not installed (pip install '.[cpu,test]' in a checkout): no reference side"
+    lines.append(line("the slower fd layout vs the faster", fd_worst, fd_best, speed[fd_worst], speed[fd_best], "tok/s", "slower / faster", 0.85,
+                      f"{common}; {setting}"))
+    # The ceiling at the cores the faster layout computes on: the best matrix-vector pass measured with that many.
+    passes = {name: _median(runs, "passes_per_s") for name, runs in m["matvec"].items()}
+    cores = _cores(fd_best, threads)
+    at_cores = {n: v for n, v in passes.items() if (2 if ("2 processes" in n or "2 threads" in n) else 1) == cores}
+    ceiling_name = max(at_cores, key=at_cores.__getitem__)
+    lines.append(line(f"fd's faster layout vs the matrix-vector ceiling on {cores} core(s)", fd_best, f"matvec pass ({ceiling_name})", speed[fd_best],
+                      at_cores[ceiling_name], "tok/s", "fd / ceiling", 0.85,
+                      "one float32 product per weight matrix of the model (every layer's 7 projections and the LM head), nothing else, "
+                      "median passes/s: " + ", ".join(f"{n} {v:.2f} ({_median(m['matvec'][n], 'gb_s'):.1f} GB/s)" for n, v in passes.items())))
+    lines.append(line("fd tp=2 beside one busy thread vs fd tp=2 alone", BUSY_SIDE, "fd tp=2", speed[BUSY_SIDE], speed["fd tp=2"], "tok/s",
+                      "busy / quiet", 0.6,
+                      f"{common}; the competing load is one process spinning (`python -c '{BUSY}'`) for the whole run; "
+                      f"core share with it: {shares[BUSY_SIDE]}, without: {shares['fd tp=2']}"))
+    lines += _rss_lines(m, size)
+    return lines
+
+
+def _rss_lines(m: dict[str, Any], size: str) -> list[Line]:
+    res, idle = m["results"], m["idle_rss"]
+    lines = []
+    for name in FD_SIDES:
         runs = res[name]
         ranks = len(runs[0]["peak_rss_bytes_by_rank"])
         over = []
@@ -121,21 +180,50 @@ def realsize_rows(smoke: bool) -> list[Line]:
             peak = statistics.median(r["peak_rss_bytes_by_rank"][rank] for r in runs)
             # The issue's measure: less an idle process that imported paddle (a forked rank starts
             # below it, sharing its parent's pages, and counts them again as it touches them).
-            base = idle
             held = runs[0]["weight_bytes_by_rank"][rank] + runs[0]["kv_cache_bytes_by_rank"][rank]
-            over.append(((peak - base) / held, peak, held, base))
+            over.append(((peak - idle) / held, peak, held))
         worst = max(over)
-        lines.append(Line(row="realsize", case=f"{size} peak RSS per rank, {name}", a="peak RSS - idle paddle", b="weights + KV cache",
-                          a_value=(worst[1] - worst[3]) / 2**20, b_value=worst[2] / 2**20, unit="MiB", ratio=worst[0], ratio_label="A / B (worst rank)",
-                          target="<= 1.20", met=worst[0] <= 1.2,
-                          note=f"idle paddle process {idle / 2**20:.0f} MiB (measured in this run); per rank: "
-                               + ", ".join(f"{o[0]:.2f} ({o[1] / 2**20:.0f} MiB peak)" for o in over)
-                               + "; held at the rank's start: "
-                               + "/".join(f"{statistics.median(r['entry_rss_bytes_by_rank'][i] for r in runs) / 2**20:.0f}" for i in range(ranks))
-                               + " MiB"))
-    if hf:
-        peak = statistics.median(r["peak_rss_bytes"] for r in res["transformers"])
-        lines[-1].note += f"; transformers peaks at {peak / 2**20:.0f} MiB"
-    if not hf:
-        lines[0].note += "; transformers is not installed (pip install '.[cpu,test]' in a checkout): compared with fd's own tp=1 only"
+        if size == "tiny preset":
+            # A tiny model's weights are a few MiB against an idle paddle's hundreds, whose size varies
+            # more than that between processes (a forked rank's peak can fall below it): only the whole
+            # peak against idle paddle plus weights and cache is reported.
+            peak, held = max(o[1] for o in over), max(o[2] for o in over)
+            lines.append(Line(row="realsize", case=f"{size}: peak RSS per rank, {name}", a="peak RSS", b="idle paddle + weights + KV cache",
+                              a_value=peak / 2**20, b_value=(idle + held) / 2**20, unit="MiB", ratio=peak / (idle + held), ratio_label="A / B (worst rank)",
+                              target="reported", met=None, note="the real-size run judges peak RSS less idle paddle against weights + KV cache (<= 1.20)"))
+            continue
+        note = (f"idle paddle process {idle / 2**20:.0f} MiB (measured in this run); per rank: "
+                + ", ".join(f"{o[0]:.2f} ({o[1] / 2**20:.0f} MiB peak)" for o in over)
+                + "; held at the rank's start: "
+                + "/".join(f"{statistics.median(r['entry_rss_bytes_by_rank'][i] for r in runs) / 2**20:.0f}" for i in range(ranks)) + " MiB")
+        if HF_SIDES[0] in res:
+            note += f"; transformers (2 threads) peaks at {_median(res[HF_SIDES[1]], 'peak_rss_bytes') / 2**20:.0f} MiB"
+        lines.append(Line(row="realsize", case=f"{size}: peak RSS per rank, {name}", a="peak RSS - idle paddle", b="weights + KV cache",
+                          a_value=(worst[1] - idle) / 2**20, b_value=worst[2] / 2**20, unit="MiB", ratio=worst[0], ratio_label="A / B (worst rank)",
+                          target="<= 1.20", met=worst[0] <= 1.2, note=note))
+    return lines
+
+
+def step_rows(smoke: bool, m: dict[str, Any]) -> list[Line]:
+    """Where a decode step's time goes, at tp=1 and tp=2 (eager, so that every op is seen; rank 0, and rank 1's waits)."""
+    from fd_bench.step import PARTS
+
+    size = "tiny preset" if smoke else "ERNIE-4.5-0.3B"
+    lines = []
+    for tp, doc in m["step"].items():
+        ranks = doc["ranks"]
+        r0 = ranks[0]
+        parts = r0["parts_ms"]
+        matrix = parts["linear"] + parts["lm_head"]
+        rest = r0["step_ms"] - matrix
+        waits = "; ".join(f"rank {r['rank']}: all-reduce {r['shm']['calls_per_step']:.0f} calls, waited {r['shm']['wait_ms_per_step']:.2f} ms "
+                          f"({r['shm']['slept_ms_per_step']:.2f} ms of it asleep)" for r in ranks if r.get("shm"))
+        lines.append(Line(
+            row="step", case=f"{size} decode step, tp={tp}, {r0['threads']} thread(s) a rank, eager", a="not matrix work", b="whole step",
+            a_value=rest, b_value=r0["step_ms"], unit="ms", ratio=rest / r0["step_ms"] if r0["step_ms"] else math.nan, ratio_label="share of the step",
+            target="reported", met=None,
+            note=(f"{r0['tokens_per_s']:.2f} tok/s, core share {r0['core_share']:.2f}; ms a step: "
+                  + ", ".join(f"{PARTS[k]} {parts[k]:.2f}" for k in PARTS) + (f"; {waits}" if waits else "")),
+            details=doc,
+        ))
     return lines

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import sys
@@ -32,6 +33,20 @@ class Line:
         return asdict(self)
 
 
+def impossible(line: Line) -> str | None:
+    """Why `line` holds a value no measurement can give (negative or non-finite times, speeds, sizes or ratios), or None."""
+    for label, value in (("A", line.a_value), ("B", line.b_value), ("ratio", line.ratio)):
+        if value is None:
+            continue
+        if not math.isfinite(value):
+            return f"{label} is {value} (not a finite number)"
+        if value < 0 and line.unit != "%":
+            return f"{label} is {value:.4g}, below zero: not a possible {'ratio' if label == 'ratio' else line.unit} value"
+    if line.ratio is not None and line.a_value is not None and line.b_value == 0:
+        return "B is 0: the ratio has no meaning"
+    return None
+
+
 def _fmt(value: float | None, unit: str) -> str:
     if value is None:
         return "-"
@@ -52,6 +67,8 @@ def _fmt(value: float | None, unit: str) -> str:
 
 def _verdict(line: Line, smoke: bool) -> str:
     if line.met is None:
+        if line.note.startswith("error:"):
+            return "ERROR"
         return "reported" if line.target in ("", "reported") else "n/a"
     word = "met" if line.met else "MISSED"
     return f"({word})" if smoke else word

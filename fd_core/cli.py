@@ -154,8 +154,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from fd_core.config import ModelConfig, ParallelConfig
     from fd_core.plugins import load_plugins
     from fd_core.runtime.memory import plan_memory
-    from fd_core.runtime.plan import check_tp, compute_dtype
-    from fd_core.runtime.report import kernel_line
+    from fd_core.runtime.plan import RunConfig, check_tp, compute_dtype, run_threads
+    from fd_core.runtime.report import kernel_line, threads_line
 
     plugins = load_plugins()
     parallel = ParallelConfig(tp_size=args.tp)
@@ -172,9 +172,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         model_line = f"{args.model} (no model package registers it)"
     memory = plan_memory(config, args.tp, backend.detection, args.memory_fraction, backend.platform, config.architecture)
     decision = backend.graph_decision(config, requested=args.graph)
+    threads = run_threads(RunConfig(model=config.architecture, tp=args.tp, threads=args.threads), backend.detection)
     if args.json:
         _print_json({**backend.describe(), "model": config.architecture, "graph": decision.to_dict(), "dtype": config.dtype,
-                     "memory": memory.to_dict()})
+                     "memory": memory.to_dict(), "threads": threads.to_dict()})
         return 0
     det = backend.detection
     lines = [f"platform: {backend.platform} ({plugins.selection})", f"  {'detected' if det.detected else 'not detected'}: {det.reason or '-'}"]
@@ -182,7 +183,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     lines += [f"model: {model_line}, tp={args.tp}", f"all-reduce: {backend.all_reduce_binding}",
               f"kernels: {kernel_line(backend.kernels.providers())}", f"graph: {decision.summary()}"]
     lines += [f"  {vote.line()}" for vote in decision.votes]
-    lines += [f"dtype: {config.dtype}", f"memory: {memory.summary()}"]
+    lines += [f"dtype: {config.dtype}", threads_line(threads.to_dict()), f"memory: {memory.summary()}"]
     print(_fit(lines), file=_stdout())
     return 0
 
@@ -278,6 +279,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         max_batch=args.max_batch,
         memory_fraction=args.memory_fraction,
+        threads=args.threads,
         # Text streams to an interactive terminal as it is produced (one prompt; several print in order at the end).
         stream=bool(texts) and len(texts) == 1 and not args.json and _stdout().isatty(),
         started_at=process_start_time(ENTERED_AT),
@@ -314,6 +316,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if results:
         from fd_core.runtime.report import as_json, summary_lines
 
+        verbose = os.environ.get("FD_VERBOSE", "0") not in ("", "0")
         _add_wall_time(results[0], run.started_at)
         if args.json:
             print(as_json(results), file=_stdout())
@@ -321,9 +324,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             # The text is the output; the report goes to stderr, so `fd run --prompt ... > out.txt` keeps only text.
             if not run.stream:
                 print("\n\n".join(o["text"] for o in results[0]["outputs"]), file=_stdout())
-            print(_fit(summary_lines(results)), file=sys.stderr)
+            print(_fit(summary_lines(results, verbose)), file=sys.stderr)
         else:
-            print(_fit(summary_lines(results)), file=_stdout())
+            print(_fit(summary_lines(results, verbose)), file=_stdout())
     return 0
 
 
@@ -518,6 +521,8 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
 
     memory_help = (f"the share of each device's free memory for weights and KV cache, in (0, 1]; the cache's capacity "
                    f"(batch x context) is what the weights leave (default: {DEFAULT_MEMORY_FRACTION})")
+    threads_help = ("compute threads per rank (default: the user's OMP_NUM_THREADS, else the cores this process may use "
+                    "(affinity mask, cgroup quota) shared among the ranks on this host)")
 
     p = sub.add_parser("help", help="show help for fd or for one command")
     p.add_argument("topic", nargs="?", default=None, metavar="COMMAND", help="a command (default: fd itself)")
@@ -535,6 +540,7 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
     p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
                    help="compute dtype, as fd run takes it (default: the platform's preferred one)")
     p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION, metavar="F", help=memory_help)
+    p.add_argument("--threads", type=_positive, default=None, metavar="N", help=threads_help)
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("run", help="run a model: load, clean, decide, capture, generate", **models)
@@ -572,6 +578,7 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
                    help="how long a rank may go without progress (stuck in a collective, a hung plugin) before the run stops (default: 60)")
     p.add_argument("--allow-non-finite", action="store_true", help="load weights holding NaN or Inf instead of refusing them (experiments only)")
     p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION, metavar="F", help=memory_help)
+    p.add_argument("--threads", type=_positive, default=None, metavar="N", help=threads_help)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (needs the serve extra)", **models)

@@ -48,6 +48,9 @@ class Detection:
     # Each device's total and free bytes, in local rank order: rank r of this host uses device
     # r % len(device_memory), and ranks on one device share it. Empty: not reported.
     device_memory: tuple[DeviceMemory, ...] = ()
+    # Cores this process may run compute threads on (its affinity mask capped by its cgroup's quota);
+    # the plan divides them among the host's ranks. None: not reported (the affinity mask is used).
+    host_cores: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -64,6 +67,8 @@ class Detection:
             return f"priority={self.priority!r}, expected an integer"
         if self.max_ranks is not None and (isinstance(self.max_ranks, bool) or not isinstance(self.max_ranks, int) or self.max_ranks < 1):
             return f"max_ranks={self.max_ranks!r}, expected None or a positive integer"
+        if self.host_cores is not None and (isinstance(self.host_cores, bool) or not isinstance(self.host_cores, int) or self.host_cores < 1):
+            return f"host_cores={self.host_cores!r}, expected None or a positive integer"
         if self.memory_bytes is not None and (isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes < 0):
             return f"memory_bytes={self.memory_bytes!r}, expected None or a non-negative integer"
         if not isinstance(self.device_memory, (tuple, list)) or any(not isinstance(d, DeviceMemory) for d in self.device_memory):

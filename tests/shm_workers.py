@@ -192,6 +192,22 @@ def battery() -> dict[str, Any]:
     os.environ.pop("FD_SHM_TIMEOUT", None)
 
 
+    # A late peer: rank 1 arrives 0.3 s after rank 0, which must sleep (not spin a core) and wake when rank 1 publishes.
+    dist.barrier()
+    stats = state.stats()
+    cpu, wall = time.thread_time(), time.monotonic()
+    if rank == 1:
+        time.sleep(0.3)
+    arrived = time.time()
+    late_sum = shm_world(paddle.full([16], float(rank + 1)))
+    returned = time.time()
+    after = state.stats()
+    result["late_peer"] = {
+        "cpu_s": time.thread_time() - cpu, "wall_s": time.monotonic() - wall, "arrived": arrived, "returned": returned,
+        "slept_s": after["slept_s"] - stats["slept_s"], "waits": after["waits"] - stats["waits"], "kernel_sleep": after["kernel_sleep"],
+        "sum_ok": bool(np.all(late_sum.numpy() == 3.0)),
+    }
+
     # Last, as it leaves its group out of step: rank 1 skips a call and rank 0 must time out, naming it.
     os.environ["FD_SHM_TIMEOUT"] = "0.3"
     late_group = dist.new_group(list(range(world)))

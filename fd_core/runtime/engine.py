@@ -71,13 +71,23 @@ def jobs_of(request: Request, first_key: int = 0) -> list[Job]:
 
 
 def check_finite(logits: Any, step: int, live: Sequence[bool]) -> None:
-    """Non-finite logits [B, vocab] of a sequence still generating stop the run instead of becoming a plausible token."""
+    """Non-finite logits [B, vocab] of a sequence still generating stop the run instead of becoming a plausible token.
+
+    The test runs where the logits are (one isfinite-and-all reduction): one bool per row comes to
+    the host, not the vocabulary (400 KB a row at 100k tokens); the count is taken on failure only.
+    Where the logits are host memory already a copy would cost less (0.03 ms against the two ops'
+    0.09 ms for a 103424-token row on a 2-core host): a step's rounding error either way.
+    """
     import numpy as np
 
-    rows = logits.numpy()
-    bad = [b for b, alive in enumerate(live) if alive and not np.isfinite(rows[b]).all()]
+    if hasattr(logits, "isfinite"):  # a tensor
+        finite = np.asarray(logits.isfinite().all(axis=-1).numpy()).reshape(-1)
+    else:
+        finite = np.isfinite(np.asarray(logits)).all(axis=-1).reshape(-1)
+    bad = [b for b, alive in enumerate(live) if alive and not finite[b]]
     if bad:
-        count = int((~np.isfinite(rows[bad[0]])).sum())
+        row = np.asarray(logits[bad[0]].numpy() if hasattr(logits, "numpy") else logits[bad[0]])
+        count = int((~np.isfinite(row)).sum())
         raise NumericsError(
             f"step {step} produced {count} non-finite logit(s) (NaN or Inf) for prompt {bad[0] + 1}; the weights, the inputs or "
             f"the platform's kernels or all-reduce produce non-finite numbers (fd check tests the all-reduce)"

@@ -79,11 +79,22 @@ def run_rank(
         "tokens_per_s": round(engine.tokens_per_s, 2),
         "time_to_first_token_s": round(first_token_s, 4),
         "decode_core_share": round(engine.decode_core_s / engine.decode_s, 3) if engine.decode_s > 0 else None,
+        "decode_step_ms": _step_breakdown(engine),
         "finished_at": time.time(),
         "reload_cycles": cycles,
         "rss_bytes": resident_bytes(),
         "peak_rss_bytes": peak_resident_bytes(),
     }
+
+
+def _step_breakdown(engine: Any) -> dict[str, float] | None:
+    """A decode step's milliseconds: the whole, choosing the token (the non-finite check and sampling), and the model step with the loop around it."""
+    if not engine.choose_calls or engine.decode_s <= 0:
+        return None
+    steps = max(1, engine.choose_calls - 1)  # the first choice (of the prefill's logits) is not decode time
+    choose = engine.choose_s * steps / engine.choose_calls
+    return {"step": round(engine.decode_s / steps * 1e3, 3), "choose": round(choose / steps * 1e3, 3),
+            "model_and_loop": round((engine.decode_s - choose) / steps * 1e3, 3)}
 
 
 def spawned_rank(plan: Plan, plugins: PluginSet | None = None) -> dict[str, Any]:

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import numbers
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from fd_core.backend import Backend
 from fd_core.config import ModelConfig, ParallelConfig
+from fd_core.detection import Detection
 from fd_core.errors import CheckpointError, ConfigError, FdError
 from fd_core.models import Architecture
 from fd_core.plugins import PluginSet, load_plugins
 from fd_core.runtime.checkpoint import Checkpoint
 from fd_core.runtime.images import load_image
-from fd_core.runtime.memory import DEFAULT_MEMORY_FRACTION, MemoryPlan, plan_memory
+from fd_core.runtime.memory import DEFAULT_MEMORY_FRACTION, MemoryPlan, local_ranks, plan_memory
 from fd_core.runtime.request import Request, build_request
 from fd_core.runtime.sampling import SamplingParams
 
@@ -64,6 +66,118 @@ class RunConfig:
     spawned_at: float | None = None
     # The share of each device's free memory fd plans weights and KV cache in (--memory-fraction).
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
+    # Compute threads per rank (--threads); None: the cores this process may use, shared among the
+    # host's ranks, unless the user's OMP_NUM_THREADS says otherwise (see decide_threads).
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class Threads:
+    """How many compute threads each rank runs, and why (plain data: it travels in the Plan)."""
+
+    per_rank: int
+    reason: str
+    # Threads of Paddle's own OpenMP loops (elementwise ops, norms, cache writes); the matrix products
+    # (MKL) take per_rank. 1 unless the user's OMP_NUM_THREADS asks for more: on a decode step's small
+    # tensors a second OpenMP thread costs more than it gives (docs/benchmarks.md measures it).
+    openmp: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"per_rank": self.per_rank, "reason": self.reason, "openmp": self.openmp}
+
+
+THREADS_ENV = "OMP_NUM_THREADS"
+
+
+def affinity_cores() -> int:
+    """Cores this process's affinity mask allows (1 where the OS has no masks: a platform reports more through Detection.host_cores)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return 1
+
+
+def decide_threads(
+    requested: int | None, ranks_on_host: int, cores: int, env: Mapping[str, str], paddle_imported: bool = False, cores_from: str = "",
+) -> Threads:
+    """Compute threads per rank: --threads, else the user's OMP_NUM_THREADS, else the usable cores shared among the host's ranks.
+
+    `cores` is what the platform reports this process may use (Detection.host_cores: the affinity
+    mask capped by the cgroup quota), else the affinity mask; `cores_from` says which. Paddle's
+    import writes OMP_NUM_THREADS=1 when it is unset, so a "1" found after paddle was imported is
+    paddle's, not the user's.
+    """
+    if requested is not None:
+        if requested < 1:
+            raise ConfigError(f"--threads must be >= 1, got {requested}")
+        return Threads(requested, "--threads")
+    raw = env.get(THREADS_ENV, "").strip()
+    if raw and not (paddle_imported and raw == "1"):
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ConfigError(f"{THREADS_ENV}={raw!r} is not a number of threads; set it to a positive integer or unset it") from None
+        if value < 1:
+            raise ConfigError(f"{THREADS_ENV}={raw!r} must be >= 1; set it to a positive integer or unset it")
+        return Threads(value, THREADS_ENV, openmp=value)
+    ranks = max(1, ranks_on_host)
+    per_rank = max(1, max(1, cores) // ranks)
+    return Threads(per_rank, f"{cores} usable core(s){f' ({cores_from})' if cores_from else ''}, shared by {ranks} rank(s) on this host")
+
+
+def run_threads(run: RunConfig, detection: Detection | None = None) -> Threads:
+    """decide_threads for `run` on this host: the ranks that start here (under a launcher, its local size) share its cores."""
+    reported = detection.host_cores if detection is not None else None
+    cores, source = (reported, "the platform's report") if reported is not None else (affinity_cores(), "the affinity mask")
+    return decide_threads(run.threads, local_ranks(run.tp), cores, os.environ, "paddle" in sys.modules, source)
+
+
+def apply_threads(threads: Threads) -> None:
+    """Set this process's compute threads (Paddle's OpenMP and MKL pools): a forked rank inherits its parent's setting."""
+    from paddle.base import core
+
+    core.set_num_threads(threads.per_rank)
+    if threads.openmp != threads.per_rank:
+        set_openmp_threads(threads.openmp)
+    if threads.per_rank > 1 and "KMP_BLOCKTIME" not in os.environ:
+        # Intel's OpenMP keeps an idle worker spinning for 200 ms after each parallel region: a core
+        # taken from the host's other processes (a peer rank among them) between every matrix
+        # product. Measured on a shared 2-core host, sleeping at once cut a 2-thread decode step
+        # from 188 to 130 ms (1 thread: 121 to 135 ms in the same runs).
+        runtime = openmp_runtime()
+        if runtime is not None and hasattr(runtime, "kmp_set_blocktime"):
+            runtime.kmp_set_blocktime(0)
+
+
+# OpenMP runtimes a Paddle build links (Intel's with MKL, GNU's otherwise), as their sonames.
+OPENMP_LIBRARIES = ("libiomp5.so", "libgomp.so.1")
+
+
+def openmp_runtime() -> Any:
+    """The OpenMP runtime already loaded in this process (ctypes), None if none is: never loads a second one."""
+    import ctypes
+
+    for name in OPENMP_LIBRARIES:
+        try:
+            return ctypes.CDLL(name, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+    return None
+
+
+def set_openmp_threads(count: int) -> bool:
+    """Limit the loaded OpenMP runtime to `count` threads; False if none is loaded.
+
+    MKL keeps its own count (set by core.set_num_threads), so its products still run on every
+    thread while Paddle's own OpenMP loops (norms, rotary, cache writes) run on `count`.
+    """
+    import ctypes
+
+    runtime = openmp_runtime()
+    if runtime is None:
+        return False
+    runtime.omp_set_num_threads(ctypes.c_int(count))
+    return True
 
     def __post_init__(self) -> None:
         # Checked here, where `fd run` and the Python API both pass, in the API's words (the CLI's own
@@ -95,6 +209,8 @@ class Plan:
     checkpoint: Checkpoint | None = None
     # Weights per rank and the KV-cache capacity, from the platform's memory report (fd_core.runtime.memory).
     memory: MemoryPlan | None = None
+    # Compute threads per rank (RankWorker applies them before loading).
+    threads: Threads | None = None
 
     def architecture(self, plugins: PluginSet) -> Architecture:
         """The planned architecture as `plugins` registers it."""
@@ -189,6 +305,7 @@ def plan_run(run: RunConfig, plugins: PluginSet | None = None, *, gate: bool = T
     backend.check_graph_request(run.graph)
     if run.steps < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {run.steps}")
+    threads = run_threads(run, backend.detection)
     model = run.model
     checkpoint = None
     if run.checkpoint is not None:
@@ -213,4 +330,4 @@ def plan_run(run: RunConfig, plugins: PluginSet | None = None, *, gate: bool = T
     # fd_check_request refusal: all fail here, before any rank starts.
     pictures = [load_image(path) for path in run.images]
     request = _run_request(run, arch, config, checkpoint, pictures, memory, backend if gate else None)
-    return Plan(run, arch.name, config, backend.platform, backend.detection.dist_backend, request, checkpoint, memory)
+    return Plan(run, arch.name, config, backend.platform, backend.detection.dist_backend, request, checkpoint, memory, threads)

@@ -14,13 +14,21 @@ def kernel_line(providers: Mapping[str, str]) -> str:
     return ", ".join(f"{op}: {provider}" for op, provider in providers.items())
 
 
-def summary_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The human-readable report: rank 0's result, and every reporting rank's peak memory."""
+def threads_line(threads: Mapping[str, Any]) -> str:
+    """ "threads: 2 per rank (2 core(s) in the affinity mask, shared by 1 rank(s) on this host)"."""
+    openmp = threads.get("openmp", threads["per_rank"])
+    loops = "" if openmp == threads["per_rank"] else f"; Paddle's own OpenMP loops {openmp}"
+    return f"threads: {threads['per_rank']} per rank for matrix products ({threads['reason']}{loops})"
+
+
+def summary_lines(results: Sequence[Mapping[str, Any]], verbose: bool = False) -> list[str]:
+    """The human-readable report: rank 0's result, and every reporting rank's peak memory; `verbose` (fd -v) adds the decode step's parts."""
     result = results[0]
     graph = result["graph"]
     lines = [
         f"platform: {result['platform']}   model: {result['model']}   tp: {result['tp']}" + (f"   dtype: {result['dtype']}" if "dtype" in result else ""),
         f"kernels: {kernel_line(result['kernels'])}",
+        *([threads_line(result["threads"])] if result.get("threads") else []),
         f"graph: {graph['summary']}",
     ]
     lines += [f"  {CastVote(**v).line()}" for v in graph["votes"]]
@@ -29,6 +37,10 @@ def summary_lines(results: Sequence[Mapping[str, Any]]) -> list[str]:
         label = "tokens" if len(outputs) == 1 else f"tokens [{index + 1}]"
         lines.append(f"{label}: {' '.join(str(t) for t in output['ids'])}")
     lines.append(f"speed: {result['tokens_per_s']} tokens/s (decode)")
+    if verbose and result.get("decode_step_ms"):
+        step = result["decode_step_ms"]
+        lines.append(f"decode step: {step['step']:.2f} ms (model and loop {step['model_and_loop']:.2f} ms, non-finite check and sampling "
+                     f"{step['choose']:.2f} ms); per op: fd bench --rows step")
     lines.append(f"time to first token: {result['time_to_first_token_s']:.2f}s after fd run started")
     cycles = len(result["reload_cycles"])
     # After reload cycles a phase's time is its sum over the first run and every cycle; the label says so.
@@ -52,7 +64,7 @@ def as_json(results: Sequence[Mapping[str, Any]]) -> str:
             "reload_cycles", "rss_bytes", "peak_rss_bytes")
     data = {k: results[0][k] for k in keys}
     # The compute dtype, and the memory plan: weights per rank, KV-cache capacity (tokens), the fraction.
-    data.update({k: results[0][k] for k in ("dtype", "memory") if k in results[0]})
+    data.update({k: results[0][k] for k in ("dtype", "memory", "threads", "decode_step_ms") if k in results[0]})
     if "wall_s" in results[0]:
         data["wall_s"] = results[0]["wall_s"]
     data["weight_bytes_by_rank"] = [r["weight_bytes"] for r in results]

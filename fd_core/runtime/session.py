@@ -17,7 +17,7 @@ from fd_core.runtime.distributed import DEFAULT_STALL_S
 from fd_core.runtime.engine import Completion, Event, Job, jobs_of
 from fd_core.runtime.images import load_image
 from fd_core.runtime.memory import DEFAULT_MEMORY_FRACTION
-from fd_core.runtime.plan import RunConfig, plan_run, plugin_env
+from fd_core.runtime.plan import RunConfig, apply_threads, plan_run, plugin_env
 from fd_core.runtime.ranks import RankPool
 from fd_core.runtime.request import Request, build_request, messages_prompt
 from fd_core.runtime.sampling import SamplingParams
@@ -42,13 +42,15 @@ class LLM:
         self, checkpoint: str | Path | None = None, *, model: str | None = None, tp: int = 1, platform: str | None = None,
         dtype: str | None = None, graph: str = "auto", seed: int = 0, max_batch: int = 8, progress: bool = False,
         rank_timeout: float = 30.0, memory_fraction: float = DEFAULT_MEMORY_FRACTION, stall_timeout: float = DEFAULT_STALL_S,
+        threads: int | None = None,
     ) -> None:
         quiet_paddle_logs()  # before paddle is imported: its C++ logs stay off the caller's terminal
         if graph not in ("auto", "off", "on"):
             raise ConfigError(f"graph must be 'auto', 'off' or 'on', got {graph!r}")
         self.checkpoint = None if checkpoint is None else str(checkpoint)
         run = RunConfig(model=model or "", tp=tp, checkpoint=self.checkpoint, dtype=dtype, graph=graph, seed=seed,
-                        max_batch=max_batch, progress=progress, platform=platform, memory_fraction=memory_fraction)
+                        max_batch=max_batch, progress=progress, platform=platform, memory_fraction=memory_fraction,
+                        threads=threads)
         self._plugins = load_plugins(plugin_env(platform))
         # The plan's request is a placeholder: the plugins' fd_check_request is asked about each real one (_request).
         self._plan = plan_run(run, self._plugins, gate=False)
@@ -66,7 +68,10 @@ class LLM:
                 print(f"fd: starting {tp} ranks on {self._plan.platform} ({self._plan.dist_backend})", file=sys.stderr, flush=True)
             self._driver = self._pool = RankPool(self._plan, tp, rank_timeout, stall_timeout)
         # One thread steps the engine (or the ranks) for every caller; at tp > 1 a failed tick means the ranks are gone.
-        self._scheduler = Scheduler(self._driver.tick, fatal=lambda error: tp > 1, name="fd-llm")
+        # At tp=1 the engine computes on the scheduler's thread: it gets the plan's compute threads as the rank did.
+        planned = self._plan.threads
+        on_start = (lambda: apply_threads(planned)) if tp == 1 and planned is not None else None
+        self._scheduler = Scheduler(self._driver.tick, fatal=lambda error: tp > 1, name="fd-llm", on_start=on_start)
         self._closed = False
         # A script that forgets close() still stops its ranks at exit (and an LLM dropped early, when collected).
         self._finalizer = weakref.finalize(self, _shutdown, self._scheduler, self._driver)
@@ -97,6 +102,11 @@ class LLM:
     def error(self) -> BaseException | None:
         """The failure that stopped this LLM's ranks (every later call raises RankError); None while it can generate."""
         return self._scheduler.error
+
+    @property
+    def threads(self) -> int:
+        """Compute threads each rank runs (LLM(threads=), else OMP_NUM_THREADS, else the host's usable cores shared among its ranks)."""
+        return int(self._info["threads"]["per_rank"])
 
     @property
     def timings(self) -> dict[str, float]:

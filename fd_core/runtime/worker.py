@@ -15,7 +15,7 @@ from fd_core.plugins import PluginSet, fd_stdout, load_plugins
 from fd_core.runtime import progress
 from fd_core.runtime.engine import Completion, Engine
 from fd_core.runtime.lifecycle import ModelRunner
-from fd_core.runtime.plan import Plan, plugin_env
+from fd_core.runtime.plan import Plan, apply_threads, plugin_env
 from fd_core.runtime.request import Request
 
 
@@ -68,6 +68,9 @@ class RankWorker:
             # paddle still runs on the host; a device type without an index resolves to the device the
             # launcher selected for this rank (paddle reads it from the rank's environment).
             paddle.set_device(backend.detection.device)
+        if plan.threads is not None:
+            # The plan's compute threads per rank (fd_core.runtime.plan.decide_threads), before any weight is read.
+            apply_threads(plan.threads)
 
         def log(message: str) -> None:
             if rank == 0 and run.progress:
@@ -106,5 +109,6 @@ class RankWorker:
             "kernels": self.backend.kernels.providers(),
             "timings_s": {k: round(v, 4) for k, v in self.runner.timings.items()},
             "dtype": self.plan.config.dtype,
+            "threads": self.plan.threads.to_dict() if self.plan.threads is not None else None,
             "memory": self.plan.memory.to_dict() if self.plan.memory is not None else None,
         }

@@ -2,7 +2,10 @@
 
 A parameter maps to one checkpoint tensor (`new_param`), or stacks several of the same shape along
 a new first axis (`new_stacked_param`: a mixture of experts keeps its experts' weights in one
-tensor so that a step can gather the chosen ones, while checkpoints store one tensor per expert).
+tensor so that a step can gather the chosen ones, while checkpoints store one tensor per expert),
+or holds one or more [out, in] checkpoint tensors transposed and side by side as [in, sum of out]
+(`new_columns_param`: one matrix-vector product for the gate and up projections, in the layout
+Paddle's CPU product reads fastest).
 """
 
 from __future__ import annotations
@@ -47,6 +50,20 @@ def new_stacked_param(layer: nn.Layer, parts: Sequence[tuple[str, WeightSpec]], 
     return param
 
 
+def new_columns_param(layer: nn.Layer, parts: Sequence[tuple[str, WeightSpec]], tp_size: int, *, attr: str = "weight") -> paddle.Tensor:
+    """This rank's shards of [out_i, in] checkpoint tensors, transposed and side by side: [in, sum of out_i], as `attr` of `layer`.
+
+    `parts` are (checkpoint name relative to `layer`, spec) in column order; x @ param gives their outputs concatenated.
+    """
+    shapes = [spec.shard_shape(tp_size) for _, spec in parts]
+    inner = {shape[1] for shape in shapes}
+    assert all(len(shape) == 2 for shape in shapes) and len(inner) == 1, f"columns of {attr} differ in their input size: {shapes}"
+    param = _create(layer, [inner.pop(), sum(shape[0] for shape in shapes)], parts[0][1].dtype, attr)
+    param.fd_columns = list(parts)
+    param.fd_tp = tp_size
+    return param
+
+
 def _rename(name: str, renames: Renames) -> str:
     for internal, external in renames:
         if name.startswith(internal):
@@ -59,9 +76,10 @@ def _entries(layer: nn.Layer, renames: Renames) -> Iterator[tuple[paddle.Tensor,
     for name, param in layer.named_parameters():
         if hasattr(param, "fd_spec"):
             yield param, [(_rename(name, renames), param.fd_spec)]
-        elif hasattr(param, "fd_parts"):
+        elif hasattr(param, "fd_parts") or hasattr(param, "fd_columns"):
             prefix = name.rsplit(".", 1)[0] + "." if "." in name else ""
-            yield param, [(_rename(prefix + part, renames), spec) for part, spec in param.fd_parts]
+            parts = param.fd_parts if hasattr(param, "fd_parts") else param.fd_columns
+            yield param, [(_rename(prefix + part, renames), spec) for part, spec in parts]
 
 
 def weight_specs(layer: nn.Layer, renames: Renames = ()) -> dict[str, WeightSpec]:
@@ -92,6 +110,28 @@ def _load_in_pieces(param: paddle.Tensor, name: str, pieces: Iterator[tuple[int,
         raise ValueError(f"load_weights: {name!r} has {filled} rows, expected {param.shape[0]}")
 
 
+def _load_columns(param: paddle.Tensor, parts: Sequence[tuple[str, WeightSpec]], shards: Mapping[str, Any], tp_size: int) -> None:
+    """Fill a columns parameter: each part's rows (pieces of them, for a checkpoint) transposed into its columns, in place."""
+    if not param._is_initialized():
+        paddle.empty(param.shape, dtype=param.dtype)._share_buffer_to(param)
+    chunks = getattr(shards, "chunks", None)
+    column = 0
+    for name, spec in parts:
+        rows = spec.shard_shape(tp_size)[0]
+        pieces = chunks(name) if chunks is not None else iter([(0, shards[name])])
+        filled = 0
+        for start, piece in pieces:
+            value = _tensor(piece, param.dtype)
+            if len(value.shape) != 2 or value.shape[1] != param.shape[0] or start + value.shape[0] > rows:
+                raise ValueError(f"load_weights: {name!r} piece at row {start} has shape {list(value.shape)}, expected rows of [{rows}, {param.shape[0]}]")
+            param[:, column + start : column + start + value.shape[0]] = value.transpose([1, 0])
+            filled += value.shape[0]
+            del piece, value
+        if filled != rows:
+            raise ValueError(f"load_weights: {name!r} has {filled} rows, expected {rows}")
+        column += rows
+
+
 def load_weights(layer: nn.Layer, shards: Mapping[str, Any], renames: Renames = ()) -> None:
     """Assign this rank's shards (numpy arrays or paddle tensors) to the parameters; every parameter must be present.
 
@@ -106,6 +146,9 @@ def load_weights(layer: nn.Layer, shards: Mapping[str, Any], renames: Renames = 
         raise KeyError(f"load_weights: no shard for {missing[0]!r} ({len(missing)} missing)")
     chunks = getattr(shards, "chunks", None)
     for param, parts in entries:
+        if hasattr(param, "fd_columns"):
+            _load_columns(param, parts, shards, param.fd_tp)
+            continue
         if chunks is not None and hasattr(param, "fd_spec") and len(param.shape) > 1:
             _load_in_pieces(param, parts[0][0], chunks(parts[0][0]))
             continue

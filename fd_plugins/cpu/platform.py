@@ -23,11 +23,14 @@ _REDUCERS: dict[Any, Any] = {}
 @hookimpl
 def fd_platform_detect() -> Detection:
     """Always available: every build of paddle has CPU kernels."""
+    from fd_plugins.cpu.cores import affinity_cores, cgroup_cpu_limit, describe, usable_cores
+
     cores = os.cpu_count() or 1
+    affinity, quota = affinity_cores(), cgroup_cpu_limit()
     return Detection(
         detected=True,
         priority=0,
-        reason=f"always available ({cores} cores)",
+        reason=f"always available ({cores} cores; {describe(affinity, quota)})",
         device="cpu",
         dist_backend="gloo",
         max_ranks=cores,
@@ -35,6 +38,8 @@ def fd_platform_detect() -> Detection:
         dtypes=("float32",),
         # The host is one device, which every rank on it shares: its memory within this process's cgroup limit.
         device_memory=tuple(m for m in (host_memory(),) if m is not None),
+        # What compute threads may use; the plan divides it among the host's ranks.
+        host_cores=usable_cores(affinity, quota),
     )
 
 
@@ -50,24 +55,8 @@ def fd_all_reduce(tensor: Any, group: Any) -> Any:
         from fd_plugins.cpu.shm import setup_group
 
         state = setup_group(group, gloo_all_reduce)
-        _share_cores(state.local_ranks)
         reducer = _REDUCERS[group] = state.reducer()
     return reducer(tensor)
-
-
-def _share_cores(local_ranks: int) -> None:
-    """Give this rank its share of the host's cores for paddle's math threads.
-
-    Each process would otherwise start a thread per core, and ranks on one host would run
-    cores x ranks spinning OpenMP threads: measured on 2 cores at tp=2, decode ran several times
-    slower. Called when the first process group is set up (at tp=1 there is none: all cores).
-    A user's OMP_NUM_THREADS is left as it is.
-    """
-    if os.environ.get("OMP_NUM_THREADS"):
-        return
-    from paddle.base import core
-
-    core.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_ranks)))
 
 
 def gloo_all_reduce(tensor: Any, group: Any) -> Any:

@@ -14,6 +14,12 @@ reads set seq % 2; it writes set (seq + 1) % 2, which nobody is reading. It cann
 seq + 2 (which reuses set seq % 2) starts only after its wait in call seq + 1 returned, i.e. after every
 rank published seq + 1, and a rank publishes seq + 1 only after it finished summing call seq. A single
 set would need a second wait ("everyone finished reading") before anyone could write again.
+
+Waiting yields the core (see Waiter): a rank spins briefly (its peer is usually a few microseconds
+behind), then sleeps in the kernel on the late peer's counter (a futex on Linux) and is woken by
+that peer's publish; a peer descheduled on a busy host then gets the core instead of a spinning
+waiter. Each rank's header line also holds its "sleeping" flag, so a publish makes the wake system
+call only when a peer may be asleep.
 """
 
 from __future__ import annotations
@@ -41,9 +47,11 @@ TIMEOUT_ENV = "FD_SHM_TIMEOUT"
 
 _LINE = 64  # one counter per cache line, so ranks never write the same line
 _PAGE = 4096
-# Checks of the counters before the wait starts yielding the core, then before it starts sleeping.
+# Checks of the counters before the wait sleeps (~0.2 us each: tens of microseconds, the usual lag
+# of a peer that is on a core); then each sleep lasts until the peer's publish wakes it, or this long.
 _BUSY_CHECKS = 256
-_YIELD_SECONDS = 0.01
+_SLEEP_SLICE = 2e-3
+# Where the kernel's futex is not available: sleep this long between checks instead.
 _SLEEP_SECONDS = 50e-6
 
 AllReduce = Callable[[Any, Any], Any]
@@ -60,12 +68,72 @@ warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"fd_plugins\.
 _NEEDS_FENCE = _machine.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86")
 _fence_lock = threading.Lock()
 
-_yield: Callable[[], Any] = getattr(os, "sched_yield", None) or (lambda: time.sleep(0))
 
 
 def _fence() -> None:
+    # A lock's acquire and release are atomic read-modify-writes: a full fence on x86 (a store before
+    # it is visible before a load after it) and acquire / release ordering elsewhere.
     _fence_lock.acquire()
     _fence_lock.release()
+
+
+# --- sleeping until a peer publishes ---------------------------------------------------------------
+
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not PRIVATE) operations: the word lives in a shared mapping
+_SYS_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221, "s390x": 238}
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _futex_call() -> Callable[..., int] | None:
+    """libc's syscall() bound to futex, or None where there is none (not Linux, an unknown machine)."""
+    number = _SYS_FUTEX.get(_machine.machine().lower())
+    if number is None or not sys.platform.startswith("linux"):
+        return None
+    try:
+        syscall = ctypes.CDLL(None, use_errno=True).syscall
+    except (OSError, AttributeError):
+        return None
+    syscall.restype = ctypes.c_long
+
+    def futex(address: int, op: int, value: int, timeout: Any) -> int:
+        return int(syscall(ctypes.c_long(number), ctypes.c_void_p(address), ctypes.c_int(op), ctypes.c_int(value), timeout, None, ctypes.c_int(0)))
+
+    return futex
+
+
+class Waiter:
+    """How a rank sleeps until a 64-bit counter in shared memory changes, and how a publisher wakes it.
+
+    `sleep(address, seen, seconds)` returns at once if the counter's low 32 bits are no longer `seen`,
+    else when `wake(address)` is called on it or after `seconds`; spurious returns are allowed (the
+    caller re-checks). With the kernel's futex the sleeper holds no core; without it, a short sleep.
+    """
+
+    def __init__(self, futex: Callable[..., int] | None = None) -> None:
+        self._futex = futex
+        self.kernel = futex is not None
+
+    def sleep(self, address: int, seen: int, seconds: float) -> None:
+        if self._futex is None:
+            time.sleep(min(seconds, _SLEEP_SECONDS))
+            return
+        whole = int(seconds)
+        timeout = _Timespec(whole, int((seconds - whole) * 1e9))
+        # The value compared is the word's low half (x86 and aarch64 are little-endian): a counter
+        # that moved on by any amount no longer matches, so the kernel returns at once.
+        self._futex(address, _FUTEX_WAIT, ctypes.c_int32(seen & 0xFFFFFFFF).value, ctypes.byref(timeout))
+
+    def wake(self, address: int) -> None:
+        if self._futex is not None:
+            self._futex(address, _FUTEX_WAKE, 0x7FFFFFFF, None)
+
+
+def default_waiter() -> Waiter:
+    """The kernel's futex where this machine has one, else short sleeps (little-endian machines only: see Waiter.sleep)."""
+    return Waiter(_futex_call() if sys.byteorder == "little" else None)
 
 
 def _host_id() -> str:
@@ -256,6 +324,11 @@ class ShmGroup:
         # Ranks of the group on this host, this one included (known after setup).
         self.local_ranks = 1
         self.calls = {"shm": 0, "fallback": 0}
+        # Time in _wait (calls whose peers had not all arrived), of it asleep, and how many such calls.
+        self.wait_s = 0.0
+        self.slept_s = 0.0
+        self.waits = 0
+        self.waiter = default_waiter()
         self._segment: _Segment | None = None
         self._broken: str | None = None
         self._dtypes: dict[Any, Any] = {}
@@ -350,6 +423,12 @@ class ShmGroup:
         self._mine = (1 + self.rank) * step
         # A strided memoryview of the W counters: min() over it is ~0.2 us, numpy's is ~1.5 us.
         self._counters = words[step : (1 + self.world) * step : step]
+        # Each rank's "asleep in _wait" flag, the second word of its line (written by that rank only).
+        self._sleeping = words[step + 1 : (1 + self.world) * step + 1 : step]
+        self._my_flag = self._mine + 1
+        base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        self._addresses = [base + (1 + r) * _LINE for r in range(self.world)]
+        self._others = [r for r in range(self.world) if r != self.rank]
         w, s = self.world, self.slot_bytes
         self._sets = [np.ndarray((w, s), np.uint8, buffer=buf, offset=header + k * w * s) for k in (0, 1)]
 
@@ -357,7 +436,7 @@ class ShmGroup:
         """Drop every view of the segment, then unmap it (and unlink it if this rank still owns the name)."""
         self.usable = False
         self._sets = []
-        for attr in ("_counters", "_words"):
+        for attr in ("_counters", "_sleeping", "_words"):
             view = self.__dict__.pop(attr, None)
             if view is not None:
                 view.release()
@@ -400,6 +479,12 @@ class ShmGroup:
         if _NEEDS_FENCE:
             _fence()
         self._words[self._mine] = seq
+        if self.waiter.kernel:
+            # A peer asleep on this counter is woken; the fence orders the store above before the
+            # flag's load (else both sides could miss each other and the peer would sleep a slice).
+            _fence()
+            if any(self._sleeping):
+                self.waiter.wake(self._addresses[self.rank])
         if min(self._counters) < seq:
             self._wait(seq)
         if _NEEDS_FENCE:
@@ -413,29 +498,47 @@ class ShmGroup:
         return self._fallback(tensor, self.group)
 
     def _wait(self, seq: int) -> None:
-        """Spin, then yield the core, then sleep briefly, until every rank published `seq`; bounded."""
+        """Spin briefly, then sleep until woken by the late peer's publish, until every rank published `seq`; bounded."""
         counters = self._counters
-        for _ in range(_BUSY_CHECKS):
-            if min(counters) >= seq:
-                return
         start = time.monotonic()
+        self.waits += 1
+        try:
+            for _ in range(_BUSY_CHECKS):
+                if min(counters) >= seq:
+                    return
+            self._sleep_until(seq, start)
+        finally:
+            self.wait_s += time.monotonic() - start
+
+    def _sleep_until(self, seq: int, start: float) -> None:
+        counters, flags = self._counters, self._words
         deadline = start + self.timeout
-        while min(counters) < seq:
-            now = time.monotonic()
-            if now > deadline:
-                late = [r for r, c in enumerate(counters) if c < seq]
-                self._broken = (
-                    f"cpu all-reduce (shared memory): rank(s) {', '.join(map(str, late))} of the group did not arrive at "
-                    f"call {seq} within {self.timeout:g} s ({TIMEOUT_ENV}); they crashed, hang, or took another "
-                    f"code path. The group's ranks are out of step; restart them."
-                )
-                raise RuntimeError(self._broken)
-            # Yielding keeps latency low while peers run; sleeping stops burning a core when they are
-            # busy for long (prefill on one rank) or when there are more ranks than cores.
-            if now - start < _YIELD_SECONDS:
-                _yield()
-            else:
-                time.sleep(_SLEEP_SECONDS)
+        flags[self._my_flag] = 1
+        try:
+            while True:
+                late = next((r for r in self._others if counters[r] < seq), None)
+                if late is None:
+                    return
+                now = time.monotonic()
+                if now > deadline:
+                    missing = [r for r, c in enumerate(counters) if c < seq]
+                    self._broken = (
+                        f"cpu all-reduce (shared memory): rank(s) {', '.join(map(str, missing))} of the group did not arrive at "
+                        f"call {seq} within {self.timeout:g} s ({TIMEOUT_ENV}); they crashed, hang, or took another "
+                        f"code path. The group's ranks are out of step; restart them."
+                    )
+                    raise RuntimeError(self._broken)
+                # The flag is set before this read of the counter (the kernel re-reads it under its own
+                # barrier), so a publish after the read sees the flag and wakes this rank.
+                self.waiter.sleep(self._addresses[late], counters[late], min(_SLEEP_SLICE, deadline - now + 1e-3))
+                self.slept_s += time.monotonic() - now
+        finally:
+            flags[self._my_flag] = 0
+
+    def stats(self) -> dict[str, Any]:
+        """Calls, and the time spent waiting for peers (and of it asleep) since setup: for per-step breakdowns."""
+        return {"calls": self.calls["shm"], "fallback_calls": self.calls["fallback"], "waits": self.waits,
+                "wait_s": self.wait_s, "slept_s": self.slept_s, "kernel_sleep": self.waiter.kernel}
 
 
 def _identity(tensor: Any) -> Any:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ROWS = ("dispatch", "dispatch_vs_hook", "dispatch_wrapper", "tp1", "decode", "startup", "allreduce", "graph", "reload", "realsize", "kvwrite", "kernels", "serve")
+ROWS = ("dispatch", "dispatch_vs_hook", "dispatch_wrapper", "tp1", "decode", "startup", "allreduce", "graph", "reload", "realsize", "step", "kvwrite", "kernels", "serve")
 LINE_KEYS = {"row", "case", "a", "b", "a_value", "b_value", "unit", "ratio", "ratio_label", "target", "met", "note", "details"}
 
 

@@ -119,3 +119,48 @@ def test_a_missing_peer_times_out_naming_it(ranks: list[dict[str, Any]]) -> None
     first, second = t["waits_s"]
     assert 0.25 <= first < 5, first
     assert second < 0.1, "after a timeout the group must fail at once, not wait again"
+
+
+def test_a_late_peer_is_waited_for_asleep(ranks: list[dict[str, Any]]) -> None:
+    """Rank 0 waits 0.3 s for rank 1 without spinning its core, and returns as soon as rank 1 publishes."""
+    waiting, late = ranks[0]["late_peer"], ranks[1]["late_peer"]
+    assert waiting["sum_ok"] and late["sum_ok"]
+    assert waiting["wall_s"] >= 0.25 and waiting["waits"] == 1, waiting
+    assert waiting["cpu_s"] < 0.3 * waiting["wall_s"], f"the wait used {waiting['cpu_s']:.3f} s of CPU in {waiting['wall_s']:.3f} s: it spins"
+    if waiting["kernel_sleep"]:
+        assert waiting["slept_s"] >= 0.2, waiting
+    # Woken by the publish (plus scheduling on a busy machine), not by a long timer.
+    assert waiting["returned"] - late["arrived"] < 0.2, (waiting, late)
+
+
+def test_waiter_wakes_at_the_publish_and_returns_at_once_on_a_stale_value() -> None:
+    import ctypes
+    import threading
+    import time
+
+    from fd_plugins.cpu.shm import default_waiter
+
+    waiter = default_waiter()
+    if not waiter.kernel:
+        pytest.skip("no futex on this machine: the wait sleeps in short slices instead")
+    word = ctypes.c_int64(5)
+    address = ctypes.addressof(word)
+    start = time.monotonic()
+    waiter.sleep(address, 4, 5.0)  # the value is no longer 4: no sleep at all
+    assert time.monotonic() - start < 0.5
+
+    def publish() -> None:
+        time.sleep(0.2)
+        word.value = 6
+        waiter.wake(address)
+
+    thread = threading.Thread(target=publish)
+    start = time.monotonic()
+    cpu = time.thread_time()
+    thread.start()
+    while word.value == 5:  # spurious returns are allowed; the caller re-checks
+        waiter.sleep(address, 5, 5.0)
+    took, used = time.monotonic() - start, time.thread_time() - cpu
+    thread.join()
+    assert 0.15 <= took < 2.0, f"woke after {took:.3f} s: the wake did not reach the sleeper (timeout 5 s)"
+    assert used < 0.1, f"the sleeper used {used:.3f} s of CPU: it spins"
