@@ -360,7 +360,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout, image_roots=tuple(Path(p) for p in args.image_root or ()))
     return serve(options, checkpoint=args.checkpoint, model=args.model, name=args.name, tp=args.tp, dtype=args.dtype,
                  graph=args.graph, seed=args.seed, max_batch=args.max_batch, rank_timeout=args.rank_timeout,
-                 stall_timeout=args.stall_timeout, memory_fraction=args.memory_fraction)
+                 stall_timeout=args.stall_timeout, memory_fraction=args.memory_fraction, threads=args.threads)
 
 
 def cmd_save_random(args: argparse.Namespace) -> int:
@@ -608,6 +608,7 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
     p.add_argument("--stall-timeout", type=_seconds, default=60.0, metavar="SECONDS",
                    help="how long a rank may go without progress before the server stops (default: 60)")
     p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION, metavar="F", help=memory_help)
+    p.add_argument("--threads", type=_positive, default=None, metavar="N", help=threads_help)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("check", help="run the conformance suite against an installed platform (needs pytest: the [test] extra)")

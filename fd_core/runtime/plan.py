@@ -70,6 +70,18 @@ class RunConfig:
     # host's ranks, unless the user's OMP_NUM_THREADS says otherwise (see decide_threads).
     threads: int | None = None
 
+    def __post_init__(self) -> None:
+        # Checked here, where `fd run` and the Python API both pass, in the API's words (the CLI's own
+        # parser refuses these first, naming its options).
+        for name in ("seed", "max_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise ConfigError(f"{name} must be an integer, got {value!r:.40}")
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
+        if self.max_batch < 1:
+            raise ConfigError(f"max_batch must be >= 1 (prompts decoded together), got {self.max_batch}")
+
 
 @dataclass(frozen=True)
 class Threads:
@@ -178,18 +190,6 @@ def set_openmp_threads(count: int) -> bool:
         return False
     runtime.omp_set_num_threads(ctypes.c_int(count))
     return True
-
-    def __post_init__(self) -> None:
-        # Checked here, where `fd run` and the Python API both pass, in the API's words (the CLI's own
-        # parser refuses these first, naming its options).
-        for name in ("seed", "max_batch"):
-            value = getattr(self, name)
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-                raise ConfigError(f"{name} must be an integer, got {value!r:.40}")
-        if self.seed < 0:
-            raise ConfigError(f"seed must be >= 0, got {self.seed}")
-        if self.max_batch < 1:
-            raise ConfigError(f"max_batch must be >= 1 (prompts decoded together), got {self.max_batch}")
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,9 @@ class LLM:
     @property
     def error(self) -> BaseException | None:
         """The failure that stopped this LLM's ranks (every later call raises RankError); None while it can generate."""
-        return self._scheduler.error
+        # The scheduler's when a step failed; the ranks' own when one died between requests (no step ran to see it).
+        idle = self._driver.error if isinstance(self._driver, RankPool) else None
+        return self._scheduler.error or idle
 
     @property
     def threads(self) -> int:
@@ -164,10 +166,10 @@ class LLM:
         """
         if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
             raise ConfigError("stream() takes one prompt; use generate() for several")
-        request = self._request(prompt, sampling, chat, images, stream=True)
+        # Queued now, so that a closed or failed LLM raises here rather than at the first next().
+        submission = self._submit(self._request(prompt, sampling, chat, images, stream=True))[0]
 
         def pieces() -> Iterator[str]:
-            submission = self._submit(request)[0]
             try:
                 yield from submission
             finally:
@@ -178,8 +180,8 @@ class LLM:
     def _submit(self, request: Request) -> list[Submission]:
         if self._closed:
             raise ConfigError("this LLM is closed; create a new one")
-        if self._scheduler.error is not None:
-            raise RankError(f"this LLM's ranks failed earlier ({self._scheduler.error}); create a new one")
+        if self.error is not None:
+            raise RankError(f"this LLM's ranks failed earlier ({self.error}); create a new one")
         return self._scheduler.submit(jobs_of(request))
 
     def _request(
@@ -230,11 +232,13 @@ class _InProcess:
     """The engine of a tp=1 LLM, in this process, stepped as the ranks are."""
 
     def __init__(self, worker: RankWorker) -> None:
-        self.worker = worker
+        self.worker: RankWorker | None = worker
         self.info = worker.describe()
 
     def tick(self, adds: Sequence[Job], cancels: Sequence[int]) -> list[Event]:
         """One engine step for the jobs added and keys cancelled since the last."""
+        if self.worker is None:
+            raise RankError("this LLM is closed; create a new one")
         engine = self.worker.engine
         for job in adds:
             engine.add(job)
@@ -246,7 +250,8 @@ class _InProcess:
         return events
 
     def close(self) -> None:
-        """Nothing runs outside this process."""
+        """Release the model and its KV cache (nothing runs outside this process); `info` stays readable."""
+        self.worker = None
 
 
 def _shutdown(scheduler: Scheduler, driver: Any) -> None:

@@ -52,7 +52,14 @@ class RankWorker:
         run = plan.run
         if plugins is None:
             progress.report("loading plugins")
-            plugins = load_plugins(plugin_env(run.platform), planned=plan.platform)  # the others' detections were asked in planning
+            try:
+                plugins = load_plugins(plugin_env(run.platform), planned=plan.platform)  # the others' detections were asked in planning
+            except PlatformError as exc:
+                # Only the planned platform is asked again: its detection said yes in planning and no here.
+                raise PlatformError(
+                    f"rank {rank}: the run was planned on {plan.platform!r}, which this rank could not select ({exc}); "
+                    f"a platform's fd_platform_detect must answer the same every time (or force one with FD_PLATFORM)"
+                ) from None
         backend = load_backend(ParallelConfig(tp_size=tp, tp_rank=rank, group=group), plugins=plugins)
         if backend.platform != plan.platform:
             # Detection that answers differently from one call to the next would run ranks on two platforms.

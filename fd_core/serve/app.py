@@ -197,12 +197,14 @@ class Server:
                            kind="server_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
         self.admitted += count
 
-    def submit(self, items: Sequence[tuple[Any, bool, tuple[Any, ...]]], sampling: "SamplingParams") -> list[Generation]:
+    async def submit(self, items: Sequence[tuple[Any, bool, tuple[Any, ...]]], sampling: "SamplingParams") -> list[Generation]:
         """Every prompt submitted (checked at once by the engine); one refused withdraws the others."""
         generations: list[Generation] = []
         try:
             for index, (prompt, chat, images) in enumerate(items):
-                generations.append(Generation(index, self.engine.submit(prompt, sampling, chat=chat, images=images)))
+                # In a worker thread: the template, the tokenizer and the plugins' gates must not stall the other streams.
+                submission = await asyncio.to_thread(self.engine.submit, prompt, sampling, chat=chat, images=images)
+                generations.append(Generation(index, submission))
         except RequestRefused as exc:
             self.withdraw(generations)
             raise ApiError(400, str(exc), code="request_refused") from None
@@ -285,7 +287,7 @@ class Server:
                       stream: bool, include_usage: bool, chat: bool) -> Response:
         self.admit(len(items))
         try:
-            generations = self.submit(items, sampling)
+            generations = await self.submit(items, sampling)
         except BaseException:
             self.admitted -= len(items)
             raise

@@ -55,6 +55,6 @@ def usable_cores(affinity: int, quota: float | None) -> int:
 
 
 def describe(affinity: int, quota: float | None) -> str:
-    """"2 usable cores (affinity mask 2, cgroup quota 1.5)": for the detection's reason."""
+    """"2 usable: affinity mask 2, cgroup quota 1.5": for the detection's reason, after the core count."""
     limit = "no cgroup quota" if quota is None else f"cgroup quota {quota:g}"
-    return f"{usable_cores(affinity, quota)} usable cores (affinity mask {affinity}, {limit})"
+    return f"{usable_cores(affinity, quota)} usable: affinity mask {affinity}, {limit}"

@@ -30,7 +30,7 @@ def fd_platform_detect() -> Detection:
     return Detection(
         detected=True,
         priority=0,
-        reason=f"always available ({cores} cores; {describe(affinity, quota)})",
+        reason=f"always available ({cores} cores, {describe(affinity, quota)})",
         device="cpu",
         dist_backend="gloo",
         max_ranks=cores,

@@ -115,7 +115,8 @@ def test_llm_at_tp2_refuses_without_disturbing_its_ranks(install_plugin, tmp_pat
         pool = llm._pool
         with pytest.raises(RequestRefused, match="at most 64 new tokens, 65 asked for"):
             llm.generate([1, 2, 3], SamplingParams(max_new_tokens=65))
-        assert llm._pool is pool  # not aborted: no rank saw the request
+        # Refused before it queued: no rank saw it, nothing waits, the ranks are up.
+        assert llm.error is None and llm.queued() == 0 and pool is not None and pool.thread.is_alive()
         [done] = llm.generate([1, 2, 3], SamplingParams(max_new_tokens=3))
         assert len(done.token_ids) == 3
     # Asked in this process only, never on a rank.
