@@ -163,6 +163,12 @@ def master_address() -> str | None:
     return endpoints or None
 
 
+def _other_hosts() -> bool:
+    """Whether the launched job's trainer endpoints name a host that is not loopback (ranks on other machines)."""
+    hosts = {e.rpartition(":")[0] for e in os.environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",") if e}
+    return any(not (h.startswith("127.") or h == "localhost") for h in hosts)
+
+
 def serve_launched_store(rank: int) -> None:
     """Under paddle.distributed.launch: rank 0 serves the store bound to the master address the user gave
     (Paddle's own binds every interface), and every rank joins it there (STORE_ENV)."""
@@ -172,7 +178,11 @@ def serve_launched_store(rank: int) -> None:
     host, _, port = address.rpartition(":")
     if rank == 0:
         try:
-            _served.append(LoopbackStore(socket.gethostbyname(host), int(port)))
+            bound = socket.gethostbyname(host)
+            if bound.startswith("127.") and _other_hosts():
+                # A hostname that resolves to loopback here (Debian's 127.0.1.1) would bind where no other node can reach.
+                raise OSError(f"{host} resolves to {bound} on this host, which the job's other hosts cannot reach")
+            _served.append(LoopbackStore(bound, int(port)))
         except (OSError, ValueError) as exc:
             # Not an address of this host (a NAT's, say): Paddle's own store, on every interface, still works.
             print(f"fd: warning: cannot serve the rendezvous store on {address} ({exc}); Paddle's own store listens on every interface",
