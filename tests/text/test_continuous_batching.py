@@ -263,3 +263,21 @@ def test_an_exception_in_the_with_block_stops_the_ranks_and_fails_what_runs(chec
     with pytest.raises(RankError, match="the ranks were stopped"):
         running.result(10)
     assert _until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids), 5), "ranks left running"
+
+
+def test_a_rank_that_dies_between_requests_is_seen_without_a_request(checkpoint: Path) -> None:
+    """No step runs while the LLM is idle: `error` must still report a rank that died then (fd serve's idle watch reads it)."""
+    import os
+    import signal
+
+    from fd_core.errors import RankError
+
+    with LLM(checkpoint, tp=2, graph="off") as llm:
+        pids = list(llm._pool.pids)  # type: ignore[union-attr]
+        assert llm.error is None
+        os.kill(pids[1], signal.SIGKILL)
+        assert _until(lambda: llm.error is not None, 30), "the dead rank was not reported"
+        assert isinstance(llm.error, RankError) and "rank 1" in str(llm.error)
+        with pytest.raises(RankError, match="ranks failed earlier"):
+            llm.submit(TEXTS[0])
+    assert _until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids), 5), "ranks left running"
