@@ -19,6 +19,7 @@ from typing import Mapping, Sequence
 
 import pytest
 
+import leftovers
 from fakedist import make_distribution
 
 HERE = Path(__file__).parent
@@ -105,37 +106,12 @@ def run_fd(
 
 def processes_with(marker: str) -> list[int]:
     """Live (not zombie) processes whose environment carries `marker`."""
-    needle = f"{MARKER}={marker}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state not in ("Z", "X"):
-            found.append(int(entry))
-    return found
+    return leftovers.processes_with(MARKER, marker)
 
 
 def left_over(marker: str, wait: float = 3.0) -> list[int]:
     """Processes of a finished run still alive after `wait` seconds; they are killed, then returned."""
-    deadline = time.monotonic() + wait
-    alive = processes_with(marker)
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.1)
-        alive = processes_with(marker)
-    for pid in alive:  # do not leak them into the rest of the suite
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return alive
+    return leftovers.left_over(MARKER, marker, wait)
 
 
 def assert_one_line_error(run: FdRun, expected: str, *, exact: bool = True) -> None:

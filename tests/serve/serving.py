@@ -17,6 +17,8 @@ from typing import Any, Mapping, Sequence
 
 import pytest
 
+import leftovers
+
 pytest.importorskip("fastapi", reason="fd serve needs the serve extra (pip install -e '.[cpu,test]' brings it)")
 
 MARKER = "FDTEST_SERVE_MARKER"
@@ -72,37 +74,12 @@ class Served:
 
 def processes_with(marker: str) -> list[int]:
     """Live (not zombie) processes whose environment carries `marker`."""
-    needle = f"{MARKER}={marker}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state not in ("Z", "X"):
-            found.append(int(entry))
-    return found
+    return leftovers.processes_with(MARKER, marker)
 
 
 def left_over(marker: str, wait: float = 3.0) -> list[int]:
-    """Processes still alive `wait` seconds after the server exited; killed (not leaked into the suite), then returned."""
-    deadline = time.monotonic() + wait
-    alive = processes_with(marker)
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.1)
-        alive = processes_with(marker)
-    for pid in alive:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return alive
+    """Processes of the server still alive after `wait` seconds; they are killed, then returned."""
+    return leftovers.left_over(MARKER, marker, wait)
 
 
 def start_server(args: Sequence[str], site: Path | None = None, env: Mapping[str, str] | None = None, timeout: float = 120,
