@@ -14,6 +14,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = ("dispatch", "dispatch_vs_hook", "dispatch_wrapper", "tp1", "decode", "startup", "allreduce", "graph", "reload", "realsize", "step", "kvwrite", "kernels", "serve")
+# The rows the CI smoke run prints: all but the real-size comparison and its step breakdown, whose smoke
+# run alone (a dozen processes importing paddle and torch) took 40 of the suite's 20-minute budget;
+# `fd bench --rows realsize,step` runs them, as docs/benchmarks.md records.
+SMOKE_ROWS = tuple(r for r in ROWS if r not in ("realsize", "step"))
 LINE_KEYS = {"row", "case", "a", "b", "a_value", "b_value", "unit", "ratio", "ratio_label", "target", "met", "note", "details"}
 
 
@@ -24,25 +28,25 @@ def test_smoke_prints_every_row_and_writes_json(tmp_path: Path) -> None:
     # The checkout first, so the benchmark under test is this one even before a reinstall.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
     proc = subprocess.run(
-        [sys.executable, "-m", "fd_bench", "--smoke", "--json", str(out)],
+        [sys.executable, "-m", "fd_bench", "--smoke", "--rows", ",".join(SMOKE_ROWS), "--json", str(out)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, f"fd bench --smoke failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     printed = {line.split("|")[1].strip() for line in table}
-    assert set(ROWS) <= printed, f"rows missing from the table: {sorted(set(ROWS) - printed)}\n{proc.stdout}"
+    assert set(SMOKE_ROWS) <= printed, f"rows missing from the table: {sorted(set(SMOKE_ROWS) - printed)}\n{proc.stdout}"
 
     doc = json.loads(out.read_text())
     assert doc["mode"] == "smoke"
     assert doc["errors"] == {}, doc["errors"]
-    assert list(doc["rows"]) == list(ROWS)
+    assert list(doc["rows"]) == list(SMOKE_ROWS)
     assert {"nproc", "cpu_model", "python", "paddlepaddle"} <= set(doc["machine"])
     by_row: dict[str, list[dict]] = {}
     for line in doc["lines"]:
         assert LINE_KEYS <= set(line), f"line lacks {sorted(LINE_KEYS - set(line))}: {line}"
         by_row.setdefault(line["row"], []).append(line)
-    assert set(by_row) == set(ROWS)
+    assert set(by_row) == set(SMOKE_ROWS)
     # Every comparison produced numbers (a side may be absent only when its plugin is not installed).
     for row, lines in by_row.items():
         for line in lines:
