@@ -11,11 +11,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import pytest
 
@@ -102,6 +103,25 @@ def run_fd(
         stdout, _, flag = stdout.rpartition("\nFDTEST paddle imported: ")
         imported = flag.strip() == "True"
     return FdRun(list(args), done.returncode, stdout, done.stderr, seconds, marker, imported)
+
+
+def play_concurrently(names: Sequence[str], play: Callable[[str], object]) -> dict[str, object]:
+    """`play(name)` for every name at once, one thread each (the scenarios wait on ranks, not on the CPU); each
+    name's result, or the exception it raised (reported by the test that reads that scenario)."""
+    results: dict[str, object] = {}
+
+    def one(name: str) -> None:
+        try:
+            results[name] = play(name)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test that reads this scenario
+            results[name] = exc
+
+    threads = [threading.Thread(target=one, args=(name,)) for name in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
 
 
 def processes_with(marker: str) -> list[int]:

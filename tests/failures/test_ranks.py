@@ -18,14 +18,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from conftest import FdRun, fd_env, left_over, new_marker
+from conftest import FdRun, fd_env, left_over, new_marker, play_concurrently
 
 # 6 all-reduce calls per forward pass of the tiny ERNIE at tp=2 (embedding, 2 per layer, LM head):
 # call 31 is in the 5th decode step, call 60 in the 9th.
@@ -99,21 +98,7 @@ SCENARIOS = {
 @pytest.fixture(scope="module")
 def outcomes(probe_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
     work = tmp_path_factory.mktemp("ranks")
-    results: dict[str, Outcome | BaseException] = {}
-
-    def play(name: str) -> None:
-        env, send = SCENARIOS[name]
-        try:
-            results[name] = _play(name, probe_root, work, env, send)
-        except BaseException as exc:  # reported by the test that reads this scenario
-            results[name] = exc
-
-    threads = [threading.Thread(target=play, args=(name,)) for name in SCENARIOS]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results  # type: ignore[return-value]
+    return play_concurrently(list(SCENARIOS), lambda name: _play(name, probe_root, work, *SCENARIOS[name]))  # type: ignore[return-value]
 
 
 def outcome(outcomes: dict, name: str) -> Outcome:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_one_line_error, fd_env, left_over, new_marker, run_fd
+from conftest import assert_one_line_error, fd_env, left_over, new_marker, play_concurrently, run_fd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "text"))
 import kit  # noqa: E402
@@ -172,25 +172,14 @@ SCENARIOS = {
 
 @pytest.fixture(scope="module")
 def played(probe_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Scenario | BaseException]:
-    import threading
-
     work = tmp_path_factory.mktemp("signals")
-    results: dict[str, Scenario | BaseException] = {}
 
-    def play(name: str) -> None:
-        try:
-            scenario = Scenario(name, probe_root, work, *SCENARIOS[name])
-            scenario.play()
-            results[name] = scenario
-        except BaseException as exc:  # reported by the test that reads this scenario
-            results[name] = exc
+    def play(name: str) -> Scenario:
+        scenario = Scenario(name, probe_root, work, *SCENARIOS[name])
+        scenario.play()
+        return scenario
 
-    threads = [threading.Thread(target=play, args=(name,)) for name in SCENARIOS]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
+    return play_concurrently(list(SCENARIOS), play)  # type: ignore[return-value]
 
 
 def scenario(played: dict, name: str) -> Scenario:
