@@ -86,6 +86,9 @@ def instrument(worker: Any, timer: StepTimer) -> Callable[[], float]:
         elif isinstance(layer, Attention):
             timer.wrap(layer, "attention", "attention")
             timer.wrap(layer, "rotary_embedding", "rotary")
+            if layer.fused:  # its projections are its own matrices, not linear layers
+                timer.wrap(layer, "project", "linear")
+                timer.wrap(layer, "output", "linear")
         elif isinstance(layer, RMSNorm):
             timer.wrap(layer, "rms_norm", "norm")
         elif isinstance(layer, SwiGLUMLP):

@@ -65,10 +65,10 @@ def cases(op: str, plugins: PluginSet, dtype: str, seed: int = 0) -> Iterator[tu
                 mask = paddle.to_tensor(np.where(allowed, 0.0, -np.inf).astype("float32"))
                 yield (f"q[{batch}, {heads}, {length}, {d}] kv[{batch}, {kv}, {total}, {d}]",
                        (t(batch, heads, length, d), t(batch, kv, total, d), t(batch, kv, total, d), mask))
-                # k and v as the layer passes them: the first `total` positions of a position-major cache [T, B, kv, d].
-                cache_k, cache_v = t(total + 3, batch, kv, d), t(total + 3, batch, kv, d)
-                yield (f"q[{batch}, {heads}, {length}, {d}] kv views of a cache [{total + 3}, {batch}, {kv}, {d}]",
-                       (t(batch, heads, length, d), cache_k[:total].transpose([1, 2, 0, 3]), cache_v[:total].transpose([1, 2, 0, 3]), mask))
+                # k and v as the layer passes them: the first `total` positions of a head-major cache [B, kv, T, d].
+                cache_k, cache_v = t(batch, kv, total + 3, d), t(batch, kv, total + 3, d)
+                yield (f"q[{batch}, {heads}, {length}, {d}] kv views of a cache [{batch}, {kv}, {total + 3}, {d}]",
+                       (t(batch, heads, length, d), cache_k[:, :, :total], cache_v[:, :, :total], mask))
             yield f"q[1, {heads}, 4, {d}] no mask", (t(1, heads, 4, d), t(1, kv, 4, d), t(1, kv, 4, d), None)
         elif op == "sample":
             vocab = 50 + s["hidden"]

@@ -18,7 +18,7 @@ from fd_core import WeightSpec
 from fd_core.config import ModelConfig
 from fd_core.models import GraphBackend
 from fd_models.layers import params
-from fd_models.layers.attention import Attention
+from fd_models.layers.attention import Attention, CacheIndex, cache_index
 from fd_models.layers.mlp import SwiGLUMLP
 from fd_models.layers.norm import RMSNorm
 from fd_models.layers.parallel import ParallelLMHead, VocabParallelEmbedding
@@ -90,11 +90,11 @@ class DecoderLayer(nn.Layer):
         self.mlp_takes_vision_mask = getattr(self.mlp, "takes_vision_mask", False)
 
     def forward(
-        self, x: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor], positions: paddle.Tensor, mask: paddle.Tensor,
+        self, x: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor], index: CacheIndex, mask: paddle.Tensor,
         cache_k: paddle.Tensor, cache_v: paddle.Tensor, vision_mask: paddle.Tensor | None = None,
     ) -> paddle.Tensor:
         """x [B, S, H] through attention (see Attention.forward) and the feed-forward -> [B, S, H]."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, positions, mask, cache_k, cache_v)
+        x = x + self.self_attn(self.input_layernorm(x), rope, index, mask, cache_k, cache_v)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, vision_mask) if self.mlp_takes_vision_mask else self.mlp(h))
 
@@ -148,9 +148,11 @@ class TextModel(nn.Layer):
         rows = rope_at - start.reshape([-1, 1]) if per_row else rope_at.unsqueeze(-2) - start.reshape([-1, 1])
         cos, sin = rope_tables(rows, self.config.resolved_head_dim, self.config.rope_theta, section, self.mrope_style)
         rope = (cos.unsqueeze(1), sin.unsqueeze(1))
+        # Where every layer writes its keys and values: computed once for the step (caches [B, kv_h, T, d]).
+        index = cache_index(positions, embeds.shape[0], caches[0].shape[1])
         x = embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, positions, mask, caches[2 * i], caches[2 * i + 1], vision_mask)
+            x = layer(x, rope, index, mask, caches[2 * i], caches[2 * i + 1], vision_mask)
             if i < len(deepstack):
                 x = x + deepstack[i]
         return self.norm(x)
@@ -205,9 +207,9 @@ class CausalLM(nn.Layer):
 
     # -- cache and steps -----------------------------------------------------------------
     def cache_shape(self, batch_size: int, max_len: int) -> list[int]:
-        """[max_len, B, local kv heads, head_dim]: the shape of every per-layer k and v cache (position-major: see attention)."""
+        """[B, local kv heads, max_len, head_dim]: the shape of every per-layer k and v cache (head-major: see attention)."""
         kv_heads = self.config.num_key_value_heads // self.ctx.parallel.tp_size
-        return [max_len, batch_size, kv_heads, self.config.resolved_head_dim]
+        return [batch_size, kv_heads, max_len, self.config.resolved_head_dim]
 
     def allocate_cache(self, batch_size: int, max_len: int, keep: bool = False) -> None:
         """Preallocate k/v caches of `batch_size` rows (slots) for every layer with fixed shapes.
@@ -229,9 +231,9 @@ class CausalLM(nn.Layer):
             paddle.zeros(shape, dtype=self.config.dtype) for _ in range(2 * self.config.num_hidden_layers)  # type: ignore[arg-type]
         ]
         if keep and old is not None:
-            length, rows = min(max_len, old[0].shape[0]), min(batch_size, old[0].shape[1])
+            length, rows = min(max_len, old[0].shape[2]), min(batch_size, old[0].shape[0])
             for new, cache in zip(self._caches, old, strict=True):
-                new[:length, :rows] = cache[:length, :rows]
+                new[:rows, :, :length] = cache[:rows, :, :length]
             fill = [0] * max(0, batch_size - len(self._row_start))
             self._row_start, self._row_delta = (self._row_start + fill)[:batch_size], (self._row_delta + fill)[:batch_size]
         else:
@@ -244,7 +246,7 @@ class CausalLM(nn.Layer):
     def _require_cache(self, batch_size: int, length: int = 1, rows: Sequence[int] | None = None) -> list[paddle.Tensor]:
         if self._caches is None:
             raise RuntimeError("allocate_cache(batch_size, max_len) must be called before prefill/decode")
-        max_len, cached_batch, _, _ = self._caches[0].shape
+        cached_batch, _, max_len, _ = self._caches[0].shape
         fits = all(0 <= r < cached_batch for r in rows) and len(set(rows)) == len(rows) == batch_size if rows is not None else cached_batch == batch_size
         if not fits or length > max_len:
             where = f" into rows {list(rows)}" if rows is not None else ""
@@ -282,9 +284,11 @@ class CausalLM(nn.Layer):
         rope = None if rope_positions is None else as_int64(rope_positions)
         mask = None if vision_mask is None else paddle.to_tensor(np.asarray(vision_mask, dtype=bool))
         hidden = self.model(embeds, positions, scratch, rope, deepstack, mask, start=as_int64(pads))
-        at = (as_int64(np.repeat(np.arange(length), batch)), as_int64(np.tile(rows, length)))
+        kv_heads = scratch[0].shape[1]
+        at = (as_int64(np.repeat(rows, kv_heads * length)), as_int64(np.tile(np.repeat(np.arange(kv_heads), length), batch)),
+              as_int64(np.tile(np.arange(length), batch * kv_heads)))
         for cache, written in zip(caches, scratch, strict=True):
-            paddle.index_put_(cache, at, written.reshape([length * batch, *written.shape[2:]]))
+            paddle.index_put_(cache, at, written.reshape([-1, written.shape[-1]]))
         for row, p in zip(rows, pads, strict=True):
             self._row_start[row], self._row_delta[row] = p, int(rope_delta)
         return self.lm_head(hidden[:, -1])
@@ -329,7 +333,7 @@ class CausalLM(nn.Layer):
         """Capture decode_fn for `batch_size` through `graph_backend`, once per bucket of cache length (keys (batch, L))."""
         if self._caches is None:
             raise RuntimeError("allocate_cache(batch_size, max_len) must be called before capture")
-        max_len, cached_batch = self._caches[0].shape[:2]
+        cached_batch, max_len = self._caches[0].shape[0], self._caches[0].shape[2]
         # The live caches when the batch size is theirs: a backend may keep the tensors it captured
         # with (a device graph's fixed addresses), and the step writes them in place. The trace
         # writes slot 0 of every row, which is put back after (rows may hold sequences mid-decode).
@@ -337,7 +341,7 @@ class CausalLM(nn.Layer):
         caches = self._caches if live else [
             paddle.zeros(self.cache_shape(batch_size, max_len), dtype=self.config.dtype) for _ in self._caches  # type: ignore[arg-type]  # as in allocate_cache
         ]
-        kept = [cache[:1].clone() for cache in caches] if live else []
+        kept = [cache[:, :, :1].clone() for cache in caches] if live else []
         position = paddle.zeros([batch_size, 1], dtype="int64")
         start = paddle.zeros([batch_size], dtype="int64")
         for length in cache_buckets(max_len):
@@ -345,7 +349,7 @@ class CausalLM(nn.Layer):
             example = [paddle.zeros([batch_size, 1], dtype="int64"), position, position, slots, start, *caches]
             graph_backend.capture((batch_size, length), self.decode_fn, example)
         for cache, first in zip(caches, kept, strict=False):
-            cache[:1] = first
+            cache[:, :, :1] = first
         self._graphs = graph_backend
 
     @property

@@ -176,7 +176,7 @@ def test_decode_writes_the_cache_in_place(kit) -> None:
     model.decode_step(np.zeros((ids.shape[0], 1), dtype=np.int64), ids.shape[1])
     assert all(a is b for a, b in zip(model._caches, caches, strict=True))
     after = caches[0].numpy()
-    changed = np.flatnonzero(np.any(after != before, axis=(1, 2, 3)))
+    changed = np.flatnonzero(np.any(after != before, axis=(0, 1, 3)))  # caches [B, kv_heads, T, d]
     assert changed.tolist() == [ids.shape[1]]
 
 
