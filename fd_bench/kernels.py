@@ -1,5 +1,5 @@
 """Kernel rows: a layer's call of a resolved op against a direct call of the same function, and the cpu
-platform's fused RMSNorm against the native op at decode and prefill sizes."""
+platform's fused RMSNorm and complex-number rotary against the native ops at decode and prefill sizes."""
 
 from __future__ import annotations
 
@@ -27,6 +27,18 @@ def _three(fn: Callable[..., Any], a: Any, b: Any, c: Any) -> Callable[[int], in
     return run
 
 
+def _calls(fn: Callable[..., Any], *args: Any) -> Callable[[int], int]:
+    """A batch of `n` x UNROLL calls fn(*args), for kernels whose own time dwarfs the unpacking."""
+
+    def run(n: int) -> int:
+        start = perf_counter_ns()
+        for _ in range(n * UNROLL):
+            fn(*args)
+        return perf_counter_ns() - start
+
+    return run
+
+
 def kernel_rows(smoke: bool) -> list[Line]:
     import paddle
 
@@ -35,6 +47,7 @@ def kernel_rows(smoke: bool) -> list[Line]:
     from fd_core.plugins import load_plugins
     from fd_models.layers.norm import RMSNorm
     from fd_plugins.cpu.kernels import rms_norm as cpu_rms_norm
+    from fd_plugins.cpu.kernels import rotary_embedding as cpu_rotary
 
     lines: list[Line] = []
     # Dispatch: a layer calls the op it fetched from the Backend when it was built. With a kernel that
@@ -76,6 +89,20 @@ def kernel_rows(smoke: bool) -> list[Line]:
         lines.append(Line(
             row="kernels", case=f"rms_norm x{list(shape)} float32",
             a="cpu kernel (fused)", b="native op", a_value=ns["cpu"] / 1000, b_value=ns["native"] / 1000, unit="us",
+            ratio=speedup, ratio_label="native / cpu", target=">= 1.2 (the kernel pays)", met=speedup >= 1.2 and same,
+            note=f"results agree within the op's float32 tolerance: {same}",
+        ))
+    # The rotary op at a decode step's q of the 0.3B model (16 heads of 128, one position, per-row tables).
+    for layout in ("interleaved", "half"):
+        x, cos, sin = paddle.randn([1, 16, 1, 128]), paddle.randn([1, 1, 1, 64]), paddle.randn([1, 1, 1, 64])
+        ns = {k: s.median / UNROLL for k, s in interleave(
+            {"cpu": _calls(cpu_rotary, x, cos, sin, layout), "native": _calls(native_ops.rotary_embedding, x, cos, sin, layout)},
+            kiters // 4, kbatches).items()}
+        speedup = ns["native"] / ns["cpu"]
+        same = bool(paddle.allclose(cpu_rotary(x, cos, sin, layout), native_ops.rotary_embedding(x, cos, sin, layout), rtol=1e-5, atol=1e-5))
+        lines.append(Line(
+            row="kernels", case=f"rotary_embedding x[1, 16, 1, 128] {layout} float32",
+            a="cpu kernel (complex)", b="native op", a_value=ns["cpu"] / 1000, b_value=ns["native"] / 1000, unit="us",
             ratio=speedup, ratio_label="native / cpu", target=">= 1.2 (the kernel pays)", met=speedup >= 1.2 and same,
             note=f"results agree within the op's float32 tolerance: {same}",
         ))

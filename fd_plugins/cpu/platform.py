@@ -115,6 +115,7 @@ def fd_graph_backend(parallel_config: ParallelConfig) -> Any:
 
 @hookimpl
 def fd_register_kernels(register: Any) -> None:
-    from fd_plugins.cpu.kernels import rms_norm
+    from fd_plugins.cpu.kernels import rms_norm, rotary_embedding
 
     register("rms_norm", rms_norm)
+    register("rotary_embedding", rotary_embedding)

@@ -116,7 +116,7 @@ def test_an_extension_takes_precedence_over_the_platform_and_layers_call_it_dire
     from fd_models.layers.norm import RMSNorm
 
     assert RMSNorm(8, 1e-6, backend).rms_norm is kernel  # resolved once: the layer's call is the kernel's own
-    assert plugins.kernels.by_plugin("first-kernels") == ["rms_norm"] and plugins.kernels.by_plugin("cpu") == ["rms_norm"]
+    assert plugins.kernels.by_plugin("first-kernels") == ["rms_norm"] and plugins.kernels.by_plugin("cpu") == ["rms_norm", "rotary_embedding"]
 
 
 def test_no_model_layer_computes_an_op_itself() -> None:
@@ -179,7 +179,7 @@ def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged
     listed = json.loads(run_fd(["plugins", "--json"], example_kernels).stdout)
     assert next(p for p in listed["plugins"] if p["name"] == "example-kernels")["kernels"] == ["rms_norm", "silu_and_mul"]
     explained = run_fd(["explain", "--tp", "1"], example_kernels)
-    assert "rms_norm: example-kernels, silu_and_mul: example-kernels, rotary_embedding: native" in " ".join(explained.stdout.split())
+    assert "rms_norm: example-kernels, silu_and_mul: example-kernels, rotary_embedding: cpu" in " ".join(explained.stdout.split())
 
 
 def test_the_suite_passes_the_example_kernels(example_kernels: Path) -> None:
