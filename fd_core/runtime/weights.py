@@ -29,9 +29,9 @@ from fd_core.runtime.files import regular_file
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".pdparams")  # compared case-blind
 INDEX_NAME = "model.safetensors.index.json"
 # Largest piece of one tensor a loader reads at once (in the compute dtype): see CheckpointShards.chunks. A piece
-# is staged about three times over while it is read, converted and copied into its parameter (the read bytes,
-# the float32 array, paddle's copy), beside the whole model: 8 MiB keeps that under 2% of the ERNIE-4.5-0.3B
-# weights, and smaller pieces add no time worth measuring (a few hundred more reads of a 700 MB file).
+# is staged about four times over while it is read, converted and copied into its parameter (the read bytes,
+# the float32 array, paddle's copy, the slice assignment's copy), beside the whole model: 8 MiB keeps that near
+# 2% of the ERNIE-4.5-0.3B weights; the load took as long as with 32 MiB pieces (within this host's noise).
 CHUNK_BYTES = 8 << 20
 # safetensors dtype codes of the float types a checkpoint may store weights in; each converts to the compute dtype.
 FLOAT_CODES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
