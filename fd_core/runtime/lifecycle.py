@@ -26,7 +26,9 @@ def _sample(model: Any) -> dict[str, Any]:
             continue
         flat = param.reshape([-1])
         step = max(1, int(flat.shape[0]) // 64)
-        out[name] = flat[::step].astype("float32").numpy().copy()
+        # The strided slice is a view: made contiguous first, it is copied alone; converted as a view
+        # (astype, numpy) it copied the whole parameter (the embedding's 404 MiB at ERNIE-4.5-0.3B: the load's peak RSS).
+        out[name] = flat[::step].contiguous().astype("float32").numpy().copy()
     return out
 
 

@@ -149,7 +149,7 @@ def load_weights(layer: nn.Layer, shards: Mapping[str, Any], renames: Renames = 
         if hasattr(param, "fd_columns"):
             _load_columns(param, parts, shards, param.fd_tp)
             continue
-        if chunks is not None and hasattr(param, "fd_spec") and len(param.shape) > 1:
+        if chunks is not None and hasattr(param, "fd_spec") and len(param.shape) > 0:
             _load_in_pieces(param, parts[0][0], chunks(parts[0][0]))
             continue
         values = [_tensor(shards[name], param.dtype) for name, _ in parts]
