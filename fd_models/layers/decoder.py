@@ -226,14 +226,22 @@ class CausalLM(nn.Layer):
                     cache.zero_()
                 self._row_start, self._row_delta = [0] * batch_size, [0] * batch_size
             return
-        # paddle's stubs take a dtype name only as a Literal; ModelConfig.dtype is a str, which ModelConfig.check keeps to COMPUTE_DTYPES.
-        self._caches = [
-            paddle.zeros(shape, dtype=self.config.dtype) for _ in range(2 * self.config.num_hidden_layers)  # type: ignore[arg-type]
-        ]
-        if keep and old is not None:
-            length, rows = min(max_len, old[0].shape[2]), min(batch_size, old[0].shape[0])
-            for new, cache in zip(self._caches, old, strict=True):
-                new[:rows, :, :length] = cache[:rows, :, :length]
+        # The old cache goes a tensor at a time as the new one is made (its rows copied in first with `keep`),
+        # so the two are never held whole at once: growing 4x2048 to 8x4096 at 0.3B peaked 1160 MiB above
+        # the old cache for a 1152 MiB new one, 880 MiB this way.
+        previous: list[paddle.Tensor | None] = list(old) if keep and old is not None else []
+        self._caches = old = None
+        length, rows = (min(max_len, previous[0].shape[2]), min(batch_size, previous[0].shape[0])) if previous else (0, 0)  # type: ignore[union-attr]
+        caches = []
+        for i in range(2 * self.config.num_hidden_layers):
+            # paddle's stubs take a dtype name only as a Literal; ModelConfig.dtype is a str, which ModelConfig.check keeps to COMPUTE_DTYPES.
+            cache = paddle.zeros(shape, dtype=self.config.dtype)  # type: ignore[arg-type]
+            if previous:
+                cache[:rows, :, :length] = previous[i][:rows, :, :length]  # type: ignore[index]
+                previous[i] = None
+            caches.append(cache)
+        self._caches = caches
+        if previous:
             fill = [0] * max(0, batch_size - len(self._row_start))
             self._row_start, self._row_delta = (self._row_start + fill)[:batch_size], (self._row_delta + fill)[:batch_size]
         else:
