@@ -13,6 +13,7 @@ from fd_core.errors import NumericsError
 from fd_core.runtime import progress
 from fd_core.runtime.lifecycle import ModelRunner
 from fd_core.runtime.memory import MemoryPlan, cache_length
+from fd_core.runtime.plan import Threads, apply_threads, phase_threads
 from fd_core.runtime.request import Request
 from fd_core.runtime.sampling import Sampler, SamplingParams
 from fd_core.runtime.streaming import StreamDecoder, TextState
@@ -133,7 +134,10 @@ class Engine:
     choose_calls: int = 0
     # The plan's KV-cache capacity: the cache (slots x length) is kept within it (None: up to max_batch slots).
     memory: MemoryPlan | None = None
+    # The plan's compute threads: each phase sets what it computes on (phase_threads), on the calling thread.
+    threads: Threads | None = None
     steps: int = 0
+    _threads_now: Threads | None = None
     _waiting: deque[Job] = field(default_factory=deque)
     _rows: dict[int, _Row] = field(default_factory=dict)  # by cache slot
     _cancelled: set[int] = field(default_factory=set)
@@ -292,6 +296,15 @@ class Engine:
             length = grown
         return group
 
+    def _use_threads(self, rows: int | None) -> None:
+        """Compute the coming prefill (`rows` None) or decode step of `rows` cache rows on its phase's threads."""
+        if self.threads is None:
+            return
+        want = phase_threads(self.threads, rows)
+        if want != self._threads_now:
+            apply_threads(want)
+            self._threads_now = want
+
     def _prefill(self, jobs: Sequence[Job], slots: Sequence[int]) -> None:
         """Prefill `jobs` together (left-padded) into cache `slots`; their first tokens come from the step's choice."""
         import numpy as np
@@ -303,6 +316,7 @@ class Engine:
         ids = np.asarray([[PAD_ID] * pad + list(j.prompt) for pad, j in zip(pads, jobs, strict=True)], dtype="int64")
         image = list(jobs[0].images) if jobs[0].images else None
         position = model.prefill_length(ids, image)
+        self._use_threads(None)
         start = time.perf_counter()
         progress.report("prefill")
         logits = model.prefill(ids, image, pad=pads if any(pads) else None, cache_rows=list(slots))
@@ -333,6 +347,7 @@ class Engine:
         for row in rows:
             tokens[row.slot, 0] = row.tokens[-1]
             positions[row.slot] = row.position
+        self._use_threads(slots)
         start, core_start = time.perf_counter(), time.process_time()
         progress.report("decode")
         logits = model.decode_step(tokens, positions)

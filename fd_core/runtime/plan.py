@@ -161,6 +161,19 @@ def apply_threads(threads: Threads) -> None:
             runtime.kmp_set_blocktime(0)
 
 
+def phase_threads(threads: Threads, rows: int | None) -> Threads:
+    """The threads one phase computes on: a decode step of one cache row on one thread, a prefill (`rows` None) or a
+    wider decode step on all the plan gives.
+
+    MKL runs a one-row matrix-vector product on one thread whatever it is given (docs/benchmarks.md):
+    a second thread only wakes for attention's small products, which it slows (10 against 4 to 5 ms
+    of a 0.3B decode step, measured with the thread asleep between them; KMP_BLOCKTIME below).
+    """
+    if rows == 1 and threads.per_rank > 1:
+        return Threads(1, f"{threads.reason}; a one-row decode step on 1", 1)
+    return threads
+
+
 # OpenMP runtimes a Paddle build links (Intel's with MKL, GNU's otherwise), as their sonames.
 OPENMP_LIBRARIES = ("libiomp5.so", "libgomp.so.1")
 

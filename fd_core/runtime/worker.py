@@ -94,7 +94,7 @@ class RankWorker:
         log(f"loaded {arch.name} on {backend.platform} (tp={tp}) in {runner.timings['load']:.2f}s")
         runner.decide()
         tokenizer = plan.checkpoint.tokenizer_if_any() if plan.checkpoint is not None else None
-        return cls(rank, tp, plan, backend, runner, Engine(runner, tokenizer, run.max_batch, memory=plan.memory), log)
+        return cls(rank, tp, plan, backend, runner, Engine(runner, tokenizer, run.max_batch, memory=plan.memory, threads=plan.threads), log)
 
     def generate(self, request: Request, on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
         """Every prompt's completion; progress lines around it."""
