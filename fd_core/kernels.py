@@ -43,7 +43,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("silu_and_mul", ("gate", "up"),
        "SwiGLU's inner product: silu(gate) * up, elementwise, gate and up of one shape and dtype"),
     Op("rotary_embedding", ("x", "cos", "sin", "layout"),
-       "x [B, heads, S, d] rotated in float32 by the tables cos, sin [S, d/2] (float32; multimodal positions are "
+       "x [B, heads, S, d] rotated in float32 by the tables cos, sin [S, d/2] or [B, 1, S, d/2] (each row's own; float32; multimodal positions are "
        "already folded into them); layout 'half' pairs dimension i with i + d/2, 'interleaved' pairs 2i with 2i + 1; "
        "the result has x's dtype and shape"),
     Op("attention", ("q", "k", "v", "mask"),

@@ -24,7 +24,7 @@ def silu_and_mul(gate: paddle.Tensor, up: paddle.Tensor) -> paddle.Tensor:
 
 
 def rotary_embedding(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, layout: str) -> paddle.Tensor:
-    """x [B, heads, S, d] rotated by the tables [S, d/2] in float32, in the 'half' or 'interleaved' layout."""
+    """x [B, heads, S, d] rotated by the tables [S, d/2] (or [B, 1, S, d/2], a row's own) in float32, in the 'half' or 'interleaved' layout."""
     x32 = x.astype("float32")
     if layout == "interleaved":
         pairs = x32.reshape([0, 0, 0, -1, 2])

@@ -137,7 +137,6 @@ class Engine:
     # The plan's compute threads: each phase sets what it computes on (phase_threads), on the calling thread.
     threads: Threads | None = None
     steps: int = 0
-    _threads_now: Threads | None = None
     _waiting: deque[Job] = field(default_factory=deque)
     _rows: dict[int, _Row] = field(default_factory=dict)  # by cache slot
     _cancelled: set[int] = field(default_factory=set)
@@ -298,12 +297,9 @@ class Engine:
 
     def _use_threads(self, rows: int | None) -> None:
         """Compute the coming prefill (`rows` None) or decode step of `rows` cache rows on its phase's threads."""
-        if self.threads is None:
-            return
-        want = phase_threads(self.threads, rows)
-        if want != self._threads_now:
-            apply_threads(want)
-            self._threads_now = want
+        if self.threads is not None:
+            # Every phase, not only on a change: MKL's count is the process's, which another engine may have set (14 us).
+            apply_threads(phase_threads(self.threads, rows))
 
     def _prefill(self, jobs: Sequence[Job], slots: Sequence[int]) -> None:
         """Prefill `jobs` together (left-padded) into cache `slots`; their first tokens come from the step's choice."""

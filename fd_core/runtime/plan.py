@@ -93,9 +93,12 @@ class Threads:
     # (MKL) take per_rank. 1 unless the user's OMP_NUM_THREADS asks for more: on a decode step's small
     # tensors a second OpenMP thread costs more than it gives (docs/benchmarks.md measures it).
     openmp: int = 1
+    # Whether the user chose the count (--threads, OMP_NUM_THREADS): then every phase keeps it (phase_threads).
+    chosen: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"per_rank": self.per_rank, "reason": self.reason, "openmp": self.openmp}
+        return {"per_rank": self.per_rank, "reason": self.reason, "openmp": self.openmp,
+                "one_row_decode": phase_threads(self, 1).per_rank}
 
 
 THREADS_ENV = "OMP_NUM_THREADS"
@@ -122,7 +125,7 @@ def decide_threads(
     if requested is not None:
         if requested < 1:
             raise ConfigError(f"--threads must be >= 1, got {requested}")
-        return Threads(requested, "--threads")
+        return Threads(requested, "--threads", chosen=True)
     raw = env.get(THREADS_ENV, "").strip()
     if raw and not (paddle_imported and raw == "1"):
         try:
@@ -131,7 +134,7 @@ def decide_threads(
             raise ConfigError(f"{THREADS_ENV}={raw!r} is not a number of threads; set it to a positive integer or unset it") from None
         if value < 1:
             raise ConfigError(f"{THREADS_ENV}={raw!r} must be >= 1; set it to a positive integer or unset it")
-        return Threads(value, THREADS_ENV, openmp=value)
+        return Threads(value, THREADS_ENV, openmp=value, chosen=True)
     ranks = max(1, ranks_on_host)
     per_rank = max(1, max(1, cores) // ranks)
     return Threads(per_rank, f"{cores} usable core(s){f' ({cores_from})' if cores_from else ''}, shared by {ranks} rank(s) on this host")
@@ -163,13 +166,14 @@ def apply_threads(threads: Threads) -> None:
 
 def phase_threads(threads: Threads, rows: int | None) -> Threads:
     """The threads one phase computes on: a decode step of one cache row on one thread, a prefill (`rows` None) or a
-    wider decode step on all the plan gives.
+    wider decode step on all the plan gives; a count the user chose, in every phase.
 
-    MKL runs a one-row matrix-vector product on one thread whatever it is given (docs/benchmarks.md):
-    a second thread only wakes for attention's small products, which it slows (10 against 4 to 5 ms
-    of a 0.3B decode step, measured with the thread asleep between them; KMP_BLOCKTIME below).
+    MKL ran a one-row matrix-vector product on one thread whatever it was given on the machine
+    docs/benchmarks.md measures: a second thread only woke for attention's small products, which it
+    slowed (10 against 4 to 5 ms of a 0.3B decode step, the thread asleep between them: KMP_BLOCKTIME
+    below). `--threads` keeps its count where that differs.
     """
-    if rows == 1 and threads.per_rank > 1:
+    if rows == 1 and threads.per_rank > 1 and not threads.chosen:
         return Threads(1, f"{threads.reason}; a one-row decode step on 1", 1)
     return threads
 

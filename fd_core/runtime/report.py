@@ -18,7 +18,9 @@ def threads_line(threads: Mapping[str, Any]) -> str:
     """ "threads: 2 per rank (2 core(s) in the affinity mask, shared by 1 rank(s) on this host)"."""
     openmp = threads.get("openmp", threads["per_rank"])
     loops = "" if openmp == threads["per_rank"] else f"; Paddle's own OpenMP loops {openmp}"
-    return f"threads: {threads['per_rank']} per rank for matrix products ({threads['reason']}{loops})"
+    one_row = threads.get("one_row_decode", threads["per_rank"])
+    decode = "" if one_row == threads["per_rank"] else f", {one_row} for a one-row decode step"
+    return f"threads: {threads['per_rank']} per rank for matrix products{decode} ({threads['reason']}{loops})"
 
 
 def summary_lines(results: Sequence[Mapping[str, Any]], verbose: bool = False) -> list[str]:

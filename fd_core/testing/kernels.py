@@ -57,6 +57,10 @@ def cases(op: str, plugins: PluginSet, dtype: str, seed: int = 0) -> Iterator[tu
                     # As the attention layer passes it: a transpose of [B, S, heads, d].
                     yield (f"x[{batch}, {heads}, {length}, {d}] {layout} (a transposed view)",
                            (t(batch, length, heads, d).transpose([0, 2, 1, 3]), cos, sin, layout))
+                    # As the decoder passes the tables: one per row [B, 1, S, d/2] (rows at their own positions).
+                    rows = rng.uniform(-20, 20, (batch, 1, length, d // 2)).astype("float32")
+                    yield (f"x[{batch}, {heads}, {length}, {d}] {layout}, tables per row [{batch}, 1, {length}, {d // 2}]",
+                           (t(batch, heads, length, d), paddle.to_tensor(np.cos(rows)), paddle.to_tensor(np.sin(rows)), layout))
         elif op == "attention":
             for batch, length, total in ((1, 5, 5), (2, 1, 9), (1, 3, 11)):
                 # Causal over the last `length` of `total` positions: what prefill (length == total) and decode pass.

@@ -64,7 +64,7 @@ def merge_heads(x: paddle.Tensor) -> paddle.Tensor:
 
 
 class Attention(nn.Layer):
-    """GQA with q/k/v column-parallel by heads and o_proj row-parallel; optional per-head q/k RMSNorm."""
+    """GQA with q/k/v column-parallel by heads (one fused `qkv` without biases) and o row-parallel; optional per-head q/k RMSNorm."""
 
     def __init__(
         self, hidden_size: int, heads: int, kv_heads: int, head_dim: int, ctx: Any, qk_norm_eps: float | None,

@@ -1,7 +1,8 @@
 """The one decoder every architecture reuses, and the causal LM around it (KV cache, graphs, weights).
 
 Options select per-architecture differences (per-head q/k RMSNorm for Qwen3); names of sublayers
-follow Hugging Face checkpoints (`model.layers.0.self_attn.q_proj.weight`, `model.norm.weight`, ...).
+follow Hugging Face checkpoints (`model.layers.0.self_attn`, `model.norm.weight`, ...); a fused parameter
+(`self_attn.qkv`, `mlp.gate_up`) maps to the checkpoint tensors it holds (`self_attn.q_proj.weight`, ...).
 """
 
 from __future__ import annotations
@@ -233,13 +234,21 @@ class CausalLM(nn.Layer):
         self._caches = old = None
         length, rows = (min(max_len, previous[0].shape[2]), min(batch_size, previous[0].shape[0])) if previous else (0, 0)  # type: ignore[union-attr]
         caches = []
-        for i in range(2 * self.config.num_hidden_layers):
-            # paddle's stubs take a dtype name only as a Literal; ModelConfig.dtype is a str, which ModelConfig.check keeps to COMPUTE_DTYPES.
-            cache = paddle.zeros(shape, dtype=self.config.dtype)  # type: ignore[arg-type]
-            if previous:
-                cache[:rows, :, :length] = previous[i][:rows, :, :length]  # type: ignore[index]
-                previous[i] = None
-            caches.append(cache)
+        try:
+            for i in range(2 * self.config.num_hidden_layers):
+                # paddle's stubs take a dtype name only as a Literal; ModelConfig.dtype is a str, which ModelConfig.check keeps to COMPUTE_DTYPES.
+                cache = paddle.zeros(shape, dtype=self.config.dtype)  # type: ignore[arg-type]
+                if previous:
+                    cache[:rows, :, :length] = previous[i][:rows, :, :length]  # type: ignore[index]
+                    previous[i] = None
+                caches.append(cache)
+        except (MemoryError, RuntimeError) as exc:
+            # Part of the old cache is gone: no row can go on, and none may pretend to.
+            self._row_start, self._row_delta = [], []
+            raise MemoryError(
+                f"allocating the KV cache {shape} x {2 * self.config.num_hidden_layers} ({self.config.dtype}) failed after "
+                f"{len(caches)} tensors: {exc}; the sequences in its rows are lost; lower --memory-fraction or the batch"
+            ) from exc
         self._caches = caches
         if previous:
             fill = [0] * max(0, batch_size - len(self._row_start))

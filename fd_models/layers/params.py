@@ -4,8 +4,8 @@ A parameter maps to one checkpoint tensor (`new_param`), or stacks several of th
 a new first axis (`new_stacked_param`: a mixture of experts keeps its experts' weights in one
 tensor so that a step can gather the chosen ones, while checkpoints store one tensor per expert),
 or holds one or more [out, in] checkpoint tensors transposed and side by side as [in, sum of out]
-(`new_columns_param`: one matrix-vector product for the gate and up projections, in the layout
-Paddle's CPU product reads fastest).
+(`new_columns_param`: one matrix-vector product for q, k and v, or for the gate and up projections,
+and the o and down projections stored transposed, in the layout Paddle's CPU product reads fastest).
 """
 
 from __future__ import annotations

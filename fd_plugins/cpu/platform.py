@@ -93,7 +93,7 @@ def fd_clean_memory_fragments(state_dict: dict[str, Any] | None) -> None:
     gc.collect()
 
 
-# Above this much weight a rank reads a decode step, a static program gains nothing over eager ops (see fd_graph_eligibility).
+# Above this much dense weight per rank (what a decode step reads), a static program gains nothing over eager ops (see fd_graph_eligibility).
 STATIC_GAIN_WEIGHT_BYTES = 64 << 20
 
 
@@ -106,7 +106,7 @@ def fd_graph_eligibility(model_config: ModelConfig, parallel_config: ParallelCon
         # (1.4 GB) a static program's step measured no faster than eager ops (96-131 ms against
         # 97-114), and tracing it delayed the first token by 3 to 4 s (docs/benchmarks.md).
         return GraphVote.no_gain(
-            f"the model reads {weights / 2**20:.0f} MiB of weights a step per rank, more than {STATIC_GAIN_WEIGHT_BYTES >> 20} MiB: "
+            f"the model holds {weights / 2**20:.0f} MiB of dense weights per rank, more than {STATIC_GAIN_WEIGHT_BYTES >> 20} MiB: "
             "memory-bound, where a static program runs no faster than eager ops and its capture delays the first token"
         )
     if parallel_config.tp_size > 1:

@@ -83,7 +83,7 @@ def test_fd_run_and_explain_report_threads_per_rank() -> None:
                          capture_output=True, text=True, env=env_free, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     doc = json.loads(run.stdout)
-    assert doc["threads"] == {"per_rank": 1, "reason": "--threads", "openmp": 1}
+    assert doc["threads"] == {"per_rank": 1, "reason": "--threads", "openmp": 1, "one_row_decode": 1}
     # The decode step's parts (fd -v prints them): choosing the token and the rest add up to the step.
     step = doc["decode_step_ms"]
     assert 0 < step["choose"] < step["step"] and abs(step["choose"] + step["model_and_loop"] - step["step"]) < 0.01, step
@@ -112,3 +112,14 @@ def test_openmp_limit_reaches_the_loaded_runtime() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_a_one_row_decode_step_runs_on_one_thread_unless_the_user_chose_the_count() -> None:
+    """The default count drops to 1 for a one-row decode step (MKL does not thread it); --threads and OMP_NUM_THREADS are kept."""
+    from fd_core.runtime.plan import decide_threads, phase_threads
+
+    default = decide_threads(None, 1, 2, {})
+    assert (default.per_rank, phase_threads(default, 1).per_rank, phase_threads(default, 2).per_rank, phase_threads(default, None).per_rank) == (2, 1, 2, 2)
+    assert default.to_dict()["one_row_decode"] == 1
+    for chosen in (decide_threads(2, 1, 2, {}), decide_threads(None, 1, 2, {"OMP_NUM_THREADS": "2"})):
+        assert phase_threads(chosen, 1) == chosen and chosen.to_dict()["one_row_decode"] == 2

@@ -211,3 +211,29 @@ def test_checkpoint_pieces_fill_the_parameters_exactly(kit, tmp_path, monkeypatc
             np.testing.assert_array_equal(param.numpy(), want, err_msg=name)
             checked_columns = True
     assert arch.name not in ("ernie4_5", "qwen3_vl") or checked_columns, "no fused parameter was checked"
+
+
+def test_a_cache_that_fails_to_grow_says_so_and_keeps_no_half_cache(kit, monkeypatch) -> None:
+    """Growing frees the old cache a tensor at a time; a failed allocation midway is one MemoryError, and the model
+    holds no cache after it (a decode step asks for allocate_cache again instead of reading freed rows)."""
+    from fd_models.layers import decoder
+
+    arch = kit.architectures()[0]
+    model = kit.build_loaded(arch)
+    ids, _ = kit.prompt(arch)
+    model.allocate_cache(ids.shape[0], 16)
+    model.prefill(ids)
+    zeros, made = decoder.paddle.zeros, []
+
+    def failing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if len(made) == 3:
+            raise MemoryError("(test) out of memory")
+        made.append(args)
+        return zeros(*args, **kwargs)
+
+    monkeypatch.setattr(decoder.paddle, "zeros", failing)
+    with pytest.raises(MemoryError, match=r"^allocating the KV cache .* failed after 3 tensors: \(test\) out of memory; the sequences in its rows are lost"):
+        model.allocate_cache(ids.shape[0], 64, keep=True)
+    monkeypatch.setattr(decoder.paddle, "zeros", zeros)
+    with pytest.raises(RuntimeError, match="allocate_cache"):
+        model.decode_step(np.zeros((ids.shape[0], 1), dtype=np.int64), ids.shape[1])

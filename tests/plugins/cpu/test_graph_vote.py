@@ -19,7 +19,7 @@ def test_auto_skips_a_memory_bound_model_and_on_still_captures_it() -> None:
     auto = backend.graph_decision(big, one, "auto")
     assert not auto.allowed
     (vote,) = auto.votes
-    assert vote.plugin == "cpu" and vote.advisory and "1376 MiB of weights a step per rank, more than 64 MiB" in vote.reason
+    assert vote.plugin == "cpu" and vote.advisory and "1376 MiB of dense weights per rank, more than 64 MiB" in vote.reason
     assert backend.graph_decision(big, one, "on").allowed
 
 
