@@ -154,7 +154,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from fd_core.config import ModelConfig, ParallelConfig
     from fd_core.plugins import load_plugins
     from fd_core.runtime.memory import plan_memory
-    from fd_core.runtime.plan import RunConfig, check_tp, compute_dtype, run_threads
+    from fd_core.runtime.plan import RunConfig, check_tp, compute_dtype, model_and_checkpoint, model_config_for, run_threads
     from fd_core.runtime.report import kernel_line, threads_line
 
     plugins = load_plugins()
@@ -162,14 +162,15 @@ def cmd_explain(args: argparse.Namespace) -> int:
     backend = load_backend(parallel, plugins=plugins)
     registry = plugins.registry
     if len(registry):
-        arch = registry.get(args.model)  # an unknown name raises, listing the registered architectures
-        config = arch.preset_config().with_overrides(dtype=compute_dtype(args.dtype, backend))
+        # The checkpoint's architecture and config.json, as fd run reads them; an unknown name raises, listing the registered ones.
+        arch, checkpoint = model_and_checkpoint(args.model, args.checkpoint, plugins)
+        config = model_config_for(arch, checkpoint, compute_dtype(args.dtype, backend))
         # The layout fd run would refuse is refused here too, in the same words: no decision is shown for it.
         check_tp(args.tp, config, arch, backend)
         model_line = f"{arch.name} (registered by {arch.package})"
     else:
-        config = ModelConfig(architecture=args.model, dtype=compute_dtype(args.dtype, backend))
-        model_line = f"{args.model} (no model package registers it)"
+        config = ModelConfig(architecture=args.model or "ernie4_5", dtype=compute_dtype(args.dtype, backend))
+        model_line = f"{args.model or 'ernie4_5'} (no model package registers it)"
     memory = plan_memory(config, args.tp, backend.detection, args.memory_fraction, backend.platform, config.architecture)
     decision = backend.graph_decision(config, requested=args.graph)
     threads = run_threads(RunConfig(model=config.architecture, tp=args.tp, threads=args.threads), backend.detection)
@@ -533,7 +534,9 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
     p.set_defaults(func=cmd_plugins)
 
     p = sub.add_parser("explain", help="show the chosen platform and the graph decision with every vote", **models)
-    p.add_argument("--model", default="ernie4_5", metavar="ARCH", help="architecture name or alias (default: ernie4_5)")
+    p.add_argument("--model", default=None, metavar="ARCH", help="architecture name or alias (default: the checkpoint's, else ernie4_5)")
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="a model directory, as fd run takes it: its config.json sizes the plan, no weight is read (default: the --model preset)")
     p.add_argument("--tp", type=_positive, default=2, metavar="N", help="tensor-parallel ranks, as fd run takes them (default: 2)")
     p.add_argument("--graph", choices=("auto", "on", "off"), default="auto", help=graph_help)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")

@@ -310,6 +310,22 @@ def _run_request(
                          parallel=ParallelConfig(tp_size=run.tp), stream=run.stream)
 
 
+def model_and_checkpoint(model: str | None, directory: str | None, plugins: PluginSet) -> tuple[Architecture, Checkpoint | None]:
+    """The architecture to run (the checkpoint's, which `model` may only name again; else `model`, else the default) and
+    the opened checkpoint (None without one)."""
+    if directory is None:
+        return plugins.registry.get(model or DEFAULT_MODEL), None
+    checkpoint = Checkpoint.open(directory)
+    found = checkpoint.architecture
+    if found is None:
+        raise CheckpointError(f"checkpoint {directory}/config.json names no architecture; add \"architectures\": [\"<name>\"]")
+    if found not in plugins.registry:
+        raise CheckpointError(f"checkpoint {directory}: architecture {found!r} is not registered; {plugins.registry.listing()}")
+    if model and plugins.registry.get(model).name != plugins.registry.get(found).name:
+        raise ConfigError(f"--model {model} does not match the checkpoint's architecture {found}; drop --model or pick the right checkpoint")
+    return plugins.registry.get(found), checkpoint
+
+
 def plan_run(run: RunConfig, plugins: PluginSet | None = None, *, gate: bool = True) -> Plan:
     """Every check that can fail before a process starts: platform, model, tp, memory, prompt, checkpoint, the plugins' gates.
 
@@ -323,19 +339,7 @@ def plan_run(run: RunConfig, plugins: PluginSet | None = None, *, gate: bool = T
     if run.steps < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {run.steps}")
     threads = run_threads(run, backend.detection)
-    model = run.model
-    checkpoint = None
-    if run.checkpoint is not None:
-        checkpoint = Checkpoint.open(run.checkpoint)
-        found = checkpoint.architecture
-        if found is None:
-            raise CheckpointError(f"checkpoint {run.checkpoint}/config.json names no architecture; add \"architectures\": [\"<name>\"]")
-        if found not in plugins.registry:
-            raise CheckpointError(f"checkpoint {run.checkpoint}: architecture {found!r} is not registered; {plugins.registry.listing()}")
-        if model and plugins.registry.get(model).name != plugins.registry.get(found).name:
-            raise ConfigError(f"--model {model} does not match the checkpoint's architecture {found}; drop --model or pick the right checkpoint")
-        model = found
-    arch = plugins.registry.get(model or DEFAULT_MODEL)
+    arch, checkpoint = model_and_checkpoint(run.model, run.checkpoint, plugins)
     config = model_config_for(arch, checkpoint, compute_dtype(run.dtype, backend))
     check_tp(run.tp, config, arch, backend)
     if run.images and not arch.multimodal:

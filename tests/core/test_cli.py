@@ -236,3 +236,23 @@ def test_check_json_is_the_whole_of_stdout_with_the_verdict_and_exit_code() -> N
     none = run_fd(["check", "cpu", "-k", "nosuchcheck"], timeout=300)
     assert (none.returncode, none.stdout) == (2, "")
     assert none.stderr.strip() == "fd: error: no check of the conformance suite matches -k 'nosuchcheck'; run fd check cpu without -k to see them all"
+
+
+def test_explain_plans_a_checkpoint_from_its_config_as_run_does(tmp_path: Path) -> None:
+    """`fd explain --checkpoint` sizes the plan from the directory's config.json (no weight is read): ERNIE-4.5-0.3B's
+    published config is 360.7 M parameters, which the cpu platform's graph vote skips as memory-bound."""
+    directory = tmp_path / "ernie-0.3b"
+    directory.mkdir()
+    config = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "ernie-4.5-0.3b.json"
+    (directory / "config.json").write_text(config.read_text())
+    (directory / "model.safetensors").write_bytes(b"")
+    done = run_fd(["explain", "--checkpoint", str(directory), "--tp", "1", "--json"])
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["model"] == "ernie4_5" and plan["memory"]["weights_per_rank"] == 360_748_032 * 4
+    assert not plan["graph"]["allowed"] and "1376 MiB of dense weights per rank" in plan["graph"]["votes"][0]["reason"]
+    wrong = run_fd(["explain", "--checkpoint", str(directory), "--model", "qwen3_vl"])
+    assert wrong.returncode == 2 and wrong.stdout == ""
+    assert wrong.stderr.strip() == (
+        "fd: error: --model qwen3_vl does not match the checkpoint's architecture Ernie4_5ForCausalLM; drop --model or pick the right checkpoint"
+    )
