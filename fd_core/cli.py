@@ -154,7 +154,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from fd_core.config import ModelConfig, ParallelConfig
     from fd_core.plugins import load_plugins
     from fd_core.runtime.memory import plan_memory
-    from fd_core.runtime.plan import RunConfig, check_tp, compute_dtype, model_and_checkpoint, model_config_for, run_threads
+    from fd_core.runtime.plan import DEFAULT_MODEL, RunConfig, check_tp, compute_dtype, model_and_checkpoint, model_config_for, run_threads
     from fd_core.runtime.report import kernel_line, threads_line
 
     plugins = load_plugins()
@@ -169,8 +169,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
         check_tp(args.tp, config, arch, backend)
         model_line = f"{arch.name} (registered by {arch.package})"
     else:
-        config = ModelConfig(architecture=args.model or "ernie4_5", dtype=compute_dtype(args.dtype, backend))
-        model_line = f"{args.model or 'ernie4_5'} (no model package registers it)"
+        name = args.model or DEFAULT_MODEL
+        config = ModelConfig(architecture=name, dtype=compute_dtype(args.dtype, backend))
+        model_line = f"{name} (no model package registers it)"
     memory = plan_memory(config, args.tp, backend.detection, args.memory_fraction, backend.platform, config.architecture)
     decision = backend.graph_decision(config, requested=args.graph)
     threads = run_threads(RunConfig(model=config.architecture, tp=args.tp, threads=args.threads), backend.detection)

@@ -19,7 +19,7 @@ from fd_core import WeightSpec
 from fd_core.config import ModelConfig
 from fd_core.models import GraphBackend
 from fd_models.layers import params
-from fd_models.layers.attention import Attention, CacheIndex, cache_index
+from fd_models.layers.attention import Attention, CacheIndex, cache_index, write_cache
 from fd_models.layers.mlp import SwiGLUMLP
 from fd_models.layers.norm import RMSNorm
 from fd_models.layers.parallel import ParallelLMHead, VocabParallelEmbedding
@@ -301,11 +301,11 @@ class CausalLM(nn.Layer):
         rope = None if rope_positions is None else as_int64(rope_positions)
         mask = None if vision_mask is None else paddle.to_tensor(np.asarray(vision_mask, dtype=bool))
         hidden = self.model(embeds, positions, scratch, rope, deepstack, mask, start=as_int64(pads))
-        kv_heads = scratch[0].shape[1]
-        at = (as_int64(np.repeat(rows, kv_heads * length)), as_int64(np.tile(np.repeat(np.arange(kv_heads), length), batch)),
-              as_int64(np.tile(np.arange(length), batch * kv_heads)))
+        # The scratch's rows 0..B-1 land in the cache's `rows`: the decoder's own write index, its rows renamed.
+        scratch_rows, heads, slots = cache_index(positions, batch, scratch[0].shape[1])
+        at = (paddle.gather(as_int64(rows), scratch_rows), heads, slots)
         for cache, written in zip(caches, scratch, strict=True):
-            paddle.index_put_(cache, at, written.reshape([-1, written.shape[-1]]))
+            write_cache(cache, written, at)
         for row, p in zip(rows, pads, strict=True):
             self._row_start[row], self._row_delta[row] = p, int(rope_delta)
         return self.lm_head(hidden[:, -1])
