@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -57,7 +58,29 @@ OPS: dict[str, Op] = {op.name: op for op in (
        "prefix of the sorted probabilities whose mass reaches top_p; the engine draws `uniform` from each sequence's seeded "
        "generator, so every rank chooses the same token. Returns a list of B ints",
        dtypes=("float32",), traced=False, tolerances={"float32": (0.0, 0.0)}),
+    Op("matmul", ("x", "weight", "transpose_weight"),
+       "x [..., K] times weight [K, N], or times the transpose of weight [N, K] when transpose_weight is True: [..., N] in "
+       "x's dtype, summed in float32 or wider (a kernel that splits the sum adds its parts in float32); the product of every "
+       "linear layer and of the LM head (a one-row decode step passes x [1, 1, K], the LM head x [1, H])",
+       # Looser than the elementwise ops' in float32: a kernel that orders the K-term sum differently rounds differently.
+       tolerances={"float32": (1e-4, 1e-4), "float16": (2e-3, 2e-3), "bfloat16": (2e-2, 2e-2)}),
 )}
+
+
+_threads = threading.local()
+
+
+def compute_threads() -> int:
+    """The threads the calling thread's rank may compute on in the current phase (1 outside a run): a kernel that
+    splits its own work across threads (the cpu platform's one-row product) reads it."""
+    return int(getattr(_threads, "count", 1))
+
+
+def set_compute_threads(count: int) -> None:
+    """Set compute_threads() for the calling thread (the runtime does, before each prefill and decode step)."""
+    if count < 1:
+        raise ValueError(f"compute threads must be >= 1, got {count}")
+    _threads.count = count
 
 
 @dataclass(frozen=True)
@@ -149,6 +172,7 @@ class KernelTable:
 class Ops:
     """The resolved op table of one Backend: `ops.rms_norm(x, weight, eps)` calls the chosen function directly."""
 
+    matmul: Callable[..., Any]
     rms_norm: Callable[..., Any]
     silu_and_mul: Callable[..., Any]
     rotary_embedding: Callable[..., Any]

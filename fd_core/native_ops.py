@@ -11,6 +11,11 @@ import paddle
 import paddle.nn.functional as F
 
 
+def matmul(x: paddle.Tensor, weight: paddle.Tensor, transpose_weight: bool) -> paddle.Tensor:
+    """x @ weight, or x @ weight^T when transpose_weight (Paddle's product: MKL's on the CPU)."""
+    return paddle.matmul(x, weight, transpose_y=transpose_weight)
+
+
 def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
     """weight * (x / rms(x)): the statistics in float32, cast back to x's dtype before the weight, as the references do."""
     x32 = x.astype("float32")

@@ -14,6 +14,7 @@ from fd_core.backend import Backend
 from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.detection import Detection
 from fd_core.errors import CheckpointError, ConfigError, FdError
+from fd_core.kernels import set_compute_threads
 from fd_core.models import Architecture
 from fd_core.plugins import PluginSet, load_plugins
 from fd_core.runtime.checkpoint import Checkpoint
@@ -95,10 +96,17 @@ class Threads:
     openmp: int = 1
     # Whether the user chose the count (--threads, OMP_NUM_THREADS): then every phase keeps it (phase_threads).
     chosen: bool = False
+    # Threads a kernel may split one op across (fd_core.kernels.compute_threads); None: per_rank.
+    kernels: int | None = None
+
+    @property
+    def for_kernels(self) -> int:
+        return self.per_rank if self.kernels is None else self.kernels
 
     def to_dict(self) -> dict[str, Any]:
+        one_row = phase_threads(self, 1)
         return {"per_rank": self.per_rank, "reason": self.reason, "openmp": self.openmp,
-                "one_row_decode": phase_threads(self, 1).per_rank}
+                "one_row_decode": one_row.per_rank, "one_row_decode_kernels": one_row.for_kernels}
 
 
 THREADS_ENV = "OMP_NUM_THREADS"
@@ -148,9 +156,11 @@ def run_threads(run: RunConfig, detection: Detection | None = None) -> Threads:
 
 
 def apply_threads(threads: Threads) -> None:
-    """Set this process's compute threads (Paddle's OpenMP and MKL pools): a forked rank inherits its parent's setting."""
+    """Set this process's compute threads (Paddle's OpenMP and MKL pools; a forked rank inherits its parent's setting)
+    and the calling thread's compute_threads() for kernels."""
     from paddle.base import core
 
+    set_compute_threads(threads.for_kernels)
     core.set_num_threads(threads.per_rank)
     if threads.openmp != threads.per_rank:
         set_openmp_threads(threads.openmp)
@@ -165,16 +175,18 @@ def apply_threads(threads: Threads) -> None:
 
 
 def phase_threads(threads: Threads, rows: int | None) -> Threads:
-    """The threads one phase computes on: a decode step of one cache row on one thread, a prefill (`rows` None) or a
-    wider decode step on all the plan gives; a count the user chose, in every phase.
+    """The threads one phase computes on: a decode step of one cache row on one MKL thread, its kernels (the cpu
+    platform's split product) on all the plan gives; a prefill (`rows` None) or a wider decode step on all of them;
+    a count the user chose, in every phase.
 
     MKL ran a one-row matrix-vector product on one thread whatever it was given on the machine
-    docs/benchmarks.md measures: a second thread only woke for attention's small products, which it
-    slowed (10 against 4 to 5 ms of a 0.3B decode step, the thread asleep between them: KMP_BLOCKTIME
-    below). `--threads` keeps its count where that differs.
+    docs/benchmarks.md measures: a second MKL thread only woke for attention's small products, which
+    it slowed (10 against 4 to 5 ms of a 0.3B decode step, the thread asleep between them:
+    KMP_BLOCKTIME below). The rank's threads go to the kernels that split a one-row product
+    themselves instead. `--threads` keeps its count where that differs.
     """
     if rows == 1 and threads.per_rank > 1 and not threads.chosen:
-        return Threads(1, f"{threads.reason}; a one-row decode step on 1", 1)
+        return Threads(1, f"{threads.reason}; a one-row decode step on 1 MKL thread", 1, kernels=threads.per_rank)
     return threads
 
 

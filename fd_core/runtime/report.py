@@ -19,8 +19,9 @@ def threads_line(threads: Mapping[str, Any]) -> str:
     openmp = threads.get("openmp", threads["per_rank"])
     loops = "" if openmp == threads["per_rank"] else f"; Paddle's own OpenMP loops {openmp}"
     one_row = threads.get("one_row_decode", threads["per_rank"])
-    decode = "" if one_row == threads["per_rank"] else f", {one_row} for a one-row decode step"
-    return f"threads: {threads['per_rank']} per rank for matrix products{decode} ({threads['reason']}{loops})"
+    split = threads.get("one_row_decode_kernels", one_row)
+    decode = "" if one_row == threads["per_rank"] else f"; a one-row decode step: MKL on {one_row}, a kernel that splits a product on {split}"
+    return f"threads: {threads['per_rank']} per rank for matrix products ({threads['reason']}{loops}{decode})"
 
 
 def summary_lines(results: Sequence[Mapping[str, Any]], verbose: bool = False) -> list[str]:

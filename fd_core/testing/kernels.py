@@ -1,6 +1,7 @@
 """Kernel conformance: every non-native kernel in use against the native op, on generated inputs (the shapes of
-every registered architecture and odd sizes, in every dtype the platform computes in). A model run with the
-kernels against the native ops is the suite's native-path check (suite.ModelTests)."""
+every registered architecture and odd sizes, in every dtype the platform computes in), at each count of compute
+threads a run may give a kernel. A model run with the kernels against the native ops is the suite's native-path
+check (suite.ModelTests)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,15 @@ from typing import Any, Iterator
 import pytest
 
 from fd_core.detection import Detection
-from fd_core.kernels import OPS
+from fd_core.kernels import OPS, compute_threads, set_compute_threads
 from fd_core.plugins import PluginSet
 
 ODD = 13  # a size no vector unit divides
+# Compute threads each case runs at (fd_core.kernels.compute_threads): one, and counts a kernel that splits its
+# work must divide among, an odd one too.
+THREAD_COUNTS = (1, 2, 3)
+# A decode step's one-row product at a published model's size: large enough for a kernel to split it across threads.
+LARGE = 1024
 
 
 def _sizes(plugins: PluginSet) -> list[dict[str, int]]:
@@ -74,11 +80,22 @@ def cases(op: str, plugins: PluginSet, dtype: str, seed: int = 0) -> Iterator[tu
                 yield (f"q[{batch}, {heads}, {length}, {d}] kv views of a cache [{batch}, {kv}, {total + 3}, {d}]",
                        (t(batch, heads, length, d), cache_k[:, :, :total], cache_v[:, :, :total], mask))
             yield f"q[1, {heads}, 4, {d}] no mask", (t(1, heads, 4, d), t(1, kv, 4, d), t(1, kv, 4, d), None)
+        elif op == "matmul":
+            inter = s["inter"]
+            yield f"x[1, 1, {h}] @ w[{h}, {inter}]", (t(1, 1, h), t(h, inter), False)
+            yield f"x[2, 5, {h}] @ w[{h}, {inter}]", (t(2, 5, h), t(h, inter), False)
+            yield f"x[1, {h}] @ w[{inter}, {h}]^T", (t(1, h), t(inter, h), True)
+            yield f"x[3, 1, {inter}] @ w[{h}, {inter}]^T", (t(3, 1, inter), t(h, inter), True)
         elif op == "sample":
             vocab = 50 + s["hidden"]
             for temperature, top_k, top_p in ((0.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.9, 20, 0.95)):
                 yield (f"logits[4, {vocab}] temperature={temperature} top_k={top_k} top_p={top_p}",
                        (t(4, vocab, kind="float32") * 3, temperature, top_k, top_p, rng.random(4).tolist()))
+    if op == "matmul":
+        # One row against a weight of the size a real model's decode step multiplies by (8 to 17 MiB in float32), odd sizes.
+        yield f"x[1, 1, {LARGE}] @ w[{LARGE}, {4 * LARGE + ODD}]", (t(1, 1, LARGE), t(LARGE, 4 * LARGE + ODD), False)
+        yield f"x[1, 1, {2 * LARGE + ODD}] @ w[{2 * LARGE + ODD}, {LARGE}]", (t(1, 1, 2 * LARGE + ODD), t(2 * LARGE + ODD, LARGE), False)
+        yield f"x[1, {LARGE}] @ w[{4 * LARGE + ODD}, {LARGE}]^T", (t(1, LARGE), t(4 * LARGE + ODD, LARGE), True)
 
 
 def _numpy(value: Any) -> Any:
@@ -137,21 +154,33 @@ class KernelTests:
                 for what, args in cases(op, plugins, dtype):
                     # The reference first, on copies: a kernel that writes into its inputs must not change what it is compared with.
                     want = getattr(native_ops, op)(*_copies(args))
-                    before = _copies(args)
-                    try:
-                        got = getattr(backend.ops, op)(*args)
-                    except Exception as exc:  # noqa: BLE001 - the kernel's own error, reported with its case
-                        failures.append(f"{op} ({provider}) {dtype} {what}: raised {type(exc).__name__}: {exc}")
-                        continue
-                    checked += 1
-                    problem = compare(op, got, want, dtype, args, native_ops) or _changed(args, before)
-                    if problem:
-                        failures.append(f"{op} ({provider}) {dtype} {what}: {problem}")
+                    for threads in THREAD_COUNTS:
+                        at = f" on {threads} compute threads" if threads > 1 else ""
+                        before = _copies(args)
+                        try:
+                            got = _on_threads(threads, getattr(backend.ops, op), args)
+                        except Exception as exc:  # noqa: BLE001 - the kernel's own error, reported with its case
+                            failures.append(f"{op} ({provider}) {dtype} {what}{at}: raised {type(exc).__name__}: {exc}")
+                            continue
+                        checked += 1
+                        problem = compare(op, got, want, dtype, args, native_ops) or _changed(args, before)
+                        if problem:
+                            failures.append(f"{op} ({provider}) {dtype} {what}{at}: {problem}")
         # The first line (what `fd check` shows) names each failing op with its first case; every case follows.
         first = {f.split(" ", 1)[0]: f for f in reversed(failures)}
         assert not failures, "; ".join(reversed(first.values())) + f" ({len(failures)} case(s) in all)\n" + "\n".join(failures[:40])
         if not checked:
             pytest.skip(f"{plugins.platform}: no kernel case could be checked: the ops define no tolerance for {', '.join(unchecked)}")
+
+
+def _on_threads(threads: int, kernel: Any, args: tuple[Any, ...]) -> Any:
+    """kernel(*args) with compute_threads() at `threads`, as the engine sets it for a phase."""
+    held = compute_threads()
+    set_compute_threads(threads)
+    try:
+        return kernel(*args)
+    finally:
+        set_compute_threads(held)
 
 
 def _copies(args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -90,19 +90,19 @@ class Attention(nn.Layer):
         # Qwen3 normalises each head's q and k before rope; the weights are per head_dim, replicated.
         self.q_norm = RMSNorm(head_dim, qk_norm_eps, ctx, dtype) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps, ctx, dtype) if qk_norm_eps is not None else None
-        self.rotary_embedding, self.attention = ctx.ops.rotary_embedding, ctx.ops.attention
+        self.rotary_embedding, self.attention, self.matmul = ctx.ops.rotary_embedding, ctx.ops.attention, ctx.ops.matmul
 
     def project(self, x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
         """x [B, S, H] -> this rank's q, k and v, [B, S, heads x d] and [B, S, kv_heads x d] twice."""
         if self.fused:
-            q, k, v = paddle.split(paddle.matmul(x, self.qkv), self.widths, axis=-1)
+            q, k, v = paddle.split(self.matmul(x, self.qkv, False), self.widths, axis=-1)
             return q, k, v
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def output(self, x: paddle.Tensor) -> paddle.Tensor:
         """The attention's merged heads [B, S, heads x d] -> [B, S, H], summed over the ranks."""
         if self.fused:
-            return self.ctx.all_reduce(paddle.matmul(x, self.o))
+            return self.ctx.all_reduce(self.matmul(x, self.o, False))
         return self.o_proj(x)
 
     def forward(

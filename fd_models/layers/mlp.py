@@ -36,10 +36,10 @@ class SwiGLUMLP(nn.Layer):
             self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, ctx, bias, dtype)
             self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, ctx, bias, dtype)
             self.down_proj = RowParallelLinear(intermediate_size, hidden_size, ctx, bias, dtype)
-        self.silu_and_mul = ctx.ops.silu_and_mul
+        self.silu_and_mul, self.matmul = ctx.ops.silu_and_mul, ctx.ops.matmul
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if not self.fused:
             return self.down_proj(self.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
-        gate, up = paddle.split(paddle.matmul(x, self.gate_up), 2, axis=-1)
-        return self.ctx.all_reduce(paddle.matmul(self.silu_and_mul(gate, up), self.down))
+        gate, up = paddle.split(self.matmul(x, self.gate_up, False), 2, axis=-1)
+        return self.ctx.all_reduce(self.matmul(self.silu_and_mul(gate, up), self.down, False))

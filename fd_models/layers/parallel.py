@@ -30,9 +30,10 @@ class _Linear(nn.Layer):
         # A column-parallel bias is split with the outputs; a row-parallel one is whole, added once after the sum.
         bias_axis = 0 if self.split_axis == 0 else None
         self.bias = new_param(self, WeightSpec((out_features,), bias_axis, dtype, init="zeros"), tp, attr="bias") if bias else None
+        self.matmul = ctx.ops.matmul
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        out = paddle.matmul(x, self.weight, transpose_y=True)
+        out = self.matmul(x, self.weight, True)
         return out if self.bias is None else out + self.bias
 
 
@@ -52,7 +53,7 @@ class RowParallelLinear(_Linear):
     split_axis = 1
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        out = self.ctx.all_reduce(paddle.matmul(x, self.weight, transpose_y=True))
+        out = self.ctx.all_reduce(self.matmul(x, self.weight, True))
         return out if self.bias is None else out + self.bias
 
 
@@ -97,7 +98,7 @@ class ParallelLMHead(nn.Layer):
     def forward(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """hidden [B, H] -> float32 logits [B, vocab] on every rank."""
         weight = self.weight if self.tied[0] is None else self.tied[0].weight
-        local = paddle.matmul(hidden, weight, transpose_y=True).astype("float32")
+        local = self.ctx.ops.matmul(hidden, weight, True).astype("float32")
         tp = self.ctx.parallel.tp_size
         if tp == 1:
             return local

@@ -129,6 +129,8 @@ def fd_graph_backend(parallel_config: ParallelConfig) -> Any:
 @hookimpl
 def fd_register_kernels(register: Any) -> None:
     from fd_plugins.cpu.kernels import rms_norm, rotary_embedding
+    from fd_plugins.cpu.products import matmul
 
     register("rms_norm", rms_norm)
     register("rotary_embedding", rotary_embedding)
+    register("matmul", matmul)

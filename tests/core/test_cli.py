@@ -23,7 +23,7 @@ def test_plugins_lists_cpu_active_and_the_others_not_detected_with_the_reason() 
     assert "not active: not detected: paddle-iluvatar-gpu is not installed" in row["iluvatar"]
     assert row["cpu"].endswith(
         "hooks: fd_all_reduce, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility, fd_platform_detect, fd_register_kernels "
-        "kernels: rms_norm, rotary_embedding"
+        "kernels: matmul, rms_norm, rotary_embedding"
     )
     # Each architecture with the names checkpoints use for it (aliases) and, named as such, the plugin it came from.
     archs = listing(done.stdout)["architectures"]
@@ -41,7 +41,7 @@ def test_plugins_json_has_every_field() -> None:
     cuda = by_name["cuda"]
     assert set(cuda) == {"name", "kind", "module", "distribution", "version", "builtin", "allowed", "hooks", "detection", "error", "active", "status",
                          "kernels"}
-    assert by_name["cpu"]["kernels"] == ["rms_norm", "rotary_embedding"] and cuda["kernels"] == []
+    assert by_name["cpu"]["kernels"] == ["matmul", "rms_norm", "rotary_embedding"] and cuda["kernels"] == []
     assert cuda["kind"] == "platform" and cuda["builtin"] and not cuda["active"] and cuda["detection"]["detected"] is False
     assert by_name["qwen3_vl"]["hooks"] == ["fd_clear_graphs", "fd_register_models"]
 

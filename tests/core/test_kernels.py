@@ -67,7 +67,7 @@ def test_an_unknown_op_is_refused_at_load_naming_the_plugin_and_the_nearest_op(i
         load_plugins({})
     assert str(err.value) == (
         "plugin 'typo-kernels': fd_register_kernels registered an unknown op 'rms_nrom'; did you mean 'rms_norm'? "
-        "(fd's ops: rms_norm, silu_and_mul, rotary_embedding, attention, sample); fix the name in 'typo-kernels'"
+        "(fd's ops: rms_norm, silu_and_mul, rotary_embedding, attention, sample, matmul); fix the name in 'typo-kernels'"
     )
 
 
@@ -116,7 +116,7 @@ def test_an_extension_takes_precedence_over_the_platform_and_layers_call_it_dire
     from fd_models.layers.norm import RMSNorm
 
     assert RMSNorm(8, 1e-6, backend).rms_norm is kernel  # resolved once: the layer's call is the kernel's own
-    assert plugins.kernels.by_plugin("first-kernels") == ["rms_norm"] and plugins.kernels.by_plugin("cpu") == ["rms_norm", "rotary_embedding"]
+    assert plugins.kernels.by_plugin("first-kernels") == ["rms_norm"] and plugins.kernels.by_plugin("cpu") == ["matmul", "rms_norm", "rotary_embedding"]
 
 
 def test_no_model_layer_computes_an_op_itself() -> None:
@@ -190,6 +190,7 @@ def test_the_suite_passes_the_example_kernels(example_kernels: Path) -> None:
 
 WRONG_KERNELS = """
 from fd_core import hookimpl, native_ops
+from fd_core.kernels import compute_threads
 
 
 def rms_norm(x, weight, eps):
@@ -200,10 +201,20 @@ def sample(logits, temperature, top_k, top_p, uniform):
     return native_ops.sample(logits, 0.0, top_k, top_p, uniform)  # always greedy
 
 
+def matmul(x, weight, transpose_weight):
+    # A one-row product split over the compute threads that sums only the first part: right on one thread.
+    parts = compute_threads()
+    if parts < 2 or transpose_weight or x.shape[-2] != 1 or weight.shape[0] < 1024:
+        return native_ops.matmul(x, weight, transpose_weight)
+    cut = weight.shape[0] // parts
+    return native_ops.matmul(x[..., :cut], weight[:cut], False)
+
+
 @hookimpl
 def fd_register_kernels(register):
     register("rms_norm", rms_norm)
     register("sample", sample)
+    register("matmul", matmul)
 """
 
 
@@ -215,6 +226,9 @@ def test_a_wrong_kernel_fails_fd_check_by_name(tmp_path: Path) -> None:
     text = " ".join(done.stdout.split())
     assert "rms_norm (wrong-kernels) float32 x[1, 1, " in text and "largest error" in text
     assert "sample (wrong-kernels) float32 logits[4, " in text and "chose token" in text
+    # The split product is right on one thread and wrong on two: the suite runs each case at both.
+    assert "matmul (wrong-kernels) float32 x[1, 1, 1024] @ w[1024, 4109] on 2 compute threads: largest error" in text
+    assert "matmul (wrong-kernels) float32 x[1, 1, 1024] @ w[1024, 4109]: " not in text
 
 
 def test_fd_run_refuses_a_misspelled_op_in_one_line(tmp_path: Path) -> None:
@@ -223,7 +237,7 @@ def test_fd_run_refuses_a_misspelled_op_in_one_line(tmp_path: Path) -> None:
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip().splitlines() == [
         "fd: error: plugin 'typo-kernels': fd_register_kernels registered an unknown op 'rms_nrom'; did you mean 'rms_norm'? "
-        "(fd's ops: rms_norm, silu_and_mul, rotary_embedding, attention, sample); fix the name in 'typo-kernels'"
+        "(fd's ops: rms_norm, silu_and_mul, rotary_embedding, attention, sample, matmul); fix the name in 'typo-kernels'"
     ]
 
 

@@ -83,7 +83,7 @@ def test_fd_run_and_explain_report_threads_per_rank() -> None:
                          capture_output=True, text=True, env=env_free, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     doc = json.loads(run.stdout)
-    assert doc["threads"] == {"per_rank": 1, "reason": "--threads", "openmp": 1, "one_row_decode": 1}
+    assert doc["threads"] == {"per_rank": 1, "reason": "--threads", "openmp": 1, "one_row_decode": 1, "one_row_decode_kernels": 1}
     # The decode step's parts (fd -v prints them): choosing the token and the rest add up to the step.
     step = doc["decode_step_ms"]
     assert 0 < step["choose"] < step["step"] and abs(step["choose"] + step["model_and_loop"] - step["step"]) < 0.01, step
@@ -115,11 +115,16 @@ def test_openmp_limit_reaches_the_loaded_runtime() -> None:
 
 
 def test_a_one_row_decode_step_runs_on_one_thread_unless_the_user_chose_the_count() -> None:
-    """The default count drops to 1 for a one-row decode step (MKL does not thread it); --threads and OMP_NUM_THREADS are kept."""
+    """The default MKL count drops to 1 for a one-row decode step (MKL does not thread it) and its kernels keep the plan's;
+    --threads and OMP_NUM_THREADS are kept; the report says so."""
     from fd_core.runtime.plan import decide_threads, phase_threads
+    from fd_core.runtime.report import threads_line
 
     default = decide_threads(None, 1, 2, {})
-    assert (default.per_rank, phase_threads(default, 1).per_rank, phase_threads(default, 2).per_rank, phase_threads(default, None).per_rank) == (2, 1, 2, 2)
-    assert default.to_dict()["one_row_decode"] == 1
+    phases = [phase_threads(default, rows) for rows in (1, 2, None)]
+    assert [(p.per_rank, p.for_kernels) for p in phases] == [(1, 2), (2, 2), (2, 2)]
+    assert (default.to_dict()["one_row_decode"], default.to_dict()["one_row_decode_kernels"]) == (1, 2)
+    assert threads_line(default.to_dict()).endswith("; a one-row decode step: MKL on 1, a kernel that splits a product on 2)")
     for chosen in (decide_threads(2, 1, 2, {}), decide_threads(None, 1, 2, {"OMP_NUM_THREADS": "2"})):
         assert phase_threads(chosen, 1) == chosen and chosen.to_dict()["one_row_decode"] == 2
+        assert "one-row" not in threads_line(chosen.to_dict())

@@ -1,5 +1,6 @@
-"""A one-row decode step computes on one MKL thread, a prefill and a wider step on the plan's: read from MKL itself
-inside each phase (the engine sets them; MKL does not thread a one-row product, docs/benchmarks.md)."""
+"""A one-row decode step computes on one MKL thread and gives the plan's threads to the kernels that split a product
+(fd_core.kernels.compute_threads), a prefill and a wider step on the plan's: read from MKL itself and from the kernel's
+own view inside each phase (the engine sets them; MKL does not thread a one-row product, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import pytest
 
 from fd_core.backend import load_backend
+from fd_core.kernels import compute_threads
 from fd_core.runtime.engine import Engine
 from fd_core.runtime.lifecycle import ModelRunner
 from fd_core.runtime.plan import Threads, apply_threads, model_config_for
@@ -37,23 +39,23 @@ def test_one_row_decodes_on_one_thread_and_prefill_and_two_rows_on_the_plans() -
     prefill, decode = model.prefill, model.decode_step
 
     def timed_prefill(*args: Any, **kwargs: Any) -> Any:
-        seen.append(("prefill", mkl_threads()))
+        seen.append(("prefill", mkl_threads(), compute_threads()))
         return prefill(*args, **kwargs)
 
     def timed_decode(tokens: Any, positions: Any) -> Any:
-        seen.append(("decode", len(positions), mkl_threads()))
+        seen.append(("decode", len(positions), mkl_threads(), compute_threads()))
         return decode(tokens, positions)
 
     model.prefill, model.decode_step = timed_prefill, timed_decode
     try:
         alone = Engine(runner, threads=Threads(2, "the test's plan")).generate(Request.greedy([[5, 6, 7]], 3))
-        assert seen == [("prefill", 2), ("decode", 1, 1), ("decode", 1, 1)]
+        assert seen == [("prefill", 2, 2), ("decode", 1, 1, 2), ("decode", 1, 1, 2)]
         seen.clear()
         Engine(runner, threads=Threads(2, "the test's plan")).generate(Request.greedy([[5, 6, 7], [8, 9]], 3))
-        assert seen == [("prefill", 2), ("decode", 2, 2), ("decode", 2, 2)]
+        assert seen == [("prefill", 2, 2), ("decode", 2, 2, 2), ("decode", 2, 2, 2)]
         # What it computes is the same on either count.
         seen.clear()
         again = Engine(runner, threads=Threads(1, "one")).generate(Request.greedy([[5, 6, 7]], 3))
-        assert [c.token_ids for c in again] == [c.token_ids for c in alone] and seen[0] == ("prefill", 1)
+        assert [c.token_ids for c in again] == [c.token_ids for c in alone] and seen[0] == ("prefill", 1, 1)
     finally:
         apply_threads(Threads(1, "the test suite's own"))

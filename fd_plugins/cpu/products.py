@@ -1,0 +1,129 @@
+"""The cpu platform's matrix product: a one-row product split across the rank's compute threads.
+
+MKL runs a one-row product (a decode step's x [1, K] times a weight) on one thread whatever thread
+count it is given, and on the machine docs/benchmarks.md measures one thread reads memory at about
+0.7 of the rate two do: a tp=1 decode step left a core idle. Paddle releases the GIL while an op
+computes, so the calling thread and the pool's workers each multiply by one contiguous block of
+the weight's rows at once: for `x @ W` the blocks split the sum over K (the parts are added in
+x's dtype), for `x @ W^T` they split the outputs (the parts are concatenated). The split is only
+taken eagerly, for one row, for a weight of at least SPLIT_MIN_BYTES, with more than one compute
+thread (fd_core.kernels.compute_threads, which the engine sets for each phase); everything else
+is Paddle's own product.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import queue
+import threading
+from typing import Any, Callable
+
+from fd_core.graphs import capturing
+from fd_core.kernels import compute_threads
+
+Call = tuple[Callable[..., Any], tuple[Any, ...]]
+
+# Below this much weight a split's two hand-offs cost more than the second thread's reading saves: on the
+# 2-core guest docs/benchmarks.md measures, waking a sleeping thread takes 30 to 40 us, and a split of a
+# weight that does not fit the cache broke even at 8 MiB (4 MiB: 229-285 us on one thread, 322-352 split;
+# 24 MiB: 1250-1480 against 970-1130).
+SPLIT_MIN_BYTES = 8 << 20
+
+
+class _Pool:
+    """Daemon threads that run the parts of split products; grown to the largest split asked for."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[tuple[int, Call, queue.SimpleQueue[tuple[int, bool, Any]]]] = queue.SimpleQueue()
+        self.workers: list[threading.Thread] = []
+        self.lock = threading.Lock()
+
+    def run(self, parts: list[Call]) -> list[Any]:
+        """Each part's result, in order: the first computed on the calling thread, the others on the workers.
+
+        A part is a function and its arguments, made ready by the caller: a worker holds the GIL only
+        to call into Paddle and back (each hand-over of the GIL between threads waits for a wake-up).
+        """
+        with self.lock:
+            while len(self.workers) < len(parts) - 1:
+                worker = threading.Thread(target=self._serve, name=f"fd-cpu-product-{len(self.workers) + 1}", daemon=True)
+                worker.start()
+                self.workers.append(worker)
+        replies: queue.SimpleQueue[tuple[int, bool, Any]] = queue.SimpleQueue()
+        for index, part in enumerate(parts[1:], 1):
+            self.jobs.put((index, part, replies))
+        results: list[Any] = [None] * len(parts)
+        failure: BaseException | None = None
+        try:
+            results[0] = parts[0][0](*parts[0][1])
+        except BaseException as exc:  # noqa: BLE001 - raised once every worker's part is back: none outlives the call
+            failure = exc
+        for _ in parts[1:]:
+            index, ok, value = replies.get()
+            if ok:
+                results[index] = value
+            elif failure is None:
+                failure = value
+        if failure is not None:
+            raise failure
+        return results
+
+    def _serve(self) -> None:
+        while True:
+            index, part, replies = self.jobs.get()
+            try:
+                replies.put((index, True, part[0](*part[1])))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, which raises it
+                replies.put((index, False, exc))
+
+
+_POOL = _Pool()
+
+
+def _forget_pool() -> None:
+    # A forked child has none of its parent's threads: it starts a pool of its own when it first splits.
+    global _POOL
+    _POOL = _Pool()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def split_count(x: Any, weight: Any) -> int:
+    """How many threads `x @ weight` is split across: 1 unless eager, one row, a large weight and more than one compute thread."""
+    import paddle
+
+    threads = compute_threads()
+    if threads < 2 or not paddle.in_dynamic_mode() or capturing() or not isinstance(x, paddle.Tensor):
+        return 1
+    if math.prod(x.shape[:-1]) != 1 or math.prod(weight.shape) * weight.element_size() < SPLIT_MIN_BYTES:
+        return 1
+    return min(threads, weight.shape[0])
+
+
+def matmul(x: Any, weight: Any, transpose_weight: bool) -> Any:
+    """x [..., K] @ weight [K, N] (or weight [N, K] transposed): a one-row product on every compute thread, else Paddle's."""
+    import paddle
+
+    parts = split_count(x, weight)
+    if parts < 2:
+        return paddle.matmul(x, weight, transpose_y=transpose_weight)
+    rows = weight.shape[0]
+    bounds = [rows * i // parts for i in range(parts + 1)]
+    spans = list(itertools.pairwise(bounds))
+    blocks = [weight[a:b] for a, b in spans]  # row blocks of a dense matrix: views, no copy
+    if transpose_weight:
+        outputs = _POOL.run([(_product_t, (x, block)) for block in blocks])
+        return paddle.concat(outputs, axis=-1)
+    flat = x.reshape([rows])
+    sums = _POOL.run([(paddle.matmul, (flat[a:b], block)) for block, (a, b) in zip(blocks, spans, strict=True)])
+    return paddle.add_n(sums).reshape([*x.shape[:-1], weight.shape[1]])
+
+
+def _product_t(x: Any, weight: Any) -> Any:
+    import paddle
+
+    return paddle.matmul(x, weight, transpose_y=True)
