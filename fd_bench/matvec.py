@@ -3,7 +3,8 @@ projections and the LM head, the shapes of its config.json), nothing else, in Pa
 
     python -m fd_bench.matvec CONFIG LIBRARY PROCESSES THREADS [REPEATS]
 
-LIBRARY is paddle or torch; PROCESSES > 1 runs that many processes at once, each over its 1/PROCESSES
+LIBRARY is paddle, torch, or fd-split (Paddle's product through the cpu platform's kernel, which splits a
+one-row product across THREADS threads of one process, MKL on one); PROCESSES > 1 runs that many processes at once, each over its 1/PROCESSES
 share of every matrix's columns (as tensor-parallel ranks hold them). Prints one JSON line: passes
 per second of the slowest process (a step waits for every rank) and GB/s over all of them.
 """
@@ -45,15 +46,20 @@ def one(config: dict[str, Any], library: str, share: int, threads: int, repeats:
         import paddle
         from paddle.base import core
 
+        from fd_core.kernels import set_compute_threads
+        from fd_plugins.cpu.products import matmul
+
         paddle.set_device("cpu")
-        core.set_num_threads(threads)
+        split = library == "fd-split"
+        core.set_num_threads(1 if split else threads)
+        set_compute_threads(threads if split else 1)
         weights_p = [paddle.randn([k, n]) for k, n in mats]  # [in, out], x @ W: the layout Paddle's CPU product reads fastest
         inputs_p = {k: paddle.randn([1, k]) for k, _ in mats}
 
         def run() -> None:
             out = None
             for (k, _), w in zip(mats, weights_p, strict=True):
-                out = paddle.matmul(inputs_p[k], w)
+                out = matmul(inputs_p[k], w, False) if split else paddle.matmul(inputs_p[k], w)
             assert out is not None
             out.numpy()
 

@@ -82,6 +82,8 @@ def measure(smoke: bool) -> dict[str, Any]:
     ceilings: dict[str, list[str]] = {
         "paddle, 1 process x 1 thread": ["-m", "fd_bench.matvec", config_path, "paddle", "1", "1"],
         "paddle, 2 processes x 1 thread": ["-m", "fd_bench.matvec", config_path, "paddle", "2", "1"],
+        # What fd tp=1 reads at: one process, its one-row products split across 2 threads by the cpu platform's kernel.
+        "paddle, 1 process x 2 threads (fd's split product)": ["-m", "fd_bench.matvec", config_path, "fd-split", "1", "2"],
     }
     if hf:
         ceilings.update({"torch, 1 thread": ["-m", "fd_bench.matvec", config_path, "torch", "1", "1"],

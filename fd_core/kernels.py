@@ -72,7 +72,7 @@ _threads = threading.local()
 
 def compute_threads() -> int:
     """The threads the calling thread's rank may compute on in the current phase (1 outside a run): a kernel that
-    splits its own work across threads (the cpu platform's one-row product) reads it."""
+    splits its own work across threads (a one-row product split by rows of its weight) reads it."""
     return int(getattr(_threads, "count", 1))
 
 

@@ -12,7 +12,7 @@ import paddle.nn.functional as F
 
 
 def matmul(x: paddle.Tensor, weight: paddle.Tensor, transpose_weight: bool) -> paddle.Tensor:
-    """x @ weight, or x @ weight^T when transpose_weight (Paddle's product: MKL's on the CPU)."""
+    """x @ weight, or x @ weight^T when transpose_weight (Paddle's own product)."""
     return paddle.matmul(x, weight, transpose_y=transpose_weight)
 
 

@@ -175,8 +175,8 @@ def apply_threads(threads: Threads) -> None:
 
 
 def phase_threads(threads: Threads, rows: int | None) -> Threads:
-    """The threads one phase computes on: a decode step of one cache row on one MKL thread, its kernels (the cpu
-    platform's split product) on all the plan gives; a prefill (`rows` None) or a wider decode step on all of them;
+    """The threads one phase computes on: a decode step of one cache row on one MKL thread, its kernels (a product
+    split across threads) on all the plan gives; a prefill (`rows` None) or a wider decode step on all of them;
     a count the user chose, in every phase.
 
     MKL ran a one-row matrix-vector product on one thread whatever it was given on the machine
