@@ -186,7 +186,7 @@ def phase_threads(threads: Threads, rows: int | None) -> Threads:
     themselves instead. `--threads` keeps its count where that differs.
     """
     if rows == 1 and threads.per_rank > 1 and not threads.chosen:
-        return Threads(1, f"{threads.reason}; a one-row decode step on 1 MKL thread", 1, kernels=threads.per_rank)
+        return Threads(1, f"{threads.reason}; a one-row decode step's library products on 1", 1, kernels=threads.per_rank)
     return threads
 
 

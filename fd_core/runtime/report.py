@@ -20,7 +20,7 @@ def threads_line(threads: Mapping[str, Any]) -> str:
     loops = "" if openmp == threads["per_rank"] else f"; Paddle's own OpenMP loops {openmp}"
     one_row = threads.get("one_row_decode", threads["per_rank"])
     split = threads.get("one_row_decode_kernels", one_row)
-    decode = "" if one_row == threads["per_rank"] else f"; a one-row decode step: MKL on {one_row}, a kernel that splits a product on {split}"
+    decode = "" if one_row == threads["per_rank"] else f"; a one-row decode step: {one_row} for the library's products, {split} for a kernel that splits one"
     return f"threads: {threads['per_rank']} per rank for matrix products ({threads['reason']}{loops}{decode})"
 
 

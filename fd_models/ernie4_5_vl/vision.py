@@ -28,6 +28,7 @@ class VisionTransformer(nn.Layer):
     def __init__(self, config: VisionConfig, ctx: Any, dtype: str = "float32") -> None:
         super().__init__()
         self.config = config
+        self.matmul = ctx.ops.matmul
         self.patch_embed = nn.Layer()
         self.patch_embed.proj = nn.Layer()
         new_param(self.patch_embed.proj, WeightSpec((config.hidden_size, config.in_channels * config.patch_size**2), None, dtype), 1)
@@ -41,7 +42,7 @@ class VisionTransformer(nn.Layer):
     def forward(self, patches: paddle.Tensor, grid: tuple[int, int, int]) -> paddle.Tensor:
         """patches [N, C*p*p] of one image -> features [N, hidden]."""
         _, gh, gw = grid
-        x = paddle.matmul(patches.astype(self.patch_embed.proj.weight.dtype), self.patch_embed.proj.weight, transpose_y=True)
+        x = self.matmul(patches.astype(self.patch_embed.proj.weight.dtype), self.patch_embed.proj.weight, True)
         rope = axial_rope(gh, gw, self.config.spatial_merge_size, self.config.hidden_size // self.config.num_heads, self.config.rope_theta)
         for block in self.blocks:
             x = block(x, rope)

@@ -47,7 +47,7 @@ class MoEBlock(nn.Layer):
     ) -> None:
         super().__init__()
         self.ctx, self.hidden, self.experts, self.top_k, self.norm_min = ctx, hidden, experts, top_k, norm_min
-        self.silu_and_mul = ctx.ops.silu_and_mul
+        self.silu_and_mul, self.matmul = ctx.ops.silu_and_mul, ctx.ops.matmul
         tp = ctx.parallel.tp_size
         # The routers are [hidden, experts] in the checkpoint (input-major) and run in float32, as the reference's.
         self.gate = nn.Layer()
@@ -74,7 +74,7 @@ class MoEBlock(nn.Layer):
 
     def _route(self, x: paddle.Tensor, router: paddle.Tensor, bias: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
         """(chosen experts [T, k] int64, their weights [T, k]) for tokens x [T, H]."""
-        probs = F.softmax(paddle.matmul(x.astype("float32"), router), axis=-1)
+        probs = F.softmax(self.matmul(x.astype("float32"), router, False), axis=-1)
         _, chosen = paddle.topk(probs + bias, self.top_k, axis=-1)
         weights = paddle.take_along_axis(probs, chosen, axis=-1)
         weights = weights / paddle.clip(paddle.sum(weights, axis=-1, keepdim=True), min=self.norm_min)
@@ -85,9 +85,10 @@ class MoEBlock(nn.Layer):
         tokens = x.shape[0]
         flat = chosen.reshape([-1])
         xs = paddle.repeat_interleave(x, self.top_k, axis=0).unsqueeze(1)  # [T*k, 1, H]
-        gate = paddle.matmul(xs, paddle.gather(experts.gate, flat), transpose_y=True)
-        up = paddle.matmul(xs, paddle.gather(experts.up, flat), transpose_y=True)
-        out = paddle.matmul(self.silu_and_mul(gate, up), paddle.gather(experts.down, flat), transpose_y=True)  # [T*k, 1, H]
+        # Batched over each token's own gathered experts (3-D weights): not the matmul op's one weight matrix.
+        gate = paddle.matmul(xs, paddle.gather(experts.gate, flat), transpose_y=True)  # batched experts
+        up = paddle.matmul(xs, paddle.gather(experts.up, flat), transpose_y=True)  # batched experts
+        out = paddle.matmul(self.silu_and_mul(gate, up), paddle.gather(experts.down, flat), transpose_y=True)  # batched experts: [T*k, 1, H]
         return paddle.sum(out.reshape([tokens, self.top_k, -1]) * weights.unsqueeze(-1), axis=1)
 
     def _looped(
@@ -104,8 +105,8 @@ class MoEBlock(nn.Layer):
             if rows.shape[0] == 0:
                 continue
             xe = paddle.gather(x, rows)
-            he = self.silu_and_mul(paddle.matmul(xe, experts.gate[e], transpose_y=True), paddle.matmul(xe, experts.up[e], transpose_y=True))
-            ye = paddle.matmul(he, experts.down[e], transpose_y=True) * paddle.gather(token_weight, rows).unsqueeze(-1)
+            he = self.silu_and_mul(self.matmul(xe, experts.gate[e], True), self.matmul(xe, experts.up[e], True))
+            ye = self.matmul(he, experts.down[e], True) * paddle.gather(token_weight, rows).unsqueeze(-1)
             out = paddle.scatter(out, rows, paddle.gather(out, rows) + ye)
         return out
 
@@ -131,14 +132,13 @@ class MoEBlock(nn.Layer):
             out = paddle.where(is_vision.reshape([-1, 1]), vision, out)
         if self.shared:
             s = self.shared_experts
-            inner = self.silu_and_mul(_project(flat, s.gate_proj), _project(flat, s.up_proj))
-            out = out + paddle.matmul(inner, s.down_proj.weight, transpose_y=True)
+            inner = self.silu_and_mul(self._project(flat, s.gate_proj), self._project(flat, s.up_proj))
+            out = out + self.matmul(inner, s.down_proj.weight, True)
         out = self.ctx.all_reduce(out)
         if self.shared and self.shared_experts.down_proj.bias is not None:
             out = out + self.shared_experts.down_proj.bias
         return out.reshape([batch, length, hidden])
 
-
-def _project(x: paddle.Tensor, layer: nn.Layer) -> paddle.Tensor:
-    out = paddle.matmul(x, layer.weight, transpose_y=True)
-    return out if layer.bias is None else out + layer.bias
+    def _project(self, x: paddle.Tensor, layer: nn.Layer) -> paddle.Tensor:
+        out = self.matmul(x, layer.weight, True)
+        return out if layer.bias is None else out + layer.bias

@@ -94,11 +94,12 @@ class ParallelLMHead(nn.Layer):
         self.tied = [tied]  # a list, so the embedding is not registered (and named) twice
         if tied is None:
             new_param(self, WeightSpec((vocab_size, hidden_size), 0, dtype), ctx.parallel.tp_size)
+        self.matmul = ctx.ops.matmul
 
     def forward(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """hidden [B, H] -> float32 logits [B, vocab] on every rank."""
         weight = self.weight if self.tied[0] is None else self.tied[0].weight
-        local = self.ctx.ops.matmul(hidden, weight, True).astype("float32")
+        local = self.matmul(hidden, weight, True).astype("float32")
         tp = self.ctx.parallel.tp_size
         if tp == 1:
             return local

@@ -65,6 +65,7 @@ class Qwen3VLVisionModel(nn.Layer):
     def __init__(self, config: VisionConfig, ctx: Any, dtype: str = "float32") -> None:
         super().__init__()
         self.config = config
+        self.matmul = ctx.ops.matmul
         # A Conv3d whose stride equals its kernel is a matrix product over flattened patches;
         # the published weight keeps the Conv3d shape [hidden, C, T, p, p].
         conv = (config.hidden_size, config.in_channels, config.temporal_patch_size, config.patch_size, config.patch_size)
@@ -90,7 +91,7 @@ class Qwen3VLVisionModel(nn.Layer):
         """patches [N, C*T*p*p] of one image -> (merged embeddings [N / 4, text hidden], DeepStack features, each the same shape)."""
         _, gh, gw = grid
         weight = self.patch_embed.proj.weight.reshape([self.config.hidden_size, self.patch_in])
-        x = paddle.matmul(patches.astype(weight.dtype), weight, transpose_y=True) + self.patch_embed.proj.bias
+        x = self.matmul(patches.astype(weight.dtype), weight, True) + self.patch_embed.proj.bias
         indices, weights = interpolation_taps(gh, gw, self.config.spatial_merge_size, self.side)
         table = F.embedding(paddle.to_tensor(indices), self.pos_embed.weight)  # [N, 4, hidden]
         x = x + paddle.sum(table * paddle.to_tensor(weights).astype(table.dtype).unsqueeze(-1), axis=1)

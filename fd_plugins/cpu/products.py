@@ -5,14 +5,15 @@ count it is given, and on the machine docs/benchmarks.md measures one thread rea
 0.7 of the rate two do: a tp=1 decode step left a core idle. Paddle releases the GIL while an op
 computes, so the calling thread and the pool's workers each multiply by one contiguous block of
 the weight's rows at once: for `x @ W` the blocks split the sum over K (the parts are added in
-x's dtype), for `x @ W^T` they split the outputs (the parts are concatenated). The split is only
+float32), for `x @ W^T` they split the outputs (the parts are concatenated). The split is only
 taken eagerly, for one row, for a weight of at least SPLIT_MIN_BYTES, with more than one compute
-thread (fd_core.kernels.compute_threads, which the engine sets for each phase); everything else
-is Paddle's own product.
+thread (fd_core.kernels.compute_threads, which the engine sets for each phase; at most the usable
+cores); everything else is Paddle's own product.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -22,6 +23,7 @@ from typing import Any, Callable
 
 from fd_core.graphs import capturing
 from fd_core.kernels import compute_threads
+from fd_plugins.cpu.cores import affinity_cores, cgroup_cpu_limit, usable_cores
 
 Call = tuple[Callable[..., Any], tuple[Any, ...]]
 
@@ -74,9 +76,14 @@ class _Pool:
         while True:
             index, part, replies = self.jobs.get()
             try:
-                replies.put((index, True, part[0](*part[1])))
+                reply: tuple[int, bool, Any] = (index, True, part[0](*part[1]))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, which raises it
-                replies.put((index, False, exc))
+                reply = (index, False, exc)
+            # Dropped before replying: a part holds a view of its weight, which would keep the weight's
+            # memory alive until this worker's next job (a released or reloaded model's embedding, say).
+            part = None  # type: ignore[assignment]
+            replies.put(reply)
+            reply = replies = None  # type: ignore[assignment]
 
 
 _POOL = _Pool()
@@ -101,7 +108,13 @@ def split_count(x: Any, weight: Any) -> int:
         return 1
     if math.prod(x.shape[:-1]) != 1 or math.prod(weight.shape) * weight.element_size() < SPLIT_MIN_BYTES:
         return 1
-    return min(threads, weight.shape[0])
+    # A count the user chose may exceed the cores: more parts than cores only add hand-offs.
+    return min(threads, _cores(), weight.shape[0])
+
+
+@functools.cache
+def _cores() -> int:
+    return usable_cores(affinity_cores(), cgroup_cpu_limit())
 
 
 def matmul(x: Any, weight: Any, transpose_weight: bool) -> Any:
@@ -120,6 +133,8 @@ def matmul(x: Any, weight: Any, transpose_weight: bool) -> Any:
         return paddle.concat(outputs, axis=-1)
     flat = x.reshape([rows])
     sums = _POOL.run([(paddle.matmul, (flat[a:b], block)) for block, (a, b) in zip(blocks, spans, strict=True)])
+    if x.dtype != paddle.float32:  # the op adds a split sum's parts in float32
+        return paddle.add_n([s.astype("float32") for s in sums]).astype(x.dtype).reshape([*x.shape[:-1], weight.shape[1]])
     return paddle.add_n(sums).reshape([*x.shape[:-1], weight.shape[1]])
 
 

@@ -120,9 +120,11 @@ def test_an_extension_takes_precedence_over_the_platform_and_layers_call_it_dire
 
 
 def test_no_model_layer_computes_an_op_itself() -> None:
-    words = ("native_ops", "F.silu(", "rsqrt(", "def attend(", "def apply_rope(", "F.softmax(scores")
+    words = ("native_ops", "F.silu(", "rsqrt(", "def attend(", "def apply_rope(", "F.softmax(scores", "paddle.matmul(")
+    # The MoE's decode step multiplies by each token's gathered experts: batched 3-D weights, not the matmul op's one matrix.
+    allowed = "# batched experts"
     hits = [f"{p.relative_to(ROOT)}:{n}" for p in sorted((ROOT / "fd_models").rglob("*.py"))
-            for n, line in enumerate(p.read_text().splitlines(), 1) if any(w in line for w in words)]
+            for n, line in enumerate(p.read_text().splitlines(), 1) if any(w in line for w in words) and allowed not in line]
     assert not hits, f"model code computing a named op instead of calling the Backend's: {hits}"
 
 

@@ -124,7 +124,7 @@ def test_a_one_row_decode_step_runs_on_one_thread_unless_the_user_chose_the_coun
     phases = [phase_threads(default, rows) for rows in (1, 2, None)]
     assert [(p.per_rank, p.for_kernels) for p in phases] == [(1, 2), (2, 2), (2, 2)]
     assert (default.to_dict()["one_row_decode"], default.to_dict()["one_row_decode_kernels"]) == (1, 2)
-    assert threads_line(default.to_dict()).endswith("; a one-row decode step: MKL on 1, a kernel that splits a product on 2)")
+    assert threads_line(default.to_dict()).endswith("; a one-row decode step: 1 for the library's products, 2 for a kernel that splits one)")
     for chosen in (decide_threads(2, 1, 2, {}), decide_threads(None, 1, 2, {"OMP_NUM_THREADS": "2"})):
         assert phase_threads(chosen, 1) == chosen and chosen.to_dict()["one_row_decode"] == 2
         assert "one-row" not in threads_line(chosen.to_dict())

@@ -41,7 +41,8 @@ def _expected(x: Any, w: Any, transpose: bool) -> np.ndarray:
     ((1, 1, 2048 + 13), (2048 + 13, 1024), False),  # an odd K
     ((1, 1024), (4096 + 13, 1024), True),  # the LM head's: the outputs split
 ])
-def test_a_split_product_matches_numpy(threads, count: int, x_shape, w_shape, transpose: bool) -> None:
+def test_a_split_product_matches_numpy(threads, monkeypatch: pytest.MonkeyPatch, count: int, x_shape, w_shape, transpose: bool) -> None:
+    monkeypatch.setattr(products, "_cores", lambda: 8)  # as on a host with more cores than parts
     x, w = _t(*x_shape), _t(*w_shape)
     threads(count)
     assert split_count(x, w) == count  # the split path, not paddle's own product
@@ -50,12 +51,15 @@ def test_a_split_product_matches_numpy(threads, count: int, x_shape, w_shape, tr
     np.testing.assert_allclose(got.numpy(), _expected(x, w, transpose), rtol=1e-4, atol=1e-4)
 
 
-def test_what_is_not_split(threads) -> None:
+def test_what_is_not_split(threads, monkeypatch: pytest.MonkeyPatch) -> None:
     big, x = _t(1024, 2048), _t(1, 1, 1024)
+    monkeypatch.setattr(products, "_cores", lambda: 2)
     threads(1)
     assert split_count(x, big) == 1  # one compute thread
     threads(2)
     assert split_count(x, big) == 2
+    threads(8)
+    assert split_count(x, big) == 2  # never more parts than usable cores
     assert split_count(_t(2, 1, 1024), big) == 1  # two rows: MKL threads those itself
     small = _t(64, 64)
     assert 64 * 64 * 4 < SPLIT_MIN_BYTES and split_count(_t(1, 64), small) == 1
@@ -89,6 +93,53 @@ def test_a_part_that_fails_raises_in_the_caller_and_the_pool_goes_on() -> None:
     assert pool.run([(int, ("3",)), (int, ("4",)), (int, ("5",))]) == [3, 4, 5]
 
 
+def test_a_worker_keeps_nothing_of_a_part_after_it() -> None:
+    """A part's arguments (views of a weight, in a product) are not held by the worker once the call returns."""
+    import gc
+    import weakref
+
+    class Held:
+        pass
+
+    pool = products._Pool()
+    first, second = Held(), Held()
+    gone = weakref.ref(second)
+    assert pool.run([(id, (first,)), (id, (second,))]) == [id(first), id(second)]
+    del second
+    gc.collect()
+    assert gone() is None, "the pool's worker still holds its last part's arguments"
+
+
+def test_a_model_decodes_the_same_tokens_with_its_products_split(threads, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny preset with every one-row product split (no size floor): the tokens of Paddle's own products."""
+    from fd_core.backend import load_backend
+    from fd_core.runtime.engine import Engine
+    from fd_core.runtime.lifecycle import ModelRunner
+    from fd_core.runtime.plan import Threads, apply_threads, model_config_for
+    from fd_core.runtime.request import Request
+
+    backend = load_backend(env={"FD_PLATFORM": "cpu"})
+    arch = backend.plugins.registry.get("ernie4_5")
+    runner = ModelRunner(backend, arch, model_config_for(arch, None), seed=0, graph="off")
+    runner.load()
+    runner.decide()
+    calls: list[int] = []
+    count = products.split_count
+    monkeypatch.setattr(products, "split_count", lambda x, w: calls.append(n := count(x, w)) or n)
+    monkeypatch.setattr(products, "_cores", lambda: 2)
+    request = Request.greedy([[5, 6, 7, 8]], 6)
+    try:
+        plain = Engine(runner, threads=Threads(1, "one")).generate(request)
+        assert calls and set(calls) == {1}
+        calls.clear()
+        monkeypatch.setattr(products, "SPLIT_MIN_BYTES", 0)
+        split = Engine(runner, threads=Threads(2, "two")).generate(request)
+        assert 2 in calls  # the decode steps' products were split
+    finally:
+        apply_threads(Threads(1, "the test suite's own"))
+    assert [c.token_ids for c in split] == [c.token_ids for c in plain]
+
+
 def _split_in_child(queue: Any) -> None:
     set_compute_threads(2)
     x, w = paddle.ones([1, 1, 2048]), paddle.ones([2048, 1024])
@@ -103,7 +154,10 @@ def test_a_forked_rank_splits_with_threads_of_its_own(threads) -> None:
     child = context.Process(target=_split_in_child, args=(queue,))
     child.start()
     try:
-        assert queue.get(timeout=60) == 2048.0
+        assert queue.get(timeout=30) == 2048.0
     finally:
-        child.join(60)
+        child.join(10)
+        if child.is_alive():  # a child waiting on its parent's (absent) worker: not left running
+            child.kill()
+            child.join()
     assert child.exitcode == 0
