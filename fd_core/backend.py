@@ -127,8 +127,13 @@ class Backend:
             return bound[0], f"direct: {names[0]}.{ordered[0].function.__name__}"
         return _chain(bound, names), f"first result of {', '.join(names)}"
 
-    def clean_memory_fragments(self, state_dict: Mapping[str, Any] | None = None) -> None:
-        """Run every implementation (the platform's and any model package's), each through pluggy; one that raises is named."""
+    def clean_memory_fragments(
+        self, state_dict: Mapping[str, Any] | None = None, after_each: Callable[[str], None] | None = None,
+    ) -> None:
+        """Run every implementation (the platform's and any model package's), each through pluggy; one that raises is named.
+
+        `after_each(plugin)` runs after each implementation (the runtime's guard that the weights are unchanged, so
+        that its error names the plugin whose hook changed them)."""
         for impl in reversed(self.hook.fd_clean_memory_fragments.get_hookimpls()):
             if impl.wrapper or impl.hookwrapper:
                 continue
@@ -138,6 +143,8 @@ class Backend:
                 raise PluginError(
                     f"plugin {impl.plugin_name!r}: fd_clean_memory_fragments raised {type(exc).__name__}: {exc}; fix or uninstall the plugin"
                 ) from exc
+            if after_each is not None:
+                after_each(impl.plugin_name)
 
     def check_collective(self) -> None:
         """At tp > 1, all-reduce tensors whose exact sums are known and compare, before any weight is loaded.

@@ -116,14 +116,17 @@ class ModelRunner:
             shards.close()
             left = {}
         before = _sample(model)
-        self._timed("cleanup", lambda: self.backend.clean_memory_fragments(left))
-        changed = next((name for name, values in _sample(model).items() if not _same(values, before.get(name))), None)
-        if changed is not None:
-            # A cleanup hook may release memory, never change the weights: that would give plausible, wrong tokens.
-            raise PluginError(
-                f"platform {self.backend.platform!r}: fd_clean_memory_fragments changed the loaded parameter {changed!r}; "
-                f"cleanup must leave live parameters untouched (run fd check {self.backend.platform})"
-            )
+
+        def unchanged(plugin: str) -> None:
+            changed = next((name for name, values in _sample(model).items() if not _same(values, before.get(name))), None)
+            if changed is not None:
+                # A cleanup hook may release memory, never change the weights: that would give plausible, wrong tokens.
+                raise PluginError(
+                    f"plugin {plugin!r}: fd_clean_memory_fragments changed the loaded parameter {changed!r}; "
+                    f"cleanup must leave live parameters untouched: fix its hook or uninstall the plugin"
+                )
+
+        self._timed("cleanup", lambda: self.backend.clean_memory_fragments(left, unchanged))
 
     def decide(self) -> GraphDecision:
         """Ask every voter whether decode steps may be captured here; the decision is kept."""

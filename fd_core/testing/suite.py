@@ -594,7 +594,7 @@ class ModelTests(_Base):
 
         backend = Backend(plugins)
         native = Backend(plugins, kernels=KernelTable())
-        native.clean_memory_fragments = lambda state_dict=None: None  # type: ignore[method-assign]
+        native.clean_memory_fragments = lambda state_dict=None, after_each=None: None  # type: ignore[method-assign]
         request = Request.greedy([[5, 1, 4, 2, 3], [7, 7, 2]], 6)
         for arch in plugins.registry:
             config = model_config_for(arch, None)
