@@ -61,8 +61,9 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("matmul", ("x", "weight", "transpose_weight"),
        "x [..., K] times weight [K, N], or times the transpose of weight [N, K] when transpose_weight is True: [..., N] in "
        "x's dtype, summed in float32 or wider (a kernel that splits the sum adds its parts in float32); the product of every "
-       "linear layer and of the LM head: x is [B, S, K] (B cache rows; S = 1 in a decode step) or, for the LM head, [B, H], "
-       "so B * S = 1 is a one-row product (one sequence decoding), the case a split across compute threads serves",
+       "linear layer and of the LM head: x is [B, S, K] (B cache rows; S = 1 in a decode step), [B, K] (the LM head) or "
+       "[rows, K] (experts, picture patches); one row in all (one sequence decoding) is the case a split across compute "
+       "threads serves",
        # Looser than the elementwise ops' in float32: a kernel that orders the K-term sum differently rounds differently.
        tolerances={"float32": (1e-4, 1e-4), "float16": (2e-3, 2e-3), "bfloat16": (2e-2, 2e-2)}),
 )}

@@ -584,33 +584,40 @@ class ModelTests(_Base):
     def test_the_platform_generates_what_the_native_path_does(self, plugins: PluginSet, hardware: Detection) -> None:
         """Greedy tokens on the platform (its cleanup after loading, its kernels, graphs where the decision allows them) equal a
         run on the native path: the same seeded weights with no platform hook called (no cleanup, the native ops, eager decode,
-        one rank)."""
+        one rank). Two prompts decoded together (graphs as decided), then one alone on two compute threads and eagerly: the
+        one-row steps where a kernel may split its work (fd_core.kernels.compute_threads), each step calling it."""
         from fd_core.backend import Backend
         from fd_core.kernels import KernelTable
         from fd_core.runtime.engine import Engine
         from fd_core.runtime.lifecycle import ModelRunner
-        from fd_core.runtime.plan import model_config_for
+        from fd_core.runtime.plan import Threads, apply_threads, model_config_for
         from fd_core.runtime.request import Request
 
         backend = Backend(plugins)
         native = Backend(plugins, kernels=KernelTable())
         native.clean_memory_fragments = lambda state_dict=None, after_each=None: None  # type: ignore[method-assign]
-        request = Request.greedy([[5, 1, 4, 2, 3], [7, 7, 2]], 6)
+        together, alone = Request.greedy([[5, 1, 4, 2, 3], [7, 7, 2]], 6), Request.greedy([[5, 1, 4, 2, 3]], 6)
         for arch in plugins.registry:
             config = model_config_for(arch, None)
             runner = ModelRunner(backend, arch, config)
-            runner.load()
-            runner.decide()
-            got = [c.token_ids for c in Engine(runner).generate(request)]
+            eager = ModelRunner(backend, arch, config, graph="off")
             reference = ModelRunner(native, arch, config, graph="off")
-            reference.load()
-            reference.decide()
-            want = [c.token_ids for c in Engine(reference).generate(request)]
-            assert got == want, (
-                f"{arch.name} on {backend.platform}: greedy tokens {got} (kernels {backend.kernels.providers()}), but the native path "
-                f"(the same weights, no platform cleanup, native ops, eager) gives {want}; the platform's cleanup, graphs or kernels "
-                f"change what the model computes"
-            )
+            for each in (runner, eager, reference):
+                each.load()
+                each.decide()
+            for request, ours, threads in ((together, runner, None), (alone, eager, Threads(2, "the suite's two compute threads"))):
+                try:
+                    got = [c.token_ids for c in Engine(ours, threads=threads).generate(request)]
+                finally:
+                    if threads is not None:
+                        apply_threads(Threads(1, "the suite's own"))
+                want = [c.token_ids for c in Engine(reference).generate(request)]
+                how = "one prompt, eager, on 2 compute threads" if threads else "two prompts together"
+                assert got == want, (
+                    f"{arch.name} on {backend.platform} ({how}): greedy tokens {got} (kernels {backend.kernels.providers()}), but the "
+                    f"native path (the same weights, no platform cleanup, native ops, eager) gives {want}; the platform's cleanup, "
+                    f"graphs or kernels change what the model computes"
+                )
 
 
 class _RecordingGraphs:

@@ -233,6 +233,44 @@ def test_a_wrong_kernel_fails_fd_check_by_name(tmp_path: Path) -> None:
     assert "matmul (wrong-kernels) float32 x[1, 1, 1024] @ w[1024, 4109]: " not in text
 
 
+SPLIT_WRONG_AT_ONE_ROW = """
+from fd_core import hookimpl, native_ops
+from fd_core.kernels import compute_threads
+
+
+def matmul(x, weight, transpose_weight):
+    # Wrong only for one row on more than one compute thread, at any size: the half of K it forgets.
+    rows = 1
+    for n in x.shape[:-1]:
+        rows *= n
+    if compute_threads() < 2 or rows != 1 or transpose_weight:
+        return native_ops.matmul(x, weight, transpose_weight)
+    cut = weight.shape[0] // 2
+    return native_ops.matmul(x[..., :cut], weight[:cut], False)
+
+
+@hookimpl
+def fd_register_kernels(register):
+    register("matmul", matmul)
+"""
+
+
+def test_the_suites_model_run_decodes_one_row_on_two_compute_threads(install_plugin) -> None:
+    """A kernel wrong only in a one-row step on two threads gives the right tokens for two prompts decoded together:
+    the native-path check also decodes one prompt alone on two compute threads, and catches it there."""
+    from fd_core.runtime.plan import Threads, apply_threads
+    from fd_core.testing.suite import ModelTests
+
+    install_plugin(*_extension("split-wrong", SPLIT_WRONG_AT_ONE_ROW))
+    plugins = load_plugins({"FD_PLATFORM": "cpu"})
+    assert plugins.kernels.providers()["matmul"] == "split-wrong"
+    try:
+        with pytest.raises(AssertionError, match=r"ernie4_5 on cpu \(one prompt, eager, on 2 compute threads\): greedy tokens"):
+            ModelTests().test_the_platform_generates_what_the_native_path_does(plugins, plugins.detection)
+    finally:
+        apply_threads(Threads(1, "the test suite's own"))
+
+
 def test_fd_run_refuses_a_misspelled_op_in_one_line(tmp_path: Path) -> None:
     root = make_distribution(tmp_path / "typo", "typo-kernels", {"typo_kernels": MISSPELLED}, {"fd.plugins": {"typo-kernels": "typo_kernels"}})
     done = run_fd(["run", "--tp", "1"], root)
