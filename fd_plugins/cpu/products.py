@@ -129,16 +129,10 @@ def matmul(x: Any, weight: Any, transpose_weight: bool) -> Any:
     spans = list(itertools.pairwise(bounds))
     blocks = [weight[a:b] for a, b in spans]  # row blocks of a dense matrix: views, no copy
     if transpose_weight:
-        outputs = _POOL.run([(_product_t, (x, block)) for block in blocks])
-        return paddle.concat(outputs, axis=-1)
+        # paddle.matmul(x, y, transpose_x, transpose_y): positional, as a part is a function and its arguments.
+        return paddle.concat(_POOL.run([(paddle.matmul, (x, block, False, True)) for block in blocks]), axis=-1)
     flat = x.reshape([rows])
     sums = _POOL.run([(paddle.matmul, (flat[a:b], block)) for block, (a, b) in zip(blocks, spans, strict=True)])
-    if x.dtype != paddle.float32:  # the op adds a split sum's parts in float32
-        return paddle.add_n([s.astype("float32") for s in sums]).astype(x.dtype).reshape([*x.shape[:-1], weight.shape[1]])
-    return paddle.add_n(sums).reshape([*x.shape[:-1], weight.shape[1]])
-
-
-def _product_t(x: Any, weight: Any) -> Any:
-    import paddle
-
-    return paddle.matmul(x, weight, transpose_y=True)
+    wide = x.dtype in (paddle.float16, paddle.bfloat16)  # the op adds a split sum's parts in float32 or wider
+    total = paddle.add_n([s.astype("float32") for s in sums] if wide else sums)
+    return (total.astype(x.dtype) if wide else total).reshape([*x.shape[:-1], weight.shape[1]])

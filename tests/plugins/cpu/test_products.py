@@ -51,6 +51,17 @@ def test_a_split_product_matches_numpy(threads, monkeypatch: pytest.MonkeyPatch,
     np.testing.assert_allclose(got.numpy(), _expected(x, w, transpose), rtol=1e-4, atol=1e-4)
 
 
+def test_a_float64_split_keeps_float64_sums(threads, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parts of a split sum are added in float32 only for a narrower dtype: a float64 product stays float64-exact."""
+    monkeypatch.setattr(products, "_cores", lambda: 2)
+    x, w = _t(1, 1, 2048).astype("float64"), _t(2048, 1024).astype("float64")
+    threads(2)
+    assert split_count(x, w) == 2
+    got = matmul(x, w, False)
+    assert got.dtype == paddle.float64
+    np.testing.assert_allclose(got.numpy(), _expected(x, w, False), rtol=1e-12, atol=1e-10)
+
+
 def test_what_is_not_split(threads, monkeypatch: pytest.MonkeyPatch) -> None:
     big, x = _t(1024, 2048), _t(1, 1, 1024)
     monkeypatch.setattr(products, "_cores", lambda: 2)
