@@ -29,7 +29,7 @@ ROWS: dict[str, str] = {
     "graph": "tiny ERNIE decode step, static graph vs eager, cpu platform, tp=1",
     "reload": "time and RSS across weight-reload cycles of ModelRunner",
     "realsize": ("ERNIE-4.5-0.3B (random bf16 weights): fd run at tp=1 and tp=2 vs transformers at 1 and 2 threads, vs the matrix-vector "
-                 "ceiling, tp=2 beside a busy thread; peak RSS vs weights + cache"),
+                 "ceiling and tp=2's products with its all-reduces alone, tp=2 beside a busy thread; peak RSS vs weights + cache"),
     "step": "where an ERNIE-4.5-0.3B decode step's time goes at tp=1 and tp=2: matrix work, attention, LM head, sampling, KV writes, all-reduce waits",
     "kvwrite": "one decode step's KV-cache writes at cache lengths 80 and 320, eager and in a static program",
     "kernels": "a layer's call of a resolved op vs a direct call; the cpu platform's fused RMSNorm vs the native op",

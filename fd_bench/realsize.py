@@ -1,7 +1,8 @@
 """Real-size rows: ERNIE-4.5-0.3B's published config with random bfloat16 weights saved as transformers saves
 them; `fd run --checkpoint` at tp=1 and tp=2 as a user starts it (no environment set), against transformers
 at 1 and 2 torch threads (float32; bfloat16 reported), against the measured matrix-vector ceiling at the
-same number of cores, fd tp=2 beside one competing busy thread, the peak RSS per rank over its weights and
+same number of cores and tp=2's bound under it (the ceiling's products with a tp=2 step's all-reduces and
+nothing else, `fd_bench.insync`), fd tp=2 beside one competing busy thread, the peak RSS per rank over its weights and
 KV cache, and where a decode step's time goes (the `step` row).
 
 Every side is a whole process; the sides take turns, the order flipping every round, and each reports
@@ -90,6 +91,7 @@ def measure(smoke: bool) -> dict[str, Any]:
                          "torch, 2 threads": ["-m", "fd_bench.matvec", config_path, "torch", "1", "2"]})
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
     matvec: dict[str, list[dict[str, Any]]] = {name: [] for name in ceilings}
+    insync: list[dict[str, Any]] = []
     idle: list[int] = []
     load = [os.getloadavg()[0]]
     try:
@@ -99,12 +101,14 @@ def measure(smoke: bool) -> dict[str, Any]:
                 results[name].append(_busy_run(sides[name]) if name == BUSY_SIDE else _run(sides[name]))
             for name, args in ceilings.items():
                 matvec[name].append(_run(args))
+            # tp=2's bound: the 2-process ceiling's products with a tp=2 step's all-reduces between them, nothing else.
+            insync.append(_run(["-m", "fd_bench.insync", config_path, "3" if smoke else "10"]))
             idle.append(_idle_paddle_rss())
             load.append(os.getloadavg()[0])
         step = {tp: _run(["-m", "fd_bench.step", str(checkpoint), str(tp), str(steps), prompt, "off"]) for tp in (1, 2)}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    return {"results": results, "matvec": matvec, "idle_rss": statistics.median(idle), "steps": steps, "rounds": rounds,
+    return {"results": results, "matvec": matvec, "insync": insync, "idle_rss": statistics.median(idle), "steps": steps, "rounds": rounds,
             "load": load, "step": step}
 
 
@@ -163,12 +167,34 @@ def realsize_rows(smoke: bool, m: dict[str, Any] | None = None) -> list[Line]:
                       at_cores[ceiling_name], "tok/s", "fd / ceiling", 0.85,
                       "one float32 product per weight matrix of the model (every layer's 7 projections and the LM head), nothing else, "
                       "median passes/s: " + ", ".join(f"{n} {v:.2f} ({_median(m['matvec'][n], 'gb_s'):.1f} GB/s)" for n, v in passes.items())))
+    if m.get("insync"):
+        lines.append(_insync_line(m["insync"], size, details))
     lines.append(line("fd tp=2 beside one busy thread vs fd tp=2 alone", BUSY_SIDE, "fd tp=2", speed[BUSY_SIDE], speed["fd tp=2"], "tok/s",
                       "busy / quiet", 0.6,
                       f"{common}; the competing load is one process spinning (`python -c '{BUSY}'`) for the whole run; "
                       f"core share with it: {shares[BUSY_SIDE]}, without: {shares['fd tp=2']}"))
     lines += _rss_lines(m, size)
     return lines
+
+
+def _insync_line(runs: list[dict[str, Any]], size: str, details: dict[str, Any]) -> Line:
+    """tp=2's bound: the products with the all-reduces of a tp=2 step between them, against the same products free."""
+    in_step, free = _median(runs, "passes_per_s"), _median(runs, "free_passes_per_s")
+    ranks = [r["ranks"] for r in runs]
+    calls = int(ranks[0][0]["all_reduces_per_pass"])
+    waits = "/".join(f"{statistics.median(rs[i]['wait_ms_per_pass'] for rs in ranks):.2f}" for i in range(len(ranks[0])))
+    cold = statistics.median(r["small_op_after_product_us"] for rs in ranks for r in rs)
+    warm = statistics.median(r["small_op_after_small_op_us"] for rs in ranks for r in rs)
+    return Line(
+        row="realsize", case=f"{size}: tp=2's products with its {calls} all-reduces and nothing else vs the same products free",
+        a=f"2 ranks in step at {calls} all-reduces", b="2 ranks free (the 2-process ceiling)", a_value=in_step, b_value=free,
+        unit="passes/s", ratio=in_step / free if free else math.nan, ratio_label="in step / free", target="reported", met=None,
+        note=("the best a tp=2 step can reach against the 2-process ceiling, with no attention, norms or sampling at all; "
+              "per round: " + ", ".join(f"{r['in_step_over_free']:.3f}" for r in runs) + f" ({runs[0]['repeats']} passes a mode, alternating); "
+              f"waits per in-step pass by rank {waits} ms; one [1, hidden] add costs {cold:.1f} us right after a product "
+              f"and {warm:.1f} us right after another add (the product evicted the caches the op's code and data were in)"),
+        details={**details, "insync": runs},
+    )
 
 
 def _rss_lines(m: dict[str, Any], size: str) -> list[Line]:

@@ -49,7 +49,7 @@ _LINE = 64  # one counter per cache line, so ranks never write the same line
 _PAGE = 4096
 # Checks of the counters before the wait sleeps (~0.2 us each: tens of microseconds, the usual lag
 # of a peer that is on a core); then each sleep lasts until the peer's publish wakes it, or this long.
-_BUSY_CHECKS = 256
+_BUSY_CHECKS = int(os.environ.get("FD_X_SPIN", "256"))
 _SLEEP_SLICE = 2e-3
 # Where the kernel's futex is not available: sleep this long between checks instead.
 _SLEEP_SECONDS = 50e-6
