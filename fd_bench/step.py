@@ -87,14 +87,13 @@ def instrument(worker: Any, timer: StepTimer) -> Callable[[], float]:
             timer.wrap(layer, "attention", "attention")
             timer.wrap(layer, "rotary_embedding", "rotary")
             if layer.fused:  # its projections are its own matrices, not linear layers
-                timer.wrap(layer, "project", "linear")
-                timer.wrap(layer, "output", "linear")
+                timer.wrap(layer, "matmul", "linear")
         elif isinstance(layer, RMSNorm):
             timer.wrap(layer, "rms_norm", "norm")
         elif isinstance(layer, SwiGLUMLP):
             timer.wrap(layer, "silu_and_mul", "silu_mul")
             if layer.fused:  # its projections are its own matrices, not linear layers
-                timer.wrap(layer, "forward", "linear")
+                timer.wrap(layer, "matmul", "linear")
     timer.wrap(attention_module, "write_cache", "kv_write")
     timer.wrap(worker.backend, "all_reduce", "all_reduce")
     timer.wrap(engine, "check_finite", "sample")

@@ -49,7 +49,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
        "the result has x's dtype and shape"),
     Op("attention", ("q", "k", "v", "mask"),
        "softmax(q k^T / sqrt(d) + mask) v for q [B, h, S, d], k and v [B, kv_h, T, d] with h a multiple of kv_h (grouped-query: "
-       "query head j reads kv head j // (h / kv_h)), mask [S, T] float32 added to the scores (0 or -inf; None for no mask); "
+       "query head j reads kv head j // (h / kv_h)), mask float32 added to the scores, [S, T] or [B, 1, 1, S, T] (each row's own: "
+       "what the decoder passes), 0 where a position is attended and -inf or a large negative number where not (None: no mask); "
        "scores and softmax in float32; the result [B, h, S, d] in v's dtype. Prefill passes the causal mask over the new "
        "positions; a decode step passes the positions of the KV cache in use"),
     Op("sample", ("logits", "temperature", "top_k", "top_p", "uniform"),

@@ -79,6 +79,12 @@ def cases(op: str, plugins: PluginSet, dtype: str, seed: int = 0) -> Iterator[tu
                 cache_k, cache_v = t(batch, kv, total + 3, d), t(batch, kv, total + 3, d)
                 yield (f"q[{batch}, {heads}, {length}, {d}] kv views of a cache [{batch}, {kv}, {total + 3}, {d}]",
                        (t(batch, heads, length, d), cache_k[:, :, :total], cache_v[:, :, :total], mask))
+                # The mask as the decoder passes it: each row's own [B, 1, 1, S, T], a large negative number where
+                # masked, row b's first b slots masked too (its left padding in a batch of unequal prompts).
+                padded = np.stack([allowed & (np.arange(total)[None, :] >= b) for b in range(batch)])[:, None, None]
+                rows_mask = paddle.to_tensor(np.where(padded, 0.0, -1e9).astype("float32"))
+                yield (f"q[{batch}, {heads}, {length}, {d}] kv[{batch}, {kv}, {total}, {d}], mask per row [{batch}, 1, 1, {length}, {total}]",
+                       (t(batch, heads, length, d), t(batch, kv, total, d), t(batch, kv, total, d), rows_mask))
             yield f"q[1, {heads}, 4, {d}] no mask", (t(1, heads, 4, d), t(1, kv, 4, d), t(1, kv, 4, d), None)
         elif op == "matmul":
             inter = s["inter"]

@@ -212,11 +212,19 @@ def matmul(x, weight, transpose_weight):
     return native_ops.matmul(x[..., :cut], weight[:cut], False)
 
 
+def attention(q, k, v, mask):
+    # Written for one mask shared by every row: the decoder's per-row masks [B, 1, 1, S, T] get row 0's.
+    if mask is not None and len(mask.shape) == 5:
+        mask = mask[:1]
+    return native_ops.attention(q, k, v, mask)
+
+
 @hookimpl
 def fd_register_kernels(register):
     register("rms_norm", rms_norm)
     register("sample", sample)
     register("matmul", matmul)
+    register("attention", attention)
 """
 
 
@@ -231,6 +239,8 @@ def test_a_wrong_kernel_fails_fd_check_by_name(tmp_path: Path) -> None:
     # The split product is right on one thread and wrong on two: the suite runs each case at both.
     assert "matmul (wrong-kernels) float32 x[1, 1, 1024] @ w[1024, 4109] on 2 compute threads: largest error" in text
     assert "matmul (wrong-kernels) float32 x[1, 1, 1024] @ w[1024, 4109]: " not in text
+    # Right for a mask every row shares, wrong for the decoder's own (each row's, its padding masked).
+    assert "attention (wrong-kernels) float32 q[2, " in text and "mask per row [2, 1, 1, 1, 9]" in text
 
 
 SPLIT_WRONG_AT_ONE_ROW = """
