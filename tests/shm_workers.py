@@ -73,11 +73,13 @@ def _repeat(rank: int, world: int, reduce: Callable[[Any], Any]) -> dict[str, An
     """Many calls with changing sizes, dtypes and values, ranks drifting apart now and then."""
     import paddle
 
-    sizes = (1, 300, 4096)
+    # float32[600] and int64[300] are the same bytes: a block freed by one is reused by the other at the
+    # same address, which the all-reduce's views of each address must tell apart.
+    sizes = (1, 300, 600, 4096)
     dtypes = ("float32", "int64")
     wrong: list[str] = []
     for i in range(REPEATS):
-        n, dtype = sizes[i % 3], dtypes[(i // 3) % 2]
+        n, dtype = sizes[i % 4], dtypes[(i // 4) % 2]
         base = np.arange(n) % 5
         value = lambda r, i=i, base=base: (i % 97 + 1) * (r + 1) + base  # noqa: E731 - exact in both dtypes
         if i % 100 == 50 * rank:
@@ -87,7 +89,11 @@ def _repeat(rank: int, world: int, reduce: Callable[[Any], Any]) -> dict[str, An
         want = sum(value(r) for r in range(world))
         if not np.array_equal(out.numpy(), want.astype(dtype)):
             wrong.append(f"call {i}: {dtype}[{n}] got {out.numpy()[:4].tolist()}..., want {want[:4].tolist()}...")
-    return {"calls": REPEATS, "wrong": wrong[:5], "wrong_count": len(wrong)}
+    from fd_plugins.cpu import shm
+
+    state = shm.group_state(None)
+    kept = len(state._views) if state is not None else 0
+    return {"calls": REPEATS, "wrong": wrong[:5], "wrong_count": len(wrong), "views_kept": kept, "views_max": shm._MAX_VIEWS}
 
 
 def battery() -> dict[str, Any]:

@@ -49,8 +49,10 @@ _LINE = 64  # one counter per cache line, so ranks never write the same line
 _PAGE = 4096
 # Checks of the counters before the wait sleeps (~0.2 us each: tens of microseconds, the usual lag
 # of a peer that is on a core); then each sleep lasts until the peer's publish wakes it, or this long.
-_BUSY_CHECKS = int(os.environ.get("FD_X_SPIN", "256"))
+_BUSY_CHECKS = 256
 _SLEEP_SLICE = 2e-3
+# How many (address, size) pairs' views are kept; a decode step uses a few, so more means stale addresses.
+_MAX_VIEWS = 64
 # Where the kernel's futex is not available: sleep this long between checks instead.
 _SLEEP_SECONDS = 50e-6
 
@@ -333,6 +335,8 @@ class ShmGroup:
         self._broken: str | None = None
         self._dtypes: dict[Any, Any] = {}
         self._eager: Any = object
+        # (address, bytes, dtype) -> numpy views of that memory and of the two slot sets (see _remember).
+        self._views: dict[tuple[int, int, np.dtype], tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]] = {}
 
     # -- setup, once, on every rank together --
 
@@ -435,6 +439,7 @@ class ShmGroup:
     def close(self) -> None:
         """Drop every view of the segment, then unmap it (and unlink it if this rank still owns the name)."""
         self.usable = False
+        self._views.clear()  # they hold views of the segment, which must all be gone before it is unmapped
         self._sets = []
         for attr in ("_counters", "_sleeping", "_words"):
             view = self.__dict__.pop(attr, None)
@@ -464,17 +469,24 @@ class ShmGroup:
             return self._gloo(tensor)
         dtype, summer = spec
         nbytes = math.prod(shape) * dtype.itemsize
-        # Every rank decides alike: the same dtype, shape and layout reach each rank in tensor parallelism.
-        if nbytes > self.slot_bytes or not tensor.place.is_cpu_place():
+        if nbytes > self.slot_bytes:  # every rank decides alike: the same dtype, shape and layout reach each rank
             return self._gloo(tensor)
         if not tensor.is_contiguous():
             # A strided view (a slice, a transpose): its elements are not one run of memory. Sum a dense
             # copy, then write the sum back through the view (never into the memory around it).
             return _write_back(tensor, self.all_reduce(tensor.contiguous()))
-        # The tensor's own memory as numpy: read the input from it, write the sum into it (~0.7 us, no copy).
-        own = np.frombuffer((ctypes.c_char * nbytes).from_address(tensor.data_ptr()), dtype)
+        # A decode step's partial sums come back at the same few addresses step after step (the allocator
+        # reuses the blocks), so the numpy views of them and of the slots are made once per address: right
+        # after a product evicted the caches, making them took ~10 us a call (docs/benchmarks.md).
+        key = (tensor.data_ptr(), nbytes, dtype)
+        views = self._views.get(key)
+        if views is None:
+            if not tensor.place.is_cpu_place():
+                return self._gloo(tensor)
+            views = self._remember(key)
+        own, sets = views
         seq = self.seq = self.seq + 1
-        parts = self._sets[seq & 1][:, :nbytes].view(dtype)
+        parts = sets[seq & 1]
         np.copyto(parts[self.rank], own)
         if _NEEDS_FENCE:
             _fence()
@@ -492,6 +504,16 @@ class ShmGroup:
         summer(parts, own)
         self.calls["shm"] += 1
         return tensor
+
+    def _remember(self, key: tuple[int, int, np.dtype]) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        """Numpy views of the memory at key's address (the tensor's own: read the input from it, write the sum into
+        it, no copy) and of both slot sets at its size and dtype; kept for the next call at the same address."""
+        address, nbytes, dtype = key
+        if len(self._views) >= _MAX_VIEWS:  # addresses a long run no longer uses
+            self._views.clear()
+        own = np.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype)
+        views = self._views[key] = (own, (self._sets[0][:, :nbytes].view(dtype), self._sets[1][:, :nbytes].view(dtype)))
+        return views
 
     def _gloo(self, tensor: Any) -> Any:
         self.calls["fallback"] += 1
