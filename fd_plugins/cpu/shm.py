@@ -511,7 +511,8 @@ class ShmGroup:
         address, nbytes, dtype = key
         if len(self._views) >= _MAX_VIEWS:  # addresses a long run no longer uses
             self._views.clear()
-        own = np.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype)
+        memory: Any = (ctypes.c_char * nbytes).from_address(address)  # a buffer numpy reads; its stub lists no ctypes arrays
+        own = np.frombuffer(memory, dtype)
         views = self._views[key] = (own, (self._sets[0][:, :nbytes].view(dtype), self._sets[1][:, :nbytes].view(dtype)))
         return views
 
