@@ -51,7 +51,7 @@ def _rank(config: dict[str, Any], repeats: int) -> dict[str, Any]:
     core.set_num_threads(1)  # as a tp=2 rank's one-row products run on a 2-core host
     layers, (hidden, vocab_half) = _layout(config)
     weights = [[paddle.randn([k, n]) for k, n in layer] for layer in layers]  # [in, out]: x @ W, as fd's layers hold them
-    head = paddle.randn([vocab_half, hidden])  # the tied embedding's rows: x @ W^T
+    head = paddle.randn([hidden, vocab_half])  # the LM head as fd holds it (the tied embedding's table, [hidden, vocab / 2]): x @ W
     inputs = {k: paddle.randn([1, k]) for layer in layers for k, _ in layer}
     embedded = paddle.randn([1, hidden])
     calls: list[int] = []
@@ -64,7 +64,7 @@ def _rank(config: dict[str, Any], repeats: int) -> dict[str, Any]:
                 out = paddle.matmul(inputs[w.shape[0]], w)
                 if in_step and i in REDUCED_AFTER:
                     fd_all_reduce(out, None)
-        logits = paddle.matmul(embedded, head, transpose_y=True)
+        logits = paddle.matmul(embedded, head)
         if in_step:
             start = rank * vocab_half
             fd_all_reduce(F.pad(logits, [0, 0, start, vocab_half * 2 - start - vocab_half], value=0.0), None)
@@ -83,7 +83,8 @@ def _rank(config: dict[str, Any], repeats: int) -> dict[str, Any]:
             after = group_state(None).stats() if in_step else None  # type: ignore[union-attr]
             if i and in_step and before is not None and after is not None:
                 waits.append(after["wait_s"] - before["wait_s"])
-                calls.append(after["calls"] - before["calls"])
+                # Shared-memory and gloo calls both: the gloo path serves a group whose segment could not be set up.
+                calls.append(after["calls"] + after["fallback_calls"] - before["calls"] - before["fallback_calls"])
             if i:
                 times[in_step].append(spent)
     cold, warm = _small_op_costs(weights[0][4], inputs[hidden])

@@ -68,7 +68,7 @@ def cases(op: str, plugins: PluginSet, dtype: str, seed: int = 0) -> Iterator[tu
                     yield (f"x[{batch}, {heads}, {length}, {d}] {layout}, tables per row [{batch}, 1, {length}, {d // 2}]",
                            (t(batch, heads, length, d), paddle.to_tensor(np.cos(rows)), paddle.to_tensor(np.sin(rows)), layout))
         elif op == "attention":
-            for batch, length, total in ((1, 5, 5), (2, 1, 9), (1, 3, 11)):
+            for batch, length, total in ((1, 5, 5), (2, 1, 9), (1, 3, 11), (2, 4, 4)):
                 # Causal over the last `length` of `total` positions: what prefill (length == total) and decode pass.
                 offset = total - length
                 allowed = np.arange(total)[None, :] <= offset + np.arange(length)[:, None]
@@ -90,6 +90,7 @@ def cases(op: str, plugins: PluginSet, dtype: str, seed: int = 0) -> Iterator[tu
             inter = s["inter"]
             yield f"x[1, 1, {h}] @ w[{h}, {inter}]", (t(1, 1, h), t(h, inter), False)
             yield f"x[2, 5, {h}] @ w[{h}, {inter}]", (t(2, 5, h), t(h, inter), False)
+            yield f"x[1, {h}] @ w[{h}, {inter}]", (t(1, h), t(h, inter), False)  # the LM head's: hidden [B, H] @ [H, vocab / tp]
             yield f"x[1, {h}] @ w[{inter}, {h}]^T", (t(1, h), t(inter, h), True)
             yield f"x[3, 1, {inter}] @ w[{h}, {inter}]^T", (t(3, 1, inter), t(h, inter), True)
         elif op == "sample":
@@ -102,6 +103,7 @@ def cases(op: str, plugins: PluginSet, dtype: str, seed: int = 0) -> Iterator[tu
         # 16-bit dtype, 16 MiB in float32), odd sizes.
         yield f"x[1, 1, {LARGE}] @ w[{LARGE}, {4 * LARGE + ODD}]", (t(1, 1, LARGE), t(LARGE, 4 * LARGE + ODD), False)
         yield f"x[1, 1, {4 * LARGE + ODD}] @ w[{4 * LARGE + ODD}, {LARGE}]", (t(1, 1, 4 * LARGE + ODD), t(4 * LARGE + ODD, LARGE), False)
+        yield f"x[1, {LARGE}] @ w[{LARGE}, {4 * LARGE + ODD}]", (t(1, LARGE), t(LARGE, 4 * LARGE + ODD), False)
         yield f"x[1, {LARGE}] @ w[{4 * LARGE + ODD}, {LARGE}]^T", (t(1, LARGE), t(4 * LARGE + ODD, LARGE), True)
 
 

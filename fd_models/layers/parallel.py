@@ -62,8 +62,9 @@ class VocabParallelEmbedding(nn.Layer):
 
     The table is held transposed, [hidden, vocab / tp] (the checkpoint's `embed_tokens.weight` [vocab,
     hidden] is transposed into place at loading), because a tied LM head multiplies by it every step and
-    Paddle's CPU one-row product reads x @ W faster than x @ W^T (10.7 against 13.7 ms for one rank's
-    half of ERNIE-4.5-0.3B's vocabulary, docs/benchmarks.md); looking up a token's column costs ~20 us.
+    Paddle's CPU one-row product reads x @ W faster than x @ W^T on one thread (one rank's half of
+    ERNIE-4.5-0.3B's vocabulary: 10.7-13.7 against 13.7-16.0 ms, docs/benchmarks.md). Looking up a
+    token's column costs ~16 us, a 2048-token prompt's ~46 ms (rows: 10 ms), once per prompt.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, ctx: Any, dtype: str = "float32") -> None:

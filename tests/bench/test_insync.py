@@ -21,10 +21,13 @@ CONFIG = ROOT / "benchmarks" / "configs" / "ernie-4.5-0.3b.json"
 def test_two_ranks_hold_the_ceilings_bytes() -> None:
     """Laid out as tensor parallelism splits it, the two ranks' matrices are the ceiling's, byte for byte."""
     config = json.loads(CONFIG.read_text())
-    layers, (hidden, vocab_half) = insync._layout(config)
-    per_rank = sum(k * n for layer in layers for k, n in layer) + hidden * vocab_half
-    assert 2 * per_rank == sum(k * n for k, n in matvec.shapes(config))
-    # o and down are the row-parallel ones, whose outputs are the whole hidden size (the partial sums reduced).
+    layers, head = insync._layout(config)
+    ceiling = matvec.shapes(config)  # (in, out) of every matrix, whole, in step order; the LM head last
+    # Each of the ceiling's matrices halved as tensor parallelism halves it: o and down (the row-parallel ones,
+    # whose outputs are partial sums the all-reduce adds) by their inputs, the others by their outputs.
+    halves = [(k // 2, n) if i % 7 in insync.REDUCED_AFTER else (k, n // 2) for i, (k, n) in enumerate(ceiling[:-1])]
+    assert [shape for layer in layers for shape in layer] == halves
+    assert head == (ceiling[-1][0], ceiling[-1][1] // 2)
     assert [layers[0][i][1] for i in insync.REDUCED_AFTER] == [config["hidden_size"]] * 2
 
 
