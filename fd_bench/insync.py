@@ -22,18 +22,19 @@ import sys
 import time
 from typing import Any
 
+from fd_bench.matvec import shapes
 
-def _layout(config: dict[str, Any]) -> tuple[list[list[tuple[int, int]]], tuple[int, int]]:
-    """Per layer the (in, out) of each matrix a tp=2 rank holds, in step order; and the LM head's (in, out)."""
-    hidden, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
-    # Column-parallel (outputs halved): q, k, v, gate, up; row-parallel (inputs halved, full outputs summed): o, down.
-    layer = [(hidden, q // 2), (hidden, kv // 2), (hidden, kv // 2), (q // 2, hidden), (hidden, inter // 2), (hidden, inter // 2), (inter // 2, hidden)]
-    return [layer] * layers, (hidden, config["vocab_size"] // 2)
-
-
+PER_LAYER = 7  # fd_bench.matvec.shapes lists each layer's q, k, v, o, gate, up, down
 REDUCED_AFTER = (3, 6)  # o and down: their outputs are partial sums over the ranks
+
+
+def _layout(config: dict[str, Any]) -> list[tuple[int, int]]:
+    """The (in, out) of each matrix a tp=2 rank holds, in step order, the LM head last: the ceiling's matrices
+    (fd_bench.matvec.shapes) halved as tensor parallelism halves them, o and down by inputs, the rest by outputs."""
+    whole = shapes(config)
+    halves = [(k // 2, n) if i % PER_LAYER in REDUCED_AFTER else (k, n // 2) for i, (k, n) in enumerate(whole[:-1])]
+    hidden, vocab = whole[-1]
+    return [*halves, (hidden, vocab // 2)]  # the LM head as fd holds it (the tied embedding's table [hidden, vocab / 2]): x @ W
 
 
 def _rank(config: dict[str, Any], repeats: int) -> dict[str, Any]:
@@ -49,21 +50,21 @@ def _rank(config: dict[str, Any], repeats: int) -> dict[str, Any]:
     rank, _ = init_rank()
     paddle.set_device("cpu")
     core.set_num_threads(1)  # as a tp=2 rank's one-row products run on a 2-core host
-    layers, (hidden, vocab_half) = _layout(config)
-    weights = [[paddle.randn([k, n]) for k, n in layer] for layer in layers]  # [in, out]: x @ W, as fd's layers hold them
-    head = paddle.randn([hidden, vocab_half])  # the LM head as fd holds it (the tied embedding's table, [hidden, vocab / 2]): x @ W
-    inputs = {k: paddle.randn([1, k]) for layer in layers for k, _ in layer}
-    embedded = paddle.randn([1, hidden])
+    layout = _layout(config)
+    weights = [paddle.randn([k, n]) for k, n in layout]  # [in, out]: x @ W, as fd holds them
+    *layers, head = weights
+    hidden, vocab_half = layout[-1]
+    inputs = {k: paddle.randn([1, k]) for k, _ in layout}
+    embedded = inputs[hidden]
     calls: list[int] = []
 
     def run(in_step: bool) -> None:
         if in_step:
             fd_all_reduce(embedded.clone(), None)
-        for layer in weights:
-            for i, w in enumerate(layer):
-                out = paddle.matmul(inputs[w.shape[0]], w)
-                if in_step and i in REDUCED_AFTER:
-                    fd_all_reduce(out, None)
+        for i, w in enumerate(layers):
+            out = paddle.matmul(inputs[w.shape[0]], w)
+            if in_step and i % PER_LAYER in REDUCED_AFTER:
+                fd_all_reduce(out, None)
         logits = paddle.matmul(embedded, head)
         if in_step:
             start = rank * vocab_half
@@ -87,7 +88,7 @@ def _rank(config: dict[str, Any], repeats: int) -> dict[str, Any]:
                 calls.append(after["calls"] + after["fallback_calls"] - before["calls"] - before["fallback_calls"])
             if i:
                 times[in_step].append(spent)
-    cold, warm = _small_op_costs(weights[0][4], inputs[hidden])
+    cold, warm = _small_op_costs(layers[4], inputs[hidden])  # the first layer's gate
     return {"rank": rank, "in_step_s": statistics.median(times[True]), "free_s": statistics.median(times[False]),
             "wait_ms_per_pass": statistics.median(waits) * 1e3, "all_reduces_per_pass": statistics.median(calls),
             "small_op_after_product_us": cold, "small_op_after_small_op_us": warm}

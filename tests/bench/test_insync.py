@@ -18,17 +18,17 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "benchmarks" / "configs" / "ernie-4.5-0.3b.json"
 
 
-def test_two_ranks_hold_the_ceilings_bytes() -> None:
-    """Laid out as tensor parallelism splits it, the two ranks' matrices are the ceiling's, byte for byte."""
+def test_two_ranks_hold_the_ceilings_matrices_halved() -> None:
+    """Each rank's matrices are the tensor-parallel halves of ERNIE-4.5-0.3B's, written out from its config by hand:
+    q, k, v, gate and up split by outputs; o and down by inputs (their outputs, whole, are what the all-reduce adds);
+    the LM head [hidden, vocab / 2], as fd holds it."""
     config = json.loads(CONFIG.read_text())
-    layers, head = insync._layout(config)
-    ceiling = matvec.shapes(config)  # (in, out) of every matrix, whole, in step order; the LM head last
-    # Each of the ceiling's matrices halved as tensor parallelism halves it: o and down (the row-parallel ones,
-    # whose outputs are partial sums the all-reduce adds) by their inputs, the others by their outputs.
-    halves = [(k // 2, n) if i % 7 in insync.REDUCED_AFTER else (k, n // 2) for i, (k, n) in enumerate(ceiling[:-1])]
-    assert [shape for layer in layers for shape in layer] == halves
-    assert head == (ceiling[-1][0], ceiling[-1][1] // 2)
-    assert [layers[0][i][1] for i in insync.REDUCED_AFTER] == [config["hidden_size"]] * 2
+    # hidden 1024, 16 heads and 2 kv heads of 128, intermediate 3072, vocabulary 103424, 18 layers.
+    layer = [(1024, 1024), (1024, 128), (1024, 128), (1024, 1024), (1024, 1536), (1024, 1536), (1536, 1024)]
+    assert insync._layout(config) == layer * 18 + [(1024, 51712)]
+    assert [layer[i][1] for i in insync.REDUCED_AFTER] == [config["hidden_size"]] * 2
+    # Half the ceiling's bytes a rank.
+    assert 2 * sum(k * n for k, n in insync._layout(config)) == sum(k * n for k, n in matvec.shapes(config))
 
 
 def test_in_step_pass_makes_a_tp2_steps_all_reduces(tmp_path: Path) -> None:
