@@ -127,7 +127,7 @@ def _runners(selected: list[str], smoke: bool) -> list[tuple[tuple[str, ...], Ca
 def main(argv: list[str] | None = None) -> int:
     """Run the selected rows, print the table, write JSON; 0 when every row ran (missed targets do not fail)."""
     args = _parse(argv)
-    from fd_core.paddle_logs import quiet_paddle_logs
+    from fd_core.host.paddle_logs import quiet_paddle_logs
 
     quiet_paddle_logs()  # before any row imports paddle
     from fd_bench.report import Line, impossible, machine, table

@@ -14,7 +14,7 @@ def graph_rows(smoke: bool) -> list[Line]:
 
     from fd_bench.ranks import decode_setup, seeded_model
     from fd_core import ParallelConfig
-    from fd_core.backend import load_backend
+    from fd_core.host.backend import load_backend
 
     env = dict(os.environ)
     env["FD_PLATFORM"] = "cpu"

@@ -43,7 +43,7 @@ def _rank(config: dict[str, Any], repeats: int) -> dict[str, Any]:
     import paddle.nn.functional as F
     from paddle.base import core
 
-    from fd_core.runtime.distributed import init_rank
+    from fd_core.runtime.ranks.spawn import init_rank
     from fd_plugins.cpu.platform import fd_all_reduce
     from fd_plugins.cpu.shm import group_state
 
@@ -113,8 +113,8 @@ def _small_op_costs(weight: Any, x: Any, samples: int = 200) -> tuple[float, flo
 
 
 def main(argv: list[str]) -> int:
-    from fd_core.paddle_logs import quiet_paddle_logs
-    from fd_core.runtime.distributed import spawn_ranks
+    from fd_core.host.paddle_logs import quiet_paddle_logs
+    from fd_core.runtime.ranks.spawn import spawn_ranks
 
     quiet_paddle_logs()
     config = json.loads(open(argv[0]).read())

@@ -43,8 +43,8 @@ def kernel_rows(smoke: bool) -> list[Line]:
     import paddle
 
     from fd_core import hookimpl, native_ops
-    from fd_core.backend import Backend
-    from fd_core.plugins import load_plugins
+    from fd_core.host.backend import Backend
+    from fd_core.host.loading import load_plugins
     from fd_models.layers.norm import RMSNorm
     from fd_plugins.cpu.kernels import rms_norm as cpu_rms_norm
     from fd_plugins.cpu.kernels import rotary_embedding as cpu_rotary

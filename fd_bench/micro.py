@@ -68,7 +68,7 @@ def _per_call(sides: dict[str, Callable[[int], int]], iters: int, batches: int) 
 
 
 def _plugins(extensions: tuple[ModuleType, ...] = ()) -> Any:
-    from fd_core.plugins import load_plugins
+    from fd_core.host.loading import load_plugins
 
     env = {k: v for k, v in os.environ.items() if k not in ("FD_PLATFORM",)}
     env["FD_PLATFORM"] = benchplat.NAME
@@ -84,7 +84,7 @@ def _tensor() -> Any:
 
 def dispatch_rows(selected: set[str], smoke: bool) -> list[Line]:
     from fd_core import ParallelConfig
-    from fd_core.backend import Backend
+    from fd_core.host.backend import Backend
 
     iters, batches = (300, 15) if smoke else (2000, 60)
     t, group = _tensor(), object()

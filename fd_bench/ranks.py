@@ -39,7 +39,7 @@ class DirectCtx:
 
 def _backend(platform: str, rank: int, world: int) -> Any:
     from fd_core import ParallelConfig
-    from fd_core.backend import load_backend
+    from fd_core.host.backend import load_backend
 
     env = dict(os.environ)
     env["FD_PLATFORM"] = platform
@@ -47,7 +47,7 @@ def _backend(platform: str, rank: int, world: int) -> Any:
 
 
 def seeded_model(arch: Any, config: Any, ctx: Any, rank: int, world: int, max_len: int) -> Any:
-    from fd_core.runtime.lifecycle import init_std
+    from fd_core.runtime.engine.runner import init_std
     from fd_core.runtime.weights import random_state_dict
 
     model = arch.build(config, ctx)
@@ -188,8 +188,8 @@ TASKS: dict[str, Callable[..., dict[str, Any]]] = {"decode": decode, "allreduce"
 
 def run_rank(tasks: tuple[str, ...], smoke: bool) -> dict[str, Any]:
     """Entry point of a spawned rank."""
-    from fd_core.paddle_logs import quiet_paddle_logs
-    from fd_core.runtime.distributed import init_rank
+    from fd_core.host.paddle_logs import quiet_paddle_logs
+    from fd_core.runtime.ranks.spawn import init_rank
 
     quiet_paddle_logs()
     rank, world = init_rank()

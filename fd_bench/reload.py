@@ -1,4 +1,4 @@
-"""Reload row: time and resident memory across weight-reload cycles (fd_core.runtime.lifecycle.ModelRunner, generating through the engine).
+"""Reload row: time and resident memory across weight-reload cycles (fd_core.runtime.engine.runner.ModelRunner, generating through the engine).
 
 Runs in a fresh process (`python -m fd_bench.reload CYCLES STEPS`), so the RSS is the runner's alone.
 """
@@ -17,13 +17,13 @@ from fd_bench.report import Line
 
 def measure(cycles: int, steps: int, graph: str = "auto") -> dict:
     """One tp=1 runner on the cpu platform; graphs on auto (the row: a static-graph capture after every reload) or off."""
-    from fd_core.paddle_logs import quiet_paddle_logs
+    from fd_core.host.paddle_logs import quiet_paddle_logs
 
     quiet_paddle_logs()
     from fd_core import ParallelConfig
-    from fd_core.backend import load_backend
-    from fd_core.runtime.engine import Engine
-    from fd_core.runtime.lifecycle import ModelRunner
+    from fd_core.host.backend import load_backend
+    from fd_core.runtime.engine.loop import Engine
+    from fd_core.runtime.engine.runner import ModelRunner
     from fd_core.runtime.plan import model_config_for
     from fd_core.runtime.procstats import resident_bytes
     from fd_core.runtime.request import Request

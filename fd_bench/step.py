@@ -68,7 +68,7 @@ class StepTimer:
 
 def instrument(worker: Any, timer: StepTimer) -> Callable[[], float]:
     """Time every part of `worker`'s model in place; returns a function giving the decode steps' total seconds."""
-    from fd_core.runtime import engine
+    from fd_core.runtime.engine import loop as engine
     from fd_models.layers import attention as attention_module
     from fd_models.layers.attention import Attention
     from fd_models.layers.mlp import SwiGLUMLP
@@ -133,7 +133,7 @@ def _shm_stats() -> dict[str, Any] | None:
 
 def measure_rank(plan: Any, rank: int = 0, tp: int = 1, group: Any = None) -> dict[str, Any]:
     """One rank's breakdown: load as fd run does, time a first generation's decode (warm-up), then a second one's."""
-    from fd_core.runtime.worker import RankWorker
+    from fd_core.runtime.ranks.worker import RankWorker
 
     worker = RankWorker.start(plan, rank, tp, group)
     worker.generate(plan.request)  # warm-up: first calls, allocations
@@ -177,16 +177,16 @@ def measure_rank(plan: Any, rank: int = 0, tp: int = 1, group: Any = None) -> di
 
 def spawned(plan: Any) -> dict[str, Any]:
     """A spawned rank's breakdown."""
-    from fd_core.runtime.distributed import init_rank
+    from fd_core.runtime.ranks.spawn import init_rank
 
     rank, world = init_rank()
     return measure_rank(plan, rank, world)
 
 
 def main(argv: list[str]) -> int:
-    from fd_core.paddle_logs import quiet_paddle_logs
-    from fd_core.runtime.distributed import spawn_ranks
+    from fd_core.host.paddle_logs import quiet_paddle_logs
     from fd_core.runtime.plan import RunConfig, plan_run
+    from fd_core.runtime.ranks.spawn import spawn_ranks
 
     quiet_paddle_logs()
     checkpoint, tp, steps, prompt = argv[0], int(argv[1]), int(argv[2]), tuple(int(t) for t in argv[3].split(","))

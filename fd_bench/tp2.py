@@ -15,7 +15,7 @@ def _size(nbytes: int) -> str:
 
 def run(tasks: tuple[str, ...], smoke: bool) -> list[dict[str, Any]]:
     from fd_bench.ranks import run_rank
-    from fd_core.runtime.distributed import spawn_ranks
+    from fd_core.runtime.ranks.spawn import spawn_ranks
 
     return spawn_ranks(run_rank, (tasks, smoke), 2, "gloo")
 

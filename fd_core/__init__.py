@@ -11,14 +11,14 @@ from fd_core.markers import hookimpl
 from fd_core.models import Architecture, CausalModel, WeightSpec
 
 if TYPE_CHECKING:
-    from fd_core.backend import Backend, load_backend
+    from fd_core.host.backend import Backend, load_backend
 
 
 def __getattr__(name: str) -> Any:
     # The Backend pulls in entry-point discovery (importlib.metadata): loaded on first use, so that
     # `import fd_core` stays light for plugin modules.
     if name in ("Backend", "load_backend"):
-        from fd_core import backend
+        from fd_core.host import backend
 
         return getattr(backend, name)
     raise AttributeError(f"module 'fd_core' has no attribute {name!r}")

@@ -19,6 +19,9 @@ from fd_core.errors import ConfigError, FdError, RankError
 # before, for something else, and exec'd fd (see procstats.process_start_time).
 ENTERED_AT = time.time()
 
+# fd's own subcommands: a plugin's command may not take these names.
+CORE_COMMANDS = ("plugins", "explain", "run", "serve", "save-random", "check", "help")
+
 EXIT_USAGE = 2
 EXIT_NOT_VERIFIED = 3  # fd check: nothing failed, but the checks that need the hardware could not run
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
@@ -59,7 +62,7 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be a positive, finite number of seconds, got {text}")
-    from fd_core.plugins import MAX_TIMEOUT_S
+    from fd_core.host.selection import MAX_TIMEOUT_S
 
     if value > MAX_TIMEOUT_S:  # a wait this long overflows (Python's timeouts end near 1e10 s)
         raise argparse.ArgumentTypeError(f"must be at most {MAX_TIMEOUT_S} seconds (a week), got {text}")
@@ -67,8 +70,8 @@ def _seconds(text: str) -> float:
 
 
 def _stdout() -> TextIO:
-    """fd's own output: the real stdout, while what plugins print goes to stderr (see fd_core.plugins.plugin_prints_to_stderr)."""
-    from fd_core.plugins import fd_stdout
+    """fd's own output: the real stdout, while what plugins print goes to stderr (see fd_core.host.output.plugin_prints_to_stderr)."""
+    from fd_core.host.output import fd_stdout
 
     return fd_stdout()
 
@@ -78,10 +81,10 @@ def _print_json(data: Any) -> None:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from fd_core.plugins import load_plugins
+    from fd_core.host.loading import load_plugins
 
     # Not strict: a plugin that fails validation or registration is listed with its error, not fatal.
-    plugins = load_plugins(strict=False)
+    plugins = load_plugins(strict=False, reserved_commands=CORE_COMMANDS)
     rows = [{**r.to_dict(), "kernels": plugins.kernels.by_plugin(r.name) if r.active else []} for r in plugins.records]
     if args.json:
         architectures = [a.to_dict() for a in plugins.registry]
@@ -150,9 +153,9 @@ def _plugin_listing(plugins: Any) -> list[str]:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from fd_core.backend import load_backend
     from fd_core.config import ModelConfig, ParallelConfig
-    from fd_core.plugins import load_plugins
+    from fd_core.host.backend import load_backend
+    from fd_core.host.loading import load_plugins
     from fd_core.runtime.memory import plan_memory
     from fd_core.runtime.plan import DEFAULT_MODEL, RunConfig, check_tp, compute_dtype, model_and_checkpoint, model_config_for, run_threads
     from fd_core.runtime.report import kernel_line, threads_line
@@ -242,12 +245,13 @@ def _require_paddle() -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fd_core.paddle_logs import quiet_paddle_logs
-    from fd_core.plugins import fd_stdout_closed, load_plugins
-    from fd_core.runtime.distributed import Terminated, launched_rank, run_here, spawn_ranks
-    from fd_core.runtime.launch import run_rank, spawned_rank
+    from fd_core.host.loading import load_plugins
+    from fd_core.host.output import fd_stdout_closed
+    from fd_core.host.paddle_logs import quiet_paddle_logs
     from fd_core.runtime.plan import RunConfig, plan_run, plugin_env
     from fd_core.runtime.procstats import process_start_time
+    from fd_core.runtime.ranks.launch import run_rank, spawned_rank
+    from fd_core.runtime.ranks.spawn import Terminated, launched_rank, run_here, spawn_ranks
 
     _require_paddle()
 
@@ -353,7 +357,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _require_paddle()
     from pathlib import Path
 
-    from fd_core.paddle_logs import quiet_paddle_logs
+    from fd_core.host.paddle_logs import quiet_paddle_logs
     from fd_core.serve.server import ServeOptions, serve
 
     quiet_paddle_logs()
@@ -366,7 +370,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_save_random(args: argparse.Namespace) -> int:
-    from fd_core.paddle_logs import quiet_paddle_logs
+    from fd_core.host.paddle_logs import quiet_paddle_logs
     from fd_core.runtime.save_random import save_random_checkpoint
 
     _require_paddle()
@@ -390,9 +394,9 @@ def cmd_check(args: argparse.Namespace) -> int:
             "pip install pytest (the test extra brings it: see the README's test command)"
         ) from None
 
-    from fd_core.paddle_logs import quiet_paddle_logs
-    from fd_core.plugins import load_plugins
-    from fd_core.runtime import distributed
+    from fd_core.host.loading import load_plugins
+    from fd_core.host.paddle_logs import quiet_paddle_logs
+    from fd_core.runtime.ranks import spawn as distributed
     from fd_core.testing import check_module, model_check_module
 
     _require_paddle()
@@ -641,7 +645,7 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
 
 def _architecture_lines() -> list[str]:
     """One line per registered architecture for --help (empty if the plugins cannot be loaded: help still works)."""
-    from fd_core.plugins import load_plugins
+    from fd_core.host.loading import load_plugins
 
     try:
         registry = load_plugins(strict=False).registry
@@ -665,12 +669,12 @@ def _help(parser: argparse.ArgumentParser, sub: Any, topic: str | None, commands
 
 def _plugin_commands(argv: Sequence[str]) -> dict[str, tuple[str, Any, str]]:
     """Subcommands plugins add; plugins are loaded only when argv does not start with one of fd's own."""
-    from fd_core.plugins import CORE_COMMANDS, load_plugins
+    from fd_core.host.loading import load_plugins
 
     if argv and argv[0] in CORE_COMMANDS and argv[0] != "help":  # fd help knows every command, plugins' too
         return {}
     try:
-        return load_plugins(strict=False).commands
+        return load_plugins(strict=False, reserved_commands=CORE_COMMANDS).commands
     except FdError:
         return {}  # fd's own commands report the problem; help and usage still work
 
@@ -689,7 +693,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = build_parser(commands, _architecture_lines() if wants_help else ())
         args = parser.parse_args(argv)
         func: Callable[[argparse.Namespace], int] = args.func
-        from fd_core.plugins import plugin_prints_to_stderr
+        from fd_core.host.output import plugin_prints_to_stderr
 
         if args.command == "help":  # a plugin command's help is the plugin's own output
             return func(args)
@@ -711,7 +715,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"fd: error: {where}{exc.strerror or exc}; check the path, its permissions and the free space", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt as exc:
-        from fd_core.runtime.distributed import Terminated
+        from fd_core.runtime.ranks.spawn import Terminated
 
         if isinstance(exc, Terminated):  # SIGTERM, SIGHUP or SIGQUIT while ranks ran: 128 + its number
             print(exc.message(), file=sys.stderr)

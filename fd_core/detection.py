@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -80,3 +81,15 @@ class Detection:
         if not isinstance(self.dtypes, (tuple, list)) or not self.dtypes or any(d not in COMPUTE_DTYPES for d in self.dtypes):
             return f"dtypes={self.dtypes!r}, expected a non-empty tuple of {', '.join(COMPUTE_DTYPES)}"
         return None
+
+
+def affinity_cores() -> int:
+    """Cores in this process's affinity mask (the online processors where the OS has no masks): a platform's
+    starting point for `Detection.host_cores`, and what fd assumes when a platform reports none."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        try:
+            return max(1, os.sysconf("SC_NPROCESSORS_ONLN"))
+        except (AttributeError, ValueError, OSError):
+            return 1

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Protocol, Sequence
 
-from fd_core.errors import ConfigError, FdError, PluginError, package_failure
+from fd_core.errors import ConfigError, FdError, package_failure
 from fd_core.graphs import GraphBackend
 
 if TYPE_CHECKING:
@@ -140,63 +140,3 @@ class Architecture:
             raise package_failure(self.package, "build", exc) from None
 
 
-@dataclass
-class ModelRegistry:
-    """Architectures by name (and alias), filled through the `fd_register_models` hook."""
-
-    _by_name: dict[str, Architecture] = field(default_factory=dict)
-    _aliases: dict[str, str] = field(default_factory=dict)
-    _builtin: dict[str, bool] = field(default_factory=dict)
-
-    def add(self, arch: Architecture, *, has_clear_hook: bool, builtin: bool = False) -> None:
-        """Register `arch`; a clash blames `arch`'s package, so register built-ins first."""
-        if arch.graph_capable and not has_clear_hook:
-            raise PluginError(
-                f"plugin {arch.package!r} registers graph-capable architecture {arch.name!r} "
-                f"without a graph-clear hook: implement fd_clear_graphs(model) in {arch.package!r} "
-                f"or register it with graph_capable=False"
-            )
-        for key in (arch.name, *arch.aliases):
-            owner = self._aliases.get(key)
-            if owner is None:
-                continue
-            holder = self._by_name[owner]
-            provider = f"the built-in {holder.package!r}" if self._builtin.get(owner, False) else repr(holder.package)
-            raise PluginError(
-                f"plugin {arch.package!r} registers architecture {key!r}, already registered by {provider}; "
-                f"rename it in {arch.package!r}"
-            )
-        self._by_name[arch.name] = arch
-        self._builtin[arch.name] = builtin
-        for key in (arch.name, *arch.aliases):
-            self._aliases[key] = arch.name
-
-    def remove_package(self, package: str) -> None:
-        """Drop every architecture `package` registered (its registration failed part way)."""
-        for name in [n for n, a in self._by_name.items() if a.package == package]:
-            del self._by_name[name]
-            self._builtin.pop(name, None)
-            for key in [k for k, v in self._aliases.items() if v == name]:
-                del self._aliases[key]
-
-    def get(self, name: str) -> Architecture:
-        key = self._aliases.get(name)
-        if key is None:
-            raise ConfigError(f"unknown architecture {name!r}; {self.listing()}")
-        return self._by_name[key]
-
-    def listing(self) -> str:
-        """'registered: name (aliases), ...' for error messages."""
-        if not self._by_name:
-            return "registered: none (no model package is installed)"
-        names = [f"{a.name} ({', '.join(a.aliases)})" if a.aliases else a.name for a in self]
-        return "registered: " + ", ".join(names)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._aliases
-
-    def __iter__(self) -> Iterator[Architecture]:
-        return iter(sorted(self._by_name.values(), key=lambda a: a.name))
-
-    def __len__(self) -> int:
-        return len(self._by_name)

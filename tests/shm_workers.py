@@ -98,7 +98,7 @@ def _repeat(rank: int, world: int, reduce: Callable[[Any], Any]) -> dict[str, An
 
 def battery() -> dict[str, Any]:
     """Everything the tests check, on one rank of a two-rank job (one spawn for the whole file)."""
-    from fd_core.runtime.distributed import init_rank
+    from fd_core.runtime.ranks.spawn import init_rank
 
     os.environ.pop("FD_SHM_BUFFER_BYTES", None)
     os.environ.pop("FD_SHM_TIMEOUT", None)
@@ -115,7 +115,7 @@ def battery() -> dict[str, Any]:
     # Through fd_core, as an engine uses it: selection, the bound all-reduce and the graph vote.
     os.environ["FD_PLATFORM"] = "cpu"
     from fd_core import ModelConfig, ParallelConfig
-    from fd_core.backend import load_backend
+    from fd_core.host.backend import load_backend
 
     backend = load_backend(ParallelConfig(tp_size=world, tp_rank=rank))
     summed = backend.all_reduce(paddle.full([8], float(rank + 1)))

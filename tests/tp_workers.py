@@ -33,8 +33,8 @@ def generate(backend: Any, arch_name: str, graph: str, image_seed: int = 0) -> d
     """Load the preset with seeded weights, take the decision, prefill logits and greedy tokens (through the engine)."""
     import numpy as np
 
-    from fd_core.runtime.engine import Engine
-    from fd_core.runtime.lifecycle import ModelRunner
+    from fd_core.runtime.engine.loop import Engine
+    from fd_core.runtime.engine.runner import ModelRunner
     from fd_core.runtime.plan import model_config_for
     from fd_core.runtime.request import Request
 

@@ -1,10 +1,10 @@
 """The runtime behind `fd run` and the Python API: tokenizers, chat templates, sampling, batched generation
 and the LLM session. The contract modules of fd_core never import it."""
 
-from fd_core.runtime.engine import Completion
-from fd_core.runtime.sampling import SamplingParams
-from fd_core.runtime.scheduler import Submission
+from fd_core.runtime.engine.loop import Completion
+from fd_core.runtime.engine.sampling import SamplingParams
+from fd_core.runtime.engine.scheduler import Submission
 from fd_core.runtime.session import LLM
-from fd_core.runtime.tokenizer import Tokenizer, load_tokenizer
+from fd_core.runtime.text.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["LLM", "Completion", "SamplingParams", "Submission", "Tokenizer", "load_tokenizer"]

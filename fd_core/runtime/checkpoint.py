@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any, Mapping
 from fd_core.config import read_config_json
 from fd_core.errors import CheckpointError, ConfigError
 from fd_core.runtime import progress
-from fd_core.runtime.chat import find_chat_template
-from fd_core.runtime.generation_config import GenerationDefaults
-from fd_core.runtime.tokenizer import has_tokenizer, load_tokenizer, read_json
+from fd_core.runtime.text.chat import find_chat_template
+from fd_core.runtime.text.generation_config import GenerationDefaults
+from fd_core.runtime.text.tokenizer import has_tokenizer, load_tokenizer, read_json
 from fd_core.runtime.weights import check_checkpoint_dir
 
 if TYPE_CHECKING:
-    from fd_core.runtime.tokenizer import Tokenizer
+    from fd_core.runtime.text.tokenizer import Tokenizer
 
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 

@@ -8,15 +8,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from fd_core.errors import CheckpointError, ConfigError, FdError, package_failure
-from fd_core.runtime.chat import expand_placeholders, render_chat, user_message
-from fd_core.runtime.generation_config import GenerationDefaults
+from fd_core.runtime.engine.sampling import SamplingParams
 from fd_core.runtime.images import check_picture
-from fd_core.runtime.sampling import SamplingParams
-from fd_core.runtime.tokenizer import TOKENIZER_FILES, Tokenizer
+from fd_core.runtime.text.chat import expand_placeholders, render_chat, user_message
+from fd_core.runtime.text.generation_config import GenerationDefaults
+from fd_core.runtime.text.tokenizer import TOKENIZER_FILES, Tokenizer
 
 if TYPE_CHECKING:
-    from fd_core.backend import Backend
     from fd_core.config import ModelConfig, ParallelConfig
+    from fd_core.host.backend import Backend
     from fd_core.models import Architecture
     from fd_core.runtime.checkpoint import Checkpoint
     from fd_core.runtime.memory import MemoryPlan

@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fd_core.backend import load_backend
 from fd_core.config import ParallelConfig, read_config_json
 from fd_core.errors import ConfigError
-from fd_core.plugins import load_plugins
+from fd_core.host.backend import load_backend
+from fd_core.host.loading import load_plugins
 from fd_core.runtime.checkpoint import architecture_of
+from fd_core.runtime.engine.runner import init_std
 from fd_core.runtime.files import regular_file
-from fd_core.runtime.lifecycle import init_std
 from fd_core.runtime.weights import check_new_directory, random_state_dict, save_checkpoint
 
 

@@ -7,25 +7,26 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
-from fd_core.backend import Backend
 from fd_core.config import ParallelConfig
 from fd_core.errors import ConfigError, RankError
 from fd_core.graphs import CastVote, GraphDecision
-from fd_core.paddle_logs import quiet_paddle_logs
-from fd_core.plugins import load_plugins
-from fd_core.runtime.distributed import DEFAULT_STALL_S
-from fd_core.runtime.engine import Completion, Event, Job, jobs_of
+from fd_core.host.backend import Backend
+from fd_core.host.loading import load_plugins
+from fd_core.host.paddle_logs import quiet_paddle_logs
+from fd_core.runtime.engine.loop import Completion, Event, Job, jobs_of
+from fd_core.runtime.engine.sampling import SamplingParams
+from fd_core.runtime.engine.scheduler import Scheduler, Submission
 from fd_core.runtime.images import load_image
 from fd_core.runtime.memory import DEFAULT_MEMORY_FRACTION
-from fd_core.runtime.plan import RunConfig, apply_threads, plan_run, plugin_env
-from fd_core.runtime.ranks import RankPool
+from fd_core.runtime.plan import RunConfig, plan_run, plugin_env
+from fd_core.runtime.ranks.pool import RankPool
+from fd_core.runtime.ranks.spawn import DEFAULT_STALL_S
+from fd_core.runtime.ranks.worker import RankWorker
 from fd_core.runtime.request import Request, build_request, messages_prompt
-from fd_core.runtime.sampling import SamplingParams
-from fd_core.runtime.scheduler import Scheduler, Submission
-from fd_core.runtime.worker import RankWorker
+from fd_core.runtime.threads import apply_threads
 
 if TYPE_CHECKING:
-    from fd_core.runtime.tokenizer import Tokenizer
+    from fd_core.runtime.text.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 

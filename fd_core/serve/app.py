@@ -24,23 +24,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from fd_core.errors import CheckpointError, ConfigError, FdError, RankError, RequestRefused
-from fd_core.runtime.scheduler import SchedulerClosed
+from fd_core.runtime.engine.scheduler import SchedulerClosed
 from fd_core.serve.metrics import CONTENT_TYPE, Metrics
-from fd_core.serve.protocol import (
-    FINISH_REASONS,
-    ApiError,
-    ChatRequest,
-    CompletionRequest,
-    message_parts,
-    new_id,
-    now,
-    read_image,
-    usage,
-)
+from fd_core.serve.protocol import FINISH_REASONS, ApiError, ChatRequest, CompletionRequest, message_parts, new_id, now, read_image, usage
 
 if TYPE_CHECKING:
-    from fd_core.runtime.engine import Completion
-    from fd_core.runtime.sampling import SamplingParams
+    from fd_core.runtime.engine.loop import Completion
+    from fd_core.runtime.engine.sampling import SamplingParams
 
 RETRY_AFTER_S = 1  # what a client told "queue full" waits before it tries again
 

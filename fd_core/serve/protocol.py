@@ -15,7 +15,7 @@ from typing import Any, Literal, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from fd_core.errors import ConfigError
-from fd_core.runtime.sampling import SamplingParams
+from fd_core.runtime.engine.sampling import SamplingParams
 
 # fd's Completion.finish_reason -> the OpenAI API's.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}

@@ -15,7 +15,7 @@ from fd_core.serve.app import EXIT_TERMINATED, ServeOptions, Server, bind, log, 
 
 def serve(options: ServeOptions, *, checkpoint: str | None, model: str | None, name: str | None, tp: int, **llm_options: Any) -> int:
     """Load, listen, serve; the exit code (143 after SIGTERM, 130 after SIGINT). Nothing is left running when it returns."""
-    from fd_core.runtime.distributed import Terminated, raise_terminated
+    from fd_core.runtime.ranks.spawn import Terminated, raise_terminated
     from fd_core.runtime.session import LLM
 
     sock = bind(options.host, options.port)  # a taken port fails before the model loads

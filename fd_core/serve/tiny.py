@@ -52,7 +52,7 @@ def train_tokenizer(directory: Path, vocab_size: int) -> None:
 
 def write_tiny_checkpoint(directory: str | Path, model: str = "ernie4_5", seed: int = 0) -> Path:
     """`model`'s tiny preset as a checkpoint directory (seeded random weights) with a tokenizer and a chat template."""
-    from fd_core.plugins import load_plugins
+    from fd_core.host.loading import load_plugins
     from fd_core.runtime.save_random import save_random_checkpoint
 
     arch = load_plugins().registry.get(model)  # an unknown name raises, listing the registered architectures

@@ -10,8 +10,8 @@ from typing import Any, Iterator
 import pytest
 
 from fd_core.detection import Detection
+from fd_core.host.loading import PluginSet
 from fd_core.kernels import OPS, compute_threads, set_compute_threads
-from fd_core.plugins import PluginSet
 
 ODD = 13  # a size no vector unit divides
 # Compute threads each case runs at (fd_core.kernels.compute_threads): one, and counts a kernel that splits its
@@ -149,7 +149,7 @@ class KernelTests:
 
     def test_every_kernel_in_use_matches_the_native_op(self, plugins: PluginSet, hardware: Detection) -> None:
         from fd_core import native_ops
-        from fd_core.backend import Backend
+        from fd_core.host.backend import Backend
 
         backend = Backend(plugins)
         ours = {op: p for op, p in backend.ops.providers.items() if not backend.ops.native(op)}

@@ -9,9 +9,9 @@ from fd_core.runtime.plan import Plan
 
 def runs_on_rank(plans: Sequence[Plan]) -> list[dict[str, Any]]:
     """On one spawned rank: `run_rank` (what `fd run` runs on a rank) for each plan, in order."""
-    from fd_core.paddle_logs import quiet_paddle_logs
-    from fd_core.runtime.distributed import init_rank
-    from fd_core.runtime.launch import run_rank
+    from fd_core.host.paddle_logs import quiet_paddle_logs
+    from fd_core.runtime.ranks.launch import run_rank
+    from fd_core.runtime.ranks.spawn import init_rank
 
     quiet_paddle_logs()
     rank, world = init_rank()

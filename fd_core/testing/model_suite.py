@@ -26,8 +26,8 @@ from typing import Any, Mapping
 import pytest
 
 from fd_core.errors import RankError
+from fd_core.host.loading import PluginSet, load_plugins
 from fd_core.models import Architecture
-from fd_core.plugins import PluginSet, load_plugins
 
 PROMPT = (5, 17, 42, 99, 7, 300)
 STEPS = 12
@@ -123,7 +123,7 @@ class ModelSuite:
         return plan_run(run, plugins)
 
     def _tp1(self, plugins: PluginSet, arch: Architecture, index: int, source: Mapping[str, Any], graph: str) -> dict[str, Any]:
-        from fd_core.runtime.launch import run_rank
+        from fd_core.runtime.ranks.launch import run_rank
 
         return _cached((arch.name, index, f"the tp=1 run with --graph {graph}"),
                        lambda: run_rank(self._plan(plugins, arch, index, source, graph=graph), plugins=plugins))
@@ -148,7 +148,7 @@ class ModelSuite:
     ) -> None:
         """Two real ranks, each holding its slice of every split weight, graphs off and on, give tp=1's tokens."""
         from fd_core.errors import FdError
-        from fd_core.runtime.distributed import spawn_ranks
+        from fd_core.runtime.ranks.spawn import spawn_ranks
         from fd_core.testing.model_ranks import runs_on_rank
 
         want = self._tp1(plugins, architecture, config_index, source, "off")["tokens"]
@@ -193,9 +193,9 @@ class ModelSuite:
 
     def test_graph_clear_really_clears(self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]) -> None:
         """After fd_clear_graphs nothing is captured, a replay is refused, and decoding is eager with the same tokens."""
-        from fd_core.backend import Backend
-        from fd_core.runtime.engine import Engine
-        from fd_core.runtime.lifecycle import ModelRunner
+        from fd_core.host.backend import Backend
+        from fd_core.runtime.engine.loop import Engine
+        from fd_core.runtime.engine.runner import ModelRunner
         from fd_core.runtime.request import Request
 
         if not architecture.graph_capable:
@@ -242,11 +242,11 @@ class ModelSuite:
         """Continuous batching through the engine (graphs where allowed): prompts prefilled into free cache rows while
         others decode (two of unequal lengths together), each row at its own position, one into a row another left,
         the cache growing under them: each gives its tokens alone."""
-        from fd_core.backend import Backend
-        from fd_core.runtime.engine import Engine, Job
-        from fd_core.runtime.lifecycle import ModelRunner
+        from fd_core.host.backend import Backend
+        from fd_core.runtime.engine.loop import Engine, Job
+        from fd_core.runtime.engine.runner import ModelRunner
+        from fd_core.runtime.engine.sampling import SamplingParams
         from fd_core.runtime.request import Request
-        from fd_core.runtime.sampling import SamplingParams
 
         if config_index:
             pytest.skip("checked on the preset only: rows and positions do not depend on the sizes")
@@ -276,7 +276,7 @@ class ModelSuite:
 
     def test_reload_cycles_keep_the_tokens(self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]) -> None:
         """`fd run --reload-cycles 2` (graphs on where allowed): clear, release, load, capture again; the same tokens each cycle."""
-        from fd_core.runtime.launch import run_rank
+        from fd_core.runtime.ranks.launch import run_rank
 
         graph = "on" if architecture.graph_capable else "off"
         plan = self._plan(plugins, architecture, config_index, source, graph=graph, reload_cycles=2)
@@ -291,7 +291,7 @@ class ModelSuite:
         self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any], tmp_path: Path
     ) -> None:
         """`fd save-random` writes the seeded weights in the published layout; `fd run --checkpoint` gives the seeded run's tokens."""
-        from fd_core.runtime.launch import run_rank
+        from fd_core.runtime.ranks.launch import run_rank
         from fd_core.runtime.save_random import save_random_checkpoint
 
         if config_index != 0:
@@ -336,7 +336,7 @@ class ModelSuite:
         for file_name, content in architecture.preset_files.items():
             (directory / file_name).write_text(json.dumps(dict(content)))
         _names(directory, architecture)
-        from fd_core.runtime.worker import RankWorker
+        from fd_core.runtime.ranks.worker import RankWorker
 
         plan = self._plan(plugins, architecture, config_index, {"model": None, "checkpoint": str(directory)}, graph="auto")
         worker = RankWorker.start(plan, plugins=plugins)  # what `fd run --tp 1` runs on its rank

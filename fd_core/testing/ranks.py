@@ -171,9 +171,9 @@ def _graph_case(backend: Any, dtype: Any, rank: int) -> dict[str, Any]:
     """An all-reduce captured inside a graph, replayed, against eager."""
     import paddle
 
-    from fd_core.backend import Backend
     from fd_core.config import ModelConfig
-    from fd_core.kernels import KernelTable
+    from fd_core.host.backend import Backend
+    from fd_core.host.kernel_table import KernelTable
 
     # The platform's own graphs: an extension's uncapturable kernel (which refuses --graph on) is not the platform's.
     own = Backend(backend.plugins, backend.parallel, kernels=KernelTable())
@@ -201,10 +201,10 @@ def all_reduce_on_rank(platform: str, cases: Sequence[Case], graph_dtypes: Seque
     so a run that stops part-way still tells what finished and where it stopped.
     """
     os.environ["FD_PLATFORM"] = platform
-    from fd_core.backend import load_backend
     from fd_core.config import ParallelConfig
+    from fd_core.host.backend import load_backend
     from fd_core.runtime import progress
-    from fd_core.runtime.distributed import init_rank
+    from fd_core.runtime.ranks.spawn import init_rank
 
     rank, world = init_rank()
     backend = load_backend(ParallelConfig(tp_size=world, tp_rank=rank))

@@ -14,7 +14,9 @@ import pytest
 from fd_core.capabilities import Capabilities
 from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.detection import Detection
-from fd_core.plugins import PluginSet, impl_function, load_plugins, new_plugin_manager, validate_module
+from fd_core.host.loading import PluginSet, load_plugins, new_plugin_manager
+from fd_core.host.records import impl_function
+from fd_core.host.validation import validate_module
 from fd_core.testing.kernels import KernelTests
 
 ALL_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
@@ -124,7 +126,7 @@ def _two_rank_results(platform: str, cases: tuple[Any, ...], graph_dtypes: tuple
     key = (platform, cases, graph_dtypes)
     if key in _RANK_RUNS:
         return _RANK_RUNS[key]
-    from fd_core.runtime.distributed import spawn_ranks
+    from fd_core.runtime.ranks.spawn import spawn_ranks
     from fd_core.testing.ranks import all_reduce_on_rank
 
     run = _RANK_RUNS[key] = _RankRun()
@@ -247,7 +249,7 @@ class ContractTests(_Base):
 
     def test_detection_dist_backend_is_one_paddle_accepts(self, hardware: Detection, platform_name: str) -> None:
         """The ranks rendezvous with Detection.dist_backend (the two-rank checks use it); paddle.distributed must accept it."""
-        from fd_core.runtime.distributed import dist_backend_problem
+        from fd_core.runtime.ranks.spawn import dist_backend_problem
 
         problem = dist_backend_problem(hardware.dist_backend)
         assert problem is None, f"{platform_name}: Detection.dist_backend={hardware.dist_backend!r}: {problem}"
@@ -277,7 +279,7 @@ class AllReduceTests(_Base):
     """fd_all_reduce sums over the group and returns the result, at world size 1 and 2."""
 
     def test_one_rank_returns_the_input_untouched(self, plugins: PluginSet) -> None:
-        from fd_core.backend import Backend
+        from fd_core.host.backend import Backend
 
         backend = Backend(plugins, ParallelConfig(tp_size=1))
         marker = object()
@@ -347,7 +349,7 @@ class CleanupTests(_Base):
         import numpy as np
         import paddle
 
-        from fd_core.backend import Backend
+        from fd_core.host.backend import Backend
 
         backend = Backend(plugins)
         arrays = {"w": np.ones((8, 8), dtype=np.float32)}  # seeded weights are staged as numpy
@@ -360,7 +362,7 @@ class CleanupTests(_Base):
         import numpy as np
         import paddle
 
-        from fd_core.backend import Backend
+        from fd_core.host.backend import Backend
 
         rng = np.random.default_rng(7)
         layer = paddle.nn.Linear(32, 48)  # live parameters, as a loaded model holds them
@@ -387,7 +389,7 @@ class CleanupTests(_Base):
     def test_cleanup_releases_the_state_when_declared(self, plugins: PluginSet, capabilities: Capabilities, platform_name: str, hardware: Detection) -> None:
         import paddle
 
-        from fd_core.backend import Backend
+        from fd_core.host.backend import Backend
 
         state = {"w": paddle.ones([64, 64]), "b": paddle.zeros([64])}
         Backend(plugins).clean_memory_fragments(state)
@@ -428,7 +430,7 @@ class EligibilityTests(_Base):
     """Every vote is None or a well-formed GraphVote (checked where it is used), for every model and layout."""
 
     def test_votes_are_well_formed(self, plugins: PluginSet, platform_name: str) -> None:
-        from fd_core.backend import Backend
+        from fd_core.host.backend import Backend
 
         backend = Backend(plugins)
         configs = [ModelConfig(architecture=PROBE)] + [a.preset_config() for a in plugins.registry]
@@ -447,7 +449,7 @@ class GraphBackendTests(_Base):
     def graphs(self, plugins: PluginSet, capabilities: Capabilities, platform_name: str, hardware: Detection) -> Any:
         if not capabilities.graphs:
             pytest.skip(f"{platform_name}: capabilities.graphs is False")
-        from fd_core.backend import Backend
+        from fd_core.host.backend import Backend
 
         return Backend(plugins).graph_backend()
 
@@ -503,9 +505,9 @@ class ModelTests(_Base):
 
     def test_clear_hook_really_clears_each_captured_model(self, plugins: PluginSet, capabilities: Capabilities, hardware: Detection) -> None:
         """Through a recording graph backend: after fd_clear_graphs nothing is captured and decode does not replay."""
-        from fd_core.backend import Backend
-        from fd_core.runtime.engine import Engine
-        from fd_core.runtime.lifecycle import ModelRunner
+        from fd_core.host.backend import Backend
+        from fd_core.runtime.engine.loop import Engine
+        from fd_core.runtime.engine.runner import ModelRunner
         from fd_core.runtime.plan import model_config_for
         from fd_core.runtime.request import Request
 
@@ -551,9 +553,9 @@ class ModelTests(_Base):
         allows them) equal the argmax of a full prefill of the growing sequence: no cache, no decode step, no engine."""
         import numpy as np
 
-        from fd_core.backend import Backend
-        from fd_core.runtime.engine import Engine
-        from fd_core.runtime.lifecycle import ModelRunner
+        from fd_core.host.backend import Backend
+        from fd_core.runtime.engine.loop import Engine
+        from fd_core.runtime.engine.runner import ModelRunner
         from fd_core.runtime.plan import model_config_for
         from fd_core.runtime.request import Request
 
@@ -586,12 +588,13 @@ class ModelTests(_Base):
         run on the native path: the same seeded weights with no platform hook called (no cleanup, the native ops, eager decode,
         one rank). Two prompts decoded together (graphs as decided), then one alone on two compute threads and eagerly: the
         one-row steps where a kernel may split its work (fd_core.kernels.compute_threads), each step calling it."""
-        from fd_core.backend import Backend
-        from fd_core.kernels import KernelTable
-        from fd_core.runtime.engine import Engine
-        from fd_core.runtime.lifecycle import ModelRunner
-        from fd_core.runtime.plan import Threads, apply_threads, model_config_for
+        from fd_core.host.backend import Backend
+        from fd_core.host.kernel_table import KernelTable
+        from fd_core.runtime.engine.loop import Engine
+        from fd_core.runtime.engine.runner import ModelRunner
+        from fd_core.runtime.plan import model_config_for
         from fd_core.runtime.request import Request
+        from fd_core.runtime.threads import Threads, apply_threads
 
         backend = Backend(plugins)
         native = Backend(plugins, kernels=KernelTable())

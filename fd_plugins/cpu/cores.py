@@ -1,9 +1,9 @@
-"""The cores this process may run compute threads on: its affinity mask, capped by its cgroup's CPU quota."""
+"""The cores this process may run compute threads on: its affinity mask (fd_core.detection.affinity_cores), capped by its
+cgroup's CPU quota."""
 
 from __future__ import annotations
 
 import math
-import os
 from typing import Callable
 
 CGROUP_V2_CPU_MAX = "/sys/fs/cgroup/cpu.max"
@@ -36,14 +36,6 @@ def cgroup_cpu_limit(read: Callable[[str], str | None] = _read) -> float | None:
     if quota_us <= 0 or period_us <= 0:  # v1 writes -1 for no quota
         return None
     return quota_us / period_us
-
-
-def affinity_cores() -> int:
-    """CPUs in this process's affinity mask (the CPU count where the OS has no masks)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def usable_cores(affinity: int, quota: float | None) -> int:

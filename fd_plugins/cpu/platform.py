@@ -23,7 +23,8 @@ _REDUCERS: dict[Any, Any] = {}
 @hookimpl
 def fd_platform_detect() -> Detection:
     """Always available: every build of paddle has CPU kernels."""
-    from fd_plugins.cpu.cores import affinity_cores, cgroup_cpu_limit, describe, usable_cores
+    from fd_core.detection import affinity_cores
+    from fd_plugins.cpu.cores import cgroup_cpu_limit, describe, usable_cores
 
     cores = os.cpu_count() or 1
     affinity, quota = affinity_cores(), cgroup_cpu_limit()

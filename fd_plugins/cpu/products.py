@@ -21,9 +21,10 @@ import queue
 import threading
 from typing import Any, Callable
 
+from fd_core.detection import affinity_cores
 from fd_core.graphs import capturing
 from fd_core.kernels import compute_threads
-from fd_plugins.cpu.cores import affinity_cores, cgroup_cpu_limit, usable_cores
+from fd_plugins.cpu.cores import cgroup_cpu_limit, usable_cores
 
 Call = tuple[Callable[..., Any], tuple[Any, ...]]
 

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from fd_core import GraphVote, ModelConfig, ParallelConfig
-from fd_core.backend import load_backend
 from fd_core.errors import PlatformError, PluginError
+from fd_core.host.backend import load_backend
 
 CHIP = """
 from fd_core import Detection, GraphVote, hookimpl

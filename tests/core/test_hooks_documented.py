@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fd_core.plugins import HOOK_NAMES
+from fd_core.host.records import HOOK_NAMES
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "hooks.md").read_text()
@@ -40,7 +40,7 @@ def test_doc_examples_are_valid_plugins() -> None:
     """Each example block defines hook implementations that pass load-time validation."""
     from types import ModuleType
 
-    from fd_core.plugins import validate_module
+    from fd_core.host.validation import validate_module
 
     blocks = re.findall(r"```python\n(.*?)```", DOC, re.S)
     assert len(blocks) >= len(HOOK_NAMES)

@@ -12,7 +12,7 @@ import pytest
 
 from fakedist import make_distribution, run_fd
 from fd_core.errors import ConfigError, PluginError
-from fd_core.plugins import load_plugins
+from fd_core.host.loading import load_plugins
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,8 +99,8 @@ def test_a_model_package_may_not_register_kernels(install_plugin) -> None:
 
 def test_an_extension_takes_precedence_over_the_platform_and_layers_call_it_directly(install_plugin) -> None:
     from fd_core import native_ops
-    from fd_core.backend import Backend
-    from fd_core.kernels import KernelTable
+    from fd_core.host.backend import Backend
+    from fd_core.host.kernel_table import KernelTable
     from fd_plugins.cpu import kernels as cpu_kernels
 
     plain = Backend(load_plugins({}))
@@ -130,9 +130,9 @@ def test_no_model_layer_computes_an_op_itself() -> None:
 
 @pytest.mark.parametrize("capturable", [True, False])
 def test_capture_is_visible_to_a_kernel_and_an_uncapturable_one_turns_graphs_off(install_plugin, capturable: bool) -> None:
-    from fd_core.backend import Backend
-    from fd_core.runtime.engine import Engine
-    from fd_core.runtime.lifecycle import ModelRunner
+    from fd_core.host.backend import Backend
+    from fd_core.runtime.engine.loop import Engine
+    from fd_core.runtime.engine.runner import ModelRunner
     from fd_core.runtime.plan import model_config_for
     from fd_core.runtime.request import Request
 
@@ -268,7 +268,7 @@ def fd_register_kernels(register):
 def test_the_suites_model_run_decodes_one_row_on_two_compute_threads(install_plugin) -> None:
     """A kernel wrong only in a one-row step on two threads gives the right tokens for two prompts decoded together:
     the native-path check also decodes one prompt alone on two compute threads, and catches it there."""
-    from fd_core.runtime.plan import Threads, apply_threads
+    from fd_core.runtime.threads import Threads, apply_threads
     from fd_core.testing.suite import ModelTests
 
     install_plugin(*_extension("split-wrong", SPLIT_WRONG_AT_ONE_ROW))

@@ -1,8 +1,13 @@
-"""The layers point down (DESIGN.md, docs/architecture.md): every import is read, function-local and
-TYPE_CHECKING ones included, and an arrow that points up, an import cycle among fd_core's modules, or a
-private name taken from another module fails.
+"""The layers point down (docs/architecture.md): every import is read, function-local and TYPE_CHECKING ones
+included, and an arrow that points up, an import cycle among fd_core's modules, or a private name taken
+from another module fails.
 
-contract (fd_core/*.py)  <-  runtime (fd_core/runtime/)  <-  testing (fd_core/testing/)  <-  serve (fd_core/serve/)  <-  cli (fd_core/cli.py)
+contract (fd_core/*.py) <- host (fd_core/host/) <- runtime (fd_core/runtime/) <- testing (fd_core/testing/)
+    <- serve (fd_core/serve/) <- cli (fd_core/cli.py)
+
+The package's front (fd_core/__init__.py) is the contract's, and may also name the host's Backend and
+load_backend (loaded on first use). Inside the runtime, its groups point down too:
+text <- engine <- ranks <- session.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FD_PACKAGES = ("fd_core", "fd_plugins", "fd_models", "fd_bench")
-LAYERS = ("contract", "runtime", "testing", "serve", "cli")
+LAYERS = ("contract", "host", "runtime", "testing", "serve", "cli")
+RUNTIME_GROUPS = ("text", "engine", "ranks", "session")
 
 
 @dataclass(frozen=True)
@@ -63,11 +69,19 @@ def layer_of(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] != "fd_core":
         return None
-    if len(parts) > 1 and parts[1] in ("runtime", "testing", "serve"):
+    if len(parts) > 1 and parts[1] in ("host", "runtime", "testing", "serve"):
         return parts[1]
     if len(parts) > 1 and parts[1] == "cli":
         return "cli"
     return "contract"
+
+
+def runtime_group_of(module: str) -> str | None:
+    """The runtime group of a module (text, engine, ranks, session); None for the runtime's other modules."""
+    parts = module.split(".")
+    if parts[:2] != ["fd_core", "runtime"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in RUNTIME_GROUPS else None
 
 
 def upward_arrows(imports: list[Import]) -> list[str]:
@@ -78,8 +92,14 @@ def upward_arrows(imports: list[Import]) -> list[str]:
             continue
         if imp.target.split(".")[0] in FD_PACKAGES[1:]:
             bad.append(f"{imp.source}:{imp.line} imports {imp.target}: fd_core never imports plugins, models or benchmarks")
+        elif imp.source == "fd_core" and dst == "host":
+            continue  # the package's front names the host's Backend and load_backend
         elif dst is not None and LAYERS.index(dst) > LAYERS.index(src):
             bad.append(f"{imp.source}:{imp.line} ({src}) imports {imp.target} ({dst}): an arrow pointing up")
+        else:
+            have, want = runtime_group_of(imp.source), runtime_group_of(imp.target)
+            if have is not None and want is not None and RUNTIME_GROUPS.index(want) > RUNTIME_GROUPS.index(have):
+                bad.append(f"{imp.source}:{imp.line} (runtime {have}) imports {imp.target} (runtime {want}): an arrow pointing up")
     return bad
 
 
@@ -192,13 +212,13 @@ def test_the_check_passes_a_clean_tree(tmp_path: Path) -> None:
 
 
 def test_the_check_fails_an_upward_import_even_inside_a_function(tmp_path: Path) -> None:
-    tree = _tree(tmp_path, {"fd_core/backend.py": "def f():\n    from fd_core.runtime.engine import Engine\n"})
-    assert check_tree(tree) == ["fd_core.backend:2 (contract) imports fd_core.runtime.engine (runtime): an arrow pointing up"]
+    tree = _tree(tmp_path, {"fd_core/models.py": "def f():\n    from fd_core.runtime.engine import Engine\n"})
+    assert check_tree(tree) == ["fd_core.models:2 (contract) imports fd_core.runtime.engine (runtime): an arrow pointing up"]
 
 
 def test_the_check_fails_a_submodule_imported_from_its_package(tmp_path: Path) -> None:
-    tree = _tree(tmp_path, {"fd_core/backend.py": "from fd_core.runtime import engine\n"})
-    assert check_tree(tree) == ["fd_core.backend:1 (contract) imports fd_core.runtime.engine (runtime): an arrow pointing up"]
+    tree = _tree(tmp_path, {"fd_core/models.py": "from fd_core.runtime import engine\n"})
+    assert check_tree(tree) == ["fd_core.models:1 (contract) imports fd_core.runtime.engine (runtime): an arrow pointing up"]
 
 
 def test_the_check_fails_a_cycle(tmp_path: Path) -> None:
@@ -220,6 +240,21 @@ def test_the_check_fails_the_runtime_importing_the_server(tmp_path: Path) -> Non
     tree = _tree(tmp_path, {"fd_core/serve/__init__.py": "", "fd_core/serve/app.py": "from fd_core.runtime.engine import Engine\n",
                             "fd_core/runtime/plan.py": "def f():\n    from fd_core.serve.app import Server\n"})
     assert check_tree(tree) == ["fd_core.runtime.plan:2 (runtime) imports fd_core.serve.app (serve): an arrow pointing up"]
+
+
+def test_the_check_fails_the_contract_importing_the_host(tmp_path: Path) -> None:
+    tree = _tree(tmp_path, {"fd_core/host/__init__.py": "", "fd_core/host/backend.py": "",
+                            "fd_core/models.py": "from fd_core.host.backend import Backend\n",
+                            "fd_core/__init__.py": "def __getattr__(name):\n    from fd_core.host import backend\n"})
+    assert check_tree(tree) == ["fd_core.models:1 (contract) imports fd_core.host.backend (host): an arrow pointing up"]
+
+
+def test_the_check_fails_the_engine_importing_the_ranks(tmp_path: Path) -> None:
+    tree = _tree(tmp_path, {"fd_core/runtime/engine/__init__.py": "", "fd_core/runtime/ranks/__init__.py": "",
+                            "fd_core/runtime/engine/loop.py": "def f():\n    from fd_core.runtime.ranks.worker import RankWorker\n"})
+    assert check_tree(tree) == [
+        "fd_core.runtime.engine.loop:2 (runtime engine) imports fd_core.runtime.ranks.worker (runtime ranks): an arrow pointing up"
+    ]
 
 
 def test_the_check_fails_fd_core_importing_a_plugin(tmp_path: Path) -> None:

@@ -53,7 +53,7 @@ def _imports_paddle(code: str) -> tuple[bool, str]:
 
 
 def test_import_fd_core_does_not_import_paddle() -> None:
-    imported, _ = _imports_paddle("import fd_core, fd_core.plugins, fd_core.backend, fd_core.hookspecs")
+    imported, _ = _imports_paddle("import fd_core, fd_core.host, fd_core.host.loading, fd_core.host.backend, fd_core.hookspecs")
     assert not imported
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fd_core.errors import PluginError
-from fd_core.plugins import load_plugins
+from fd_core.host.loading import load_plugins
 from plugin_sources import NO_CLEAR_HOOK
 
 NOT_GRAPH_CAPABLE = """
@@ -68,7 +68,7 @@ def test_graph_capable_architecture_without_clear_hook_fails_naming_it(install_p
 
 def test_architecture_that_is_not_graph_capable_needs_no_clear_hook_and_is_vetoed(install_plugin) -> None:
     from fd_core import ModelConfig
-    from fd_core.backend import load_backend
+    from fd_core.host.backend import load_backend
 
     install_plugin("eager-only", {"eager_only_pkg": NOT_GRAPH_CAPABLE}, {"fd.models": {"eager_only": "eager_only_pkg"}})
     plugins = load_plugins({})

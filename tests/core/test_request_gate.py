@@ -11,7 +11,7 @@ from types import ModuleType
 import pytest
 
 from fd_core.errors import PluginError, RequestRefused
-from fd_core.plugins import load_plugins
+from fd_core.host.loading import load_plugins
 from fd_core.runtime.plan import RunConfig, plan_run
 from plugin_sources import ANSWERING_GATE, REQUEST_GATE
 

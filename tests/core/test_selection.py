@@ -7,7 +7,7 @@ from importlib.metadata import version
 import pytest
 
 from fd_core.errors import PlatformError, PluginError
-from fd_core.plugins import load_plugins
+from fd_core.host.loading import load_plugins
 
 PLATFORM = """
 from fd_core import Detection, hookimpl

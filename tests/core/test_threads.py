@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from fd_core.errors import ConfigError
-from fd_core.runtime.plan import RunConfig, decide_threads, plan_run
+from fd_core.runtime.plan import RunConfig, plan_run
+from fd_core.runtime.threads import decide_threads
 from fd_plugins.cpu.cores import CGROUP_V1_QUOTA, CGROUP_V2_CPU_MAX, cgroup_cpu_limit, usable_cores
 
 
@@ -97,7 +98,7 @@ def test_openmp_limit_reaches_the_loaded_runtime() -> None:
     """set_openmp_threads changes the OpenMP runtime paddle loaded (and loads none of its own)."""
     code = (
         "import ctypes, os, paddle\n"
-        "from fd_core.runtime.plan import OPENMP_LIBRARIES, set_openmp_threads\n"
+        "from fd_core.runtime.threads import OPENMP_LIBRARIES, set_openmp_threads\n"
         "def loaded():\n"
         "    for n in OPENMP_LIBRARIES:\n"
         "        try:\n"
@@ -117,8 +118,8 @@ def test_openmp_limit_reaches_the_loaded_runtime() -> None:
 def test_a_one_row_decode_step_runs_on_one_thread_unless_the_user_chose_the_count() -> None:
     """The default MKL count drops to 1 for a one-row decode step (MKL does not thread it) and its kernels keep the plan's;
     --threads and OMP_NUM_THREADS are kept; the report says so."""
-    from fd_core.runtime.plan import decide_threads, phase_threads
     from fd_core.runtime.report import threads_line
+    from fd_core.runtime.threads import decide_threads, phase_threads
 
     default = decide_threads(None, 1, 2, {})
     phases = [phase_threads(default, rows) for rows in (1, 2, None)]

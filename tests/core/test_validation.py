@@ -6,7 +6,7 @@ import pytest
 
 from fakedist import run_fd
 from fd_core.errors import PluginError
-from fd_core.plugins import load_plugins
+from fd_core.host.loading import load_plugins
 from plugin_sources import MISSPELLED_HOOK as MISSPELLED
 from plugin_sources import NOT_A_GENERATOR
 from plugin_sources import UNKNOWN_ARGUMENT as BAD_ARGUMENT
@@ -76,12 +76,14 @@ def test_cli_lists_a_misspelled_hook_and_ends_with_one_error_line_and_exit_2(ins
     ],
 )
 def test_nearest_name_for_realistic_typos(typo: str, meant: str) -> None:
-    from fd_core.plugins import HOOK_NAMES, _nearest
+    from fd_core.host.records import HOOK_NAMES
+    from fd_core.host.suggest import nearest as _nearest
 
     assert _nearest(typo, HOOK_NAMES) == f"did you mean {meant!r}?"
 
 
 def test_nothing_near_lists_the_valid_names() -> None:
-    from fd_core.plugins import HOOK_NAMES, _nearest
+    from fd_core.host.records import HOOK_NAMES
+    from fd_core.host.suggest import nearest as _nearest
 
     assert _nearest("fd_teleport", HOOK_NAMES).startswith("valid names: fd_all_reduce, ")

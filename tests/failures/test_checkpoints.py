@@ -87,10 +87,10 @@ CLI_CASES = ["shape", "truncated"]
 @pytest.mark.parametrize("case", TENSOR_CASES)
 def test_tensor_problem_is_found_before_any_parameter_is_touched(checkpoints: dict[str, Path], case: str) -> None:
     """In-process, one rank: load() raises naming the file and tensor, and the model still holds build's zeros."""
-    from fd_core.backend import load_backend
     from fd_core.config import ParallelConfig
-    from fd_core.plugins import load_plugins
-    from fd_core.runtime.lifecycle import ModelRunner
+    from fd_core.host.backend import load_backend
+    from fd_core.host.loading import load_plugins
+    from fd_core.runtime.engine.runner import ModelRunner
     from fd_core.runtime.plan import model_config_for
 
     directory = checkpoints[case]
@@ -107,9 +107,9 @@ def test_tensor_problem_is_found_before_any_parameter_is_touched(checkpoints: di
 
 @pytest.mark.parametrize("case", TENSOR_CASES)
 def test_every_rank_checks_every_tensor_not_only_its_shard(checkpoints: dict[str, Path], case: str) -> None:
-    from fd_core.backend import load_backend
     from fd_core.config import ParallelConfig
-    from fd_core.plugins import load_plugins
+    from fd_core.host.backend import load_backend
+    from fd_core.host.loading import load_plugins
     from fd_core.runtime.plan import model_config_for
     from fd_core.runtime.weights import load_checkpoint
 

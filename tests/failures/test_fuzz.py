@@ -30,8 +30,8 @@ WEIRD: list[Any] = [None, True, -1, 0, 1, 2**62, -(2**62), 1.5, math.nan, math.i
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from fd_core.backend import load_backend
-    from fd_core.plugins import load_plugins
+    from fd_core.host.backend import load_backend
+    from fd_core.host.loading import load_plugins
     from fd_core.runtime.plan import model_config_for
     from fd_core.runtime.save_random import save_random_checkpoint
 

@@ -140,9 +140,9 @@ def test_index_naming_a_missing_file(saved: Path, tmp_path: Path) -> None:
 
 
 def _load(directory: Path) -> None:
-    from fd_core.backend import load_backend
-    from fd_core.plugins import load_plugins
-    from fd_core.runtime.lifecycle import ModelRunner
+    from fd_core.host.backend import load_backend
+    from fd_core.host.loading import load_plugins
+    from fd_core.runtime.engine.runner import ModelRunner
     from fd_core.runtime.plan import model_config_for
 
     plugins = load_plugins({})

@@ -185,7 +185,7 @@ def test_ranks_listen_only_on_loopback(outcomes: dict) -> None:
 def test_the_rank_named_is_the_one_that_failed_first_not_a_bystander() -> None:
     """The race behind the scenarios above, made deterministic: a dead rank makes its peers fail in
     their next collective within milliseconds, and the parent may see those failures first."""
-    from fd_core.runtime.distributed import RankFailure, _describe
+    from fd_core.runtime.ranks.spawn import RankFailure, _describe
 
     peer = "RuntimeError: [pair.cc:584] TIMEOUT self_rank = 0 pair_rank = 1"
     killed = RankFailure(1, "killed by SIGKILL", (0, 0.0))

@@ -172,7 +172,7 @@ def test_a_chat_template_file_that_is_not_utf8_names_it(ernie: Path, tmp_path: P
 
 
 def test_a_template_that_renders_well_is_unchanged_by_the_bounds() -> None:
-    from fd_core.runtime.chat import render_chat, user_message
+    from fd_core.runtime.text.chat import render_chat, user_message
 
     text = render_chat(kit.QWEN_CHAT, [user_message("x" * 100000, images=2)], {})
     assert text == "<|im_start|>user\n" + "<|vision_start|><|image_pad|><|vision_end|>" * 2 + "x" * 100000 + "<|im_end|>\n<|im_start|>assistant\n"
@@ -202,7 +202,7 @@ def test_a_template_that_renders_well_is_unchanged_by_the_bounds() -> None:
 def test_a_malformed_tokenizer_config_is_one_line_naming_the_field(
     ernie: Path, qwen: Path, tmp_path: Path, backend: str, settings: dict[str, Any], message: str,
 ) -> None:
-    from fd_core.runtime.tokenizer import load_tokenizer
+    from fd_core.runtime.text.tokenizer import load_tokenizer
 
     source = ernie if backend == "sentencepiece" else qwen
     path = _copy(source, tmp_path / "ckpt", **settings)
@@ -212,7 +212,7 @@ def test_a_malformed_tokenizer_config_is_one_line_naming_the_field(
 
 
 def test_add_bos_token_false_as_a_string_is_refused_not_read_as_true(ernie: Path, tmp_path: Path) -> None:
-    from fd_core.runtime.tokenizer import load_tokenizer
+    from fd_core.runtime.text.tokenizer import load_tokenizer
 
     path = _copy(ernie, tmp_path / "ckpt", add_bos_token="false")
     with pytest.raises(CheckpointError, match='add_bos_token must be true or false, got str "false"; fix the file'):
@@ -221,7 +221,7 @@ def test_add_bos_token_false_as_a_string_is_refused_not_read_as_true(ernie: Path
 
 def test_twenty_thousand_added_tokens_load_in_linear_time(qwen: Path, tmp_path: Path) -> None:
     # One library call per token rebuilt its matcher each time: 20,000 tokens took 56-88 s per rank.
-    from fd_core.runtime.tokenizer import load_tokenizer
+    from fd_core.runtime.text.tokenizer import load_tokenizer
 
     path = _copy(qwen, tmp_path / "ckpt")
     config = json.loads((path / "tokenizer_config.json").read_text())
@@ -287,7 +287,7 @@ def test_a_checkpoint_default_out_of_range_names_generation_config(ernie: Path, 
 
 def test_a_temperature_that_underflows_is_refused_and_the_floor_samples_finitely() -> None:
     from fd_core import native_ops
-    from fd_core.runtime.sampling import MIN_TEMPERATURE, SamplingParams
+    from fd_core.runtime.engine.sampling import MIN_TEMPERATURE, SamplingParams
 
     # 1e-310 made logits / temperature infinite, every probability NaN and every token the last id.
     with pytest.raises(ConfigError, match=r"temperature 1e-310 is below 1e-05, .*pass 0 for greedy decoding"):
@@ -298,8 +298,8 @@ def test_a_temperature_that_underflows_is_refused_and_the_floor_samples_finitely
 
 
 def test_one_stop_string_given_as_a_str_is_one_stop_string() -> None:
-    from fd_core.runtime.sampling import SamplingParams
-    from fd_core.runtime.streaming import held_back
+    from fd_core.runtime.engine.sampling import SamplingParams
+    from fd_core.runtime.text.streaming import held_back
 
     # A str is a sequence of its characters: each one stopped the text.
     params = SamplingParams(stop="the end")
@@ -396,9 +396,9 @@ def test_a_picture_too_thin_for_the_processor_is_one_line(qwen: Path, pictures: 
 )
 def test_picture_arrays_given_to_the_api_are_checked(make: Callable[[], Any], message: str) -> None:
     # LLM.generate(images=[array]) goes through build_request, which did not check an array at all.
-    from fd_core.plugins import load_plugins
+    from fd_core.host.loading import load_plugins
+    from fd_core.runtime.engine.sampling import SamplingParams
     from fd_core.runtime.request import build_request
-    from fd_core.runtime.sampling import SamplingParams
 
     plan = _plan(model="qwen3_vl")
     arch = plan.architecture(load_plugins())

@@ -423,7 +423,7 @@ def test_the_loopback_store_speaks_paddles_store_protocol() -> None:
 
     from paddle.base import core
 
-    from fd_core.runtime.rendezvous import LoopbackStore
+    from fd_core.runtime.ranks.rendezvous import LoopbackStore
 
     with LoopbackStore() as server:
         assert server.host == "127.0.0.1"

@@ -30,7 +30,7 @@ def architectures() -> list[Architecture]:
 def make_ctx(tp_size: int = 1, tp_rank: int = 0, all_reduce: Callable[[Any], Any] = lambda t: t) -> types.SimpleNamespace:
     """What a model's build receives, without a platform: the layout, an all-reduce, and the native ops."""
     from fd_core import native_ops
-    from fd_core.kernels import KernelTable, Ops
+    from fd_core.host.kernel_table import KernelTable, Ops
 
     return types.SimpleNamespace(all_reduce=all_reduce, parallel=ParallelConfig(tp_size, tp_rank), ops=Ops(KernelTable(), native_ops))
 

@@ -10,7 +10,7 @@ import pytest
 
 from fd_core.config import DECODER_KEYS
 from fd_core.errors import ConfigError
-from fd_core.plugins import load_plugins
+from fd_core.host.loading import load_plugins
 
 # architecture -> the transformers config class that holds its decoder settings
 TEXT_CONFIGS = {"ernie4_5": "Ernie4_5Config", "ernie4_5_vl": "Ernie4_5_VLMoeTextConfig", "qwen3_vl": "Qwen3VLTextConfig"}

@@ -11,7 +11,8 @@ from paddle import nn
 
 from fd_core import WeightSpec, hookimpl
 from fd_core.errors import PluginError
-from fd_core.runtime import lifecycle, weights
+from fd_core.runtime import weights
+from fd_core.runtime.engine import runner as lifecycle
 from fd_models.layers import params
 
 MiB = 1 << 20
@@ -74,8 +75,8 @@ def test_a_cleanup_hook_that_changes_a_parameter_stops_the_load() -> None:
     """The sample sees a hook that rounds the live weights to bfloat16 in place (what the guard exists for)."""
     import paddle
 
-    from fd_core.backend import load_backend
-    from fd_core.plugins import load_plugins
+    from fd_core.host.backend import load_backend
+    from fd_core.host.loading import load_plugins
     from fd_core.runtime.plan import model_config_for
 
     class Rounds:

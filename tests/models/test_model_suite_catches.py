@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from fakedist import make_distribution, run_fd
-from fd_core.plugins import load_plugins
+from fd_core.host.loading import load_plugins
 from fd_core.testing.model_suite import ModelSuite
 from suite_llama_sources import MODEL, PLUGIN
 

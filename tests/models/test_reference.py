@@ -228,9 +228,9 @@ def test_seed_keeps_every_step_clear_of_a_tie(cases: dict[str, Case], name: str)
 def _fd_rank_result(case: Case, graph: str) -> tuple[list[int], np.ndarray, bool]:
     """What `fd run --tp 1` computes, through its plan, rank worker and engine in this process: tokens,
     first-step logits (the model's prefill on the planned pictures), whether a graph was captured."""
-    from fd_core.plugins import load_plugins
+    from fd_core.host.loading import load_plugins
     from fd_core.runtime.plan import RunConfig, plan_run
-    from fd_core.runtime.worker import RankWorker
+    from fd_core.runtime.ranks.worker import RankWorker
 
     run = RunConfig(model=None, tp=1, steps=STEPS, prompt_ids=tuple(case.prompt), checkpoint=str(case.directory),
                     images=tuple(map(str, case.images)), graph=graph, progress=False)
@@ -298,8 +298,8 @@ def test_fd_run_matches_the_reference(cases: dict[str, Case], cli_runs: dict[tup
 @pytest.mark.parametrize(("model", "seed"), [("ernie4_5", 4), ("qwen3_vl", 1)])
 def test_save_random_writes_what_transformers_loads(tmp_path: Path, model: str, seed: int) -> None:
     """`fd save-random` writes the published layout: transformers reads it and generates fd's tokens."""
-    from fd_core.runtime.launch import run_rank
     from fd_core.runtime.plan import RunConfig, plan_run
+    from fd_core.runtime.ranks.launch import run_rank
     from fd_core.runtime.save_random import save_random_checkpoint
 
     directory = save_random_checkpoint(model, str(tmp_path / model), seed=seed, dtype="bfloat16")

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from fd_core import ModelConfig, hookimpl
-from fd_core.backend import load_backend
-from fd_core.plugins import load_plugins
-from fd_core.runtime.engine import Engine
-from fd_core.runtime.lifecycle import ModelRunner
+from fd_core.host.backend import load_backend
+from fd_core.host.loading import load_plugins
+from fd_core.runtime.engine.loop import Engine
+from fd_core.runtime.engine.runner import ModelRunner
 from fd_core.runtime.plan import model_config_for
 from fd_core.runtime.request import Request
 from tp_workers import generate

@@ -11,7 +11,7 @@ def all_reduce_on_rank(platform_module: str) -> dict[str, Any]:
 
     import paddle
 
-    from fd_core.runtime.distributed import init_rank
+    from fd_core.runtime.ranks.spawn import init_rank
 
     rank, world = init_rank()
     module = importlib.import_module(platform_module)

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import pytest
 
 from fakedist import make_distribution
-from fd_core.runtime.sampling import SamplingParams
+from fd_core.runtime.engine.sampling import SamplingParams
 from serving import GATE, Served, finish, metric, start_server, wait_for
 
 # Without them (the test extra brings both) the module skips, saying which is missing.

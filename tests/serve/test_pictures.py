@@ -11,7 +11,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from fd_core.runtime.sampling import SamplingParams
+from fd_core.runtime.engine.sampling import SamplingParams
 from serving import Served, finish, start_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "text"))  # kit: the tokenizers tests/text trains

@@ -91,7 +91,7 @@ def sentencepiece_tokenizer(directory: Path, vocab_size: int = 420, add_bos: boo
 
 def checkpoint(directory: Path, model: str, seed: int = 3, overrides: dict[str, Any] | None = None) -> Path:
     """A seeded random checkpoint of `model`'s tiny preset (config overridden), in the published layout."""
-    from fd_core.plugins import load_plugins
+    from fd_core.host.loading import load_plugins
     from fd_core.runtime.save_random import save_random_checkpoint
 
     arch = load_plugins().registry.get(model)

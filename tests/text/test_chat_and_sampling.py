@@ -11,10 +11,10 @@ import pytest
 from fd_core import native_ops
 from fd_core.errors import ConfigError
 from fd_core.runtime import SamplingParams, load_tokenizer
-from fd_core.runtime.chat import expand_placeholders, load_chat_template, render_chat, user_message
 from fd_core.runtime.checkpoint import Checkpoint
+from fd_core.runtime.engine.sampling import Sampler
 from fd_core.runtime.request import chat_prompt
-from fd_core.runtime.sampling import Sampler
+from fd_core.runtime.text.chat import expand_placeholders, load_chat_template, render_chat, user_message
 from kit import tokenizer_dirs, transformers_tokenizer  # noqa: F401 - fixtures
 
 MESSAGES = ["Hello there", "Café 🙂 日本語"]

@@ -15,9 +15,9 @@ from typing import Any, Iterator
 import pytest
 
 from fd_core.errors import ConfigError
-from fd_core.plugins import PluginSet, load_plugins
+from fd_core.host.loading import PluginSet, load_plugins
 from fd_core.runtime import LLM, SamplingParams
-from fd_core.runtime.engine import Completion, Engine, Job
+from fd_core.runtime.engine.loop import Completion, Engine, Job
 from fd_core.runtime.request import Request
 from kit import text_checkpoint
 
@@ -33,8 +33,8 @@ def plugins() -> PluginSet:
 
 
 def _engine(plugins: PluginSet, model: str, graph: str, max_batch: int) -> Engine:
-    from fd_core.backend import Backend
-    from fd_core.runtime.lifecycle import ModelRunner
+    from fd_core.host.backend import Backend
+    from fd_core.runtime.engine.runner import ModelRunner
     from fd_core.runtime.plan import model_config_for
 
     arch = plugins.registry.get(model)

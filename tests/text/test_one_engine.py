@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Installed at interpreter start (sitecustomize): every decode step's token is off by one, so the
 # first token (prefill) stays right and every later one is wrong.
 BREAK_THE_ENGINE = '''
-from fd_core.runtime.engine import Engine
+from fd_core.runtime.engine.loop import Engine
 
 _real = Engine._choose
 
@@ -135,7 +135,7 @@ def test_a_rank_that_cannot_select_the_planned_platform_stops(monkeypatch: pytes
 
     from fd_core.errors import PlatformError
     from fd_core.runtime.plan import RunConfig, plan_run
-    from fd_core.runtime.worker import RankWorker
+    from fd_core.runtime.ranks.worker import RankWorker
 
     plan = dataclasses.replace(plan_run(RunConfig(model="ernie4_5", steps=2, progress=False)), platform="elsewhere")
     with pytest.raises(PlatformError, match=r"^rank 0: the run was planned on 'elsewhere', which this rank could not select \(no platform detected"):

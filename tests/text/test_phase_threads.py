@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 
-from fd_core.backend import load_backend
+from fd_core.host.backend import load_backend
 from fd_core.kernels import compute_threads
-from fd_core.runtime.engine import Engine
-from fd_core.runtime.lifecycle import ModelRunner
-from fd_core.runtime.plan import Threads, apply_threads, model_config_for
+from fd_core.runtime.engine.loop import Engine
+from fd_core.runtime.engine.runner import ModelRunner
+from fd_core.runtime.plan import model_config_for
 from fd_core.runtime.request import Request
+from fd_core.runtime.threads import Threads, apply_threads
 
 
 def mkl_threads() -> int:

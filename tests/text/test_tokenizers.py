@@ -10,7 +10,7 @@ import pytest
 
 from fd_core.errors import CheckpointError
 from fd_core.runtime import load_tokenizer
-from fd_core.runtime.streaming import StreamDecoder, TextState, held_back
+from fd_core.runtime.text.streaming import StreamDecoder, TextState, held_back
 from kit import SAMPLES, tokenizer_dirs, transformers_tokenizer  # noqa: F401 - fixtures
 
 KINDS = ["bpe", "sp"]

@@ -10,8 +10,8 @@ def battery() -> dict[str, Any]:
     """Ranks in step sum; ranks out of step (shape, dtype, a skipped call) raise on every rank, naming both."""
     os.environ["FD_PLATFORM"] = "cpu_checked"
     from fd_core import ModelConfig, ParallelConfig
-    from fd_core.backend import load_backend
-    from fd_core.runtime.distributed import init_rank
+    from fd_core.host.backend import load_backend
+    from fd_core.runtime.ranks.spawn import init_rank
 
     rank, world = init_rank()
     import paddle

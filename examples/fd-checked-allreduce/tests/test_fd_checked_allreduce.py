@@ -23,7 +23,7 @@ needs_install = pytest.mark.skipif(not INSTALLED, reason="fd-checked-allreduce i
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
     """Both ranks' results of `checked_workers.battery`, from one spawn shared by every test here."""
-    from fd_core.runtime.distributed import spawn_ranks
+    from fd_core.runtime.ranks.spawn import spawn_ranks
 
     return spawn_ranks(checked_workers.battery, (), 2, "gloo")
 

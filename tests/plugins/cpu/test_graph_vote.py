@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from fd_core import ModelConfig, ParallelConfig
-from fd_core.backend import load_backend
+from fd_core.host.backend import load_backend
 from fd_core.runtime.plan import model_config_for
 
 CONFIG = Path(__file__).resolve().parents[3] / "benchmarks" / "configs" / "ernie-4.5-0.3b.json"

@@ -123,11 +123,12 @@ def test_a_worker_keeps_nothing_of_a_part_after_it() -> None:
 
 def test_a_model_decodes_the_same_tokens_with_its_products_split(threads, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny preset with every one-row product split (no size floor): the tokens of Paddle's own products."""
-    from fd_core.backend import load_backend
-    from fd_core.runtime.engine import Engine
-    from fd_core.runtime.lifecycle import ModelRunner
-    from fd_core.runtime.plan import Threads, apply_threads, model_config_for
+    from fd_core.host.backend import load_backend
+    from fd_core.runtime.engine.loop import Engine
+    from fd_core.runtime.engine.runner import ModelRunner
+    from fd_core.runtime.plan import model_config_for
     from fd_core.runtime.request import Request
+    from fd_core.runtime.threads import Threads, apply_threads
 
     backend = load_backend(env={"FD_PLATFORM": "cpu"})
     arch = backend.plugins.registry.get("ernie4_5")

@@ -13,7 +13,7 @@ from fd_plugins.cpu import platform
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
     """Both ranks' results of `shm_workers.battery`, from one spawn shared by every test here."""
-    from fd_core.runtime.distributed import spawn_ranks
+    from fd_core.runtime.ranks.spawn import spawn_ranks
 
     return spawn_ranks(shm_workers.battery, (), 2, "gloo")
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from fd_core.backend import load_backend
-from fd_core.runtime.engine import Engine
-from fd_core.runtime.lifecycle import ModelRunner
+from fd_core.host.backend import load_backend
+from fd_core.runtime.engine.loop import Engine
+from fd_core.runtime.engine.runner import ModelRunner
 from fd_core.runtime.plan import model_config_for
 from fd_core.runtime.request import Request
 

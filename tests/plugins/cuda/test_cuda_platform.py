@@ -193,7 +193,7 @@ def test_cleanup_leaves_a_lazy_mapping_of_seeded_weights_unread(monkeypatch: pyt
 def test_all_reduce_runs_for_real_over_gloo() -> None:
     """cuda's fd_all_reduce on two real CPU ranks (gloo): the same paddle call NCCL gets, summed for real. Not on a GPU."""
     from device_workers import all_reduce_on_rank
-    from fd_core.runtime.distributed import spawn_ranks
+    from fd_core.runtime.ranks.spawn import spawn_ranks
 
     results = spawn_ranks(all_reduce_on_rank, ("fd_plugins.cuda.platform",), 2, "gloo")
     assert [r["sum"] for r in results] == [[3.0, 6.0, 9.0]] * 2 and all(r["same_object"] for r in results)

@@ -14,7 +14,7 @@ import paddle.distributed as dist
 import pytest
 
 from fd_core import DeviceMemory, ModelConfig, ParallelConfig
-from fd_core.backend import load_backend
+from fd_core.host.backend import load_backend
 from fd_core.testing import Capabilities, PlatformSuite
 from fd_plugins.iluvatar import platform as iluvatar
 
@@ -109,7 +109,7 @@ def test_all_reduce_reaches_paddles_process_group_with_the_calc_stream_flags() -
     """iluvatar's fd_all_reduce on two real CPU ranks: the call reaches Paddle's process group, which on gloo
     refuses exactly the calc-stream mode the plugin asks for (XCCL takes it). Not on Iluvatar hardware."""
     from device_workers import all_reduce_on_rank
-    from fd_core.runtime.distributed import spawn_ranks
+    from fd_core.runtime.ranks.spawn import spawn_ranks
 
     results = spawn_ranks(all_reduce_on_rank, ("fd_plugins.iluvatar.platform",), 2, "gloo")
     for result in results:

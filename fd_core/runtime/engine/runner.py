@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from fd_core.backend import Backend
 from fd_core.config import ModelConfig
 from fd_core.errors import PluginError
 from fd_core.graphs import GraphBackend, GraphDecision, capture_scope
+from fd_core.host.backend import Backend
 from fd_core.models import Architecture, CausalModel
 from fd_core.runtime import progress
 from fd_core.runtime.weights import CheckpointShards, load_checkpoint, random_state_dict
@@ -50,7 +50,7 @@ def init_std(config: ModelConfig) -> float | None:
 class ModelRunner:
     """Drives one model through the lifecycle on this rank; the order of steps lives here, not in models.
 
-    Generating is the Engine's (fd_core.runtime.engine): it asks `prepare` for a cache and a captured
+    Generating is the Engine's (fd_core.runtime.engine.loop): it asks `prepare` for a cache and a captured
     decode step before each batch.
     """
 

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 from fd_core.errors import CheckpointError, ConfigError
 from fd_core.runtime.files import read_text
-from fd_core.runtime.tokenizer import JsonReader, read_json
+from fd_core.runtime.text.tokenizer import JsonReader, read_json
 
 # Largest chat_template.jinja fd reads (published templates are a few kilobytes).
 MAX_TEMPLATE_BYTES = 1 << 20

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal, Sequence
 
 from fd_core.errors import ConfigError, FdError, PlatformError, RankError
-from fd_core.paddle_logs import quiet_paddle_logs
-from fd_core.plugins import plugin_prints_to_stderr
-from fd_core.runtime import progress, rendezvous
-from fd_core.runtime.rendezvous import LOOPBACK, LoopbackStore
+from fd_core.host.output import plugin_prints_to_stderr
+from fd_core.host.paddle_logs import quiet_paddle_logs
+from fd_core.runtime import progress
+from fd_core.runtime.ranks import rendezvous
+from fd_core.runtime.ranks.rendezvous import LOOPBACK, LoopbackStore
 
 
 def launched_rank() -> tuple[int, int] | None:

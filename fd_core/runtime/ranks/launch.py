@@ -7,13 +7,14 @@ import time
 from typing import Any, Mapping
 
 from fd_core.errors import RankError
-from fd_core.paddle_logs import quiet_paddle_logs
-from fd_core.plugins import PluginSet, fd_stdout
+from fd_core.host.loading import PluginSet
+from fd_core.host.output import fd_stdout
+from fd_core.host.paddle_logs import quiet_paddle_logs
 from fd_core.runtime import progress
-from fd_core.runtime.distributed import init_rank
 from fd_core.runtime.plan import Plan
 from fd_core.runtime.procstats import peak_resident_bytes, resident_bytes
-from fd_core.runtime.worker import RankWorker, print_text
+from fd_core.runtime.ranks.spawn import init_rank
+from fd_core.runtime.ranks.worker import RankWorker, print_text
 
 
 def run_rank(

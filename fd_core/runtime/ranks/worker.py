@@ -8,15 +8,17 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from fd_core.backend import Backend, load_backend
 from fd_core.config import ParallelConfig
 from fd_core.errors import PlatformError
-from fd_core.plugins import PluginSet, fd_stdout, load_plugins
+from fd_core.host.backend import Backend, load_backend
+from fd_core.host.loading import PluginSet, load_plugins
+from fd_core.host.output import fd_stdout
 from fd_core.runtime import progress
-from fd_core.runtime.engine import Completion, Engine
-from fd_core.runtime.lifecycle import ModelRunner
-from fd_core.runtime.plan import Plan, apply_threads, plugin_env
+from fd_core.runtime.engine.loop import Completion, Engine
+from fd_core.runtime.engine.runner import ModelRunner
+from fd_core.runtime.plan import Plan, plugin_env
 from fd_core.runtime.request import Request
+from fd_core.runtime.threads import apply_threads
 
 
 def print_text(index: int, text: str) -> None:
@@ -76,7 +78,7 @@ class RankWorker:
             # launcher selected for this rank (paddle reads it from the rank's environment).
             paddle.set_device(backend.detection.device)
         if plan.threads is not None:
-            # The plan's compute threads per rank (fd_core.runtime.plan.decide_threads), before any weight is read.
+            # The plan's compute threads per rank (fd_core.runtime.threads.decide_threads), before any weight is read.
             apply_threads(plan.threads)
 
         def log(message: str) -> None:

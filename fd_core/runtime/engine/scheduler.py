@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
 from fd_core.errors import FdError
-from fd_core.runtime.engine import Completion, Event, Job
+from fd_core.runtime.engine.loop import Completion, Event, Job
 
 # One step for the jobs added and the keys cancelled since the last: every sequence's events of that step.
 Tick = Callable[[Sequence[Job], Sequence[int]], Sequence[Event]]

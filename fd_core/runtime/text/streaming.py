@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from fd_core.runtime.tokenizer import Tokenizer
+from fd_core.runtime.text.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"  # what a decoder gives for an incomplete UTF-8 sequence
 

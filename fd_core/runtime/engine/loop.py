@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
 
 from fd_core.errors import NumericsError
 from fd_core.runtime import progress
-from fd_core.runtime.lifecycle import ModelRunner
+from fd_core.runtime.engine.runner import ModelRunner
+from fd_core.runtime.engine.sampling import Sampler, SamplingParams
 from fd_core.runtime.memory import MemoryPlan, cache_length
-from fd_core.runtime.plan import Threads, apply_threads, phase_threads
 from fd_core.runtime.request import Request
-from fd_core.runtime.sampling import Sampler, SamplingParams
-from fd_core.runtime.streaming import StreamDecoder, TextState
+from fd_core.runtime.text.streaming import StreamDecoder, TextState
+from fd_core.runtime.threads import Threads, apply_threads, phase_threads
 
 if TYPE_CHECKING:
-    from fd_core.runtime.tokenizer import Tokenizer
+    from fd_core.runtime.text.tokenizer import Tokenizer
 
 PAD_ID = 0  # what fills a shorter prompt's left padding and a free slot's decode input (masked; any id in the vocabulary would do)
 

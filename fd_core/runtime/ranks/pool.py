@@ -10,13 +10,13 @@ import threading
 from typing import TYPE_CHECKING, Any, Sequence
 
 from fd_core.errors import RankError
-from fd_core.paddle_logs import quiet_paddle_logs
+from fd_core.host.paddle_logs import quiet_paddle_logs
 from fd_core.runtime import progress
-from fd_core.runtime.distributed import DEFAULT_STALL_S, init_rank, spawn_ranks
-from fd_core.runtime.worker import RankWorker
+from fd_core.runtime.ranks.spawn import DEFAULT_STALL_S, init_rank, spawn_ranks
+from fd_core.runtime.ranks.worker import RankWorker
 
 if TYPE_CHECKING:
-    from fd_core.runtime.engine import Event, Job
+    from fd_core.runtime.engine.loop import Event, Job
     from fd_core.runtime.plan import Plan
 
 POLL_S = 0.2

@@ -12,8 +12,10 @@ from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.detection import Detection
 from fd_core.errors import ConfigError, NumericsError, PlatformError, PluginError, RequestRefused
 from fd_core.graphs import CastVote, GraphBackend, GraphDecision, GraphVote
-from fd_core.kernels import KernelTable, Ops
-from fd_core.plugins import PluginSet, call_bounded, caller_for, hook_timeout, load_plugins
+from fd_core.host.kernel_table import KernelTable, Ops
+from fd_core.host.loading import PluginSet, load_plugins
+from fd_core.host.registration import caller_for
+from fd_core.host.selection import call_bounded, hook_timeout
 
 AllReduce = Callable[[Any], Any]
 
@@ -329,7 +331,7 @@ def load_backend(
     plugins: PluginSet | None = None,
 ) -> Backend:
     """Discover plugins, select the platform and bind its ops for this rank."""
-    from fd_core.paddle_logs import quiet_paddle_logs
+    from fd_core.host.paddle_logs import quiet_paddle_logs
 
     quiet_paddle_logs()  # before a hook imports paddle: its C++ logs and import notices stay off the caller's terminal
     return Backend(plugins or load_plugins(os.environ if env is None else env), parallel)

@@ -1,0 +1,119 @@
+"""The kernels plugins registered for fd's named ops: each registration checked, the table by op and plugin,
+and the resolved op table a Backend holds (an extension's kernel over the platform's over the native one)."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from fd_core.errors import PluginError
+from fd_core.kernels import NATIVE, OPS
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A plugin's implementation of one op."""
+
+    op: str
+    fn: Callable[..., Any]
+    plugin: str
+    capturable: bool = True
+
+
+def nearest_op(name: str) -> str:
+    """', did you mean X?' when an op name is close to `name`, else ''."""
+    close = difflib.get_close_matches(name, list(OPS), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def check_kernel(plugin: str, op: str, fn: Any, capturable: Any) -> Kernel:
+    """A registration checked: a known op, a callable taking the op's arguments by their names, a bool flag."""
+    if not isinstance(op, str) or op not in OPS:
+        raise PluginError(
+            f"plugin {plugin!r}: fd_register_kernels registered an unknown op {op!r}{nearest_op(str(op))} "
+            f"(fd's ops: {', '.join(OPS)}); fix the name in {plugin!r}"
+        )
+    if not callable(fn):
+        raise PluginError(f"plugin {plugin!r}: fd_register_kernels registered {fn!r} for {op!r}, which is not callable")
+    if not isinstance(capturable, bool):
+        raise PluginError(f"plugin {plugin!r}: fd_register_kernels registered {op!r} with capturable={capturable!r}; pass True or False")
+    want = OPS[op].args
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: taken on trust, the suite checks its results
+        return Kernel(op, fn, plugin, capturable)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = tuple(p.name for p in positional[: len(want)])
+    extra = [p for p in positional[len(want):] if p.default is p.empty] + [p for p in params if p.kind == p.KEYWORD_ONLY and p.default is p.empty]
+    if names != want or extra:
+        got = ", ".join(p.name for p in params)
+        raise PluginError(
+            f"plugin {plugin!r}: its kernel for {op!r} takes ({got}), but {op} is called as {op}({', '.join(want)}); "
+            f"give it exactly those arguments (more only with defaults)"
+        )
+    return Kernel(op, fn, plugin, capturable)
+
+
+@dataclass
+class KernelTable:
+    """Every kernel the active platform and the extension plugins registered, by op."""
+
+    platform: dict[str, Kernel] = field(default_factory=dict)
+    extensions: dict[str, Kernel] = field(default_factory=dict)
+
+    def add(self, kernel: Kernel, from_platform: bool) -> None:
+        """Record a kernel; a second extension (or the same plugin twice) on one op is an error naming both."""
+        table = self.platform if from_platform else self.extensions
+        held = table.get(kernel.op)
+        if held is not None and held.plugin == kernel.plugin:
+            raise PluginError(f"plugin {kernel.plugin!r} registers a kernel for {kernel.op!r} twice; register it once")
+        if held is not None:
+            raise PluginError(
+                f"plugins {held.plugin!r} and {kernel.plugin!r} both register a kernel for {kernel.op!r}; "
+                f"uninstall one, or leave it out with FD_PLUGINS"
+            )
+        table[kernel.op] = kernel
+
+    def remove_plugin(self, plugin: str) -> None:
+        for table in (self.platform, self.extensions):
+            for op in [op for op, k in table.items() if k.plugin == plugin]:
+                del table[op]
+
+    def chosen(self, op: str) -> Kernel | None:
+        """The kernel that serves `op`: an extension's over the platform's; None for the native op."""
+        return self.extensions.get(op) or self.platform.get(op)
+
+    def by_plugin(self, plugin: str) -> list[str]:
+        """The ops `plugin` registered kernels for."""
+        return sorted(op for table in (self.platform, self.extensions) for op, k in table.items() if k.plugin == plugin)
+
+    def providers(self) -> dict[str, str]:
+        """Each op with the plugin whose kernel serves it ("native" for the native implementation)."""
+        return {op: kernel.plugin if (kernel := self.chosen(op)) is not None else NATIVE for op in OPS}
+
+    def uncapturable(self) -> dict[str, str]:
+        """The ops a captured decode step traces that a kernel registered with capturable=False serves, with its plugin."""
+        return {op: kernel.plugin for op in OPS if OPS[op].traced and (kernel := self.chosen(op)) is not None and not kernel.capturable}
+
+
+class Ops:
+    """The resolved op table of one Backend: `ops.rms_norm(x, weight, eps)` calls the chosen function directly."""
+
+    matmul: Callable[..., Any]
+    rms_norm: Callable[..., Any]
+    silu_and_mul: Callable[..., Any]
+    rotary_embedding: Callable[..., Any]
+    attention: Callable[..., Any]
+    sample: Callable[..., Any]
+
+    def __init__(self, table: KernelTable, native: Any) -> None:
+        self.providers = table.providers()
+        for name in OPS:
+            kernel = table.chosen(name)
+            setattr(self, name, getattr(native, name) if kernel is None else kernel.fn)
+
+    def native(self, name: str) -> bool:
+        """Whether `name` runs the native implementation."""
+        return self.providers[name] == NATIVE

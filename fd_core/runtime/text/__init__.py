@@ -1,0 +1,1 @@
+"""Text in and out: tokenizers, chat templates, a checkpoint's generation settings, and streamed decoding."""
