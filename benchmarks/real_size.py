@@ -32,7 +32,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--keep", default=None, help="write the checkpoint here and keep it (default: a temporary directory)")
+    parser.add_argument("--keep", default=None,
+                        help="write the checkpoint here and keep it (default: a temporary directory)")
     args = parser.parse_args()
     root = Path(args.keep or tempfile.mkdtemp(prefix="fd-real-size-"))
     checkpoint = root / "ernie-4.5-0.3b-random" if args.keep is None else root
@@ -48,7 +49,8 @@ def main() -> int:
     for _ in range(args.runs):
         for tp in (1, 2):
             start = time.perf_counter()
-            done = fd("run", "--checkpoint", str(checkpoint), "--tp", str(tp), "--steps", str(args.steps), "--prompt-ids", PROMPT, "--json")
+            done = fd("run", "--checkpoint", str(checkpoint), "--tp", str(tp), "--steps", str(args.steps),
+                      "--prompt-ids", PROMPT, "--json")
             if done.returncode:
                 print(done.stderr, file=sys.stderr)
                 return 1

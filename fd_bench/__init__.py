@@ -28,12 +28,15 @@ ROWS: dict[str, str] = {
     "allreduce": "cpu platform (shared memory) vs gloo all-reduce at tp=2: 1 KiB, 64 KiB, 1 MiB, 16 MiB",
     "graph": "tiny ERNIE decode step, static graph vs eager, cpu platform, tp=1",
     "reload": "time and RSS across weight-reload cycles of ModelRunner",
-    "realsize": ("ERNIE-4.5-0.3B (random bf16 weights): fd run at tp=1 and tp=2 vs transformers at 1 and 2 threads, vs the matrix-vector "
-                 "ceiling and tp=2's products with its all-reduces alone, tp=2 beside a busy thread; peak RSS vs weights + cache"),
-    "step": "where an ERNIE-4.5-0.3B decode step's time goes at tp=1 and tp=2: matrix work, attention, LM head, sampling, KV writes, all-reduce waits",
+    "realsize": ("ERNIE-4.5-0.3B (random bf16 weights): fd run at tp=1 and tp=2 vs transformers at 1 and 2 threads, "
+                 "vs the matrix-vector ceiling and tp=2's products with its all-reduces alone, tp=2 beside a busy "
+                 "thread; peak RSS vs weights + cache"),
+    "step": ("where an ERNIE-4.5-0.3B decode step's time goes at tp=1 and tp=2: matrix work, attention, LM head, "
+             "sampling, KV writes, all-reduce waits"),
     "kvwrite": "one decode step's KV-cache writes at cache lengths 80 and 320, eager and in a static program",
     "kernels": "a layer's call of a resolved op vs a direct call; the cpu platform's fused RMSNorm vs the native op",
-    "serve": "fd serve at 1, 4 and 16 concurrent streaming clients vs the same requests through LLM one at a time: req/s, tok/s, time to first token",
+    "serve": ("fd serve at 1, 4 and 16 concurrent streaming clients vs the same requests through LLM one at a time: "
+              "req/s, tok/s, time to first token"),
 }
 DEFAULT_JSON = Path("benchmarks/results/latest.json")
 # A smoke run (CI) must not overwrite the recorded full run.
@@ -53,10 +56,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     from fd_core.cli import CommandParser
 
     parser = CommandParser(prog="fd bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="short CI mode (< 60 s): proves every row runs; its numbers are not the record")
+    parser.add_argument("--smoke", action="store_true",
+                        help="short CI mode (< 60 s): proves every row runs; its numbers are not the record")
     parser.add_argument("--json", metavar="PATH", default=None,
-                        help=f"write the results as JSON (default inside the repository: {DEFAULT_JSON}, or {DEFAULT_SMOKE_JSON} "
-                             "with --smoke; outside it: none; '-' prints the JSON to stdout)")
+                        help=f"write the results as JSON (default inside the repository: {DEFAULT_JSON}, or "
+                             f"{DEFAULT_SMOKE_JSON} with --smoke; outside it: none; '-' prints the JSON to stdout)")
     parser.add_argument("--rows", default=None, help=f"comma-separated rows to run (default: all): {','.join(ROWS)}")
     args = parser.parse_args(argv)
     if args.json not in (None, "-"):
@@ -69,7 +73,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         if path.parent.exists() and not path.parent.is_dir():
             parser.error(f"--json {args.json}: {path.parent} is not a directory; choose another path")
         if not path.parent.is_dir():
-            parser.error(f"--json {args.json}: directory {path.parent} does not exist; create it or choose another path")
+            parser.error(f"--json {args.json}: directory {path.parent} does not exist; "
+                         "create it or choose another path")
     if args.rows is None:
         args.selected = list(ROWS)
     else:
@@ -110,7 +115,8 @@ def _runners(selected: list[str], smoke: bool) -> list[tuple[tuple[str, ...], Ca
 
         def real() -> list[Any]:
             m = realsize.measure(smoke)
-            return (realsize.realsize_rows(smoke, m) if "realsize" in sized else []) + (realsize.step_rows(smoke, m) if "step" in sized else [])
+            return ((realsize.realsize_rows(smoke, m) if "realsize" in sized else [])
+                    + (realsize.step_rows(smoke, m) if "step" in sized else []))
 
         jobs.append((sized, real))
     if "kvwrite" in chosen:
@@ -153,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
             errors.update({r: f"{type(exc).__name__}: {exc}" for r in rows})
             traceback.print_exc()
             lines.extend(Line(row=r, case="failed", a="-", b="-", a_value=None, b_value=None, unit="", ratio=None,
-                              ratio_label="", target="", met=False, note=f"error: {type(exc).__name__}: {exc}") for r in rows)
+                              ratio_label="", target="", met=False, note=f"error: {type(exc).__name__}: {exc}")
+                         for r in rows)
         timings[",".join(rows)] = time.perf_counter() - t0
     for ln in lines:
         problem = impossible(ln)
@@ -168,13 +175,15 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - started
     checked = [ln for ln in lines if ln.met is not None]
     summary = {
-        "met": sorted({ln.row for ln in checked if ln.met} - {ln.row for ln in checked if not ln.met}, key=order.__getitem__),
+        "met": sorted({ln.row for ln in checked if ln.met} - {ln.row for ln in checked if not ln.met},
+                      key=order.__getitem__),
         "missed": sorted({ln.row for ln in checked if not ln.met}, key=order.__getitem__),
         "reported": sorted({ln.row for ln in lines if ln.met is None} - set(errors), key=order.__getitem__),
         "errors": sorted(errors, key=order.__getitem__),
     }
-    print(f"\n{'smoke run: numbers are not the record; ' if args.smoke else ''}targets met: {', '.join(summary['met']) or 'none'}; "
-          f"missed: {', '.join(summary['missed']) or 'none'}; errors: {', '.join(summary['errors']) or 'none'}; total {total:.1f} s", file=out)
+    print(f"\n{'smoke run: numbers are not the record; ' if args.smoke else ''}"
+          f"targets met: {', '.join(summary['met']) or 'none'}; missed: {', '.join(summary['missed']) or 'none'}; "
+          f"errors: {', '.join(summary['errors']) or 'none'}; total {total:.1f} s", file=out)
     doc = {
         "mode": "smoke" if args.smoke else "full",
         "command": command,

@@ -37,7 +37,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps(one(int(argv[1]))))
         return 0
     procs, mib = int(argv[0]), int(argv[1]) if len(argv) > 1 else 512
-    children = [subprocess.Popen([sys.executable, "-m", "fd_bench.bandwidth", "--one", str(mib)], stdout=subprocess.PIPE, text=True)
+    children = [subprocess.Popen([sys.executable, "-m", "fd_bench.bandwidth", "--one", str(mib)],
+                                 stdout=subprocess.PIPE, text=True)
                 for _ in range(procs)]
     each = [json.loads(child.communicate(timeout=600)[0].strip().splitlines()[-1]) for child in children]
     print(json.dumps({"per_process_gb_s": each, "total_gb_s": sum(each)}))

@@ -20,7 +20,8 @@ def graph_rows(smoke: bool) -> list[Line]:
     env["FD_PLATFORM"] = "cpu"
     backend = load_backend(ParallelConfig(), env=env)
     arch, config, prompt, steps, samples, warm, max_len = decode_setup(backend, smoke)
-    models = {"static": seeded_model(arch, config, backend, 0, 1, max_len), "eager": seeded_model(arch, config, backend, 0, 1, max_len)}
+    models = {"static": seeded_model(arch, config, backend, 0, 1, max_len),
+              "eager": seeded_model(arch, config, backend, 0, 1, max_len)}
     start = time.perf_counter()
     models["static"].capture(backend.graph_backend(), 1)
     capture_s = time.perf_counter() - start
@@ -38,12 +39,14 @@ def graph_rows(smoke: bool) -> list[Line]:
     med = {n: statistics.median(v) for n, v in times.items()}
     # The same weights, token and position on both sides: one more step each must agree.
     pos = prompt.shape[1]
-    close = bool(np.allclose(models["static"].decode_step(token, pos).numpy(), models["eager"].decode_step(token, pos).numpy(), atol=1e-4))
+    close = bool(np.allclose(models["static"].decode_step(token, pos).numpy(),
+                             models["eager"].decode_step(token, pos).numpy(), atol=1e-4))
     return [Line(
         row="graph", case="tp=1 (one rank: no all-reduce)", a="static graph replay", b="eager",
         a_value=med["static"] / 1000, b_value=med["eager"] / 1000, unit="us",
         ratio=med["eager"] / med["static"], ratio_label="eager / static", target="reported", met=None,
-        note=(f"medians of {samples} steps per side, alternating step by step; static graph {'faster' if med['static'] < med['eager'] else 'slower'}; "
+        note=(f"medians of {samples} steps per side, alternating step by step; static graph "
+              f"{'faster' if med['static'] < med['eager'] else 'slower'}; "
               f"capture took {capture_s:.2f} s; last logits agree: {close}"),
         details={"capture_s": capture_s, "steps_per_side": samples, "logits_agree": close,
                  "p10_us": {n: statistics.quantiles(v, n=10)[0] / 1000 for n, v in times.items()}},

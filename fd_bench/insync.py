@@ -34,7 +34,8 @@ def _layout(config: dict[str, Any]) -> list[tuple[int, int]]:
     whole = shapes(config)
     halves = [(k // 2, n) if i % PER_LAYER in REDUCED_AFTER else (k, n // 2) for i, (k, n) in enumerate(whole[:-1])]
     hidden, vocab = whole[-1]
-    return [*halves, (hidden, vocab // 2)]  # the LM head as fd holds it (the tied embedding's table [hidden, vocab / 2]): x @ W
+    # the LM head as fd holds it (the tied embedding's table [hidden, vocab / 2]): x @ W
+    return [*halves, (hidden, vocab // 2)]
 
 
 def _rank(config: dict[str, Any], repeats: int) -> dict[str, Any]:

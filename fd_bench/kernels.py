@@ -83,7 +83,8 @@ def kernel_rows(smoke: bool) -> list[Line]:
     for shape in ((1, 1, 1024), (1, 16, 1024)):
         x, w = paddle.randn(list(shape)), paddle.randn([shape[-1]])
         ns = {k: s.median / UNROLL for k, s in interleave(
-            {"cpu": _three(cpu_rms_norm, x, w, 1e-6), "native": _three(native_ops.rms_norm, x, w, 1e-6)}, kiters, kbatches).items()}
+            {"cpu": _three(cpu_rms_norm, x, w, 1e-6), "native": _three(native_ops.rms_norm, x, w, 1e-6)},
+            kiters, kbatches).items()}
         speedup = ns["native"] / ns["cpu"]
         same = bool(paddle.allclose(cpu_rms_norm(x, w, 1e-6), native_ops.rms_norm(x, w, 1e-6), rtol=1e-5, atol=1e-5))
         lines.append(Line(
@@ -96,10 +97,12 @@ def kernel_rows(smoke: bool) -> list[Line]:
     for layout in ("interleaved", "half"):
         x, cos, sin = paddle.randn([1, 16, 1, 128]), paddle.randn([1, 1, 1, 64]), paddle.randn([1, 1, 1, 64])
         ns = {k: s.median / UNROLL for k, s in interleave(
-            {"cpu": _calls(cpu_rotary, x, cos, sin, layout), "native": _calls(native_ops.rotary_embedding, x, cos, sin, layout)},
+            {"cpu": _calls(cpu_rotary, x, cos, sin, layout),
+             "native": _calls(native_ops.rotary_embedding, x, cos, sin, layout)},
             kiters // 4, kbatches).items()}
         speedup = ns["native"] / ns["cpu"]
-        same = bool(paddle.allclose(cpu_rotary(x, cos, sin, layout), native_ops.rotary_embedding(x, cos, sin, layout), rtol=1e-5, atol=1e-5))
+        same = bool(paddle.allclose(cpu_rotary(x, cos, sin, layout), native_ops.rotary_embedding(x, cos, sin, layout),
+                                    rtol=1e-5, atol=1e-5))
         lines.append(Line(
             row="kernels", case=f"rotary_embedding x[1, 16, 1, 128] {layout} float32",
             a="cpu kernel (complex)", b="native op", a_value=ns["cpu"] / 1000, b_value=ns["native"] / 1000, unit="us",

@@ -4,9 +4,10 @@ projections and the LM head, the shapes of its config.json), nothing else, in Pa
     python -m fd_bench.matvec CONFIG LIBRARY PROCESSES THREADS [REPEATS]
 
 LIBRARY is paddle, torch, or fd-split (Paddle's product through the cpu platform's kernel, which splits a
-one-row product across THREADS threads of one process, MKL on one); PROCESSES > 1 runs that many processes at once, each over its 1/PROCESSES
-share of every matrix's columns (as tensor-parallel ranks hold them). Prints one JSON line: passes
-per second of the slowest process (a step waits for every rank) and GB/s over all of them.
+one-row product across THREADS threads of one process, MKL on one); PROCESSES > 1 runs that many processes
+at once, each over its 1/PROCESSES share of every matrix's columns (as tensor-parallel ranks hold them).
+Prints one JSON line: passes per second of the slowest process (a step waits for every rank) and GB/s
+over all of them.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def one(config: dict[str, Any], library: str, share: int, threads: int, repeats:
         split = library == "fd-split"
         core.set_num_threads(1 if split else threads)
         set_compute_threads(threads if split else 1)
-        weights_p = [paddle.randn([k, n]) for k, n in mats]  # [in, out], x @ W: the layout Paddle's CPU product reads fastest
+        # [in, out], x @ W: the layout Paddle's CPU product reads fastest
+        weights_p = [paddle.randn([k, n]) for k, n in mats]
         inputs_p = {k: paddle.randn([1, k]) for k, _ in mats}
 
         def run() -> None:
@@ -80,7 +82,8 @@ def main(argv: list[str]) -> int:
     path, library, procs, threads = argv[0], argv[1], int(argv[2]), int(argv[3])
     repeats = int(argv[4]) if len(argv) > 4 else 8
     config = json.loads(open(path).read())
-    children = [subprocess.Popen([sys.executable, "-m", "fd_bench.matvec", "--one", path, library, str(procs), str(threads), str(repeats)],
+    children = [subprocess.Popen([sys.executable, "-m", "fd_bench.matvec", "--one", path, library, str(procs),
+                                  str(threads), str(repeats)],
                                  stdout=subprocess.PIPE, text=True) for _ in range(procs)]
     each = [json.loads(child.communicate(timeout=900)[0].strip().splitlines()[-1]) for child in children]
     nbytes = sum(k * n * 4 for k, n in shapes(config))

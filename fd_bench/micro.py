@@ -44,7 +44,8 @@ def _loop(kind: str, fn: Any, t: Any, g: Any = None) -> Callable[[int], int]:
     side that runs second would pay for it.
     """
     body = "; ".join([_BODIES[kind]] * UNROLL)
-    namespace: dict[str, Any] = {"repeat": itertools.repeat, "perf_counter_ns": perf_counter_ns, "fn": fn, "t": t, "g": g}
+    namespace: dict[str, Any] = {"repeat": itertools.repeat, "perf_counter_ns": perf_counter_ns,
+                                 "fn": fn, "t": t, "g": g}
     exec(compile(_TEMPLATE.format(body=body), f"<fd_bench loop {kind}>", "exec"), namespace)  # noqa: S102 - our own template
     return namespace["run"]
 
@@ -113,7 +114,8 @@ def dispatch_rows(selected: set[str], smoke: bool) -> list[Line]:
             speedup = ns["hook"] / ns["bound"]
             lines.append(Line(
                 row="dispatch_vs_hook", case="tp=2, no wrapper",
-                a="backend.all_reduce(t)", b="pm.hook.fd_all_reduce(...)", a_value=ns["bound"], b_value=ns["hook"], unit="ns",
+                a="backend.all_reduce(t)", b="pm.hook.fd_all_reduce(...)",
+                a_value=ns["bound"], b_value=ns["hook"], unit="ns",
                 ratio=speedup, ratio_label="hook / bound", target=">= 10", met=speedup >= 10,
                 note=f"binding: {binding}",
             ))
@@ -123,11 +125,13 @@ def dispatch_rows(selected: set[str], smoke: bool) -> list[Line]:
         whook = wrapped.pm.hook.fd_all_reduce
         before = benchtrace.CALLS[0]
         assert wbackend.all_reduce(t) is t and benchtrace.CALLS[0] == before + 1, "the wrapper did not run"
-        ns = _per_call({"backend": _calls_1(wbackend.all_reduce, t), "hook": _calls_hook(whook, t, group)}, iters, batches)
+        ns = _per_call({"backend": _calls_1(wbackend.all_reduce, t), "hook": _calls_hook(whook, t, group)},
+                       iters, batches)
         ratio = ns["backend"] / ns["hook"]
         lines.append(Line(
             row="dispatch_wrapper", case="tp=2, tracing wrapper (wrapper=True)",
-            a="backend.all_reduce(t)", b="pm.hook.fd_all_reduce(...)", a_value=ns["backend"], b_value=ns["hook"], unit="ns",
+            a="backend.all_reduce(t)", b="pm.hook.fd_all_reduce(...)",
+            a_value=ns["backend"], b_value=ns["hook"], unit="ns",
             ratio=ratio, ratio_label="backend / hook", target="<= 1.00 (no slower)", met=ratio <= 1.0,
             note=f"binding: {wbackend.all_reduce_binding}",
         ))

@@ -1,4 +1,5 @@
-"""Reload row: time and resident memory across weight-reload cycles (fd_core.runtime.engine.runner.ModelRunner, generating through the engine).
+"""Reload row: time and resident memory across weight-reload cycles (fd_core.runtime.engine.runner.ModelRunner,
+generating through the engine).
 
 Runs in a fresh process (`python -m fd_bench.reload CYCLES STEPS`), so the RSS is the runner's alone.
 """
@@ -16,7 +17,8 @@ from fd_bench.report import Line
 
 
 def measure(cycles: int, steps: int, graph: str = "auto") -> dict:
-    """One tp=1 runner on the cpu platform; graphs on auto (the row: a static-graph capture after every reload) or off."""
+    """One tp=1 runner on the cpu platform; graphs on auto (the row: a static-graph capture
+    after every reload) or off."""
     from fd_core.host.paddle_logs import quiet_paddle_logs
 
     quiet_paddle_logs()
@@ -44,15 +46,18 @@ def measure(cycles: int, steps: int, graph: str = "auto") -> dict:
         start = time.perf_counter()
         runner.reload()
         again = engine.generate(request)[0].token_ids
-        record.append({"cycle": cycle, "seconds": time.perf_counter() - start, "rss_bytes": resident_bytes(), "same_tokens": again == first})
-    return {"graph": f"{decision.mode} {'on' if decision.allowed else 'off'}", "graph_summary": decision.summary(), "steps": steps, "cycles": record}
+        record.append({"cycle": cycle, "seconds": time.perf_counter() - start, "rss_bytes": resident_bytes(),
+                       "same_tokens": again == first})
+    return {"graph": f"{decision.mode} {'on' if decision.allowed else 'off'}", "graph_summary": decision.summary(),
+            "steps": steps, "cycles": record}
 
 
 def _run(cycles: int, steps: int, graph: str) -> dict:
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "fd_bench.reload", str(cycles), str(steps), graph], capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "-m", "fd_bench.reload", str(cycles), str(steps), graph],
+                          capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"reload worker (graph {graph}) failed: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -73,10 +78,13 @@ def reload_rows(smoke: bool) -> list[Line]:
         same = all(r["same_tokens"] for r in rec)
         lines.append(Line(
             row="reload", case=f"{cycles} cycles, tp=1, --graph {graph} ({data['graph']})",
-            a=f"RSS after cycle {cycles}", b="RSS after cycle 1", a_value=last / 2**20, b_value=after_first / 2**20, unit="MiB",
-            ratio=last / after_first, ratio_label="last / first", target="growth <= 1%", met=growth <= 1.0 and same,
-            note=(f"growth {growth:+.2f}% after cycle 1 ({(last - after_first) / 2**20 / max(cycles - 1, 1):.2f} MiB a cycle); "
-                  f"median cycle {median_s * 1000:.0f} ms; first load+generate {rec[0]['seconds']:.2f} s; tokens unchanged: {same}"),
+            a=f"RSS after cycle {cycles}", b="RSS after cycle 1", a_value=last / 2**20, b_value=after_first / 2**20,
+            unit="MiB", ratio=last / after_first, ratio_label="last / first", target="growth <= 1%",
+            met=growth <= 1.0 and same,
+            note=(f"growth {growth:+.2f}% after cycle 1 "
+                  f"({(last - after_first) / 2**20 / max(cycles - 1, 1):.2f} MiB a cycle); "
+                  f"median cycle {median_s * 1000:.0f} ms; first load+generate {rec[0]['seconds']:.2f} s; "
+                  f"tokens unchanged: {same}"),
             details={"growth_pct": growth, "median_cycle_s": median_s, **data},
         ))
     return lines

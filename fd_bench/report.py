@@ -34,14 +34,16 @@ class Line:
 
 
 def impossible(line: Line) -> str | None:
-    """Why `line` holds a value no measurement can give (negative or non-finite times, speeds, sizes or ratios), or None."""
+    """Why `line` holds a value no measurement can give (negative or non-finite times,
+    speeds, sizes or ratios), or None."""
     for label, value in (("A", line.a_value), ("B", line.b_value), ("ratio", line.ratio)):
         if value is None:
             continue
         if not math.isfinite(value):
             return f"{label} is {value} (not a finite number)"
         if value < 0 and line.unit != "%":
-            return f"{label} is {value:.4g}, below zero: not a possible {'ratio' if label == 'ratio' else line.unit} value"
+            return (f"{label} is {value:.4g}, below zero: "
+                    f"not a possible {'ratio' if label == 'ratio' else line.unit} value")
     if line.ratio is not None and line.a_value is not None and line.b_value == 0:
         return "B is 0: the ratio has no meaning"
     return None
@@ -80,7 +82,8 @@ def table(lines: list[Line], smoke: bool) -> str:
     rows = [head, ["---"] * len(head)]
     for ln in lines:
         ratio = "-" if ln.ratio is None else f"{ln.ratio:.3f} ({ln.ratio_label})"
-        rows.append([ln.row, ln.case, ln.a, ln.b, _fmt(ln.a_value, ln.unit), _fmt(ln.b_value, ln.unit), ratio, ln.target, _verdict(ln, smoke)])
+        rows.append([ln.row, ln.case, ln.a, ln.b, _fmt(ln.a_value, ln.unit), _fmt(ln.b_value, ln.unit), ratio,
+                     ln.target, _verdict(ln, smoke)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     out = []
     for r in rows:

@@ -26,8 +26,10 @@ CLIENTS = (1, 4, 16)
 def _start(checkpoint: Path) -> tuple[subprocess.Popen[str], str]:
     """`fd serve` on a free port; its address read from stderr."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FD_")}
-    process = subprocess.Popen([sys.executable, "-m", "fd_core.cli", "serve", "--checkpoint", str(checkpoint), "--tp", "1", "--port", "0",
-                                "--max-queue", "64"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    process = subprocess.Popen([sys.executable, "-m", "fd_core.cli", "serve", "--checkpoint", str(checkpoint),
+                                "--tp", "1", "--port", "0", "--max-queue", "64"],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env=env)
     found: list[str] = []
     ready = threading.Event()
 
@@ -58,7 +60,8 @@ def _one(url: str, prompt: str, tokens: int) -> tuple[float, float, int]:
 
     if getattr(_CLIENTS, "client", None) is None:
         _CLIENTS.client = httpx.Client(timeout=600)
-    body = {"prompt": prompt, "max_tokens": tokens, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {"prompt": prompt, "max_tokens": tokens, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     first: float | None = None
     used = 0
@@ -93,7 +96,8 @@ def serve_rows(smoke: bool) -> list[Line]:
 
     from fd_core.runtime import LLM, SamplingParams
 
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise, once paddle has configured logging
+    # one INFO line per request otherwise, once paddle has configured logging
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     from fd_core.serve.tiny import write_tiny_checkpoint
 
     requests, tokens = (16, 8) if smoke else (32, 32)
@@ -120,17 +124,19 @@ def serve_rows(smoke: bool) -> list[Line]:
     for c in CLIENTS:
         m = measured[c]
         lines.append(Line(
-            row="serve", case=f"{c} concurrent client{'s' if c > 1 else ''}", a="fd serve (streaming, HTTP)", b="LLM one at a time",
-            a_value=m["req_s"], b_value=sequential["req_s"], unit="req/s", ratio=m["req_s"] / sequential["req_s"], ratio_label="served / sequential",
-            target="reported", met=None,
-            note=(f"{requests} requests x {tokens} tokens (ignore_eos), tiny ERNIE-4.5 at tp=1; {m['tok_s']:.0f} tok/s served vs "
-                  f"{sequential['tok_s']:.0f} tok/s sequential; time to first token p50 {m['ttft_p50_ms']:.0f} ms, max {m['ttft_max_ms']:.0f} ms"),
+            row="serve", case=f"{c} concurrent client{'s' if c > 1 else ''}", a="fd serve (streaming, HTTP)",
+            b="LLM one at a time", a_value=m["req_s"], b_value=sequential["req_s"], unit="req/s",
+            ratio=m["req_s"] / sequential["req_s"], ratio_label="served / sequential", target="reported", met=None,
+            note=(f"{requests} requests x {tokens} tokens (ignore_eos), tiny ERNIE-4.5 at tp=1; "
+                  f"{m['tok_s']:.0f} tok/s served vs {sequential['tok_s']:.0f} tok/s sequential; "
+                  f"time to first token p50 {m['ttft_p50_ms']:.0f} ms, max {m['ttft_max_ms']:.0f} ms"),
             details={**m, "sequential": sequential, "requests": requests, "tokens": tokens},
         ))
     loaded, alone = measured[CLIENTS[-1]], measured[CLIENTS[0]]
     lines.append(Line(
-        row="serve", case=f"time to first token under load ({CLIENTS[-1]} clients)", a=f"{CLIENTS[-1]} clients", b="1 client",
-        a_value=loaded["ttft_p50_ms"], b_value=alone["ttft_p50_ms"], unit="ms", ratio=loaded["ttft_p50_ms"] / alone["ttft_p50_ms"],
-        ratio_label="loaded / alone", target="reported", met=None, note="medians over the requests; the machine is shared",
+        row="serve", case=f"time to first token under load ({CLIENTS[-1]} clients)", a=f"{CLIENTS[-1]} clients",
+        b="1 client", a_value=loaded["ttft_p50_ms"], b_value=alone["ttft_p50_ms"], unit="ms",
+        ratio=loaded["ttft_p50_ms"] / alone["ttft_p50_ms"], ratio_label="loaded / alone", target="reported",
+        met=None, note="medians over the requests; the machine is shared",
     ))
     return lines

@@ -45,7 +45,8 @@ def _time(cmd: list[str], env: dict[str, str]) -> float:
 
 
 def _paddle_modules(body: str, env: dict[str, str]) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", _PADDLE_PROBE.format(body=body)], capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run([sys.executable, "-c", _PADDLE_PROBE.format(body=body)], capture_output=True, text=True,
+                         env=env, check=True)
     return eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 - our own probe prints a list literal
 
 
@@ -70,7 +71,9 @@ def startup_rows(smoke: bool) -> list[Line]:
     lines = []
     for key, label, limit, leaked in (
         ("import", 'python -c "import fd_core"', 50.0, paddle_import),
-        ("plugins", " ".join(["fd"] + commands["plugins"][1:]) if commands["plugins"][0].endswith("fd") else " ".join(commands["plugins"]),
+        ("plugins",
+         " ".join(["fd"] + commands["plugins"][1:]) if commands["plugins"][0].endswith("fd")
+         else " ".join(commands["plugins"]),
          300.0, paddle_plugins),
     ):
         added = med[key] - med["pass"]
@@ -81,6 +84,7 @@ def startup_rows(smoke: bool) -> list[Line]:
             target=f"adds <= {limit:.0f} ms; paddle not imported",
             met=added <= limit and not leaked,
             note=f"adds {added:.1f} ms; paddle modules imported: {leaked or 'none'}; {reps} runs each",
-            details={"added_ms": added, "paddle_modules": leaked, "runs": reps, "all_ms": times[key], "pass_ms": times["pass"], "command": commands[key]},
+            details={"added_ms": added, "paddle_modules": leaked, "runs": reps, "all_ms": times[key],
+                     "pass_ms": times["pass"], "command": commands[key]},
         ))
     return lines

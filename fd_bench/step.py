@@ -73,7 +73,13 @@ def instrument(worker: Any, timer: StepTimer) -> Callable[[], float]:
     from fd_models.layers.attention import Attention
     from fd_models.layers.mlp import SwiGLUMLP
     from fd_models.layers.norm import RMSNorm
-    from fd_models.layers.parallel import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear, VocabParallelEmbedding
+    from fd_models.layers.parallel import (
+        ColumnParallelLinear,
+        ParallelLMHead,
+        ReplicatedLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
 
     model = worker.runner.model
     for layer in model.sublayers(include_self=True):
@@ -136,18 +142,19 @@ def measure_rank(plan: Any, rank: int = 0, tp: int = 1, group: Any = None) -> di
     from fd_core.runtime.ranks.worker import RankWorker
 
     worker = RankWorker.start(plan, rank, tp, group)
-    worker.generate(plan.request)  # warm-up: first calls, allocations
+    worker.engine.generate(plan.request)  # warm-up: first calls, allocations
     timer = StepTimer()
     total = instrument(worker, timer)
     timer.generating = True
     engine = worker.engine
     decoded, spent, core = engine.decoded_tokens, engine.decode_s, engine.decode_core_s
-    out = worker.generate(plan.request)
+    out = worker.engine.generate(plan.request)
     timer.generating = False
     steps = plan.request.sampling.max_new_tokens - 1
     step_s = total() / max(1, steps)
     parts = {k: v / max(1, steps) * 1e3 for k, v in timer.seconds.items()}
-    # Every step samples once, the last one included (its logits come from the last decode step): per decode step, one sampling.
+    # Every step samples once, the last one included (its logits come from the last decode step):
+    # per decode step, one sampling.
     if "sample" in parts:
         parts["sample"] *= steps / (steps + 1)
     # The sample op and the finite check run outside decode_step (on the previous step's logits): add them to the step.
@@ -193,7 +200,8 @@ def main(argv: list[str]) -> int:
     graph = argv[4] if len(argv) > 4 else "off"
     threads = int(argv[5]) if len(argv) > 5 else None
     source: dict[str, Any] = {"model": "ernie4_5"} if checkpoint == "-" else {"model": "", "checkpoint": checkpoint}
-    plan = plan_run(RunConfig(tp=tp, steps=steps, prompt_ids=prompt, graph=graph, progress=False, threads=threads, **source))
+    plan = plan_run(RunConfig(tp=tp, steps=steps, prompt_ids=prompt, graph=graph, progress=False, threads=threads,
+                              **source))
     if tp == 1:
         results = [measure_rank(plan)]
     else:

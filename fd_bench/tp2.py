@@ -28,8 +28,9 @@ def decode_lines(results: list[dict[str, Any]]) -> list[Line]:
         if d is None:
             continue
         if "error" in d:
-            lines.append(Line(row="decode", case=f"tp=2, {mode}", a="fd_core Backend", b="direct paddle.distributed", a_value=None,
-                              b_value=None, unit="us", ratio=None, ratio_label="fd / direct", target="<= 1.02", met=None, note=d["error"]))
+            lines.append(Line(row="decode", case=f"tp=2, {mode}", a="fd_core Backend", b="direct paddle.distributed",
+                              a_value=None, b_value=None, unit="us", ratio=None, ratio_label="fd / direct",
+                              target="<= 1.02", met=None, note=d["error"]))
             continue
         ratio = d["fd_step_ns"] / d["direct_step_ns"]
         control = d["fd_step_ns"] / d["fd_control_step_ns"]
@@ -41,9 +42,11 @@ def decode_lines(results: list[dict[str, Any]]) -> list[Line]:
             a_value=d["fd_step_ns"] / 1000, b_value=d["direct_step_ns"] / 1000, unit="us",
             ratio=ratio, ratio_label="fd / direct", target="<= 1.02 (or within the A/A noise)", met=met,
             note=(f"rank 0 medians of {r0['steps_per_side']} steps per side, alternating step by step; "
-                  f"A/A control fd vs fd {control:.3f}{' (the gap is within that noise band)' if met and ratio > 1.02 else ''}; "
+                  f"A/A control fd vs fd {control:.3f}"
+                  f"{' (the gap is within that noise band)' if met and ratio > 1.02 else ''}; "
                   f"10th percentiles fd {d['fd_p10_ns'] / 1e6:.2f} ms, direct {d['direct_p10_ns'] / 1e6:.2f} ms; "
-                  f"rank 1 ratio {other['fd_step_ns'] / other['direct_step_ns']:.3f}; same logits both ways: {d['same_logits']}; "
+                  f"rank 1 ratio {other['fd_step_ns'] / other['direct_step_ns']:.3f}; "
+                  f"same logits both ways: {d['same_logits']}; "
                   f"one model, ctx of {d['rewired_layers']} layers switched per step; "
                   f"binding: {r0['binding']}"),
             details={"rank0": d, "rank1": other},
@@ -68,7 +71,8 @@ def allreduce_lines(results: list[dict[str, Any]]) -> list[Line]:
             noise = f"; A/A control gloo vs gloo {control:.3f}"
             if nbytes > SMALL and not met and 1 - ratio <= band:
                 met, noise = True, noise + f" (shm's {1 - ratio:.1%} gap is within that noise band)"
-        path = "shared memory" if nbytes <= (r0.get("shm_state") or {}).get("slot_bytes", 0) else "gloo fallback (above the slot)"
+        path = ("shared memory" if nbytes <= (r0.get("shm_state") or {}).get("slot_bytes", 0)
+                else "gloo fallback (above the slot)")
         lines.append(Line(
             row="allreduce", case=f"tp=2, {_size(nbytes)} float32",
             a="cpu Backend.all_reduce (shm)", b="cpu gloo_all_reduce",

@@ -1,19 +1,19 @@
-"""The `fd` command: plugins | explain | run | serve | save-random | check | help, and the commands plugins add (bench)."""
+"""The `fd` command: plugins | explain | run | serve | save-random | check | help, and the commands plugins add
+(bench)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import math
 import os
 import sys
 import time
-from typing import Any, Callable, Mapping, NoReturn, Sequence, TextIO
+from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence, TextIO
 
 from fd_core.config import COMPUTE_DTYPES
-from fd_core.errors import ConfigError, FdError, RankError
+from fd_core.errors import SETTINGS_STYLE_ENV, ConfigError, FdError
 
 # When fd's entry point was imported: a run's clock starts here if the process was created long
 # before, for something else, and exec'd fd (see procstats.process_start_time).
@@ -70,7 +70,8 @@ def _seconds(text: str) -> float:
 
 
 def _stdout() -> TextIO:
-    """fd's own output: the real stdout, while what plugins print goes to stderr (see fd_core.host.output.plugin_prints_to_stderr)."""
+    """fd's own output: the real stdout, while what plugins print goes to stderr (see
+    fd_core.host.output.plugin_prints_to_stderr)."""
     from fd_core.host.output import fd_stdout
 
     return fd_stdout()
@@ -88,8 +89,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     rows = [{**r.to_dict(), "kernels": plugins.kernels.by_plugin(r.name) if r.active else []} for r in plugins.records]
     if args.json:
         architectures = [a.to_dict() for a in plugins.registry]
-        _print_json({"platform": plugins.platform, "selection": plugins.selection, "plugins": rows, "architectures": architectures,
-                     "problems": plugins.problems})
+        _print_json({"platform": plugins.platform, "selection": plugins.selection, "plugins": rows,
+                     "architectures": architectures, "problems": plugins.problems})
     else:
         print("\n".join(_plugin_listing(plugins)), file=_stdout())
     if plugins.problems:
@@ -157,33 +158,37 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from fd_core.host.backend import load_backend
     from fd_core.host.loading import load_plugins
     from fd_core.runtime.memory import plan_memory
-    from fd_core.runtime.plan import DEFAULT_MODEL, RunConfig, check_tp, compute_dtype, model_and_checkpoint, model_config_for, run_threads
+    from fd_core.runtime.plan import DEFAULT_MODEL, RunConfig, compute_dtype, plan_model, run_threads
     from fd_core.runtime.report import kernel_line, threads_line
 
     plugins = load_plugins()
-    parallel = ParallelConfig(tp_size=args.tp)
-    backend = load_backend(parallel, plugins=plugins)
-    registry = plugins.registry
-    if len(registry):
-        # The checkpoint's architecture and config.json, as fd run reads them; an unknown name raises, listing the registered ones.
-        arch, checkpoint = model_and_checkpoint(args.model, args.checkpoint, plugins)
-        config = model_config_for(arch, checkpoint, compute_dtype(args.dtype, backend))
-        # The layout fd run would refuse is refused here too, in the same words: no decision is shown for it.
-        check_tp(args.tp, config, arch, backend)
-        model_line = f"{arch.name} (registered by {arch.package})"
+    backend = load_backend(ParallelConfig(tp_size=args.tp), plugins=plugins)
+    run = RunConfig(model=args.model, tp=args.tp, checkpoint=args.checkpoint, dtype=args.dtype, graph=args.graph,
+                    memory_fraction=args.memory_fraction, threads=args.threads)
+    if len(plugins.registry):
+        # What fd run plans, by the same function: the checkpoint's architecture and config.json, the layout fd run
+        # would refuse refused here in the same words (no decision is shown for it), memory and threads.
+        model = plan_model(run, plugins, backend)
+        config, memory, threads = model.config, model.memory, model.threads
+        model_line = f"{model.arch.name} (registered by {model.arch.package})"
     else:
         name = args.model or DEFAULT_MODEL
         config = ModelConfig(architecture=name, dtype=compute_dtype(args.dtype, backend))
         model_line = f"{name} (no model package registers it)"
-    memory = plan_memory(config, args.tp, backend.detection, args.memory_fraction, backend.platform, config.architecture)
+        memory = plan_memory(
+            config, args.tp, backend.detection, args.memory_fraction, backend.platform, config.architecture
+        )
+        threads = run_threads(run, backend.detection)
     decision = backend.graph_decision(config, requested=args.graph)
-    threads = run_threads(RunConfig(model=config.architecture, tp=args.tp, threads=args.threads), backend.detection)
     if args.json:
-        _print_json({**backend.describe(), "model": config.architecture, "graph": decision.to_dict(), "dtype": config.dtype,
-                     "memory": memory.to_dict(), "threads": threads.to_dict()})
+        _print_json({**backend.describe(), "model": config.architecture, "graph": decision.to_dict(),
+                     "dtype": config.dtype, "memory": memory.to_dict(), "threads": threads.to_dict()})
         return 0
     det = backend.detection
-    lines = [f"platform: {backend.platform} ({plugins.selection})", f"  {'detected' if det.detected else 'not detected'}: {det.reason or '-'}"]
+    lines = [
+        f"platform: {backend.platform} ({plugins.selection})",
+        f"  {'detected' if det.detected else 'not detected'}: {det.reason or '-'}",
+    ]
     lines += [f"  {r.name}: {r.status}" for r in plugins.records if r.kind == "platform" and not r.active]
     lines += [f"model: {model_line}, tp={args.tp}", f"all-reduce: {backend.all_reduce_binding}",
               f"kernels: {kernel_line(backend.kernels.providers())}", f"graph: {decision.summary()}"]
@@ -210,7 +215,9 @@ def _text_prompts(prompts: list[str] | None, path: str | None) -> tuple[str, ...
 
     texts = list(prompts or ())
     if path is not None:
-        text = read_text(path, f"--prompts {path}", MAX_PROMPTS_BYTES, error=ConfigError, fix="pass a text file, one prompt per line")
+        text = read_text(
+            path, f"--prompts {path}", MAX_PROMPTS_BYTES, error=ConfigError, fix="pass a text file, one prompt per line"
+        )
         texts += [line.rstrip("\r") for line in text.split("\n") if line.strip()]
         if not texts:
             raise ConfigError(f"--prompts {path} holds no prompt; write one per line")
@@ -222,12 +229,15 @@ def _run_tp(requested: int | None, launched: tuple[int, int] | None) -> int:
     if launched is None:
         return 2 if requested is None else requested
     if requested not in (None, launched[1]):
-        raise ConfigError(f"--tp {requested} does not match the launcher's {launched[1]} processes; drop --tp under a launcher")
+        raise ConfigError(
+            f"--tp {requested} does not match the launcher's {launched[1]} processes; drop --tp under a launcher"
+        )
     return launched[1]
 
 
 def _require_paddle() -> None:
-    """A one-line error when no Paddle build is installed; the extras that provide one are read from the package's metadata."""
+    """A one-line error when no Paddle build is installed; the extras that provide one are read from the package's
+    metadata."""
     import importlib.util
     from importlib.metadata import PackageNotFoundError, requires
 
@@ -240,28 +250,36 @@ def _require_paddle() -> None:
         extras = []
     choices = " or ".join(f"pip install '.[{e}]' in a checkout" for e in extras) or "install PaddlePaddle"
     raise FdError(
-        f"PaddlePaddle is not installed; {choices}, or a device build as docs/install.md says (one build only: each provides the same paddle package)"
+        f"PaddlePaddle is not installed; {choices}, or a device build as docs/install.md says "
+        f"(one build only: each provides the same paddle package)"
     )
 
 
+def _print_text(index: int, text: str) -> None:
+    """New text on stdout as it is produced (one prompt, an interactive terminal)."""
+    out = _stdout()
+    out.write(text)
+    out.flush()
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    from fd_core.host.backend import Backend
     from fd_core.host.loading import load_plugins
     from fd_core.host.output import fd_stdout_closed
     from fd_core.host.paddle_logs import quiet_paddle_logs
+    from fd_core.runtime.job import run_plan
     from fd_core.runtime.plan import RunConfig, plan_run, plugin_env
     from fd_core.runtime.procstats import process_start_time
-    from fd_core.runtime.ranks.launch import run_rank, spawned_rank
-    from fd_core.runtime.ranks.spawn import Terminated, launched_rank, run_here, spawn_ranks
+    from fd_core.runtime.ranks.spawn import Terminated, launched_rank, stop_signals_raise
 
     _require_paddle()
 
     quiet_paddle_logs()
-    # The ranks are forked after this process tokenizes the prompts: a tokenizer thread pool started
-    # before a fork would make the library warn (and fall back) in every rank.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     launched = launched_rank()
     if fd_stdout_closed():
-        raise ConfigError("stdout is closed, and fd run writes its output there; redirect it (> out.txt, or > /dev/null to discard)")
+        raise ConfigError(
+            "stdout is closed, and fd run writes its output there; redirect it (> out.txt, or > /dev/null to discard)"
+        )
     texts = _text_prompts(args.prompt, args.prompts)
     id_prompts = tuple(_prompt_ids(p) for p in args.prompt_ids or ())
     run = RunConfig(
@@ -292,59 +310,40 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     if texts and id_prompts:
         raise ConfigError("pass text prompts (--prompt, --prompts) or token ids (--prompt-ids), not both")
-    # Planned once, here: the ranks receive the plan (and, in this process, the plugins it was made with).
+    # Planned once, here; the session's ranks receive the plan (and, in this process, the plugins and backend it was
+    # made with).
     plugins = load_plugins(plugin_env(run.platform))
-    plan = plan_run(run, plugins)
-    if launched:
-        # Started by paddle.distributed.launch: this process is one rank; rank 0 reports.
-        result = spawned_rank(plan, plugins)
-        results = [result] if launched[0] == 0 else []
-    elif run.tp == 1:
-        results = [run_here(run_rank, plan, 0, 1, None, None, plugins)]
+    backend = Backend(plugins)
+    plan = plan_run(run, plugins, backend=backend)
+    # Paddle installs its own signal handlers when imported: first, so that ours go over them.
+    import paddle  # noqa: F401
+
+    try:
+        with stop_signals_raise():
+            # Forked, not spawned: this process has imported paddle but run nothing with it, and a forked rank
+            # starts with that import done instead of paying it again (seconds).
+            results = run_plan(plan, plugins, backend=backend, on_text=_print_text if run.stream else None,
+                               rank_timeout=args.rank_timeout, stall_timeout=args.stall_timeout, start_method="fork")
+    except Terminated as exc:  # SIGTERM, SIGHUP or SIGQUIT: 128 + its number
+        print(exc.message(), file=sys.stderr)
+        return exc.exit_code
+    if run.stream:
+        print(file=_stdout(), flush=True)
+    if launched is not None and launched[0] != 0:
+        return 0  # under a launcher, rank 0 reports
+    from fd_core.runtime.report import as_json, summary_lines
+
+    verbose = os.environ.get("FD_VERBOSE", "0") not in ("", "0")
+    if args.json:
+        print(as_json(results), file=_stdout())
+    elif texts:
+        # The text is the output; the report goes to stderr, so `fd run --prompt ... > out.txt` keeps only text.
+        if not run.stream:
+            print("\n\n".join(o["text"] for o in results[0]["outputs"]), file=_stdout())
+        print(_fit(summary_lines(results, verbose)), file=sys.stderr)
     else:
-        print(f"fd: starting {run.tp} ranks on {plan.platform} ({plan.dist_backend})", file=sys.stderr, flush=True)
-        try:
-            # Forked, not spawned: this process has imported paddle but run nothing with it, and a
-            # forked rank starts with that import done instead of paying it again (seconds here).
-            import paddle.distributed  # noqa: F401 - before the clock: spawning needs it, and its import belongs to "start"
-
-            plan = dataclasses.replace(plan, run=dataclasses.replace(run, spawned_at=time.time()))
-            results = spawn_ranks(
-                spawned_rank, (plan,), run.tp, plan.dist_backend, grace=args.rank_timeout, stall=args.stall_timeout, start_method="fork",
-                platform=plan.platform,
-            )
-        except Terminated as exc:  # SIGTERM, SIGHUP or SIGQUIT: 128 + its number
-            print(exc.message(), file=sys.stderr)
-            return exc.exit_code
-        diverged = [r["rank"] for r in results if r["outputs"] != results[0]["outputs"]]
-        if diverged:
-            raise RankError(f"rank {diverged[0]} generated different tokens than rank 0; the ranks disagree")
-    if results:
-        from fd_core.runtime.report import as_json, summary_lines
-
-        verbose = os.environ.get("FD_VERBOSE", "0") not in ("", "0")
-        _add_wall_time(results[0], run.started_at)
-        if args.json:
-            print(as_json(results), file=_stdout())
-        elif texts:
-            # The text is the output; the report goes to stderr, so `fd run --prompt ... > out.txt` keeps only text.
-            if not run.stream:
-                print("\n\n".join(o["text"] for o in results[0]["outputs"]), file=_stdout())
-            print(_fit(summary_lines(results, verbose)), file=sys.stderr)
-        else:
-            print(_fit(summary_lines(results, verbose)), file=_stdout())
+        print(_fit(summary_lines(results, verbose)), file=_stdout())
     return 0
-
-
-def _add_wall_time(result: dict[str, Any], started_at: float | None) -> None:
-    """Rank 0's result gains the wall time so far and, after spawned ranks, their teardown as a phase."""
-    now = time.time()
-    if started_at is None:
-        return
-    finished = result.pop("finished_at", now)
-    if now - finished > 1e-3:
-        result["timings_s"]["teardown"] = round(now - finished, 4)
-    result["wall_s"] = round(now - started_at, 4)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -363,7 +362,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     quiet_paddle_logs()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the ranks start after this process has tokenized
     options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("FD_API_KEY") or None,
-                           max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout, image_roots=tuple(Path(p) for p in args.image_root or ()))
+                           max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
+                           image_roots=tuple(Path(p) for p in args.image_root or ()))
     return serve(options, checkpoint=args.checkpoint, model=args.model, name=args.name, tp=args.tp, dtype=args.dtype,
                  graph=args.graph, seed=args.seed, max_batch=args.max_batch, rank_timeout=args.rank_timeout,
                  stall_timeout=args.stall_timeout, memory_fraction=args.memory_fraction, threads=args.threads)
@@ -409,7 +409,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         platform = args.platform
         installed = [r.name for r in load_plugins(strict=False).records if r.kind == "platform"]
         if platform not in installed:
-            raise FdError(f"no installed platform is named {platform!r}; installed: {', '.join(sorted(installed))} (see fd plugins)")
+            raise FdError(
+                f"no installed platform is named {platform!r}; installed: {', '.join(sorted(installed))} "
+                f"(see fd plugins)"
+            )
     checked = load_plugins({**os.environ, "FD_PLATFORM": platform})  # a broken platform fails here, in one line
     table = ResultTable()
     module = Path(check_module.__file__)
@@ -455,7 +458,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, *distributed.STOP_SIGNALS)}
     try:
         code = pytest.main(
-            ["-p", "no:terminal", "-p", "no:cacheprovider", f"--rootdir={module.parent}", "--fd-platform", platform, *extra, str(module)],
+            ["-p", "no:terminal", "-p", "no:cacheprovider", f"--rootdir={module.parent}", "--fd-platform", platform,
+             *extra, str(module)],
             plugins=[table, guard],
         )
     finally:
@@ -464,18 +468,31 @@ def cmd_check(args: argparse.Namespace) -> int:
     counts = table.counts()
     if code == pytest.ExitCode.NO_TESTS_COLLECTED and args.k:
         target = f"--model {model}" if model else platform
-        raise ConfigError(f"no check of the conformance suite matches -k {args.k!r}; run fd check {target} without -k to see them all")
-    if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.INTERRUPTED) and not table.rows and not table.interrupted:
+        raise ConfigError(
+            f"no check of the conformance suite matches -k {args.k!r}; run fd check {target} without -k to see them all"
+        )
+    if (
+        code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.INTERRUPTED)
+        and not table.rows
+        and not table.interrupted
+    ):
         print(f"fd: error: the conformance suite did not run (pytest exit code {int(code)})", file=sys.stderr)
         return 1
-    unverified = [r for r in table.rows if r.outcome == "skipped" and ("hardware not detected here" in r.detail or r.detail.startswith("not verified:"))]
+    unverified = [
+        r for r in table.rows
+        if r.outcome == "skipped"
+        and ("hardware not detected here" in r.detail or r.detail.startswith("not verified:"))
+    ]
     if code == pytest.ExitCode.INTERRUPTED or table.interrupted:
         verdict, status = "interrupted: only the checks listed ran; nothing is verified", (
             128 + (distributed.stop_signal or signal.SIGTERM) if distributed.sigterm_received else EXIT_INTERRUPTED)
     elif counts["failed"] or code == pytest.ExitCode.TESTS_FAILED:
         verdict, status = f"failed ({counts['failed']} check(s))", 1
     elif unverified and model is not None:
-        verdict = f"not verified: {len(unverified)} check(s) could not run here ({unverified[0].detail.removeprefix('not verified: ')})"
+        verdict = (
+            f"not verified: {len(unverified)} check(s) could not run here "
+            f"({unverified[0].detail.removeprefix('not verified: ')})"
+        )
         status = 0 if args.allow_unverified else EXIT_NOT_VERIFIED
     elif unverified:
         verdict = f"not verified: {len(unverified)} check(s) need {platform}'s hardware, which is not here"
@@ -486,12 +503,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     ordered = sorted(zip(names, table.rows, strict=True), key=lambda pair: pair[0])
     if args.json:
         rows = [{"check": name, "outcome": row.outcome, "detail": row.detail} for name, row in ordered]
-        _print_json({"platform": platform, **({"model": model} if model else {}), "checks": rows, "counts": counts, "verdict": verdict, "exit_code": status})
+        _print_json({"platform": platform, **({"model": model} if model else {}), "checks": rows, "counts": counts,
+                     "verdict": verdict, "exit_code": status})
         return status
     # One row a check, never wrapped, so that grep finds a check with its outcome and detail
     # (pytest's own summary lines are the same); --json is the form to parse.
     width = max(map(len, names), default=10)
-    print(f"conformance of model {model!r} on platform {platform!r}:" if model else f"conformance of platform {platform!r}:", file=_stdout())
+    print(
+        f"conformance of model {model!r} on platform {platform!r}:" if model
+        else f"conformance of platform {platform!r}:",
+        file=_stdout(),
+    )
     for name, row in ordered:
         print(f"  {row.outcome:<8} {name:<{width}}  {row.detail}".rstrip(), file=_stdout())
     print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped", file=_stdout())
@@ -508,27 +530,35 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, architectures: Sequence[str] = ()) -> argparse.ArgumentParser:
-    """The parser of `fd`'s own subcommands, and the names and help of those plugins add (they parse their own options).
+def build_parser(
+    commands: Mapping[str, tuple[str, Any, str]] | None = None, architectures: Sequence[str] = ()
+) -> argparse.ArgumentParser:
+    """The parser of `fd`'s own subcommands, and the names and help of those plugins add (they parse their own
+    options).
 
     `architectures` (lines naming each registered architecture) close the help of the commands taking --model.
     """
     parser = CommandParser(prog="fd", description="Pluggable hardware backends for PaddlePaddle inference.",
-                           epilog="fd help COMMAND shows a command's options; docs: README.md and docs/ in the repository.")
+                           epilog="fd help COMMAND shows a command's options; docs: README.md and docs/ in the "
+                                  "repository.")
     parser.add_argument("--version", action="version", version=f"fd {_version()}")
     parser.add_argument("-v", "--verbose", action="store_true",
-                        help="let Paddle's own logs and warnings through (default: kept off the terminal; sets FD_VERBOSE=1)")
+                        help="let Paddle's own logs and warnings through "
+                             "(default: kept off the terminal; sets FD_VERBOSE=1)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser, metavar="COMMAND")
-    models: dict[str, Any] = {"epilog": "architectures (--model takes a name or an alias):\n" + "\n".join(architectures) if architectures else None,
-              "formatter_class": argparse.RawDescriptionHelpFormatter}
+    models: dict[str, Any] = {
+        "epilog": "architectures (--model takes a name or an alias):\n" + "\n".join(architectures)
+        if architectures else None,
+        "formatter_class": argparse.RawDescriptionHelpFormatter,
+    }
     graph_help = ("auto: capture unless a plugin vetoes or reports no gain; on: capture unless a plugin vetoes; "
                   "off: eager, no plugin asked (default: auto)")
     from fd_core.config import DEFAULT_MEMORY_FRACTION
 
     memory_help = (f"the share of each device's free memory for weights and KV cache, in (0, 1]; the cache's capacity "
                    f"(batch x context) is what the weights leave (default: {DEFAULT_MEMORY_FRACTION})")
-    threads_help = ("compute threads per rank (default: the user's OMP_NUM_THREADS, else the cores this process may use "
-                    "(affinity mask, cgroup quota) shared among the ranks on this host)")
+    threads_help = ("compute threads per rank (default: the user's OMP_NUM_THREADS, else the cores this process may "
+                    "use (affinity mask, cgroup quota) shared among the ranks on this host)")
 
     p = sub.add_parser("help", help="show help for fd or for one command")
     p.add_argument("topic", nargs="?", default=None, metavar="COMMAND", help="a command (default: fd itself)")
@@ -539,10 +569,13 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
     p.set_defaults(func=cmd_plugins)
 
     p = sub.add_parser("explain", help="show the chosen platform and the graph decision with every vote", **models)
-    p.add_argument("--model", default=None, metavar="ARCH", help="architecture name or alias (default: the checkpoint's, else ernie4_5)")
+    p.add_argument("--model", default=None, metavar="ARCH",
+                   help="architecture name or alias (default: the checkpoint's, else ernie4_5)")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
-                   help="a model directory, as fd run takes it: its config.json sizes the plan, no weight is read (default: the --model preset)")
-    p.add_argument("--tp", type=_positive, default=2, metavar="N", help="tensor-parallel ranks, as fd run takes them (default: 2)")
+                   help="a model directory, as fd run takes it: its config.json sizes the plan, no weight is read "
+                        "(default: the --model preset)")
+    p.add_argument("--tp", type=_positive, default=2, metavar="N",
+                   help="tensor-parallel ranks, as fd run takes them (default: 2)")
     p.add_argument("--graph", choices=("auto", "on", "off"), default="auto", help=graph_help)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
@@ -552,65 +585,92 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("run", help="run a model: load, clean, decide, capture, generate", **models)
-    p.add_argument("--model", default=None, metavar="ARCH", help="architecture name or alias (default: the checkpoint's, else ernie4_5)")
-    p.add_argument("--tp", type=_positive, default=None, metavar="N", help="tensor-parallel ranks (default: 2; under a launcher, its world size)")
+    p.add_argument("--model", default=None, metavar="ARCH",
+                   help="architecture name or alias (default: the checkpoint's, else ernie4_5)")
+    p.add_argument("--tp", type=_positive, default=None, metavar="N",
+                   help="tensor-parallel ranks (default: 2; under a launcher, its world size)")
     p.add_argument("--max-new-tokens", "--steps", dest="steps", type=_positive, default=16, metavar="N",
                    help="most tokens to generate per prompt (default: 16)")
     p.add_argument("--prompt", action="append", default=None, metavar="TEXT",
-                   help="a text prompt (repeat for a batch); needs the checkpoint's tokenizer (default: none; the --prompt-ids default is used)")
-    p.add_argument("--prompts", default=None, metavar="FILE", help="a file of text prompts, one per line (default: none)")
-    p.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template to each prompt (a user message)")
+                   help="a text prompt (repeat for a batch); needs the checkpoint's tokenizer (default: none; the "
+                        "--prompt-ids default is used)")
+    p.add_argument("--prompts", default=None, metavar="FILE",
+                   help="a file of text prompts, one per line (default: none)")
+    p.add_argument("--chat", action="store_true",
+                   help="apply the checkpoint's chat template to each prompt (a user message)")
     p.add_argument("--prompt-ids", action="append", default=None, metavar="IDS",
                    help="comma-separated prompt token ids (repeat for a batch); needs no tokenizer (default: 1,2,3,4)")
-    p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="end a prompt's output at this text (repeatable; default: none)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="end a prompt's output at this text (repeatable; default: none)")
     p.add_argument("--temperature", type=float, default=None, metavar="T",
                    help="sample at this temperature; 0 is greedy (default: generation_config.json's, else 0)")
     p.add_argument("--top-p", type=float, default=None, metavar="P",
-                   help="sample from the smallest set of tokens with this much probability (default: generation_config.json's, else 1.0)")
+                   help="sample from the smallest set of tokens with this much probability "
+                        "(default: generation_config.json's, else 1.0)")
     p.add_argument("--top-k", type=_non_negative, default=None, metavar="K",
                    help="sample from the k most likely tokens; 0 is all (default: generation_config.json's, else 0)")
-    p.add_argument("--max-batch", type=_positive, default=8, metavar="N", help="most prompts decoded together (default: 8)")
+    p.add_argument("--max-batch", type=_positive, default=8, metavar="N",
+                   help="most prompts decoded together (default: 8)")
     p.add_argument("--image", action="append", default=None, metavar="PATH",
-                   help="a picture for a VL model: PNG, JPEG, or .npy [3,H,W] in [0,1]; repeat for several, in the order of their placeholders (default: none)")
+                   help="a picture for a VL model: PNG, JPEG, or .npy [3,H,W] in [0,1]; repeat for several, in the "
+                        "order of their placeholders (default: none)")
     p.add_argument("--checkpoint", default=None, metavar="DIR",
-                   help="a checkpoint directory as transformers saves it: config.json, *.safetensors (default: seeded random weights)")
+                   help="a checkpoint directory as transformers saves it: config.json, *.safetensors "
+                        "(default: seeded random weights)")
     p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
                    help="compute dtype (default: the platform's preferred one, the first it lists; see fd plugins)")
     p.add_argument("--graph", choices=("auto", "on", "off"), default="auto", help=graph_help)
-    p.add_argument("--reload-cycles", type=_non_negative, default=0, metavar="N", help="weight-update cycles after the first run (default: 0)")
-    p.add_argument("--seed", type=_non_negative, default=0, metavar="N", help="seeds sampling and a preset's random weights (default: 0)")
-    p.add_argument("--json", action="store_true", help="print a machine-readable summary on stdout (text and ids per prompt)")
+    p.add_argument("--reload-cycles", type=_non_negative, default=0, metavar="N",
+                   help="weight-update cycles after the first run (default: 0)")
+    p.add_argument("--seed", type=_non_negative, default=0, metavar="N",
+                   help="seeds sampling and a preset's random weights (default: 0)")
+    p.add_argument("--json", action="store_true",
+                   help="print a machine-readable summary on stdout (text and ids per prompt)")
     p.add_argument("--rank-timeout", type=_seconds, default=30.0, metavar="SECONDS",
                    help="how long to wait for the other ranks once one has failed (default: 30)")
     p.add_argument("--stall-timeout", type=_seconds, default=60.0, metavar="SECONDS",
-                   help="how long a rank may go without progress (stuck in a collective, a hung plugin) before the run stops (default: 60)")
-    p.add_argument("--allow-non-finite", action="store_true", help="load weights holding NaN or Inf instead of refusing them (experiments only)")
+                   help="how long a rank may go without progress (stuck in a collective, a hung plugin) before the run "
+                        "stops (default: 60)")
+    p.add_argument("--allow-non-finite", action="store_true",
+                   help="load weights holding NaN or Inf instead of refusing them (experiments only)")
     p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION, metavar="F", help=memory_help)
     p.add_argument("--threads", type=_positive, default=None, metavar="N", help=threads_help)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (needs the serve extra)", **models)
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (needs the serve extra)",
+                       **models)
     p.add_argument("--checkpoint", default=None, metavar="DIR",
-                   help="a checkpoint directory with its tokenizer (default: --model's tiny preset, seeded random weights, with a small tokenizer built here)")
-    p.add_argument("--model", default=None, metavar="ARCH", help="architecture name or alias (default: the checkpoint's, else ernie4_5)")
+                   help="a checkpoint directory with its tokenizer (default: --model's tiny preset, seeded random "
+                        "weights, with a small tokenizer built here)")
+    p.add_argument("--model", default=None, metavar="ARCH",
+                   help="architecture name or alias (default: the checkpoint's, else ernie4_5)")
     p.add_argument("--name", default=None, metavar="NAME",
-                   help="the model id clients send and GET /v1/models lists (default: the checkpoint directory's name, or ARCH-tiny)")
+                   help="the model id clients send and GET /v1/models lists "
+                        "(default: the checkpoint directory's name, or ARCH-tiny)")
     p.add_argument("--tp", type=_positive, default=1, metavar="N", help="tensor-parallel ranks (default: 1)")
-    p.add_argument("--host", default="127.0.0.1", metavar="HOST", help="address to listen on (default: 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=_int_at_least(0), default=8000, metavar="PORT", help="port to listen on; 0 picks a free one (default: 8000)")
+    p.add_argument("--host", default="127.0.0.1", metavar="HOST",
+                   help="address to listen on (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=_int_at_least(0), default=8000, metavar="PORT",
+                   help="port to listen on; 0 picks a free one (default: 8000)")
     p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="refuse /v1 requests without the header 'Authorization: Bearer KEY' (default: $FD_API_KEY, else no key)")
+                   help="refuse /v1 requests without the header 'Authorization: Bearer KEY' "
+                        "(default: $FD_API_KEY, else no key)")
     p.add_argument("--max-queue", type=_positive, default=64, metavar="N",
-                   help="most requests admitted at once (waiting or running); more get 503 with Retry-After (default: 64)")
+                   help="most requests admitted at once (waiting or running); more get 503 with Retry-After "
+                        "(default: 64)")
     p.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM or Ctrl-C, how long admitted requests may run on before they are cancelled (default: 30)")
+                   help="on SIGTERM or Ctrl-C, how long admitted requests may run on before they are cancelled "
+                        "(default: 30)")
     p.add_argument("--image-root", action="append", default=None, metavar="DIR",
-                   help="a directory whose files chat requests may name as pictures (repeatable; default: none, data URLs only)")
-    p.add_argument("--max-batch", type=_positive, default=8, metavar="N", help="most requests decoded together (default: 8)")
+                   help="a directory whose files chat requests may name as pictures "
+                        "(repeatable; default: none, data URLs only)")
+    p.add_argument("--max-batch", type=_positive, default=8, metavar="N",
+                   help="most requests decoded together (default: 8)")
     p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
                    help="compute dtype (default: the platform's preferred one, the first it lists; see fd plugins)")
     p.add_argument("--graph", choices=("auto", "on", "off"), default="auto", help=graph_help)
-    p.add_argument("--seed", type=_non_negative, default=0, metavar="N", help="seeds the tiny preset's random weights (default: 0)")
+    p.add_argument("--seed", type=_non_negative, default=0, metavar="N",
+                   help="seeds the tiny preset's random weights (default: 0)")
     p.add_argument("--rank-timeout", type=_seconds, default=30.0, metavar="SECONDS",
                    help="how long to wait for the other ranks once one has failed (default: 30)")
     p.add_argument("--stall-timeout", type=_seconds, default=60.0, metavar="SECONDS",
@@ -619,20 +679,30 @@ def build_parser(commands: Mapping[str, tuple[str, Any, str]] | None = None, arc
     p.add_argument("--threads", type=_positive, default=None, metavar="N", help=threads_help)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("check", help="run the conformance suite against an installed platform (needs pytest: the [test] extra)")
+    p = sub.add_parser("check",
+                       help="run the conformance suite against an installed platform (needs pytest: the [test] extra)")
     p.add_argument("platform", nargs="?", default=None, help="platform name (default: the active one)")
     p.add_argument("--model", default=None, metavar="ARCH",
-                   help="run the model suite (tp, graph, clear, reload, reference) on this architecture instead (default: none)")
-    p.add_argument("-k", default=None, metavar="EXPR", help="only checks matching this pytest -k expression (default: all)")
+                   help="run the model suite (tp, graph, clear, reload, reference) on this architecture instead "
+                        "(default: none)")
+    p.add_argument("-k", default=None, metavar="EXPR",
+                   help="only checks matching this pytest -k expression (default: all)")
     p.add_argument("--allow-unverified", action="store_true",
-                   help="exit 0 when nothing failed but checks that need the hardware (or, with --model, the reference) were skipped (default: exit 3)")
-    p.add_argument("--json", action="store_true", help="print JSON (every check, its outcome and detail, the verdict) instead of the table")
+                   help="exit 0 when nothing failed but checks that need the hardware (or, with --model, the "
+                        "reference) were skipped (default: exit 3)")
+    p.add_argument("--json", action="store_true",
+                   help="print JSON (every check, its outcome and detail, the verdict) instead of the table")
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("save-random", help="write a seeded random checkpoint in the published layout (safetensors + config.json)", **models)
-    p.add_argument("--model", default="ernie4_5", metavar="ARCH", help="architecture whose tiny preset to use (default: ernie4_5)")
-    p.add_argument("--config", default=None, metavar="FILE", help="a config.json to use instead of the preset, e.g. a published model's (default: none)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="dtype the tensors are stored in (default: float32)")
+    p = sub.add_parser("save-random",
+                       help="write a seeded random checkpoint in the published layout (safetensors + config.json)",
+                       **models)
+    p.add_argument("--model", default="ernie4_5", metavar="ARCH",
+                   help="architecture whose tiny preset to use (default: ernie4_5)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a config.json to use instead of the preset, e.g. a published model's (default: none)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="dtype the tensors are stored in (default: float32)")
     p.add_argument("--seed", type=_non_negative, default=0, metavar="N", help="seed of the random weights (default: 0)")
     p.add_argument("directory", metavar="DIR", help="where to write it: a new or empty directory")
     p.set_defaults(func=cmd_save_random)
@@ -652,10 +722,15 @@ def _architecture_lines() -> list[str]:
     except FdError:
         return []
     width = max((len(a.name) for a in registry), default=0) + 2
-    return [f"  {a.name:<{width}}{', '.join(a.aliases) or '-'}" + (" (vision-language)" if a.multimodal else "") for a in registry]
+    return [
+        f"  {a.name:<{width}}{', '.join(a.aliases) or '-'}" + (" (vision-language)" if a.multimodal else "")
+        for a in registry
+    ]
 
 
-def _help(parser: argparse.ArgumentParser, sub: Any, topic: str | None, commands: Mapping[str, tuple[str, Any, str]]) -> int:
+def _help(
+    parser: argparse.ArgumentParser, sub: Any, topic: str | None, commands: Mapping[str, tuple[str, Any, str]]
+) -> int:
     if topic is not None and topic in commands:  # a plugin's command parses its own options, --help among them
         return int(commands[topic][1](["--help"]) or 0)
     if topic is None:
@@ -678,6 +753,21 @@ def _plugin_commands(argv: Sequence[str]) -> dict[str, tuple[str, Any, str]]:
     except FdError:
         return {}  # fd's own commands report the problem; help and usage still work
 
+@contextlib.contextmanager
+def _settings_as_flags() -> Iterator[None]:
+    """Messages from below the command line name a setting as its flag (fd_core.errors.setting), here and in the
+    ranks."""
+    held = os.environ.get(SETTINGS_STYLE_ENV)
+    os.environ[SETTINGS_STYLE_ENV] = "cli"
+    try:
+        yield
+    finally:
+        if held is None:
+            os.environ.pop(SETTINGS_STYLE_ENV, None)
+        else:
+            os.environ[SETTINGS_STYLE_ENV] = held
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # fd's own options come before the command; taken off first so that `fd -v bench ...` reaches the plugin's command.
@@ -697,8 +787,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if args.command == "help":  # a plugin command's help is the plugin's own output
             return func(args)
-        # What a plugin prints (at import, from a hook or a kernel, here or in a rank) must not mix with --json or the text.
-        with plugin_prints_to_stderr():
+        # What a plugin prints (at import, from a hook or a kernel, here or in a rank) must not mix with --json or the
+        # text; errors below name the flags the user typed.
+        with plugin_prints_to_stderr(), _settings_as_flags():
             return func(args)
     except FdError as exc:
         print(f"fd: error: {exc}", file=sys.stderr)
@@ -712,7 +803,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # the path and the system's reason are what a user needs, not a traceback.
         where = f"{exc.filename}: " if exc.filename else ""
         with contextlib.suppress(OSError):
-            print(f"fd: error: {where}{exc.strerror or exc}; check the path, its permissions and the free space", file=sys.stderr)
+            print(f"fd: error: {where}{exc.strerror or exc}; check the path, its permissions and the free space",
+                  file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt as exc:
         from fd_core.runtime.ranks.spawn import Terminated

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from fd_core.errors import ConfigError
+from fd_core.errors import ConfigError, setting
 
 # Floating-point dtypes a model may compute in (the platform says which of them it can).
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -70,7 +70,11 @@ class ModelConfig:
 
     @classmethod
     def from_dict(
-        cls, architecture: str, data: Mapping[str, Any], defaults: Mapping[str, Any] | None = None, source: str = "config"
+        cls,
+        architecture: str,
+        data: Mapping[str, Any],
+        defaults: Mapping[str, Any] | None = None,
+        source: str = "config",
     ) -> "ModelConfig":
         """Build from a Hugging Face style `config.json` mapping, then check it; unknown keys go to `extra`."""
         text = data.get("text_config")
@@ -117,7 +121,9 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{source}: {name} must be a positive integer, got {value!r}")
-        if self.head_dim is not None and (isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 1):
+        if self.head_dim is not None and (
+            isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int) or self.head_dim < 1
+        ):
             raise ConfigError(f"{source}: head_dim must be a positive integer, got {self.head_dim!r}")
         for name in ("rope_theta", "rms_norm_eps"):
             value = getattr(self, name)
@@ -137,12 +143,15 @@ class ModelConfig:
                 f"{self.num_attention_heads} and no head_dim is given; set head_dim or fix the sizes"
             )
         if self.hidden_act != "silu":
-            raise ConfigError(f"{source}: hidden_act {self.hidden_act!r} is not supported; the decoders implement silu (SwiGLU)")
+            raise ConfigError(
+                f"{source}: hidden_act {self.hidden_act!r} is not supported; the decoders implement silu (SwiGLU)"
+            )
         if self.dtype not in COMPUTE_DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not a compute dtype; choose one of {', '.join(COMPUTE_DTYPES)}")
 
     def estimated_bytes(self, batch_size: int, max_len: int) -> int:
-        """Weights (the decoder's dense parts; experts and vision towers not counted) and the KV cache, all ranks together."""
+        """Weights (the decoder's dense parts; experts and vision towers not counted) and the KV cache, all ranks
+        together."""
         return self.weight_bytes_per_rank(1) + self.cache_bytes_per_token(1) * batch_size * max_len
 
     @property
@@ -175,9 +184,10 @@ class ModelConfig:
         return replace(self, **changes)
 
     def check_tensor_parallel(self, tp: int, more: Mapping[str, int] | None = None) -> None:
-        """Raise ConfigError unless every sharded dimension (the decoder's, and `more` an architecture adds) divides by `tp`."""
+        """Raise ConfigError unless every sharded dimension (the decoder's, and `more` an architecture adds) divides by
+        `tp`."""
         if tp < 1:
-            raise ConfigError(f"--tp must be a positive integer, got {tp}")
+            raise ConfigError(f"{setting('tp')} must be a positive integer, got {tp}")
         dims = {
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
@@ -198,18 +208,22 @@ def _given_otherwise(key: str, settings: Mapping[str, Any]) -> bool:
     if key in ("attention_bias", "mlp_bias"):
         return "use_bias" in settings
     if key == "rope_theta":
-        return any(isinstance(settings.get(k), dict) and "rope_theta" in settings[k] for k in ("rope_parameters", "rope_scaling"))
+        return any(
+            isinstance(settings.get(k), dict) and "rope_theta" in settings[k]
+            for k in ("rope_parameters", "rope_scaling")
+        )
     return False
 
 
 def _refuse_unimplemented(settings: Mapping[str, Any], source: str) -> None:
-    """A config feature the decoders do not implement is refused by name: running it as full attention gives wrong tokens."""
+    """A config feature the decoders do not implement is refused by name: running it as full attention gives wrong
+    tokens."""
     window = settings.get("sliding_window")
     used = settings.get("use_sliding_window", window is not None)
     if window is not None and used:
         raise ConfigError(
-            f"{source}: sliding_window={window!r} asks for sliding-window attention, which fd's decoders do not implement "
-            f"(they attend over the whole context); use a checkpoint without it"
+            f"{source}: sliding_window={window!r} asks for sliding-window attention, which fd's decoders do not "
+            f"implement (they attend over the whole context); use a checkpoint without it"
         )
     types = settings.get("layer_types")
     if types is not None:
@@ -224,7 +238,8 @@ def _refuse_unimplemented(settings: Mapping[str, Any], source: str) -> None:
 
 
 def _rope_theta(settings: Mapping[str, Any], source: str) -> Any:
-    """rope_theta from the top level or from `rope_parameters` / `rope_scaling` (current transformers writes the former).
+    """rope_theta from the top level or from `rope_parameters` / `rope_scaling` (current transformers writes the
+    former).
 
     from_dict has made sure one of them sets it (or the architecture's defaults do)."""
     theta = settings.get("rope_theta")
@@ -251,11 +266,15 @@ def read_config_json(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file; a checkpoint directory needs a config.json") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot be read ({exc.__class__.__name__}: {exc}); check the file and its permissions") from None
+        raise ConfigError(
+            f"{path}: cannot be read ({exc.__class__.__name__}: {exc}); check the file and its permissions"
+        ) from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc}); fix or regenerate config.json") from None
     except RecursionError:
-        raise ConfigError(f"{path}: JSON nested too deeply to be a model config; fix or regenerate config.json") from None
+        raise ConfigError(
+            f"{path}: JSON nested too deeply to be a model config; fix or regenerate config.json"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a JSON object of model settings")
     return data

@@ -66,19 +66,31 @@ class Detection:
             return f"dist_backend={self.dist_backend!r}, expected a paddle.distributed backend name (a string)"
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             return f"priority={self.priority!r}, expected an integer"
-        if self.max_ranks is not None and (isinstance(self.max_ranks, bool) or not isinstance(self.max_ranks, int) or self.max_ranks < 1):
+        if self.max_ranks is not None and (
+            isinstance(self.max_ranks, bool) or not isinstance(self.max_ranks, int) or self.max_ranks < 1
+        ):
             return f"max_ranks={self.max_ranks!r}, expected None or a positive integer"
-        if self.host_cores is not None and (isinstance(self.host_cores, bool) or not isinstance(self.host_cores, int) or self.host_cores < 1):
+        if self.host_cores is not None and (
+            isinstance(self.host_cores, bool) or not isinstance(self.host_cores, int) or self.host_cores < 1
+        ):
             return f"host_cores={self.host_cores!r}, expected None or a positive integer"
-        if self.memory_bytes is not None and (isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes < 0):
+        if self.memory_bytes is not None and (
+            isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes < 0
+        ):
             return f"memory_bytes={self.memory_bytes!r}, expected None or a non-negative integer"
-        if not isinstance(self.device_memory, (tuple, list)) or any(not isinstance(d, DeviceMemory) for d in self.device_memory):
+        if not isinstance(self.device_memory, (tuple, list)) or any(
+            not isinstance(d, DeviceMemory) for d in self.device_memory
+        ):
             return f"device_memory={self.device_memory!r}, expected a tuple of fd_core.DeviceMemory"
         for index, device in enumerate(self.device_memory):
             wrong = device.problem()
             if wrong is not None:
                 return f"device_memory[{index}] has {wrong}"
-        if not isinstance(self.dtypes, (tuple, list)) or not self.dtypes or any(d not in COMPUTE_DTYPES for d in self.dtypes):
+        if (
+            not isinstance(self.dtypes, (tuple, list))
+            or not self.dtypes
+            or any(d not in COMPUTE_DTYPES for d in self.dtypes)
+        ):
             return f"dtypes={self.dtypes!r}, expected a non-empty tuple of {', '.join(COMPUTE_DTYPES)}"
         return None
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 class FdError(Exception):
     """Base of every error fd reports to a user (the CLI prints it and exits 2)."""
@@ -46,4 +48,33 @@ def package_failure(package: str, hook: str, exc: BaseException, kind: type[FdEr
         f.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
     text = str(exc).strip().splitlines()
     detail = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-    return kind(f"model package {package or '(unnamed)'!r}: {hook} raised {detail}; fix the package (its traceback is in {path})")
+    return kind(
+        f"model package {package or '(unnamed)'!r}: {hook} raised {detail}; "
+        f"fix the package (its traceback is in {path})"
+    )
+
+
+# How a message names a setting the caller passed: as the command line's flag when fd's command line started
+# this process (it sets FD_SETTINGS_STYLE=cli for itself and its ranks), else as the Python API's keyword.
+SETTINGS_STYLE_ENV = "FD_SETTINGS_STYLE"
+_FLAGS = {"max_new_tokens": "--max-new-tokens", "images": "--image", "prompts": "--prompt"}
+# The Python object each keyword belongs to (the rest are LLM's).
+_OWNERS = {"max_new_tokens": "SamplingParams", "stop": "SamplingParams", "temperature": "SamplingParams",
+           "top_p": "SamplingParams", "top_k": "SamplingParams", "images": "LLM.generate", "chat": "LLM.generate"}
+_UNSET = object()
+
+
+def setting(name: str, value: object = _UNSET) -> str:
+    """`name` (a keyword of the Python API, such as "memory_fraction"), with `value` if given, as the caller spelled it:
+    "--memory-fraction 2" on the command line, "LLM(memory_fraction=2)" from Python."""
+    shown = f"{value:g}" if isinstance(value, float) else repr(value) if isinstance(value, str) else str(value)
+    if os.environ.get(SETTINGS_STYLE_ENV) == "cli":
+        flag = _FLAGS.get(name, "--" + name.replace("_", "-"))
+        return flag if value is _UNSET else f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
+    owner = _OWNERS.get(name, "LLM")
+    return f"{owner}({name}=...)" if value is _UNSET else f"{owner}({name}={shown})"
+
+
+def in_terms(cli: str, python: str) -> str:
+    """`cli` when fd's command line started this process, else `python`: a fix phrased in what the caller typed."""
+    return cli if os.environ.get(SETTINGS_STYLE_ENV) == "cli" else python

@@ -7,11 +7,14 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator, Protocol, Sequence
 
+from fd_core.errors import setting
+
 _state = threading.local()
 
 
 def capturing() -> bool:
-    """Whether the calling thread is inside a model's graph capture (a hook or kernel may ask, to take its capturable path)."""
+    """Whether the calling thread is inside a model's graph capture (a hook or kernel may ask, to take its capturable
+    path)."""
     return bool(getattr(_state, "depth", 0))
 
 
@@ -98,14 +101,16 @@ class GraphDecision:
         if self.allowed:
             overridden = [v.plugin for v in self.votes if v.advisory]
             if overridden:
-                return f"{mode} on: requested (--graph on) over {', '.join(overridden)}'s no-gain vote"
+                return f"{mode} on: requested ({setting('graph', 'on')}) over {', '.join(overridden)}'s no-gain vote"
             return f"{mode} on: no plugin vetoed ({len(self.votes)} vote{'s' if len(self.votes) != 1 else ''})"
         if self.requested == "off":
-            return f"{mode} off: disabled by request (--graph off)"
+            return f"{mode} off: disabled by request ({setting('graph', 'off')})"
         if not self.mode:
             return "graph capture off: the platform has no graph backend"
+        on = setting("graph", "on")
         return f"{mode} off: " + "; ".join(
-            f"{v.plugin} {'skipped (no gain; --graph on captures anyway)' if v.advisory else 'vetoed'}: {v.reason}" for v in self.vetoes
+            f"{v.plugin} {f'skipped (no gain; {on} captures anyway)' if v.advisory else 'vetoed'}: {v.reason}"
+            for v in self.vetoes
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -114,5 +119,7 @@ class GraphDecision:
             "mode": self.mode,
             "requested": self.requested,
             "summary": self.summary(),
-            "votes": [{"plugin": v.plugin, "allow": v.allow, "reason": v.reason, "advisory": v.advisory} for v in self.votes],
+            "votes": [
+                {"plugin": v.plugin, "allow": v.allow, "reason": v.reason, "advisory": v.advisory} for v in self.votes
+            ],
         }

@@ -61,7 +61,9 @@ def fd_register_commands(register: CommandRegistrar) -> None:
 
 
 @hookspec
-def fd_check_request(request: Any, model_config: ModelConfig, parallel_config: ParallelConfig, stream: bool) -> str | None:
+def fd_check_request(
+    request: Any, model_config: ModelConfig, parallel_config: ParallelConfig, stream: bool
+) -> str | None:
     """Return a reason (str) to refuse this request before any rank works on it, or None to accept it."""
 
 

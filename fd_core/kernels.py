@@ -40,28 +40,30 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("silu_and_mul", ("gate", "up"),
        "SwiGLU's inner product: silu(gate) * up, elementwise, gate and up of one shape and dtype"),
     Op("rotary_embedding", ("x", "cos", "sin", "layout"),
-       "x [B, heads, S, d] rotated in float32 by the tables cos, sin [S, d/2] or [B, 1, S, d/2] (each row's own; float32; multimodal positions are "
-       "already folded into them); layout 'half' pairs dimension i with i + d/2, 'interleaved' pairs 2i with 2i + 1; "
-       "the result has x's dtype and shape"),
+       "x [B, heads, S, d] rotated in float32 by the tables cos, sin [S, d/2] or [B, 1, S, d/2] (each row's own; "
+       "float32; multimodal positions are already folded into them); layout 'half' pairs dimension i with i + d/2, "
+       "'interleaved' pairs 2i with 2i + 1; the result has x's dtype and shape"),
     Op("attention", ("q", "k", "v", "mask"),
-       "softmax(q k^T / sqrt(d) + mask) v for q [B, h, S, d], k and v [B, kv_h, T, d] with h a multiple of kv_h (grouped-query: "
-       "query head j reads kv head j // (h / kv_h)), mask float32 added to the scores, [S, T] or [B, 1, 1, S, T] (each row's own: "
-       "what the decoder passes), 0 where a position is attended and -inf or a large negative number where not (None: no mask); "
-       "scores and softmax in float32; the result [B, h, S, d] in v's dtype. Prefill passes the causal mask over the new "
-       "positions; a decode step passes the positions of the KV cache in use"),
+       "softmax(q k^T / sqrt(d) + mask) v for q [B, h, S, d], k and v [B, kv_h, T, d] with h a multiple of kv_h "
+       "(grouped-query: query head j reads kv head j // (h / kv_h)), mask float32 added to the scores, [S, T] or "
+       "[B, 1, 1, S, T] (each row's own: what the decoder passes), 0 where a position is attended and -inf or a large "
+       "negative number where not (None: no mask); scores and softmax in float32; the result [B, h, S, d] in v's "
+       "dtype. Prefill passes the causal mask over the new positions; a decode step passes the positions of the KV "
+       "cache in use"),
     Op("sample", ("logits", "temperature", "top_k", "top_p", "uniform"),
-       "one token id per row of logits [B, V]: the argmax when temperature is 0; else the inverse-CDF draw at uniform[b] "
-       "(in [0, 1)) from softmax(logits / temperature) restricted to the top_k highest (0: all) and then to the smallest "
-       "prefix of the sorted probabilities whose mass reaches top_p; the engine draws `uniform` from each sequence's seeded "
-       "generator, so every rank chooses the same token. Returns a list of B ints",
+       "one token id per row of logits [B, V]: the argmax when temperature is 0; else the inverse-CDF draw at "
+       "uniform[b] (in [0, 1)) from softmax(logits / temperature) restricted to the top_k highest (0: all) and then "
+       "to the smallest prefix of the sorted probabilities whose mass reaches top_p; the engine draws `uniform` from "
+       "each sequence's seeded generator, so every rank chooses the same token. Returns a list of B ints",
        dtypes=("float32",), traced=False, tolerances={"float32": (0.0, 0.0)}),
     Op("matmul", ("x", "weight", "transpose_weight"),
-       "x [..., K] times weight [K, N], or times the transpose of weight [N, K] when transpose_weight is True: [..., N] in "
-       "x's dtype, summed in float32 or wider (a kernel that splits the sum adds its parts in float32); the product of every "
-       "linear layer and of the LM head: x is [B, S, K] (B cache rows; S = 1 in a decode step), [B, K] (the LM head) or "
-       "[rows, K] (experts, picture patches); one row in all (one sequence decoding) is the case a split across compute "
-       "threads serves",
-       # Looser than the elementwise ops' in float32: a kernel that orders the K-term sum differently rounds differently.
+       "x [..., K] times weight [K, N], or times the transpose of weight [N, K] when transpose_weight is True: "
+       "[..., N] in x's dtype, summed in float32 or wider (a kernel that splits the sum adds its parts in float32); "
+       "the product of every linear layer and of the LM head: x is [B, S, K] (B cache rows; S = 1 in a decode step), "
+       "[B, K] (the LM head) or [rows, K] (experts, picture patches); one row in all (one sequence decoding) is the "
+       "case a split across compute threads serves",
+       # Looser than the elementwise ops' in float32: a kernel that orders the K-term sum differently rounds
+       # differently.
        tolerances={"float32": (1e-4, 1e-4), "float16": (2e-3, 2e-3), "bfloat16": (2e-2, 2e-2)}),
 )}
 

@@ -50,7 +50,13 @@ class CausalModel(Protocol):
         """Preallocate the KV cache of `batch_size` rows (one sequence each) with fixed shapes, so decode replays a
         captured graph; zeroed, or with `keep` holding the current cache's rows and positions that fit."""
 
-    def prefill(self, input_ids: Any, image: Any = None, pad: Sequence[int] | None = None, cache_rows: Sequence[int] | None = None) -> Any:
+    def prefill(
+        self,
+        input_ids: Any,
+        image: Any = None,
+        pad: Sequence[int] | None = None,
+        cache_rows: Sequence[int] | None = None,
+    ) -> Any:
         """Run the prompt [B, S] (and image, for VL models) into cache rows `cache_rows` (default 0..B-1), leaving
         the other rows as they are; return last-position logits [B, vocab].
 
@@ -103,14 +109,17 @@ class Architecture:
     # The reference implementation's class in transformers, which `fd check --model` compares greedy tokens with.
     # None: the first alias transformers defines; "": none (the reference check is then "not verified").
     reference: str | None = None
-    # A second config the model suite checks besides the preset (odd sizes, the other head tying, biases), as a config.json mapping.
+    # A second config the model suite checks besides the preset (odd sizes, the other head tying, biases), as a
+    # config.json mapping.
     odd_preset: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """What `fd plugins --json` lists; `reference` unresolved (the first alias unless set: transformers is not imported)."""
+        """What `fd plugins --json` lists; `reference` unresolved (the first alias unless set: transformers is not
+        imported)."""
         reference = self.reference if self.reference is not None else (self.aliases[0] if self.aliases else None)
-        return {"name": self.name, "aliases": list(self.aliases), "package": self.package, "graph_capable": self.graph_capable,
-                "multimodal": self.multimodal, "reference": reference or None, "description": self.description}
+        return {"name": self.name, "aliases": list(self.aliases), "package": self.package,
+                "graph_capable": self.graph_capable, "multimodal": self.multimodal, "reference": reference or None,
+                "description": self.description}
 
     def preset_config(self) -> "ModelConfig":
         """The tiny preset as a ModelConfig."""
@@ -126,7 +135,8 @@ class Architecture:
                 self.check_config(config, source)
             except FdError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - the package's own bug: one line naming it, the traceback in a file
+            # The package's own bug: one line naming it, the traceback in a file.
+            except Exception as exc:  # noqa: BLE001
                 raise package_failure(self.package, "check_config", exc, ConfigError) from None
         return config
 

@@ -17,7 +17,8 @@ def matmul(x: paddle.Tensor, weight: paddle.Tensor, transpose_weight: bool) -> p
 
 
 def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
-    """weight * (x / rms(x)): the statistics in float32, cast back to x's dtype before the weight, as the references do."""
+    """weight * (x / rms(x)): the statistics in float32, cast back to x's dtype before the weight, as the references
+    do."""
     x32 = x.astype("float32")
     x32 = x32 * paddle.rsqrt(paddle.mean(x32 * x32, axis=-1, keepdim=True) + eps)
     return x32.astype(x.dtype) * weight
@@ -29,7 +30,8 @@ def silu_and_mul(gate: paddle.Tensor, up: paddle.Tensor) -> paddle.Tensor:
 
 
 def rotary_embedding(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, layout: str) -> paddle.Tensor:
-    """x [B, heads, S, d] rotated by the tables [S, d/2] (or [B, 1, S, d/2], a row's own) in float32, in the 'half' or 'interleaved' layout."""
+    """x [B, heads, S, d] rotated by the tables [S, d/2] (or [B, 1, S, d/2], a row's own) in float32, in the 'half'
+    or 'interleaved' layout."""
     x32 = x.astype("float32")
     if layout == "interleaved":
         pairs = x32.reshape([0, 0, 0, -1, 2])
@@ -53,7 +55,9 @@ def attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: paddle
     q = q.reshape([batch, kv_heads, groups * length, dim])
     scores = paddle.matmul(q, k, transpose_y=True).astype("float32") * (1.0 / math.sqrt(dim))
     if mask is not None:
-        scores = (scores.reshape([batch, kv_heads, groups, length, -1]) + mask).reshape([batch, kv_heads, groups * length, -1])
+        scores = (scores.reshape([batch, kv_heads, groups, length, -1]) + mask).reshape(
+            [batch, kv_heads, groups * length, -1]
+        )
     out = paddle.matmul(F.softmax(scores, axis=-1).astype(v.dtype), v)
     return out.reshape([batch, heads, length, dim])
 

@@ -90,7 +90,8 @@ TINY_QWEN3_VL: dict[str, Any] = {
         **_TINY_DECODER,
         "rms_norm_eps": 1e-6,
         "attention_bias": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3],
+                            "mrope_interleaved": True},
     },
     "vision_config": {
         "model_type": "qwen3_vl_vision",

@@ -9,9 +9,7 @@ from typing import Callable, Iterator, Mapping
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from fakedist import make_distribution  # noqa: E402
+from fakedist import make_distribution
 
 
 @pytest.fixture(autouse=True)

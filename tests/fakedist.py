@@ -33,7 +33,9 @@ def make_distribution(
     return root
 
 
-def run_fd(args: list[str], path: Path | None = None, env: Mapping[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_fd(
+    args: list[str], path: Path | None = None, env: Mapping[str, str] | None = None, timeout: float = 120,
+) -> subprocess.CompletedProcess[str]:
     """Run the `fd` command as a user would, with `path` prepended to PYTHONPATH."""
     full = {k: v for k, v in os.environ.items() if not k.startswith("FD_")}
     if path is not None:

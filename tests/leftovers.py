@@ -1,4 +1,5 @@
-"""Processes a test started, found by a marker in their environment: what a run that should have stopped everything left behind."""
+"""Processes a test started, found by a marker in their environment: what a run that should have
+stopped everything left behind."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def processes_with(variable: str, marker: str) -> list[int]:
 
 
 def left_over(variable: str, marker: str, wait: float = 3.0) -> list[int]:
-    """Such processes still alive `wait` seconds after the run ended; killed (not leaked into the rest of the suite), then returned."""
+    """Such processes still alive `wait` seconds after the run ended; killed (not leaked into the rest
+    of the suite), then returned."""
     deadline = time.monotonic() + wait
     alive = processes_with(variable, marker)
     while alive and time.monotonic() < deadline:

@@ -75,7 +75,8 @@ def fd_check_request(request):
     return ANSWER
 """
 
-# A platform whose one device (per rank) is as small as FDTEST_TINY_FREE bytes: the memory plan's refusals and its cache sizing.
+# A platform whose one device (per rank) is as small as FDTEST_TINY_FREE bytes: the memory plan's refusals and its cache
+# sizing.
 TINY_DEVICE = """
 import os
 

@@ -1,4 +1,5 @@
-"""What each of two real ranks runs for the cpu platform's shared-memory all-reduce tests (importable, as spawned ranks need)."""
+"""What each of two real ranks runs for the cpu platform's shared-memory all-reduce tests
+(importable, as spawned ranks need)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ def _as_float64(tensor: Any) -> np.ndarray:
     return tensor.numpy().astype("float64")
 
 
-def _sums(rank: int, world: int, shm_reduce: Callable[[Any], Any], gloo_reduce: Callable[[Any], Any]) -> list[dict[str, Any]]:
+def _sums(
+    rank: int, world: int, shm_reduce: Callable[[Any], Any], gloo_reduce: Callable[[Any], Any],
+) -> list[dict[str, Any]]:
     import paddle
 
     from fd_plugins.cpu.platform import FD_CAPABILITIES
@@ -51,7 +54,9 @@ def _sums(rank: int, world: int, shm_reduce: Callable[[Any], Any], gloo_reduce: 
             gloo_reduce(twin)
             # The reference sums every rank's input as the dtype holds it, in float64; the error is
             # relative to the sum of magnitudes, so cancellation does not inflate it.
-            inputs = [_as_float64(paddle.to_tensor(rank_input(dtype, shape, r, case)).astype(dtype)) for r in range(world)]
+            inputs = [
+                _as_float64(paddle.to_tensor(rank_input(dtype, shape, r, case)).astype(dtype)) for r in range(world)
+            ]
             want = sum(inputs)
             scale = np.maximum(sum(np.abs(x) for x in inputs), 1.0)
             got = _as_float64(out)
@@ -93,7 +98,8 @@ def _repeat(rank: int, world: int, reduce: Callable[[Any], Any]) -> dict[str, An
 
     state = shm.group_state(None)
     kept = len(state._views) if state is not None else 0
-    return {"calls": REPEATS, "wrong": wrong[:5], "wrong_count": len(wrong), "views_kept": kept, "views_max": shm._MAX_VIEWS}
+    return {"calls": REPEATS, "wrong": wrong[:5], "wrong_count": len(wrong), "views_kept": kept,
+            "views_max": shm._MAX_VIEWS}
 
 
 def battery() -> dict[str, Any]:
@@ -142,7 +148,8 @@ def battery() -> dict[str, Any]:
     result["fallback"] = {
         "big_ok": bool(np.all(big.numpy() == 3.0)),
         "fits_ok": bool(np.all(fits.numpy() == 3.0)),
-        "big_path": "fallback" if after_big["fallback"] == before["fallback"] + 1 and after_big["shm"] == before["shm"] else "shm",
+        "big_path": "fallback" if after_big["fallback"] == before["fallback"] + 1
+        and after_big["shm"] == before["shm"] else "shm",
         "fits_path": "shm" if state.calls["shm"] == after_big["shm"] + 1 else "fallback",
     }
 
@@ -184,7 +191,8 @@ def battery() -> dict[str, Any]:
     off_group = dist.new_group(list(range(world)))
     off = platform.fd_all_reduce(paddle.full([16], float(rank + 1)), off_group)
     os.environ.pop("FD_SHM_BUFFER_BYTES")
-    result["buffer_off"] = {"usable": shm.group_state(off_group).usable, "reason": shm.group_state(off_group).reason, "sum_ok": bool(np.all(off.numpy() == 3.0))}
+    result["buffer_off"] = {"usable": shm.group_state(off_group).usable, "reason": shm.group_state(off_group).reason,
+                            "sum_ok": bool(np.all(off.numpy() == 3.0))}
 
     # A bad setting on one rank raises on every rank, naming it, instead of leaving peers in a collective.
     if rank == 1:
@@ -210,7 +218,8 @@ def battery() -> dict[str, Any]:
     after = state.stats()
     result["late_peer"] = {
         "cpu_s": time.thread_time() - cpu, "wall_s": time.monotonic() - wall, "arrived": arrived, "returned": returned,
-        "slept_s": after["slept_s"] - stats["slept_s"], "waits": after["waits"] - stats["waits"], "kernel_sleep": after["kernel_sleep"],
+        "slept_s": after["slept_s"] - stats["slept_s"], "waits": after["waits"] - stats["waits"],
+        "kernel_sleep": after["kernel_sleep"],
         "sum_ok": bool(np.all(late_sum.numpy() == 3.0)),
     }
 

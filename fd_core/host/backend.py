@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.detection import Detection
-from fd_core.errors import ConfigError, NumericsError, PlatformError, PluginError, RequestRefused
+from fd_core.errors import ConfigError, NumericsError, PlatformError, PluginError, RequestRefused, in_terms, setting
 from fd_core.graphs import CastVote, GraphBackend, GraphDecision, GraphVote
 from fd_core.host.kernel_table import KernelTable, Ops
 from fd_core.host.loading import PluginSet, load_plugins
@@ -31,7 +31,12 @@ def _bind(fn: Callable[..., Any], argnames: tuple[str, ...], group: Any) -> AllR
         return fn
     if argnames == ("group", "tensor"):
         return types.MethodType(fn, group)
-    if argnames == ("tensor", "group") and isinstance(fn, types.FunctionType) and fn.__code__.co_argcount == 2 and not fn.__defaults__:
+    if (
+        argnames == ("tensor", "group")
+        and isinstance(fn, types.FunctionType)
+        and fn.__code__.co_argcount == 2
+        and not fn.__defaults__
+    ):
         # The same code object with `group` as its default: calling it costs exactly a direct call.
         bound = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, (group,), fn.__closure__)
         bound.__kwdefaults__ = fn.__kwdefaults__
@@ -66,14 +71,24 @@ def _chain(fns: list[AllReduce], names: list[str]) -> AllReduce:
 def _checked_vote(plugin: str, answer: Any) -> CastVote:
     """A plugin's vote, type-checked: a third party's answer is verified where it is used."""
     if not isinstance(answer, GraphVote):
-        raise PluginError(f"plugin {plugin!r}: fd_graph_eligibility returned {type(answer).__name__}; return fd_core.GraphVote or None")
-    if not isinstance(answer.allow, bool) or not isinstance(answer.reason, str) or not isinstance(answer.advisory, bool):
         raise PluginError(
-            f"plugin {plugin!r}: fd_graph_eligibility returned GraphVote(allow={answer.allow!r}, reason={answer.reason!r}, "
-            f"advisory={answer.advisory!r}); allow and advisory must be True or False and reason a string"
+            f"plugin {plugin!r}: fd_graph_eligibility returned {type(answer).__name__}; "
+            f"return fd_core.GraphVote or None"
+        )
+    if (
+        not isinstance(answer.allow, bool)
+        or not isinstance(answer.reason, str)
+        or not isinstance(answer.advisory, bool)
+    ):
+        raise PluginError(
+            f"plugin {plugin!r}: fd_graph_eligibility returned GraphVote(allow={answer.allow!r}, "
+            f"reason={answer.reason!r}, advisory={answer.advisory!r}); allow and advisory must be True or False and "
+            f"reason a string"
         )
     if not answer.allow and not answer.reason.strip():
-        raise PluginError(f"plugin {plugin!r}: fd_graph_eligibility vetoed without a reason; return GraphVote.veto('why')")
+        raise PluginError(
+            f"plugin {plugin!r}: fd_graph_eligibility vetoed without a reason; return GraphVote.veto('why')"
+        )
     return CastVote(plugin, answer.allow, answer.reason, answer.advisory and not answer.allow)
 
 
@@ -82,8 +97,11 @@ class Backend:
 
     all_reduce: AllReduce
 
-    def __init__(self, plugins: PluginSet, parallel: ParallelConfig | None = None, kernels: KernelTable | None = None) -> None:
-        """`kernels` replaces the plugins' kernel table (an empty KernelTable: every op native, the reference the suite compares with)."""
+    def __init__(
+        self, plugins: PluginSet, parallel: ParallelConfig | None = None, kernels: KernelTable | None = None
+    ) -> None:
+        """`kernels` replaces the plugins' kernel table (an empty KernelTable: every op native, the reference the suite
+        compares with)."""
         self.plugins = plugins
         self.parallel = parallel or ParallelConfig()
         self.platform: str = plugins.platform
@@ -122,7 +140,9 @@ class Backend:
         # pluggy calls the last of get_hookimpls() first.
         ordered = list(reversed(impls))
         if not ordered:
-            raise PluginError(f"platform {self.platform!r} implements no fd_all_reduce; tp={self.parallel.tp_size} needs one")
+            raise PluginError(
+                f"platform {self.platform!r} implements no fd_all_reduce; tp={self.parallel.tp_size} needs one"
+            )
         bound = [_bind(i.function, tuple(i.argnames), group) for i in ordered]
         names = [i.plugin_name for i in ordered]
         if len(bound) == 1:
@@ -132,7 +152,8 @@ class Backend:
     def clean_memory_fragments(
         self, state_dict: Mapping[str, Any] | None = None, after_each: Callable[[str], None] | None = None,
     ) -> None:
-        """Run every implementation (the platform's and any model package's), each through pluggy; one that raises is named.
+        """Run every implementation (the platform's and any model package's), each through pluggy; one that raises is
+        named.
 
         `after_each(plugin)` runs after each implementation (the runtime's guard that the weights are unchanged, so
         that its error names the plugin whose hook changed them)."""
@@ -143,7 +164,8 @@ class Backend:
                 caller_for(self.plugins.pm, "fd_clean_memory_fragments", impl.plugin_name)(state_dict=state_dict)
             except Exception as exc:  # noqa: BLE001 - a third party's error, named for whoever must fix it
                 raise PluginError(
-                    f"plugin {impl.plugin_name!r}: fd_clean_memory_fragments raised {type(exc).__name__}: {exc}; fix or uninstall the plugin"
+                    f"plugin {impl.plugin_name!r}: fd_clean_memory_fragments raised {type(exc).__name__}: {exc}; "
+                    f"fix or uninstall the plugin"
                 ) from exc
             if after_each is not None:
                 after_each(impl.plugin_name)
@@ -173,23 +195,28 @@ class Backend:
                 result = self.all_reduce(paddle.to_tensor(base * np.float32(rank + 1)))
             except Exception as exc:  # noqa: BLE001 - the platform's own failure, named
                 raise PluginError(
-                    f"platform {self.platform!r}: fd_all_reduce failed on a known {what} tensor: {type(exc).__name__}: {exc}; "
-                    f"run fd check {self.platform}"
+                    f"platform {self.platform!r}: fd_all_reduce failed on a known {what} tensor: "
+                    f"{type(exc).__name__}: {exc}; run fd check {self.platform}"
                 ) from exc
-            where = f"platform {self.platform!r}: the all-reduce ({self.all_reduce_binding}) of a known {what} tensor on rank {rank} of {world}"
+            where = (
+                f"platform {self.platform!r}: the all-reduce ({self.all_reduce_binding}) of a known {what} tensor "
+                f"on rank {rank} of {world}"
+            )
             dtype = str(getattr(result, "dtype", type(result).__name__)).replace("paddle.", "")
             got_shape = list(getattr(result, "shape", []))
             if dtype != "float32" or got_shape != list(shape):
-                raise NumericsError(f"{where} returned {dtype}{got_shape}, expected {what}; run fd check {self.platform}")
+                raise NumericsError(
+                    f"{where} returned {dtype}{got_shape}, expected {what}; run fd check {self.platform}"
+                )
             got = np.asarray(result.numpy(), dtype=np.float64).reshape(shape)
             wrong = got != expected
             if wrong.any():
                 first = tuple(int(i) for i in np.argwhere(wrong)[0])
                 error = np.where(np.isnan(got), np.inf, np.abs(got - expected))
                 raise NumericsError(
-                    f"{where} returned a wrong sum at {int(wrong.sum())} of {wrong.size} elements: first at index {list(first)}, "
-                    f"{got[first]:.9g} where {float(expected[first]):.9g} is exact; largest error {float(error.max()):.3g}; "
-                    f"it does not sum, run fd check {self.platform}"
+                    f"{where} returned a wrong sum at {int(wrong.sum())} of {wrong.size} elements: "
+                    f"first at index {list(first)}, {got[first]:.9g} where {float(expected[first]):.9g} is exact; "
+                    f"largest error {float(error.max()):.3g}; it does not sum, run fd check {self.platform}"
                 )
 
     def graph_decision(
@@ -204,7 +231,10 @@ class Backend:
             # No plugin votes: a report of votes that could not change anything would read as if they had.
             return GraphDecision(allowed=False, mode=mode, votes=(), requested=requested)
         self.check_graph_request(requested)
-        votes += [CastVote(plugin, False, f"its kernel for {op} is registered as not capturable") for op, plugin in self.kernels.uncapturable().items()]
+        votes += [
+            CastVote(plugin, False, f"its kernel for {op} is registered as not capturable")
+            for op, plugin in self.kernels.uncapturable().items()
+        ]
         registry = self.plugins.registry
         if model_config.architecture in registry:
             arch = registry.get(model_config.architecture)
@@ -244,24 +274,33 @@ class Backend:
         uncapturable = self.kernels.uncapturable()
         if requested == "on" and uncapturable:
             op, plugin = next(iter(uncapturable.items()))
-            raise ConfigError(f"--graph on: plugin {plugin!r} registered its kernel for {op} as not capturable; use --graph auto or off")
+            raise ConfigError(
+                f"{setting('graph', 'on')}: plugin {plugin!r} registered its kernel for {op} as not capturable; "
+                f"use {in_terms('--graph auto or off', repr('auto') + ' or ' + repr('off'))}"
+            )
 
     @functools.cached_property
+    def _graph_object(self) -> Any:
+        """What the platform's fd_graph_backend returned, asked once per Backend: one graph backend per run."""
+        return self.hook.fd_graph_backend(parallel_config=self.parallel)
+
+    @property
     def graph_mode(self) -> str | None:
-        """The kind of graph the platform captures (its graph backend's `mode`), None if none; asked once."""
-        backend = self.hook.fd_graph_backend(parallel_config=self.parallel)
+        """The kind of graph the platform captures (its graph backend's `mode`), None if none."""
+        backend = self._graph_object
         return getattr(backend, "mode", None) if backend is not None else None
 
     def graph_backend(self) -> GraphBackend:
-        """A new capture / replay / clear object from the platform (checked: a third party's object)."""
-        backend = self.hook.fd_graph_backend(parallel_config=self.parallel)
+        """The platform's capture / replay / clear object (checked: a third party's object), the same one each call."""
+        backend = self._graph_object
         if backend is None:
-            raise PlatformError(f"platform {self.platform!r} returned no graph backend; use --graph off")
+            raise PlatformError(f"platform {self.platform!r} returned no graph backend; use {setting('graph', 'off')}")
         missing = [m for m in ("capture", "replay", "has", "clear") if not callable(getattr(backend, m, None))]
         if missing or not isinstance(getattr(backend, "mode", None), str):
             what = f"lacks {', '.join(missing)}()" if missing else "has no string `mode`"
             raise PluginError(
-                f"platform {self.platform!r}: fd_graph_backend returned {type(backend).__name__}, which {what}; fix the plugin or use --graph off"
+                f"platform {self.platform!r}: fd_graph_backend returned {type(backend).__name__}, which {what}; "
+                f"fix the plugin or use {setting('graph', 'off')}"
             )
         return backend
 
@@ -275,18 +314,29 @@ class Backend:
             )
 
     def check_request(
-        self, request: Any, model_config: ModelConfig, parallel_config: ParallelConfig | None = None, stream: bool = False
+        self,
+        request: Any,
+        model_config: ModelConfig,
+        parallel_config: ParallelConfig | None = None,
+        stream: bool = False,
     ) -> None:
-        """Ask every plugin's fd_check_request (each through pluggy, time-bounded); the first reason refuses the request.
+        """Ask every plugin's fd_check_request (each through pluggy, time-bounded); the first reason refuses the
+        request.
 
         A refusal is a RequestRefused naming the plugin; an answer other than a reason or None, a blank
         reason, or a gate that raises is that plugin's PluginError.
         """
-        args = {"request": request, "model_config": model_config, "parallel_config": parallel_config or self.parallel, "stream": stream}
+        args = {
+            "request": request,
+            "model_config": model_config,
+            "parallel_config": parallel_config or self.parallel,
+            "stream": stream,
+        }
         for name, answers in self._ask_each("fd_check_request", args):
             if isinstance(answers, BaseException):  # a third party's error, named for whoever must fix it
                 raise PluginError(
-                    f"plugin {name!r}: fd_check_request raised {type(answers).__name__}: {answers}; fix or uninstall the plugin"
+                    f"plugin {name!r}: fd_check_request raised {type(answers).__name__}: {answers}; "
+                    f"fix or uninstall the plugin"
                 ) from answers
             for answer in answers:
                 if not isinstance(answer, str):
@@ -295,7 +345,9 @@ class Backend:
                         f"return a reason (str) to refuse the request, or None to accept it"
                     )
                 if not answer.strip():
-                    raise PluginError(f"plugin {name!r}: fd_check_request refused with an empty reason; return the reason as a string")
+                    raise PluginError(
+                        f"plugin {name!r}: fd_check_request refused with an empty reason; return the reason as a string"
+                    )
                 raise RequestRefused(f"{name} refuses this request: {' '.join(answer.split())}")
 
     def require_hardware(self) -> None:
@@ -310,7 +362,10 @@ class Backend:
         """Raise if this platform cannot serve `tp` ranks on this host."""
         limit = self.detection.max_ranks
         if limit is not None and tp > limit:
-            raise PlatformError(f"--tp {tp} is more than platform {self.platform!r} serves here ({limit}); use --tp {limit} or fewer")
+            raise PlatformError(
+                f"{setting('tp', tp)} is more than platform {self.platform!r} serves here ({limit}); "
+                f"use {setting('tp', limit)} or fewer"
+            )
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -1,4 +1,5 @@
-"""Plugins found through their entry points and imported, with the FD_PLUGINS allow-list applied and name clashes found."""
+"""Plugins found through their entry points and imported, with the FD_PLUGINS allow-list applied and name clashes
+found."""
 
 from __future__ import annotations
 
@@ -56,13 +57,16 @@ def clashes(records: list[PluginRecord]) -> list[str]:
                 continue
             newcomer.error = (
                 f"distribution {newcomer.distribution!r} declares {kind} plugin {name!r}, which "
-                f"{keeper.distribution or 'another plugin'} already provides; uninstall it, or leave it out with FD_PLUGINS"
+                f"{keeper.distribution or 'another plugin'} already provides; uninstall it, or leave it out with "
+                f"FD_PLUGINS"
             )
             problems.append(newcomer.error)
     return problems
 
 
-def discover(env: Mapping[str, str] | None = None, extra: Iterable[tuple[Kind, str, object]] = ()) -> list[PluginRecord]:
+def discover(
+    env: Mapping[str, str] | None = None, extra: Iterable[tuple[Kind, str, object]] = ()
+) -> list[PluginRecord]:
     """Find and import every plugin; a plugin that fails to import is recorded and warned about, not skipped."""
     env = os.environ if env is None else env
     allow = _allow_list(env)
@@ -83,17 +87,23 @@ def discover(env: Mapping[str, str] | None = None, extra: Iterable[tuple[Kind, s
             continue
         try:
             record.module = ep.load()
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - any import failure is the plugin's (sys.exit too), reported below
+        # Any import failure is the plugin's (sys.exit too), reported below.
+        except (Exception, SystemExit) as exc:  # noqa: BLE001
             record.load_error = f"import failed: {type(exc).__name__}: {exc}"
             record.status = "not loaded"
-            print(f"fd: warning: plugin {record.name!r} ({record.value}) failed to import: {type(exc).__name__}: {exc}", file=sys.stderr)
+            print(f"fd: warning: plugin {record.name!r} ({record.value}) failed to import: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
         records.append(record)
     for kind, name, module in extra:
-        records.append(PluginRecord(name=name, kind=kind, value=getattr(module, "__name__", repr(module)), module=module))  # type: ignore[arg-type]
+        records.append(PluginRecord(name=name, kind=kind, value=getattr(module, "__name__", repr(module)),
+                                    module=module))  # type: ignore[arg-type]
     if allow:
         known = {r.name for r in records} | {normalise(r.distribution) for r in records if r.distribution}
         missing = sorted(a for a in allow if a not in known and normalise(a) not in known)
         if missing:
             installed = ", ".join(sorted(r.name for r in records if not r.builtin)) or "none"
-            raise PluginError(f"FD_PLUGINS names {', '.join(missing)}, which is not installed; installed third-party plugins: {installed}")
+            raise PluginError(
+                f"FD_PLUGINS names {', '.join(missing)}, which is not installed; "
+                f"installed third-party plugins: {installed}"
+            )
     return records

@@ -38,7 +38,10 @@ def check_kernel(plugin: str, op: str, fn: Any, capturable: Any) -> Kernel:
     if not callable(fn):
         raise PluginError(f"plugin {plugin!r}: fd_register_kernels registered {fn!r} for {op!r}, which is not callable")
     if not isinstance(capturable, bool):
-        raise PluginError(f"plugin {plugin!r}: fd_register_kernels registered {op!r} with capturable={capturable!r}; pass True or False")
+        raise PluginError(
+            f"plugin {plugin!r}: fd_register_kernels registered {op!r} with capturable={capturable!r}; "
+            f"pass True or False"
+        )
     want = OPS[op].args
     try:
         params = list(inspect.signature(fn).parameters.values())
@@ -46,7 +49,9 @@ def check_kernel(plugin: str, op: str, fn: Any, capturable: Any) -> Kernel:
         return Kernel(op, fn, plugin, capturable)
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     names = tuple(p.name for p in positional[: len(want)])
-    extra = [p for p in positional[len(want):] if p.default is p.empty] + [p for p in params if p.kind == p.KEYWORD_ONLY and p.default is p.empty]
+    extra = [p for p in positional[len(want):] if p.default is p.empty] + [
+        p for p in params if p.kind == p.KEYWORD_ONLY and p.default is p.empty
+    ]
     if names != want or extra:
         got = ", ".join(p.name for p in params)
         raise PluginError(
@@ -94,8 +99,13 @@ class KernelTable:
         return {op: kernel.plugin if (kernel := self.chosen(op)) is not None else NATIVE for op in OPS}
 
     def uncapturable(self) -> dict[str, str]:
-        """The ops a captured decode step traces that a kernel registered with capturable=False serves, with its plugin."""
-        return {op: kernel.plugin for op in OPS if OPS[op].traced and (kernel := self.chosen(op)) is not None and not kernel.capturable}
+        """The ops a captured decode step traces that a kernel registered with capturable=False serves, with its
+        plugin."""
+        return {
+            op: kernel.plugin
+            for op in OPS
+            if OPS[op].traced and (kernel := self.chosen(op)) is not None and not kernel.capturable
+        }
 
 
 class Ops:

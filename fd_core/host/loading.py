@@ -1,4 +1,5 @@
-"""load_plugins: discover, validate, select the platform, register with pluggy, and fill the registries (a PluginSet)."""
+"""load_plugins: discover, validate, select the platform, register with pluggy, and fill the registries (a
+PluginSet)."""
 
 from __future__ import annotations
 
@@ -142,8 +143,8 @@ def load_plugins(
     for record in records:
         if record.error is not None and record.active:
             record.active, record.status = False, f"failed: {record.error}"
-    plugins = PluginSet(records=records, platform=platform, selection=why, pm=pm, registry=registry, problems=problems, commands=commands,
-                        kernels=kernels)
+    plugins = PluginSet(records=records, platform=platform, selection=why, pm=pm, registry=registry, problems=problems,
+                        commands=commands, kernels=kernels)
     if strict:
         plugins.require_usable()
     return plugins

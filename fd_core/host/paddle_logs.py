@@ -1,4 +1,5 @@
-"""Paddle's own noise (C++ info logs, import-time warnings) kept off a user's terminal, set before paddle is imported."""
+"""Paddle's own noise (C++ info logs, import-time warnings) kept off a user's terminal, set before paddle is
+imported."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import warnings
 
 
 def quiet_paddle_logs() -> None:
-    """Keep paddle's C++ info logs and import-time warnings off a user's terminal (user settings and `fd --verbose` win)."""
+    """Keep paddle's C++ info logs and import-time warnings off a user's terminal (user settings and `fd --verbose`
+    win).
+
+    Idempotent: called where paddle may be imported next (a command, LLM, spawning ranks, a Backend); a spawned rank
+    inherits the environment it sets."""
     if os.environ.get("FD_VERBOSE", "0") not in ("", "0"):
         return
     os.environ.setdefault("GLOG_minloglevel", "2")

@@ -1,4 +1,5 @@
-"""What fd knows of each discovered plugin (PluginRecord), the entry-point groups, and pluggy's reading of a hook implementation."""
+"""What fd knows of each discovered plugin (PluginRecord), the entry-point groups, and pluggy's reading of a hook
+implementation."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The registering hooks called plugin by plugin (models, commands, kernels): a plugin that fails is undone and blamed, never fatal here."""
+"""The registering hooks called plugin by plugin (models, commands, kernels): a plugin that fails is undone and
+blamed, never fatal here."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from fd_core.models import Architecture
 
 
 def caller_for(pm: pluggy.PluginManager, hook: str, plugin_name: str) -> Any:
-    """A hook caller that runs `plugin_name`'s implementation of `hook` with every wrapper around it (pluggy's own API)."""
+    """A hook caller that runs `plugin_name`'s implementation of `hook` with every wrapper around it (pluggy's own
+    API)."""
     others = [i.plugin for i in getattr(pm.hook, hook).get_hookimpls()
               if i.plugin_name != plugin_name and not (i.wrapper or i.hookwrapper)]
     return pm.subset_hook_caller(hook, remove_plugins=others)
@@ -63,7 +65,10 @@ def register_models(pm: pluggy.PluginManager, registry: ModelRegistry, records: 
 
         def register(arch: Architecture) -> None:
             if not isinstance(arch, Architecture):
-                raise PluginError(f"plugin {owner!r}: fd_register_models passed {type(arch).__name__} to register(); pass fd_core.Architecture")
+                raise PluginError(
+                    f"plugin {owner!r}: fd_register_models passed {type(arch).__name__} to register(); "
+                    "pass fd_core.Architecture"
+                )
             registry.add(replace(arch, package=owner), has_clear_hook=has_clear, builtin=owner in builtin)
 
         return register
@@ -81,10 +86,15 @@ def register_commands(
     def register_for(owner: str) -> Callable[..., None]:
         def register(name: str, help: str, run: Callable[[list[str]], int]) -> None:  # noqa: A002 - argparse's word
             if not (isinstance(name, str) and name.replace("-", "").isalnum() and callable(run)):
-                raise PluginError(f"plugin {owner!r}: fd_register_commands passed name={name!r}, run={run!r}; pass a word and a callable")
+                raise PluginError(
+                    f"plugin {owner!r}: fd_register_commands passed name={name!r}, run={run!r}; "
+                    "pass a word and a callable"
+                )
             taken = "fd itself" if name in reserved else commands[name][2] if name in commands else None
             if taken is not None:
-                raise PluginError(f"plugin {owner!r} adds command {name!r}, which {taken!r} already provides; rename it in {owner!r}")
+                raise PluginError(
+                    f"plugin {owner!r} adds command {name!r}, which {taken!r} already provides; rename it in {owner!r}"
+                )
             commands[name] = (str(help), run, owner)
 
         return register
@@ -106,7 +116,10 @@ def register_kernels(pm: pluggy.PluginManager, records: list[PluginRecord]) -> t
 
         def register(op: str, fn: Callable[..., Any], capturable: bool = True) -> None:
             if kind == "model":
-                raise PluginError(f"plugin {owner!r}: a model package may not register kernels; put them in a platform or an fd.plugins extension")
+                raise PluginError(
+                    f"plugin {owner!r}: a model package may not register kernels; "
+                    "put them in a platform or an fd.plugins extension"
+                )
             table.add(check_kernel(owner, op, fn, capturable), from_platform=kind == "platform")
 
         return register

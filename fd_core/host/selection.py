@@ -1,4 +1,5 @@
-"""Platform selection: each platform's detection, time-bounded and type-checked, then FD_PLATFORM or the highest priority."""
+"""Platform selection: each platform's detection, time-bounded and type-checked, then FD_PLATFORM or the highest
+priority."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def call_bounded(fn: Callable[[], T], timeout: float, what: str) -> T:
     thread.join(timeout)
     if thread.is_alive():
         raise PluginError(
-            f"{what} did not return within {timeout:g} s; fix or uninstall the plugin (FD_PLUGINS can leave it out, {HOOK_TIMEOUT_ENV} raises the limit)"
+            f"{what} did not return within {timeout:g} s; fix or uninstall the plugin (FD_PLUGINS can leave it out, "
+            f"{HOOK_TIMEOUT_ENV} raises the limit)"
         )
     if "error" in box:
         raise box["error"]
@@ -70,7 +72,8 @@ def detect(record: PluginRecord, timeout: float) -> None:
         record.detect_error = str(exc).split(": ", 1)[1]
         print(f"fd: warning: {exc}", file=sys.stderr)
         return
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - a detection that raises (or calls sys.exit) is reported, never fatal
+    # A detection that raises (or calls sys.exit) is reported, never fatal.
+    except (Exception, SystemExit) as exc:  # noqa: BLE001
         record.detect_error = f"fd_platform_detect raised {type(exc).__name__}: {exc}"
         print(f"fd: warning: platform {record.name!r}: {record.detect_error}", file=sys.stderr)
         return
@@ -100,21 +103,32 @@ def select_platform(records: list[PluginRecord], env: Mapping[str, str]) -> tupl
             left_out = next((r for r in records if r.kind == "platform" and r.name == forced and not r.allowed), None)
             if left_out is not None:
                 raise PlatformError(
-                    f"FD_PLATFORM={forced!r} names a platform that FD_PLUGINS leaves out; add {forced} to FD_PLUGINS or unset one of them"
+                    f"FD_PLATFORM={forced!r} names a platform that FD_PLUGINS leaves out; add {forced} to FD_PLUGINS "
+                    f"or unset one of them"
                 )
             raise PlatformError(f"FD_PLATFORM={forced!r} names no installed platform; installed: {installed}")
         if chosen.module is None:
-            raise PlatformError(f"FD_PLATFORM={forced!r}: that plugin failed to load ({chosen.load_error}); fix or reinstall it")
+            raise PlatformError(
+                f"FD_PLATFORM={forced!r}: that plugin failed to load ({chosen.load_error}); fix or reinstall it"
+            )
         if chosen.detection is not None and not chosen.detection.detected:
             # Forcing is allowed (fd explain, the suite's contract checks), but the listing must not read as "ready".
-            return forced, f"forced by FD_PLATFORM={forced}; its hardware is not detected here: {chosen.detection.reason}"
+            return forced, (
+                f"forced by FD_PLATFORM={forced}; its hardware is not detected here: {chosen.detection.reason}"
+            )
         return forced, f"forced by FD_PLATFORM={forced}"
     usable = [r for r in platforms if r.detection is not None and r.detection.detected]
     if not usable:
-        raise PlatformError(f"no platform detected its hardware; installed: {installed}; set FD_PLATFORM to one of them")
+        raise PlatformError(
+            f"no platform detected its hardware; installed: {installed}; set FD_PLATFORM to one of them"
+        )
     top = max(r.detection.priority for r in usable)  # type: ignore[union-attr]
     best = [r for r in usable if r.detection.priority == top]  # type: ignore[union-attr]
     if len(best) > 1:
         names = " and ".join(sorted(r.name for r in best))
-        raise PlatformError(f"platforms {names} both detected their hardware at priority {top}; set FD_PLATFORM to one of them")
-    return best[0].name, f"detected with the highest priority ({top}): {best[0].detection.reason}"  # type: ignore[union-attr]
+        raise PlatformError(
+            f"platforms {names} both detected their hardware at priority {top}; set FD_PLATFORM to one of them"
+        )
+    return best[0].name, (
+        f"detected with the highest priority ({top}): {best[0].detection.reason}"  # type: ignore[union-attr]
+    )

@@ -29,7 +29,11 @@ def nearest(name: str, choices: Iterable[str]) -> str:
         other = choice.removeprefix(f"{PROJECT}_")
         same_verb = bare.split("_", 1)[0] == other.split("_", 1)[0]
         same_words = sorted(bare.split("_")) == sorted(other.split("_"))  # fd_detect_platform
-        return _distance(bare, other) / max(len(bare), len(other), 1) - (0.3 if same_verb else 0.0) - (0.6 if same_words else 0.0)
+        return (
+            _distance(bare, other) / max(len(bare), len(other), 1)
+            - (0.3 if same_verb else 0.0)
+            - (0.6 if same_words else 0.0)
+        )
 
     best = min(choices, key=cost, default=None)
     if best is not None and cost(best) <= 0.5:

@@ -1,4 +1,5 @@
-"""A plugin module checked before pluggy registers it: every marked hook matches a spec, every argument is one the spec passes."""
+"""A plugin module checked before pluggy registers it: every marked hook matches a spec, every argument is one the
+spec passes."""
 
 from __future__ import annotations
 
@@ -34,14 +35,21 @@ def validate_module(name: str, module: object) -> None:
         marked = hasattr(value, f"{PROJECT}_impl")
         if marked and attr not in HOOK_NAMES:
             raise PluginError(f"plugin {name!r}: hook {attr!r} matches no hookspec; {nearest(attr, HOOK_NAMES)}")
-        if not marked and attr in HOOK_NAMES and getattr(value, "__module__", None) == getattr(module, "__name__", None):
-            raise PluginError(f"plugin {name!r}: function {attr!r} is named like a hook but lacks @hookimpl; decorate it with fd_core.hookimpl")
+        if (
+            not marked
+            and attr in HOOK_NAMES
+            and getattr(value, "__module__", None) == getattr(module, "__name__", None)
+        ):
+            raise PluginError(
+                f"plugin {name!r}: function {attr!r} is named like a hook but lacks @hookimpl; "
+                f"decorate it with fd_core.hookimpl"
+            )
         if marked:
             opts: Mapping[str, Any] = hookimpl_opts(module, attr) or {}
             if (opts.get("wrapper") or opts.get("hookwrapper")) and not inspect.isgeneratorfunction(value):
                 raise PluginError(
-                    f"plugin {name!r}: hook {attr!r}: declared as wrapper=True or hookwrapper=True but function is not a "
-                    f"generator function; make it a generator that yields exactly once"
+                    f"plugin {name!r}: hook {attr!r}: declared as wrapper=True or hookwrapper=True but function is "
+                    f"not a generator function; make it a generator that yields exactly once"
                 )
             spec_args = _hookspec_args(attr)
             impl_args = arg_names(value)

@@ -33,7 +33,9 @@ class Checkpoint:
     """config.json, generation_config.json and preprocessor_config.json of a directory, each read once;
     the tokenizer's files and the chat template read on first use and kept for this process."""
 
-    def __init__(self, directory: str, config: dict[str, Any], generation: dict[str, Any], preprocessor: dict[str, Any] | None) -> None:
+    def __init__(
+        self, directory: str, config: dict[str, Any], generation: dict[str, Any], preprocessor: dict[str, Any] | None
+    ) -> None:
         self.directory = directory
         self.config = config
         self.generation = generation
@@ -56,7 +58,12 @@ class Checkpoint:
 
     def __getstate__(self) -> dict[str, Any]:
         # What crosses into a rank is the data read; the tokenizer (a native object) is loaded there on use.
-        return {"directory": self.directory, "config": self.config, "generation": self.generation, "preprocessor": self.preprocessor}
+        return {
+            "directory": self.directory,
+            "config": self.config,
+            "generation": self.generation,
+            "preprocessor": self.preprocessor,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)  # type: ignore[misc]
@@ -85,7 +92,8 @@ class Checkpoint:
         return has_tokenizer(self.directory)
 
     def tokenizer(self) -> "Tokenizer":
-        """The tokenizer, loaded on first use; a directory without one is a one-line error naming the files looked for."""
+        """The tokenizer, loaded on first use; a directory without one is a one-line error naming the files looked
+        for."""
         if self._tokenizer is None:
             progress.report("loading the tokenizer")  # a rank stuck here is named for it, not for the phase before
             self._tokenizer = load_tokenizer(self.directory, self._read)

@@ -10,7 +10,9 @@ from pathlib import Path
 from fd_core.errors import CheckpointError, FdError
 
 
-def regular_file(path: str | Path, label: str, *, error: type[FdError] = CheckpointError, fix: str = "replace it with the real file") -> int:
+def regular_file(
+    path: str | Path, label: str, *, error: type[FdError] = CheckpointError, fix: str = "replace it with the real file"
+) -> int:
     """The size of `path` if it is a regular file (symlinks followed); else `error`, one line starting with `label`.
 
     Checked from the file's metadata only, so a FIFO or a device is refused without being opened.
@@ -24,8 +26,16 @@ def regular_file(path: str | Path, label: str, *, error: type[FdError] = Checkpo
     return info.st_size
 
 
-def read_text(path: str | Path, label: str, limit: int, *, error: type[FdError] = CheckpointError, fix: str = "replace it with the real file") -> str:
-    """A regular file of at most `limit` bytes as UTF-8 text; a special file, a larger one or bytes that are not UTF-8 is `error`."""
+def read_text(
+    path: str | Path,
+    label: str,
+    limit: int,
+    *,
+    error: type[FdError] = CheckpointError,
+    fix: str = "replace it with the real file",
+) -> str:
+    """A regular file of at most `limit` bytes as UTF-8 text; a special file, a larger one or bytes that are not UTF-8
+    is `error`."""
     size = regular_file(path, label, error=error, fix=fix)
     if size > limit:
         raise error(f"{label} holds {size} bytes, more than the {limit} fd reads; {fix}")
@@ -39,4 +49,6 @@ def read_text(path: str | Path, label: str, limit: int, *, error: type[FdError] 
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise error(f"{label} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}); save it as UTF-8") from None
+        raise error(
+            f"{label} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}); save it as UTF-8"
+        ) from None

@@ -24,7 +24,9 @@ def check_picture(array: Any, label: str) -> Any:
     import numpy as np
 
     if not hasattr(array, "shape") or not hasattr(array, "dtype"):
-        raise ConfigError(f"{label}: expected a numpy array [3, H, W] (or a path to a picture), got {type(array).__name__}")
+        raise ConfigError(
+            f"{label}: expected a numpy array [3, H, W] (or a path to a picture), got {type(array).__name__}"
+        )
     if array.ndim == 4 and array.shape[0] == 1:
         array = array[0]
     shape = list(array.shape)
@@ -36,7 +38,9 @@ def check_picture(array: Any, label: str) -> Any:
         hint = "; it looks like [H, W, C]: use array.transpose(2, 0, 1)" if shape[2] == 3 else ""
         raise ConfigError(f"{label}: expected 3 channels first ([3, H, W], RGB), got shape {shape}{hint}")
     if shape[1] * shape[2] > MAX_IMAGE_PIXELS:
-        raise ConfigError(f"{label}: {shape[1]}x{shape[2]} is above the {MAX_IMAGE_PIXELS} pixels fd reads; downscale it")
+        raise ConfigError(
+            f"{label}: {shape[1]}x{shape[2]} is above the {MAX_IMAGE_PIXELS} pixels fd reads; downscale it"
+        )
     picture = np.asarray(array, dtype=np.float32)
     if not np.isfinite(picture).all() or picture.min() < 0.0 or picture.max() > 1.0:
         raise ConfigError(f"{label}: pixel values must be finite and within [0, 1] (divide 8-bit pixels by 255)")
@@ -59,16 +63,23 @@ def load_image(path: str) -> Any:
         with open(file, "rb") as f:
             magic = f.read(len(NPY_MAGIC))
         if magic != NPY_MAGIC:
-            raise ConfigError(f"{label}: not a numpy .npy array (no .npy header); save one with numpy.save, or pass a PNG or JPEG file")
+            raise ConfigError(
+                f"{label}: not a numpy .npy array (no .npy header); save one with numpy.save, "
+                f"or pass a PNG or JPEG file"
+            )
         try:
             array = np.load(path, allow_pickle=False, mmap_mode="r")
         except (OSError, ValueError, EOFError) as exc:
-            raise ConfigError(f"{label}: not a numpy .npy array ({exc or 'empty file'}); save one with numpy.save") from None
+            raise ConfigError(
+                f"{label}: not a numpy .npy array ({exc or 'empty file'}); save one with numpy.save"
+            ) from None
         return check_picture(array, label)
     try:
         from PIL import Image, UnidentifiedImageError
     except ImportError:
-        raise ConfigError(f"{label}: reading pictures needs Pillow (pip install pillow), or pass a .npy array [3, H, W]") from None
+        raise ConfigError(
+            f"{label}: reading pictures needs Pillow (pip install pillow), or pass a .npy array [3, H, W]"
+        ) from None
     Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
     try:
         with warnings.catch_warnings():
@@ -79,17 +90,24 @@ def load_image(path: str) -> Any:
             # The size is in the header: a picture above the bound is refused before a pixel is decoded.
             width, height = image.size
             if width * height > MAX_IMAGE_PIXELS:
-                raise ConfigError(f"{label}: {height}x{width} is above the {MAX_IMAGE_PIXELS} pixels fd reads; downscale it")
+                raise ConfigError(
+                    f"{label}: {height}x{width} is above the {MAX_IMAGE_PIXELS} pixels fd reads; downscale it"
+                )
             if image.mode in SIXTEEN_BIT_MODES or (image.mode == "I" and image.format == "PNG"):
                 grey = np.asarray(image, dtype=np.float32) / np.float32(65535.0)
                 return check_picture(np.broadcast_to(grey, (3, *grey.shape)), label)
             if image.mode in ("I", "F"):
-                raise ConfigError(f"{label}: its {image.mode} pixels (32-bit) are not a picture fd reads; save it as an 8- or 16-bit PNG")
+                raise ConfigError(
+                    f"{label}: its {image.mode} pixels (32-bit) are not a picture fd reads; "
+                    f"save it as an 8- or 16-bit PNG"
+                )
             pixels = np.asarray(image.convert("RGB"))
     except Image.DecompressionBombError:
         raise ConfigError(f"{label}: above the {MAX_IMAGE_PIXELS} pixels fd reads; downscale it") from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
-        raise ConfigError(f"{label}: not a readable picture ({exc.__class__.__name__}: {exc}); pass a PNG or JPEG file") from None
+        raise ConfigError(
+            f"{label}: not a readable picture ({exc.__class__.__name__}: {exc}); pass a PNG or JPEG file"
+        ) from None
     picture = pixels.transpose(2, 0, 1).astype(np.float32)
     picture /= np.float32(255.0)  # in place: a large picture is not copied once more
     return picture

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from fd_core.config import DEFAULT_MEMORY_FRACTION
 from fd_core.detection import DeviceMemory
-from fd_core.errors import ConfigError
+from fd_core.errors import ConfigError, setting
 
 if TYPE_CHECKING:
     from fd_core.config import ModelConfig
@@ -17,18 +17,25 @@ if TYPE_CHECKING:
 
 # Cache lengths are rounded up to this, so that requests of similar lengths reuse one captured graph.
 CACHE_STEP = 32
-__all__ = ["CACHE_STEP", "DEFAULT_MEMORY_FRACTION", "MemoryPlan", "cache_length", "check_fraction", "local_ranks", "plan_memory"]
+__all__ = [
+    "CACHE_STEP", "DEFAULT_MEMORY_FRACTION", "MemoryPlan", "cache_length", "check_fraction", "local_ranks",
+    "plan_memory",
+]
 
 
 def cache_length(needed: int, limit: int) -> int:
-    """The cache length the engine allocates for `needed` positions: rounded up to CACHE_STEP, within the context `limit`."""
+    """The cache length the engine allocates for `needed` positions: rounded up to CACHE_STEP, within the context
+    `limit`."""
     return max(needed, min(-(-needed // CACHE_STEP) * CACHE_STEP, limit))
 
 
 def check_fraction(fraction: float) -> float:
     """`fraction` if it is a share of memory in (0, 1], else a one-line error."""
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-        raise ConfigError(f"--memory-fraction must be a number in (0, 1] (the share of free device memory fd may use), got {fraction!r}")
+        raise ConfigError(
+            f"{setting('memory_fraction')} must be a number in (0, 1] (the share of free device memory fd may use), "
+            f"got {fraction!r}"
+        )
     return float(fraction)
 
 
@@ -76,7 +83,8 @@ class MemoryPlan:
         return self.capacity_tokens is None or tokens <= self.capacity_tokens
 
     def batch_size(self, max_batch: int, length: int) -> int:
-        """The most sequences of cache length `length` that decode together: up to `max_batch`, as many as fit (at least one)."""
+        """The most sequences of cache length `length` that decode together: up to `max_batch`, as many as fit (at
+        least one)."""
         if self.capacity_tokens is None:
             return max_batch
         return max(1, min(max_batch, self.capacity_tokens // max(1, length)))
@@ -89,12 +97,14 @@ class MemoryPlan:
         shared = f", shared by {self.ranks_per_device} ranks" if self.ranks_per_device > 1 else ""
         assert self.device_free is not None
         return (
-            f"{weights}; KV cache for {self.capacity_tokens} tokens (batch x context); --memory-fraction {self.fraction:g} "
-            f"of {gib(self.device_free)} free on device {self.device}{shared}"
+            f"{weights}; KV cache for {self.capacity_tokens} tokens (batch x context); "
+            f"{setting('memory_fraction', self.fraction)} of {gib(self.device_free)} free on device "
+            f"{self.device}{shared}"
         )
 
     def check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, context: int, arch: str) -> None:
-        """Refuse, in one line naming the numbers, a request whose longest sequence alone needs more cache than the capacity."""
+        """Refuse, in one line naming the numbers, a request whose longest sequence alone needs more cache than the
+        capacity."""
         if self.capacity_tokens is None or not prompts:
             return
         longest = max(len(p) for p in prompts)
@@ -104,16 +114,18 @@ class MemoryPlan:
         assert self.device_free is not None
         ranks = f" for each of its {self.ranks_per_device} ranks" if self.ranks_per_device > 1 else ""
         raise ConfigError(
-            f"this request needs a KV cache of {needed} tokens (its longest prompt, {longest} tokens, and {max_new_tokens} new, "
-            f"rounded up to a multiple of {CACHE_STEP}), and {arch} at tp={self.tp} has room for {self.capacity_tokens} "
-            f"(--memory-fraction {self.fraction:g} of {gib(self.device_free)} free on device {self.device}, less "
-            f"{gib(self.weights_per_rank)} of weights{ranks}; {self.cache_bytes_per_token} bytes a token per rank); "
-            f"ask for fewer tokens, or raise --memory-fraction{'' if self.ranks_per_device > 1 else ' or --tp'}"
+            f"this request needs a KV cache of {needed} tokens (its longest prompt, {longest} tokens, and "
+            f"{max_new_tokens} new, rounded up to a multiple of {CACHE_STEP}), and {arch} at tp={self.tp} has room for "
+            f"{self.capacity_tokens} ({setting('memory_fraction', self.fraction)} of {gib(self.device_free)} free on "
+            f"device {self.device}, less {gib(self.weights_per_rank)} of weights{ranks}; {self.cache_bytes_per_token} "
+            f"bytes a token per rank); ask for fewer tokens, or raise "
+            f"{setting('memory_fraction')}{'' if self.ranks_per_device > 1 else ' or ' + setting('tp')}"
         )
 
 
 def reported_devices(detection: "Detection") -> tuple[DeviceMemory, ...]:
-    """The platform's per-device report; the older host-wide `memory_bytes` as one device all ranks share; or nothing."""
+    """The platform's per-device report; the older host-wide `memory_bytes` as one device all ranks share; or
+    nothing."""
     if detection.device_memory:
         return tuple(detection.device_memory)
     if detection.memory_bytes is not None:
@@ -122,9 +134,11 @@ def reported_devices(detection: "Detection") -> tuple[DeviceMemory, ...]:
 
 
 def plan_memory(
-    config: "ModelConfig", tp: int, detection: "Detection", fraction: float, platform: str, arch: str, ranks_here: int | None = None,
+    config: "ModelConfig", tp: int, detection: "Detection", fraction: float, platform: str, arch: str,
+    ranks_here: int | None = None,
 ) -> MemoryPlan:
-    """Weights per rank checked against the device, and the KV-cache capacity left; a ConfigError if the weights do not fit.
+    """Weights per rank checked against the device, and the KV-cache capacity left; a ConfigError if the weights do not
+    fit.
 
     Rank r of this host uses device r % len(devices); ranks on one device share it. The plan is bound by
     the used device with the least free memory: its budget is `fraction` of its free bytes, less the
@@ -147,19 +161,23 @@ def plan_memory(
     room = budget - ranks * weights
     what = f"{ranks} ranks of tp={tp} share it" if ranks > 1 else f"tp={tp}"
     # Ranks that share one device hold more weights together at a larger tp, not less: no --tp advice then.
-    advice = ("a higher --memory-fraction or a smaller model (its ranks share the device, so a larger --tp does not help)" if ranks > 1
-              else "a larger --tp, a higher --memory-fraction or a smaller model")
-    cache_advice = "a higher --memory-fraction" if ranks > 1 else "a larger --tp or a higher --memory-fraction"
+    fraction_, tp_ = setting("memory_fraction"), setting("tp")
+    advice = (f"a higher {fraction_} or a smaller model (its ranks share the device, so a larger {tp_} does not help)"
+              if ranks > 1 else f"a larger {tp_}, a higher {fraction_} or a smaller model")
+    cache_advice = f"a higher {fraction_}" if ranks > 1 else f"a larger {tp_} or a higher {fraction_}"
     if room <= 0:
         raise ConfigError(
-            f"{arch} needs about {gib(weights)} of weights per rank ({config.dtype}, {what}), and device {index} of platform "
-            f"{platform!r} has {gib(device.free)} free of {gib(device.total)}, of which --memory-fraction {fraction:g} allows "
-            f"{gib(budget)}; use {advice}"
+            f"{arch} needs about {gib(weights)} of weights per rank ({config.dtype}, {what}), and device {index} of "
+            f"platform {platform!r} has {gib(device.free)} free of {gib(device.total)}, of which "
+            f"{setting('memory_fraction', fraction)} allows {gib(budget)}; use {advice}"
         )
     capacity = room // (ranks * per_token)
     if capacity < 1:
         raise ConfigError(
-            f"{arch}'s weights ({gib(weights)} per rank, {what}) leave no room for a KV cache in --memory-fraction {fraction:g} of "
-            f"{gib(device.free)} free on device {index} of platform {platform!r}; use {cache_advice}"
+            f"{arch}'s weights ({gib(weights)} per rank, {what}) leave no room for a KV cache in "
+            f"{setting('memory_fraction', fraction)} of {gib(device.free)} free on device {index} of platform "
+            f"{platform!r}; use {cache_advice}"
         )
-    return MemoryPlan(fraction, config.dtype, tp, weights, per_token, index, device.total, device.free, ranks, int(capacity))
+    return MemoryPlan(
+        fraction, config.dtype, tp, weights, per_token, index, device.total, device.free, ranks, int(capacity)
+    )

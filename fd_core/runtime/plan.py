@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.detection import Detection, affinity_cores
-from fd_core.errors import CheckpointError, ConfigError, FdError
+from fd_core.errors import CheckpointError, ConfigError, FdError, setting
 from fd_core.host.backend import Backend
 from fd_core.host.loading import PluginSet, load_plugins
 from fd_core.models import Architecture
@@ -30,7 +30,8 @@ DEFAULT_MODEL = "ernie4_5"
 class RunConfig:
     """What `fd run` was asked to do; plain data, so it crosses into spawned ranks."""
 
-    model: str
+    # The architecture's name or alias; None: the checkpoint's, else fd's default.
+    model: str | None = None
     tp: int = 1
     steps: int = 16
     prompt_ids: tuple[int, ...] = (1, 2, 3, 4)
@@ -85,9 +86,12 @@ class RunConfig:
 
 
 def run_threads(run: RunConfig, detection: Detection | None = None) -> Threads:
-    """decide_threads for `run` on this host: the ranks that start here (under a launcher, its local size) share its cores."""
+    """decide_threads for `run` on this host: the ranks that start here (under a launcher, its local size) share its
+    cores."""
     reported = detection.host_cores if detection is not None else None
-    cores, source = (reported, "the platform's report") if reported is not None else (affinity_cores(), "the affinity mask")
+    cores, source = (
+        (reported, "the platform's report") if reported is not None else (affinity_cores(), "the affinity mask")
+    )
     return decide_threads(run.threads, local_ranks(run.tp), cores, os.environ, "paddle" in sys.modules, source)
 
 
@@ -148,7 +152,7 @@ def compute_dtype(requested: str | None, backend: Backend) -> str:
     if requested not in offered:
         raise ConfigError(
             f"platform {backend.platform} cannot compute in {requested} (it offers {', '.join(offered)}); "
-            f"pass --dtype {offered[0]}"
+            f"pass {setting('dtype', offered[0])}"
         )
     return requested
 
@@ -170,8 +174,8 @@ def check_tp(tp: int, config: ModelConfig, arch: Architecture, backend: Backend)
 
 
 def _run_request(
-    run: RunConfig, arch: Architecture, config: ModelConfig, checkpoint: Checkpoint | None, pictures: list[Any], memory: MemoryPlan,
-    backend: Backend | None,
+    run: RunConfig, arch: Architecture, config: ModelConfig, checkpoint: Checkpoint | None, pictures: list[Any],
+    memory: MemoryPlan, backend: Backend | None,
 ) -> Request:
     """What `fd run` asked for as a checked Request; its flags' own errors first, in their words."""
     if run.prompts and run.id_prompts:
@@ -180,19 +184,23 @@ def _run_request(
         if run.chat:
             raise ConfigError("--chat applies the chat template to text; pass the message with --prompt")
         if run.stop and (checkpoint is None or not checkpoint.has_tokenizer()):
-            raise ConfigError("--stop strings are matched in the text, and without a tokenizer there is none; drop --stop")
+            raise ConfigError(
+                "--stop strings are matched in the text, and without a tokenizer there is none; drop --stop"
+            )
     given: dict[str, Any] = {"temperature": run.temperature, "top_p": run.top_p, "top_k": run.top_k}
     # Token ids in, token ids out: exactly --max-new-tokens, as before text came in (a benchmark's and the
     # reference tests' mode); text prompts end at an end-of-sequence id.
     sampling = SamplingParams(max_new_tokens=run.steps, seed=run.seed, stop=run.stop, ignore_eos=not run.prompts,
                               **{k: v for k, v in given.items() if v is not None})
     prompts = run.prompts or run.id_prompts or (run.prompt_ids,)
-    return build_request(prompts, sampling, arch=arch, config=config, checkpoint=checkpoint, chat=run.chat, images=pictures,
-                         given=[k for k, v in given.items() if v is not None], memory=memory, backend=backend,
-                         parallel=ParallelConfig(tp_size=run.tp), stream=run.stream)
+    return build_request(prompts, sampling, arch=arch, config=config, checkpoint=checkpoint, chat=run.chat,
+                         images=pictures, given=[k for k, v in given.items() if v is not None], memory=memory,
+                         backend=backend, parallel=ParallelConfig(tp_size=run.tp), stream=run.stream)
 
 
-def model_and_checkpoint(model: str | None, directory: str | None, plugins: PluginSet) -> tuple[Architecture, Checkpoint | None]:
+def model_and_checkpoint(
+    model: str | None, directory: str | None, plugins: PluginSet
+) -> tuple[Architecture, Checkpoint | None]:
     """The architecture to run (the checkpoint's, which `model` may only name again; else `model`, else the default) and
     the opened checkpoint (None without one)."""
     if directory is None:
@@ -200,37 +208,69 @@ def model_and_checkpoint(model: str | None, directory: str | None, plugins: Plug
     checkpoint = Checkpoint.open(directory)
     found = checkpoint.architecture
     if found is None:
-        raise CheckpointError(f"checkpoint {directory}/config.json names no architecture; add \"architectures\": [\"<name>\"]")
+        raise CheckpointError(
+            f"checkpoint {directory}/config.json names no architecture; add \"architectures\": [\"<name>\"]"
+        )
     if found not in plugins.registry:
-        raise CheckpointError(f"checkpoint {directory}: architecture {found!r} is not registered; {plugins.registry.listing()}")
+        raise CheckpointError(
+            f"checkpoint {directory}: architecture {found!r} is not registered; {plugins.registry.listing()}"
+        )
     if model and plugins.registry.get(model).name != plugins.registry.get(found).name:
-        raise ConfigError(f"--model {model} does not match the checkpoint's architecture {found}; drop --model or pick the right checkpoint")
+        raise ConfigError(
+            f"{setting('model', model)} does not match the checkpoint's architecture {found}; "
+            f"drop {setting('model')} or pick the right checkpoint"
+        )
     return plugins.registry.get(found), checkpoint
 
 
-def plan_run(run: RunConfig, plugins: PluginSet | None = None, *, gate: bool = True) -> Plan:
-    """Every check that can fail before a process starts: platform, model, tp, memory, prompt, checkpoint, the plugins' gates.
+@dataclass(frozen=True)
+class ModelPlan:
+    """The model part of a plan (what `fd explain` shows): the architecture, its config in the compute dtype, the
+    checkpoint, the memory plan and the threads, all checked against the platform and the tensor-parallel layout."""
 
-    `gate=False` leaves the request out of fd_check_request: the Python API plans its model with a
-    placeholder request and asks the plugins about each request it is given instead.
-    """
-    plugins = plugins or load_plugins(plugin_env(run.platform))
-    backend = Backend(plugins)
-    backend.require_hardware()
-    backend.check_graph_request(run.graph)
-    if run.steps < 1:
-        raise ConfigError(f"--max-new-tokens must be >= 1, got {run.steps}")
+    arch: Architecture
+    config: ModelConfig
+    checkpoint: Checkpoint | None
+    memory: MemoryPlan
+    threads: Threads
+
+
+def plan_model(run: RunConfig, plugins: PluginSet, backend: Backend) -> ModelPlan:
+    """The checks of the model against the platform: architecture and checkpoint, dtype, tp, memory, threads."""
     threads = run_threads(run, backend.detection)
     arch, checkpoint = model_and_checkpoint(run.model, run.checkpoint, plugins)
     config = model_config_for(arch, checkpoint, compute_dtype(run.dtype, backend))
     check_tp(run.tp, config, arch, backend)
-    if run.images and not arch.multimodal:
-        raise ConfigError(f"{arch.name} takes no image; drop --image or choose a VL model")
     # Weights per rank against the device, and the KV-cache capacity: before the request, which must fit it.
     memory = plan_memory(config, run.tp, backend.detection, run.memory_fraction, backend.platform, arch.name)
+    return ModelPlan(arch, config, checkpoint, memory, threads)
+
+
+def plan_run(
+    run: RunConfig, plugins: PluginSet | None = None, *, backend: Backend | None = None, gate: bool = True
+) -> Plan:
+    """Every check that can fail before a process starts: platform, model, tp, memory, prompt, checkpoint, the
+    plugins' gates.
+
+    `backend` is the caller's Backend over `plugins` (one is built if not given). `gate=False` leaves the
+    request out of fd_check_request: the Python API plans its model with a placeholder request and asks the
+    plugins about each request it is given instead.
+    """
+    plugins = plugins or load_plugins(plugin_env(run.platform))
+    backend = backend or Backend(plugins)
+    backend.require_hardware()
+    backend.check_graph_request(run.graph)
+    if run.steps < 1:
+        raise ConfigError(f"{setting('max_new_tokens')} must be >= 1, got {run.steps}")
+    model = plan_model(run, plugins, backend)
+    if run.images and not model.arch.multimodal:
+        raise ConfigError(f"{model.arch.name} takes no image; drop {setting('images')} or choose a VL model")
     # Tokenizing, the chat template, a missing or malformed picture, a prompt too long for the context
     # or whose placeholders do not fit the pictures, a cache beyond the capacity, a plugin's
     # fd_check_request refusal: all fail here, before any rank starts.
     pictures = [load_image(path) for path in run.images]
-    request = _run_request(run, arch, config, checkpoint, pictures, memory, backend if gate else None)
-    return Plan(run, arch.name, config, backend.platform, backend.detection.dist_backend, request, checkpoint, memory, threads)
+    request = _run_request(
+        run, model.arch, model.config, model.checkpoint, pictures, model.memory, backend if gate else None
+    )
+    return Plan(run, model.arch.name, model.config, backend.platform, backend.detection.dist_backend, request,
+                model.checkpoint, model.memory, model.threads)

@@ -20,16 +20,20 @@ def threads_line(threads: Mapping[str, Any]) -> str:
     loops = "" if openmp == threads["per_rank"] else f"; Paddle's own OpenMP loops {openmp}"
     one_row = threads.get("one_row_decode", threads["per_rank"])
     split = threads.get("one_row_decode_kernels", one_row)
-    decode = "" if one_row == threads["per_rank"] else f"; a one-row decode step: {one_row} for the library's products, {split} for a kernel that splits one"
+    decode = "" if one_row == threads["per_rank"] else (
+        f"; a one-row decode step: {one_row} for the library's products, {split} for a kernel that splits one"
+    )
     return f"threads: {threads['per_rank']} per rank for matrix products ({threads['reason']}{loops}{decode})"
 
 
 def summary_lines(results: Sequence[Mapping[str, Any]], verbose: bool = False) -> list[str]:
-    """The human-readable report: rank 0's result, and every reporting rank's peak memory; `verbose` (fd -v) adds the decode step's parts."""
+    """The human-readable report: rank 0's result, and every reporting rank's peak memory; `verbose` (fd -v) adds the
+    decode step's parts."""
     result = results[0]
     graph = result["graph"]
     lines = [
-        f"platform: {result['platform']}   model: {result['model']}   tp: {result['tp']}" + (f"   dtype: {result['dtype']}" if "dtype" in result else ""),
+        f"platform: {result['platform']}   model: {result['model']}   tp: {result['tp']}"
+        + (f"   dtype: {result['dtype']}" if "dtype" in result else ""),
         f"kernels: {kernel_line(result['kernels'])}",
         *([threads_line(result["threads"])] if result.get("threads") else []),
         f"graph: {graph['summary']}",
@@ -42,17 +46,23 @@ def summary_lines(results: Sequence[Mapping[str, Any]], verbose: bool = False) -
     lines.append(f"speed: {result['tokens_per_s']} tokens/s (decode)")
     if verbose and result.get("decode_step_ms"):
         step = result["decode_step_ms"]
-        lines.append(f"decode step: {step['step']:.2f} ms (model and loop {step['model_and_loop']:.2f} ms, non-finite check and sampling "
-                     f"{step['choose']:.2f} ms); per op: fd bench --rows step")
+        lines.append(f"decode step: {step['step']:.2f} ms (model and loop {step['model_and_loop']:.2f} ms, "
+                     f"non-finite check and sampling {step['choose']:.2f} ms); per op: fd bench --rows step")
     lines.append(f"time to first token: {result['time_to_first_token_s']:.2f}s after fd run started")
     cycles = len(result["reload_cycles"])
     # After reload cycles a phase's time is its sum over the first run and every cycle; the label says so.
-    label = f"phases (totals over the first run and {cycles} reload cycle{'s' if cycles != 1 else ''})" if cycles else "phases"
+    label = (
+        f"phases (totals over the first run and {cycles} reload cycle{'s' if cycles != 1 else ''})"
+        if cycles
+        else "phases"
+    )
     lines.append(f"{label}: " + ", ".join(f"{k} {v:.3f}s" for k, v in result["timings_s"].items()))
     if "wall_s" in result:
         named = sum(result["timings_s"].values())
         lines.append(f"wall: {result['wall_s']:.2f}s, {named / result['wall_s']:.0%} of it in the phases above")
-    lines.append("peak memory: " + ", ".join(f"rank {r['rank']} {r['peak_rss_bytes'] / 2**30:.2f} GiB" for r in results))
+    lines.append(
+        "peak memory: " + ", ".join(f"rank {r['rank']} {r['peak_rss_bytes'] / 2**30:.2f} GiB" for r in results)
+    )
     if result.get("memory") is not None:
         lines.append(f"memory plan: {MemoryPlan(**result['memory']).summary()}")
     if result["reload_cycles"]:
@@ -63,8 +73,8 @@ def summary_lines(results: Sequence[Mapping[str, Any]], verbose: bool = False) -
 
 def as_json(results: Sequence[Mapping[str, Any]]) -> str:
     """Rank 0's result as JSON, with every reporting rank's peak RSS."""
-    keys = ("platform", "model", "tp", "graph", "all_reduce", "kernels", "tokens", "outputs", "tokens_per_s", "time_to_first_token_s", "timings_s",
-            "reload_cycles", "rss_bytes", "peak_rss_bytes")
+    keys = ("platform", "model", "tp", "graph", "all_reduce", "kernels", "tokens", "outputs", "tokens_per_s",
+            "time_to_first_token_s", "timings_s", "reload_cycles", "rss_bytes", "peak_rss_bytes")
     data = {k: results[0][k] for k in keys}
     # The compute dtype, and the memory plan: weights per rank, KV-cache capacity (tokens), the fraction.
     data.update({k: results[0][k] for k in ("dtype", "memory", "threads", "decode_step_ms") if k in results[0]})

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from fd_core.errors import CheckpointError, ConfigError, FdError, package_failure
+from fd_core.errors import CheckpointError, ConfigError, FdError, in_terms, package_failure, setting
 from fd_core.runtime.engine.sampling import SamplingParams
 from fd_core.runtime.images import check_picture
 from fd_core.runtime.text.chat import expand_placeholders, render_chat, user_message
@@ -36,8 +36,14 @@ class Request:
 
     @classmethod
     def greedy(cls, prompts: Sequence[Sequence[int]], max_new_tokens: int, images: Sequence[Any] = ()) -> "Request":
-        """Token ids in, exactly `max_new_tokens` greedy ids out (no end-of-sequence stop): the reference tests' mode."""
-        return cls(tuple(tuple(int(t) for t in p) for p in prompts), SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True), (), tuple(images))
+        """Token ids in, exactly `max_new_tokens` greedy ids out (no end-of-sequence stop): the reference tests'
+        mode."""
+        return cls(
+            tuple(tuple(int(t) for t in p) for p in prompts),
+            SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
+            (),
+            tuple(images),
+        )
 
 
 def tokenizer_for(checkpoint: "Checkpoint | None", arch_name: str) -> Tokenizer:
@@ -45,12 +51,16 @@ def tokenizer_for(checkpoint: "Checkpoint | None", arch_name: str) -> Tokenizer:
     if checkpoint is None:
         raise ConfigError(
             f"text prompts need a tokenizer, and the {arch_name} preset has none (a checkpoint directory holds "
-            f"{' or '.join(TOKENIZER_FILES)}); pass --checkpoint DIR, or token ids with --prompt-ids"
+            f"{' or '.join(TOKENIZER_FILES)}); "
+            + in_terms("pass --checkpoint DIR, or token ids with --prompt-ids",
+                       "pass a checkpoint directory with its tokenizer, or token ids as the prompt")
         )
     return checkpoint.tokenizer()
 
 
-def render_messages(tokenizer: Tokenizer, checkpoint: "Checkpoint", messages: Sequence[Mapping[str, Any]], instead: str) -> list[int]:
+def render_messages(
+    tokenizer: Tokenizer, checkpoint: "Checkpoint", messages: Sequence[Mapping[str, Any]], instead: str
+) -> list[int]:
     """The ids of a conversation rendered through the checkpoint's chat template (with a generation prompt);
     `instead` is what to do when the checkpoint has no template."""
     template = checkpoint.chat_template()
@@ -66,18 +76,25 @@ def render_messages(tokenizer: Tokenizer, checkpoint: "Checkpoint", messages: Se
 
 def chat_prompt(tokenizer: Tokenizer, checkpoint: "Checkpoint", text: str, images: int = 0) -> list[int]:
     """The ids of one user message rendered through the checkpoint's chat template (with a generation prompt)."""
-    return render_messages(tokenizer, checkpoint, [user_message(text, images)], "drop --chat to send the prompt as it is")
+    fix = in_terms("drop --chat to send the prompt as it is", "pass chat=False to send the prompt as it is")
+    return render_messages(tokenizer, checkpoint, [user_message(text, images)], fix)
 
 
 def messages_prompt(
-    messages: Sequence[Mapping[str, Any]], checkpoint: "Checkpoint | None", arch: "Architecture", config: "ModelConfig", images: Sequence[Any] = (),
+    messages: Sequence[Mapping[str, Any]], checkpoint: "Checkpoint | None", arch: "Architecture", config: "ModelConfig",
+    images: Sequence[Any] = (),
 ) -> list[int]:
-    """Chat messages ({"role", "content"} mappings) as prompt ids, each picture's placeholder expanded to its number of tokens."""
+    """Chat messages ({"role", "content"} mappings) as prompt ids, each picture's placeholder expanded to its number of
+    tokens."""
     if checkpoint is None or not checkpoint.has_tokenizer():
-        raise ConfigError("chat messages are rendered through a checkpoint's chat template and tokenizer, and this model has none")
+        raise ConfigError(
+            "chat messages are rendered through a checkpoint's chat template and tokenizer, and this model has none"
+        )
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) or "content" not in message:
-            raise ConfigError(f"message {index + 1} must be a mapping with a 'role' string and a 'content', got {message!r:.80}")
+            raise ConfigError(
+                f"message {index + 1} must be a mapping with a 'role' string and a 'content', got {message!r:.80}"
+            )
     ids = render_messages(checkpoint.tokenizer(), checkpoint, messages, "send the prompt as text or token ids instead")
     if images and arch.image_tokens is not None:
         pictures = [check_picture(p, f"images[{index}]") for index, p in enumerate(images)]
@@ -93,12 +110,17 @@ def _check_utf8(text: str, which: str) -> None:
     except UnicodeEncodeError as exc:
         char = ord(text[exc.start])
         what = f"the byte {char - 0xDC00:#04x}" if 0xDC80 <= char <= 0xDCFF else f"the lone surrogate U+{char:04X}"
-        raise ConfigError(f"{which} is not valid UTF-8 text ({what} at character {exc.start}); pass the text encoded as UTF-8") from None
+        raise ConfigError(
+            f"{which} is not valid UTF-8 text ({what} at character {exc.start}); pass the text encoded as UTF-8"
+        ) from None
 
 
-def image_token_counts(arch: "Architecture", config: "ModelConfig", shapes: Sequence[tuple[int, int, int]]) -> list[int]:
+def image_token_counts(
+    arch: "Architecture", config: "ModelConfig", shapes: Sequence[tuple[int, int, int]]
+) -> list[int]:
     """The placeholder tokens each picture takes (`arch.image_tokens`); a picture the model's processor refuses (its
-    ValueError says why: an aspect ratio above 200, say) is one line naming the picture, another exception the package's."""
+    ValueError says why: an aspect ratio above 200, say) is one line naming the picture, another exception the
+    package's."""
     assert arch.image_tokens is not None
     counts = []
     for index, shape in enumerate(shapes):
@@ -115,8 +137,8 @@ def image_token_counts(arch: "Architecture", config: "ModelConfig", shapes: Sequ
 
 
 def text_prompts(
-    texts: Sequence[str], tokenizer: Tokenizer, checkpoint: "Checkpoint", chat: bool, arch: "Architecture", config: "ModelConfig",
-    image_shapes: Sequence[tuple[int, int, int]] = (),
+    texts: Sequence[str], tokenizer: Tokenizer, checkpoint: "Checkpoint", chat: bool, arch: "Architecture",
+    config: "ModelConfig", image_shapes: Sequence[tuple[int, int, int]] = (),
 ) -> list[list[int]]:
     """Token ids of each text prompt; each image placeholder expanded to its picture's number of tokens."""
     for index, text in enumerate(texts):
@@ -133,7 +155,8 @@ def check_prompts(
     prompts: Sequence[Sequence[int]], max_new_tokens: int, arch: "Architecture", config: "ModelConfig",
     image_shapes: Sequence[tuple[int, int, int]] = (),
 ) -> None:
-    """Every prompt non-empty, inside the vocabulary, within the context with the new tokens, and fitting the pictures."""
+    """Every prompt non-empty, inside the vocabulary, within the context with the new tokens, and fitting the
+    pictures."""
     for index, ids in enumerate(prompts):
         which = f"prompt {index + 1}" if len(prompts) > 1 else "the prompt"
         if not ids:
@@ -144,20 +167,21 @@ def check_prompts(
             raise ConfigError(f"{owner} token id {bad[0]} is outside the vocabulary 0..{config.vocab_size - 1}")
         if len(ids) + max_new_tokens > config.max_position_embeddings:
             raise ConfigError(
-                f"{which} has {len(ids)} tokens and {max_new_tokens} new tokens are asked for: {len(ids) + max_new_tokens} "
-                f"exceed the model's context of {config.max_position_embeddings} (max_position_embeddings of {arch.name}); "
-                f"shorten the prompt or ask for fewer tokens"
+                f"{which} has {len(ids)} tokens and {max_new_tokens} new tokens are asked for: "
+                f"{len(ids) + max_new_tokens} exceed the model's context of {config.max_position_embeddings} "
+                f"(max_position_embeddings of {arch.name}); shorten the prompt or ask for fewer tokens"
             )
         if image_shapes and not arch.multimodal:
-            raise ConfigError(f"{arch.name} takes no image; drop --image or choose a VL model")
+            raise ConfigError(f"{arch.name} takes no image; drop {setting('images')} or choose a VL model")
         if arch.check_prompt is not None:
             arch.check_prompt(config, list(ids), list(image_shapes))
 
 
 def build_request(
-    prompts: Sequence[str] | Sequence[Sequence[int]], sampling: SamplingParams, *, arch: "Architecture", config: "ModelConfig",
-    checkpoint: "Checkpoint | None", chat: bool = False, images: Sequence[Any] = (), given: Sequence[str] = SAMPLING_DEFAULTS,
-    memory: "MemoryPlan | None" = None, backend: "Backend | None" = None, parallel: "ParallelConfig | None" = None, stream: bool = False,
+    prompts: Sequence[str] | Sequence[Sequence[int]], sampling: SamplingParams, *, arch: "Architecture",
+    config: "ModelConfig", checkpoint: "Checkpoint | None", chat: bool = False, images: Sequence[Any] = (),
+    given: Sequence[str] = SAMPLING_DEFAULTS, memory: "MemoryPlan | None" = None, backend: "Backend | None" = None,
+    parallel: "ParallelConfig | None" = None, stream: bool = False,
 ) -> Request:
     """Text prompts (all str) or token-id prompts as a checked Request, with the checkpoint's defaults for the
     sampling fields not in `given` and its end-of-sequence ids. `images` are decoded pictures [C, H, W].
@@ -180,7 +204,9 @@ def build_request(
         sampling = sampling.with_defaults(defaults.sampling, given)
     except ConfigError as exc:  # a default of the checkpoint's out of range: name the file it came from
         assert checkpoint is not None
-        raise CheckpointError(f"{checkpoint.directory}/generation_config.json: its default {exc}; fix the file, or pass the setting") from None
+        raise CheckpointError(
+            f"{checkpoint.directory}/generation_config.json: its default {exc}; fix the file, or pass the setting"
+        ) from None
     eos = list(defaults.eos_ids)
     held = checkpoint.tokenizer_if_any() if checkpoint is not None else None
     tokenizer_eos = held.role_id("eos_token") if held is not None else None

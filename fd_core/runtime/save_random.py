@@ -46,4 +46,6 @@ def save_random_checkpoint(
     specs = built.weight_specs()
     built.release_weights()  # only the specs are needed: the zero parameters would double the peak
     tensors = random_state_dict(specs, seed, std=init_std(config))
-    return save_checkpoint(directory, {**data, "architectures": data.get("architectures") or [arch.name]}, tensors, dtype, files)
+    return save_checkpoint(
+        directory, {**data, "architectures": data.get("architectures") or [arch.name]}, tensors, dtype, files
+    )

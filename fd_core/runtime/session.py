@@ -1,261 +1,199 @@
-"""The Python API: a model loaded on its ranks, generating text for lists of prompts, streaming, and
-reporting its platform, graph decision and timings."""
+"""A session: a planned run on its ranks, the one front door into the runtime. `fd run`, `LLM` (and so
+`fd serve`) and the conformance suites start their ranks, tick them, reload them and read their reports
+through it, so what the suites certify is what users run."""
 
 from __future__ import annotations
 
-import weakref
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+import dataclasses
+import os
+import sys
+import time
+from typing import Any, Callable, Literal, Sequence
 
-from fd_core.config import ParallelConfig
-from fd_core.errors import ConfigError, RankError
-from fd_core.graphs import CastVote, GraphDecision
+from fd_core.errors import FdError
 from fd_core.host.backend import Backend
-from fd_core.host.loading import load_plugins
-from fd_core.host.paddle_logs import quiet_paddle_logs
+from fd_core.host.loading import PluginSet
 from fd_core.runtime.engine.loop import Completion, Event, Job, jobs_of
-from fd_core.runtime.engine.sampling import SamplingParams
 from fd_core.runtime.engine.scheduler import Scheduler, Submission
-from fd_core.runtime.images import load_image
-from fd_core.runtime.memory import DEFAULT_MEMORY_FRACTION
-from fd_core.runtime.plan import RunConfig, plan_run, plugin_env
+from fd_core.runtime.plan import Plan
 from fd_core.runtime.ranks.pool import RankPool
-from fd_core.runtime.ranks.spawn import DEFAULT_STALL_S
+from fd_core.runtime.ranks.spawn import DEFAULT_STALL_S, init_rank, launched_rank, run_here
 from fd_core.runtime.ranks.worker import RankWorker
-from fd_core.runtime.request import Request, build_request, messages_prompt
+from fd_core.runtime.request import Request
 from fd_core.runtime.threads import apply_threads
 
-if TYPE_CHECKING:
-    from fd_core.runtime.text.tokenizer import Tokenizer
 
-Prompt = str | Sequence[int]
-
-
-class LLM:
-    """A checkpoint (or an architecture's tiny preset) loaded on `tp` ranks and ready to generate.
-
-    With tp > 1 the ranks are processes started here and kept until `close()` (use it as a context
-    manager); a rank that fails stops the others and the call raises RankError naming it, as `fd run`
-    does. Everything is checked before a process starts.
-    """
-
-    def __init__(
-        self, checkpoint: str | Path | None = None, *, model: str | None = None, tp: int = 1, platform: str | None = None,
-        dtype: str | None = None, graph: str = "auto", seed: int = 0, max_batch: int = 8, progress: bool = False,
-        rank_timeout: float = 30.0, memory_fraction: float = DEFAULT_MEMORY_FRACTION, stall_timeout: float = DEFAULT_STALL_S,
-        threads: int | None = None,
-    ) -> None:
-        quiet_paddle_logs()  # before paddle is imported: its C++ logs stay off the caller's terminal
-        if graph not in ("auto", "off", "on"):
-            raise ConfigError(f"graph must be 'auto', 'off' or 'on', got {graph!r}")
-        self.checkpoint = None if checkpoint is None else str(checkpoint)
-        run = RunConfig(model=model or "", tp=tp, checkpoint=self.checkpoint, dtype=dtype, graph=graph, seed=seed,
-                        max_batch=max_batch, progress=progress, platform=platform, memory_fraction=memory_fraction,
-                        threads=threads)
-        self._plugins = load_plugins(plugin_env(platform))
-        # The plan's request is a placeholder: the plugins' fd_check_request is asked about each real one (_request).
-        self._plan = plan_run(run, self._plugins, gate=False)
-        self._backend = Backend(self._plugins)
-        self.tokenizer: Tokenizer | None = self._plan.checkpoint.tokenizer_if_any() if self._plan.checkpoint is not None else None
-        self._worker: RankWorker | None = None  # tp=1: the rank in this process
-        self._pool: RankPool | None = None  # tp > 1: the ranks
-        if tp == 1:
-            self._worker = RankWorker.start(self._plan, plugins=self._plugins)
-            self._driver: Any = _InProcess(self._worker)
-        else:
-            if progress:
-                import sys
-
-                print(f"fd: starting {tp} ranks on {self._plan.platform} ({self._plan.dist_backend})", file=sys.stderr, flush=True)
-            self._driver = self._pool = RankPool(self._plan, tp, rank_timeout, stall_timeout)
-        # One thread steps the engine (or the ranks) for every caller; at tp > 1 a failed tick means the ranks are gone.
-        # At tp=1 the engine computes on the scheduler's thread: it gets the plan's compute threads as the rank did.
-        planned = self._plan.threads
-        on_start = (lambda: apply_threads(planned)) if tp == 1 and planned is not None else None
-        self._scheduler = Scheduler(self._driver.tick, fatal=lambda error: tp > 1, name="fd-llm", on_start=on_start)
-        self._closed = False
-        # A script that forgets close() still stops its ranks at exit (and an LLM dropped early, when collected).
-        self._finalizer = weakref.finalize(self, _shutdown, self._scheduler, self._driver)
-
-    # -- what it is ----------------------------------------------------------------------
-    @property
-    def platform(self) -> str:
-        """The platform the ranks run on."""
-        return str(self._info["platform"])
-
-    @property
-    def model(self) -> str:
-        """The architecture's registered name."""
-        return str(self._info["model"])
-
-    @property
-    def graph(self) -> GraphDecision:
-        """Whether decode steps replay a captured graph, and every plugin's vote."""
-        data = self._info["graph"]
-        return GraphDecision(data["allowed"], data["mode"], tuple(CastVote(**v) for v in data["votes"]), data["requested"])
-
-    @property
-    def _info(self) -> dict[str, Any]:
-        """Rank 0's description (platform, model, graph decision, timings), as of the last sequence that ended."""
-        return dict(self._driver.info)
-
-    @property
-    def error(self) -> BaseException | None:
-        """The failure that stopped this LLM's ranks (every later call raises RankError); None while it can generate."""
-        # The scheduler's when a step failed; the ranks' own when one died between requests (no step ran to see it).
-        idle = self._driver.error if isinstance(self._driver, RankPool) else None
-        return self._scheduler.error or idle
-
-    @property
-    def threads(self) -> int:
-        """Compute threads each rank runs (LLM(threads=), else OMP_NUM_THREADS, else the host's usable cores shared among its ranks)."""
-        return int(self._info["threads"]["per_rank"])
-
-    @property
-    def timings(self) -> dict[str, float]:
-        """Seconds spent so far in each phase on rank 0 (build, load, cleanup, capture, prefill, decode)."""
-        return dict(self._info["timings_s"])
-
-    # -- generating ----------------------------------------------------------------------
-    def submit(
-        self, prompt: Prompt | Sequence[Mapping[str, Any]], sampling: SamplingParams | None = None, *, chat: bool = False,
-        images: Sequence[Any] = (),
-    ) -> Submission:
-        """Queue one prompt (text, token ids, or chat messages: a list of {"role", "content"} mappings rendered through the
-        checkpoint's chat template) and return at once; it joins the running batch at the next step boundary.
-
-        Thread-safe. The request is checked first: a bad one raises ConfigError (or RequestRefused) here, before it queues.
-        """
-        if not isinstance(prompt, str) and prompt and isinstance(prompt[0], Mapping):
-            pictures = self._pictures(images)
-            messages: Sequence[Mapping[str, Any]] = prompt  # type: ignore[assignment]  # narrowed by the check above
-            return self._submit(self._request(self._chat_ids(messages, pictures), sampling, False, pictures, stream=True))[0]
-        if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
-            raise ConfigError("submit() takes one prompt; call it once per prompt")
-        text_or_ids: Prompt = prompt  # type: ignore[assignment]  # not messages: checked above
-        return self._submit(self._request(text_or_ids, sampling, chat, images, stream=True))[0]
-
-    def _pictures(self, images: Sequence[Any]) -> tuple[Any, ...]:
-        """Pictures as arrays [C, H, W]: paths read and checked, arrays as given."""
-        return tuple(load_image(str(p)) if isinstance(p, (str, Path)) else p for p in images)
-
-    def _chat_ids(self, messages: Sequence[Mapping[str, Any]], pictures: Sequence[Any]) -> list[int]:
-        """Chat messages as prompt ids through the checkpoint's chat template (request.messages_prompt)."""
-        return messages_prompt(messages, self._plan.checkpoint, self._plan.architecture(self._plugins), self._plan.config, pictures)
-
-    def queued(self) -> int:
-        """Sequences waiting or running (every caller's)."""
-        return self._scheduler.queued()
-
-    def generate(
-        self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None = None, *, chat: bool = False,
-        images: Sequence[Any] = (),
-    ) -> list[Completion]:
-        """A completion for each prompt (text, or token ids), decoded in the running batch with every other caller's."""
-        submissions = self._submit(self._request(prompts, sampling, chat, images, stream=False))
-        try:
-            return [s.result() for s in submissions]
-        except BaseException:
-            for submission in submissions:  # Ctrl-C while waiting: the sequences stop, the LLM goes on
-                submission.cancel()
-            raise
-
-    def stream(self, prompt: Prompt, sampling: SamplingParams | None = None, *, chat: bool = False, images: Sequence[Any] = ()) -> Iterator[str]:
-        """The text of one prompt's completion, piece by piece as it is produced; the request is checked when this is called.
-
-        Leaving the loop early (break, an exception) cancels the rest of the sequence; the LLM goes on.
-        """
-        if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
-            raise ConfigError("stream() takes one prompt; use generate() for several")
-        # Queued now, so that a closed or failed LLM raises here rather than at the first next().
-        submission = self._submit(self._request(prompt, sampling, chat, images, stream=True))[0]
-
-        def pieces() -> Iterator[str]:
-            try:
-                yield from submission
-            finally:
-                submission.cancel()  # a no-op once it ended
-
-        return pieces()
-
-    def _submit(self, request: Request) -> list[Submission]:
-        if self._closed:
-            raise ConfigError("this LLM is closed; create a new one")
-        if self.error is not None:
-            raise RankError(f"this LLM's ranks failed earlier ({self.error}); create a new one")
-        return self._scheduler.submit(jobs_of(request))
-
-    def _request(
-        self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None, chat: bool, images: Sequence[Any], stream: bool = False,
-    ) -> Request:
-        """Prompts as checked token ids with the sampling settings and end-of-sequence ids: all before any rank sees them."""
-        plan = self._plan
-        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
-        items: list[Any] = [prompts] if single else list(prompts)
-        if not items:
-            raise ConfigError("no prompt given; pass a string, a list of token ids, or a list of either")
-        pictures = self._pictures(images)
-        texts = [p for p in items if isinstance(p, str)]
-        if texts and len(texts) != len(items):
-            raise ConfigError("pass text prompts or token-id prompts in one call, not both")
-        if not texts and chat:
-            raise ConfigError("chat=True applies the chat template to text; pass the message as a string")
-        if sampling is not None and sampling.stop and self.tokenizer is None:
-            raise ConfigError("stop strings are matched in the text, and without a tokenizer there is none")
-        # Settings passed in are taken whole; without them, the checkpoint's generation_config.json decides.
-        given = () if sampling is None else ("temperature", "top_p", "top_k")
-        return build_request(items, sampling or SamplingParams(), arch=plan.architecture(self._plugins), config=plan.config, checkpoint=plan.checkpoint,
-                             chat=chat, images=pictures, given=given, memory=plan.memory, backend=self._backend,
-                             parallel=ParallelConfig(tp_size=plan.run.tp), stream=stream)
-
-    # -- lifetime ------------------------------------------------------------------------
-    def close(self) -> None:
-        """Stop generating (what is still running fails with SchedulerClosed), stop the ranks (tp > 1); idempotent."""
-        self._closed = True
-        self._worker = self._pool = None
-        self._finalizer()
-
-    def __enter__(self) -> "LLM":
-        return self
-
-    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
-        if error is not None and isinstance(self._driver, RankPool):
-            self._closed = True
-            self._worker = self._pool = None
-            self._finalizer.detach()
-            self._driver.abort()  # the ranks may be mid-step: stop them rather than wait (the step then fails)
-            self._scheduler.close()
-            return
-        self.close()
-
-
-class _InProcess:
-    """The engine of a tp=1 LLM, in this process, stepped as the ranks are."""
+class InProcess:
+    """One rank in this process: the whole run at tp=1, or this process's rank under a launcher."""
 
     def __init__(self, worker: RankWorker) -> None:
         self.worker: RankWorker | None = worker
         self.info = worker.describe()
+        self.error: BaseException | None = None
+
+    def _live(self) -> RankWorker:
+        if self.worker is None:
+            raise FdError("this session is closed; start a new one")
+        return self.worker
 
     def tick(self, adds: Sequence[Job], cancels: Sequence[int]) -> list[Event]:
         """One engine step for the jobs added and keys cancelled since the last."""
-        if self.worker is None:
-            raise RankError("this LLM is closed; create a new one")
-        engine = self.worker.engine
+        engine = self._live().engine
         for job in adds:
             engine.add(job)
         for key in cancels:
             engine.cancel(key)
-        events = engine.step()
+        events = run_here(engine.step)
         if any(e.done is not None for e in events):
-            self.info = self.worker.describe()
+            self.info = self._live().describe()
         return events
 
+    def reload(self) -> None:
+        """A weight update (graphs cleared, weights released, loaded again)."""
+        run_here(self._live().reload)
+
+    def reports(self) -> list[dict[str, Any]]:
+        """This rank's timings, speed and memory."""
+        report = self._live().report()
+        self.info = {k: v for k, v in report.items() if k in self.info}
+        return [report]
+
     def close(self) -> None:
-        """Release the model and its KV cache (nothing runs outside this process); `info` stays readable."""
+        """Release the model and its KV cache; `info` stays readable."""
         self.worker = None
 
+    def abort(self) -> None:
+        self.close()
 
-def _shutdown(scheduler: Scheduler, driver: Any) -> None:
-    """Stop the scheduler's thread, then the ranks (holds no reference to the LLM, so it can run when the LLM is collected)."""
-    scheduler.close()
-    driver.close()
+
+class Session:
+    """A plan running on its ranks: in this process at tp=1 (and under a launcher, this process's rank), else on
+    `tp` ranks spawned here and kept until `close()`.
+
+    One scheduler thread does every step for every caller (`submit` from any thread). A rank that fails
+    stops the others and every pending and later call raises the RankError naming it. `rank_timeout` is how
+    long stopping the others may take; `stall_timeout`, how long a rank may go without progress.
+    `start_method` "fork" starts the ranks with this process's imports done: only for a caller that has run
+    no paddle op and started no thread (fd run).
+    """
+
+    def __init__(
+        self, plan: Plan, plugins: PluginSet, *, backend: Backend | None = None, rank_timeout: float = 30.0,
+        stall_timeout: float = DEFAULT_STALL_S, start_method: Literal["spawn", "fork"] = "spawn",
+    ) -> None:
+        run = plan.run
+        # The ranks start after this process tokenized: a tokenizer thread pool started before a fork
+        # would make the library warn (and fall back) in every rank.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self.launched = launched_rank()
+        self.driver: InProcess | RankPool
+        if self.launched is not None:
+            # Started by paddle.distributed.launch: this process is one rank of the group.
+            at = time.time()
+            rank, world = init_rank()
+            before = {"at": at, "rendezvous": time.time() - at}
+            self.driver = InProcess(
+                run_here(lambda: RankWorker.start(plan, rank, world, plugins=plugins, before=before))
+            )
+        elif run.tp == 1:
+            self.driver = InProcess(run_here(lambda: RankWorker.start(plan, plugins=plugins, backend=backend)))
+        else:
+            if run.progress:
+                print(f"fd: starting {run.tp} ranks on {plan.platform} ({plan.dist_backend})", file=sys.stderr,
+                      flush=True)
+            # Before the clock: spawning needs it, and its import belongs to "start".
+            import paddle.distributed  # noqa: F401
+
+            plan = dataclasses.replace(plan, run=dataclasses.replace(run, spawned_at=time.time()))
+            self.driver = RankPool(plan, run.tp, rank_timeout, stall_timeout, start_method)
+        self.plan = plan
+        in_process = isinstance(self.driver, InProcess)
+        # At tp=1 the engine computes on the scheduler's thread: it gets the plan's compute threads as the rank did.
+        on_start = (
+            (lambda: apply_threads(plan.threads))  # type: ignore[arg-type]
+            if in_process and plan.threads is not None
+            else None
+        )
+        # At tp=1 a failed step fails the sequences it held and the session goes on; across ranks, the ranks are gone.
+        fatal = not in_process or self.launched is not None
+        self.scheduler = Scheduler(self.driver.tick, fatal=lambda error: fatal, name="fd-session", on_start=on_start)
+        self.closed = False
+
+    # -- what it runs ----------------------------------------------------------------------
+    @property
+    def info(self) -> dict[str, Any]:
+        """Rank 0's description (platform, model, graph decision, timings), as of the last sequence that ended or
+        report."""
+        return dict(self.driver.info)
+
+    @property
+    def worker(self) -> RankWorker | None:
+        """The rank in this process (tp=1, or this process's rank under a launcher), for a caller that inspects its
+        model or engine; None when the ranks are other processes."""
+        return self.driver.worker if isinstance(self.driver, InProcess) else None
+
+    @property
+    def pids(self) -> list[int]:
+        """The process ids of the ranks this session spawned (none when they run in this process)."""
+        return list(self.driver.pids) if isinstance(self.driver, RankPool) else []
+
+    @property
+    def error(self) -> BaseException | None:
+        """The failure that stopped the ranks (every later call raises it); None while the session can generate."""
+        return self.scheduler.error or self.driver.error
+
+    # -- generating ------------------------------------------------------------------------
+    def submit(self, jobs: Sequence[Job]) -> list[Submission]:
+        """Queue jobs from any thread; they join the running batch at the next step boundary."""
+        return self.scheduler.submit(jobs)
+
+    def generate(self, request: Request, on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
+        """Every prompt's completion, in order; `on_text(prompt index, text)` as text is produced. Interrupted
+        (Ctrl-C), the sequences are cancelled and the interruption raised."""
+        submissions = self.submit(jobs_of(request))
+        try:
+            if on_text is not None:
+                for index, submission in enumerate(submissions):
+                    for piece in submission:
+                        on_text(index, piece)
+            return [s.result() for s in submissions]
+        except BaseException:
+            for submission in submissions:
+                submission.cancel()
+            raise
+
+    # -- between requests -------------------------------------------------------------------
+    def reload(self) -> None:
+        """A weight update on every rank, between steps."""
+        self.scheduler.call(self.driver.reload).result()
+
+    def reports(self) -> list[dict[str, Any]]:
+        """Every rank's timings, speed and memory (under a launcher, this process's rank only), in rank order."""
+        return list(self.scheduler.call(self.driver.reports).result())
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the scheduler (what still runs fails with SchedulerClosed), then the ranks; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.scheduler.close()
+        self.driver.close()
+
+    def abort(self) -> None:
+        """Stop the ranks now (an error or a signal in the caller; a step in progress then fails), then the
+        scheduler."""
+        if self.closed:
+            return
+        self.closed = True
+        self.driver.abort()
+        self.scheduler.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
+        if error is not None:
+            self.abort()
+        else:
+            self.close()

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from fd_core.errors import ConfigError
+from fd_core.errors import ConfigError, setting
 from fd_core.kernels import set_compute_threads
 
 
@@ -44,9 +44,11 @@ THREADS_ENV = "OMP_NUM_THREADS"
 
 
 def decide_threads(
-    requested: int | None, ranks_on_host: int, cores: int, env: Mapping[str, str], paddle_imported: bool = False, cores_from: str = "",
+    requested: int | None, ranks_on_host: int, cores: int, env: Mapping[str, str], paddle_imported: bool = False,
+    cores_from: str = "",
 ) -> Threads:
-    """Compute threads per rank: --threads, else the user's OMP_NUM_THREADS, else the usable cores shared among the host's ranks.
+    """Compute threads per rank: --threads, else the user's OMP_NUM_THREADS, else the usable cores shared among the
+    host's ranks.
 
     `cores` is what the platform reports this process may use (Detection.host_cores: the affinity
     mask capped by the cgroup quota), else the affinity mask; `cores_from` says which. Paddle's
@@ -55,20 +57,25 @@ def decide_threads(
     """
     if requested is not None:
         if requested < 1:
-            raise ConfigError(f"--threads must be >= 1, got {requested}")
+            raise ConfigError(f"{setting('threads')} must be >= 1, got {requested}")
         return Threads(requested, "--threads", chosen=True)
     raw = env.get(THREADS_ENV, "").strip()
     if raw and not (paddle_imported and raw == "1"):
         try:
             value = int(raw)
         except ValueError:
-            raise ConfigError(f"{THREADS_ENV}={raw!r} is not a number of threads; set it to a positive integer or unset it") from None
+            raise ConfigError(
+                f"{THREADS_ENV}={raw!r} is not a number of threads; set it to a positive integer or unset it"
+            ) from None
         if value < 1:
             raise ConfigError(f"{THREADS_ENV}={raw!r} must be >= 1; set it to a positive integer or unset it")
         return Threads(value, THREADS_ENV, openmp=value, chosen=True)
     ranks = max(1, ranks_on_host)
     per_rank = max(1, max(1, cores) // ranks)
-    return Threads(per_rank, f"{cores} usable core(s){f' ({cores_from})' if cores_from else ''}, shared by {ranks} rank(s) on this host")
+    return Threads(
+        per_rank,
+        f"{cores} usable core(s){f' ({cores_from})' if cores_from else ''}, shared by {ranks} rank(s) on this host",
+    )
 
 
 def apply_threads(threads: Threads) -> None:
@@ -83,8 +90,7 @@ def apply_threads(threads: Threads) -> None:
     if threads.per_rank > 1 and "KMP_BLOCKTIME" not in os.environ:
         # Intel's OpenMP keeps an idle worker spinning for 200 ms after each parallel region: a core
         # taken from the host's other processes (a peer rank among them) between every matrix
-        # product. Measured on a shared 2-core host, sleeping at once cut a 2-thread decode step
-        # from 188 to 130 ms (1 thread: 121 to 135 ms in the same runs).
+        # product. Sleeping at once measured faster on a shared host (docs/benchmarks.md, "Threads").
         runtime = openmp_runtime()
         if runtime is not None and hasattr(runtime, "kmp_set_blocktime"):
             runtime.kmp_set_blocktime(0)
@@ -103,12 +109,13 @@ def phase_threads(threads: Threads, rows: int | None) -> Threads:
 
     MKL ran a one-row matrix-vector product on one thread whatever it was given on the machine
     docs/benchmarks.md measures: a second MKL thread only woke for attention's small products, which
-    it slowed (10 against 4 to 5 ms of a 0.3B decode step, the thread asleep between them:
-    KMP_BLOCKTIME below). The rank's threads go to the kernels that split a one-row product
-    themselves instead. `--threads` keeps its count where that differs.
+    it slowed (docs/benchmarks.md, "Threads"; the thread asleep between them: KMP_BLOCKTIME). The rank's threads go
+    to the kernels that split a one-row product themselves instead. `--threads` keeps its count where that differs.
     """
     if rows == 1 and threads.per_rank > 1 and not threads.chosen:
-        return Threads(1, f"{threads.reason}; a one-row decode step's library products on 1", 1, kernels=threads.per_rank)
+        return Threads(
+            1, f"{threads.reason}; a one-row decode step's library products on 1", 1, kernels=threads.per_rank
+        )
     return threads
 
 

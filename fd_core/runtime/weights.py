@@ -64,16 +64,21 @@ def random_full_tensor(name: str, spec: WeightSpec, seed: int, std: float | None
 
 
 class RandomShards(Mapping[str, Any]):
-    """Seeded random float32 weights, each tensor this rank's shard, drawn when it is read (one full tensor at a time)."""
+    """Seeded random float32 weights, each tensor this rank's shard, drawn when it is read (one full tensor at a
+    time)."""
 
-    def __init__(self, specs: Mapping[str, WeightSpec], seed: int, tp_rank: int = 0, tp_size: int = 1, std: float | None = None) -> None:
+    def __init__(
+        self, specs: Mapping[str, WeightSpec], seed: int, tp_rank: int = 0, tp_size: int = 1, std: float | None = None
+    ) -> None:
         self.specs, self.seed, self.tp_rank, self.tp_size, self.std = dict(specs), seed, tp_rank, tp_size, std
 
     def __getitem__(self, name: str) -> np.ndarray:
         import numpy as np
 
         spec = self.specs[name]
-        return np.ascontiguousarray(shard(random_full_tensor(name, spec, self.seed, self.std), spec, self.tp_rank, self.tp_size))
+        return np.ascontiguousarray(
+            shard(random_full_tensor(name, spec, self.seed, self.std), spec, self.tp_rank, self.tp_size)
+        )
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.specs)
@@ -85,7 +90,8 @@ class RandomShards(Mapping[str, Any]):
 def random_state_dict(
     specs: Mapping[str, WeightSpec], seed: int, tp_rank: int = 0, tp_size: int = 1, std: float | None = None
 ) -> RandomShards:
-    """Seeded random float32 weights, each tensor sliced to this rank's shard and drawn on access; `std` overrides the specs'."""
+    """Seeded random float32 weights, each tensor sliced to this rank's shard and drawn on access; `std` overrides the
+    specs'."""
     return RandomShards(specs, seed, tp_rank, tp_size, std)
 
 
@@ -100,13 +106,19 @@ def _read_index(index: Path) -> dict[str, str]:
     try:
         data = json.loads(index.read_text())
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"checkpoint {index}: not a readable shard index ({exc}); re-save or re-download it") from None
+        raise CheckpointError(
+            f"checkpoint {index}: not a readable shard index ({exc}); re-save or re-download it"
+        ) from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(f"checkpoint {index}: has no \"weight_map\" of tensor names to file names; re-save or re-download it")
+        raise CheckpointError(
+            f"checkpoint {index}: has no \"weight_map\" of tensor names to file names; re-save or re-download it"
+        )
     for file_name in set(weight_map.values()):
         if Path(file_name).name != file_name:
-            raise CheckpointError(f"checkpoint {index}: names {file_name!r}, which is not a file in the checkpoint directory")
+            raise CheckpointError(
+                f"checkpoint {index}: names {file_name!r}, which is not a file in the checkpoint directory"
+            )
     return weight_map
 
 
@@ -116,14 +128,20 @@ def check_checkpoint_dir(directory: Path) -> list[Path]:
     Needs no paddle, so `fd run` calls it before any rank starts.
     """
     if not directory.is_dir():
-        raise CheckpointError(f"checkpoint {directory}: not a directory; pass a folder with config.json and *.safetensors")
+        raise CheckpointError(
+            f"checkpoint {directory}: not a directory; pass a folder with config.json and *.safetensors"
+        )
     if not (directory / "config.json").exists():
-        raise CheckpointError(f"checkpoint {directory}: config.json is missing; add the model's config.json beside the weights")
+        raise CheckpointError(
+            f"checkpoint {directory}: config.json is missing; add the model's config.json beside the weights"
+        )
     _regular_file(directory / "config.json", "config.json")
     try:
         entries = sorted(directory.iterdir())
     except OSError as exc:
-        raise CheckpointError(f"checkpoint {directory}: cannot be listed ({exc.strerror}); check its permissions") from None
+        raise CheckpointError(
+            f"checkpoint {directory}: cannot be listed ({exc.strerror}); check its permissions"
+        ) from None
     pickles = [p for p in entries if p.suffix.lower() in PICKLE_SUFFIXES]
     if pickles:
         raise CheckpointError(
@@ -194,7 +212,9 @@ def _open(path: Path) -> Any:
                 f"but the file holds {cut[2]}; re-save or re-download it"
             ) from None
         reason = "its header is too large to be real" if isinstance(exc, MemoryError) else str(exc)
-        raise CheckpointError(f"checkpoint {path}: unreadable safetensors file ({reason}); re-save or re-download it") from None
+        raise CheckpointError(
+            f"checkpoint {path}: unreadable safetensors file ({reason}); re-save or re-download it"
+        ) from None
 
 
 class CheckpointShards(Mapping[str, Any]):
@@ -223,33 +243,44 @@ class CheckpointShards(Mapping[str, Any]):
             handle = self._handles[path] = _open(path)
             for name in handle.keys():
                 if name in self._where:
-                    raise CheckpointError(f"checkpoint {path}: tensor {name!r} is also in {self._where[name].name}; keep one copy")
+                    raise CheckpointError(
+                        f"checkpoint {path}: tensor {name!r} is also in {self._where[name].name}; keep one copy"
+                    )
                 self._where[name] = path
         if expected is not None:
             for name, file_name in sorted(expected.items()):
                 if name not in self._where or self._where[name].name != file_name:
-                    raise CheckpointError(f"checkpoint {index}: says {name!r} is in {file_name}, which does not hold it; re-download the checkpoint")
+                    raise CheckpointError(
+                        f"checkpoint {index}: says {name!r} is in {file_name}, which does not hold it; "
+                        f"re-download the checkpoint"
+                    )
         self._check(ignore)
 
     def _check(self, ignore: Collection[str]) -> None:
         missing = sorted(set(self.specs) - set(self._where))
         if missing:
             raise CheckpointError(_mismatch(f"checkpoint {self.directory}: tensor {missing[0]!r} is missing", missing))
-        # Present and deliberately not loaded (a tied head's copy of the embedding): reported by the runner, never silent.
+        # Present and deliberately not loaded (a tied head's copy of the embedding): reported by the runner, never
+        # silent.
         self.unused = sorted((set(self._where) - set(self.specs)) & set(ignore))
         unexpected = sorted(set(self._where) - set(self.specs) - set(ignore))
         if unexpected:
-            raise CheckpointError(_mismatch(f"checkpoint {self._where[unexpected[0]]}: unexpected tensor {unexpected[0]!r}", unexpected))
+            raise CheckpointError(
+                _mismatch(f"checkpoint {self._where[unexpected[0]]}: unexpected tensor {unexpected[0]!r}", unexpected)
+            )
         for name, spec in self.specs.items():
             path = self._where[name]
             piece = self._handles[path].get_slice(name)
             shape = tuple(piece.get_shape())
             if shape != spec.shape:
-                raise CheckpointError(f"checkpoint {path}: tensor {name!r} has shape {list(shape)}, expected {list(spec.shape)}")
+                raise CheckpointError(
+                    f"checkpoint {path}: tensor {name!r} has shape {list(shape)}, expected {list(spec.shape)}"
+                )
             code = piece.get_dtype()
             if code not in FLOAT_CODES:
                 raise CheckpointError(
-                    f"checkpoint {path}: tensor {name!r} has dtype {code}, expected a float type ({', '.join(FLOAT_CODES)})"
+                    f"checkpoint {path}: tensor {name!r} has dtype {code}, expected a float type "
+                    f"({', '.join(FLOAT_CODES)})"
                 )
 
     def __getitem__(self, name: str) -> Any:
@@ -260,7 +291,9 @@ class CheckpointShards(Mapping[str, Any]):
         try:
             tensor = self._handles[path].get_slice(name)[shard_index(spec, self.tp_rank, self.tp_size)]
         except (SafetensorError, OSError, ValueError) as exc:
-            raise CheckpointError(f"checkpoint {path}: tensor {name!r} cannot be read ({exc}); the file may be damaged") from None
+            raise CheckpointError(
+                f"checkpoint {path}: tensor {name!r} cannot be read ({exc}); the file may be damaged"
+            ) from None
         progress.report("loading weights")
         if tensor.dtype != _paddle_dtype(spec.dtype):
             tensor = tensor.astype(spec.dtype)
@@ -275,7 +308,8 @@ class CheckpointShards(Mapping[str, Any]):
         return tensor
 
     def chunks(self, name: str, max_bytes: int | None = None) -> Iterator[tuple[int, Any]]:
-        """This rank's slice of `name` in pieces along its first axis: (first row, piece), each read within `max_bytes` of storage.
+        """This rank's slice of `name` in pieces along its first axis: (first row, piece), each read within
+        `max_bytes` of storage.
 
         A loader assigns piece by piece, so reading a large tensor (an embedding) never stages it
         whole. Float32 pieces (a norm's vector too) are read from the file with pread into numpy
@@ -307,9 +341,13 @@ class CheckpointShards(Mapping[str, Any]):
                 try:
                     raw = os.pread(f.fileno(), rows * row_bytes, offset)
                 except OSError as exc:
-                    raise CheckpointError(f"checkpoint {path}: tensor {name!r} cannot be read ({exc.strerror}); the file may be damaged") from None
+                    raise CheckpointError(
+                        f"checkpoint {path}: tensor {name!r} cannot be read ({exc.strerror}); the file may be damaged"
+                    ) from None
                 if len(raw) != rows * row_bytes:
-                    raise CheckpointError(f"checkpoint {path}: tensor {name!r} cannot be read (short read); the file may be damaged")
+                    raise CheckpointError(
+                        f"checkpoint {path}: tensor {name!r} cannot be read (short read); the file may be damaged"
+                    )
                 progress.report("loading weights")
                 within = (slice(None), *index[1:])
                 piece = _widen(raw, stored[0], (rows, *spec.shape[1:]))[within]
@@ -353,8 +391,8 @@ def _paddle_dtype(name: str) -> Any:
 
 
 def load_checkpoint(
-    directory: str | Path, specs: Mapping[str, WeightSpec], tp_rank: int = 0, tp_size: int = 1, ignore: Collection[str] = (),
-    check_finite: bool = False,
+    directory: str | Path, specs: Mapping[str, WeightSpec], tp_rank: int = 0, tp_size: int = 1,
+    ignore: Collection[str] = (), check_finite: bool = False,
 ) -> CheckpointShards:
     """This rank's shards of every tensor in `specs` from a safetensors directory, all checked before any is read.
 
@@ -387,7 +425,8 @@ def _write_safetensors(path: Path, tensors: Mapping[str, Any], dtype: str) -> No
     end = 0
     with open(data, "wb") as out:
         for name in sorted(tensors):
-            stored = paddle.to_tensor(np.ascontiguousarray(tensors[name])).astype(dtype)  # type: ignore[arg-type]  # a dtype name paddle accepts
+            # A dtype name paddle accepts.
+            stored = paddle.to_tensor(np.ascontiguousarray(tensors[name])).astype(dtype)  # type: ignore[arg-type]
             raw = stored.numpy().tobytes()  # bfloat16 comes out as its uint16 bits
             header[name] = {"dtype": _CODES[dtype], "shape": list(stored.shape), "data_offsets": [end, end + len(raw)]}
             out.write(raw)

@@ -26,7 +26,17 @@ from starlette.exceptions import HTTPException
 from fd_core.errors import CheckpointError, ConfigError, FdError, RankError, RequestRefused
 from fd_core.runtime.engine.scheduler import SchedulerClosed
 from fd_core.serve.metrics import CONTENT_TYPE, Metrics
-from fd_core.serve.protocol import FINISH_REASONS, ApiError, ChatRequest, CompletionRequest, message_parts, new_id, now, read_image, usage
+from fd_core.serve.protocol import (
+    FINISH_REASONS,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    message_parts,
+    new_id,
+    now,
+    read_image,
+    usage,
+)
 
 if TYPE_CHECKING:
     from fd_core.runtime.engine.loop import Completion
@@ -51,7 +61,9 @@ class Submission(Protocol):
 class Submitter(Protocol):
     """What the server needs of an LLM: thread-safe submit() that checks a request at once, and the queue's length."""
 
-    def submit(self, prompt: Any, sampling: "SamplingParams | None" = None, *, chat: bool = False, images: Sequence[Any] = ()) -> Submission: ...
+    def submit(
+        self, prompt: Any, sampling: "SamplingParams | None" = None, *, chat: bool = False, images: Sequence[Any] = ()
+    ) -> Submission: ...
 
     def queued(self) -> int: ...
 
@@ -107,12 +119,17 @@ class Server:
         @app.exception_handler(HTTPException)
         async def http_error(request: Request, exc: HTTPException) -> Response:
             kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-            return self.answer(request, ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind=kind))
+            return self.answer(
+                request, ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind=kind)
+            )
 
         @app.exception_handler(Exception)
         async def unexpected(request: Request, exc: Exception) -> Response:
             # No traceback reaches a client; the log keeps the one line a maintainer needs to start from.
-            return self.answer(request, ApiError(500, f"internal error ({type(exc).__name__}: {exc})".replace("\n", " "), kind="server_error"))
+            return self.answer(
+                request,
+                ApiError(500, f"internal error ({type(exc).__name__}: {exc})".replace("\n", " "), kind="server_error"),
+            )
 
         @app.get("/health")
         async def health() -> Response:
@@ -129,7 +146,9 @@ class Server:
         @app.get("/v1/models")
         async def models(request: Request) -> Response:
             self.metrics.request("/v1/models", 200)
-            return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model", "created": 0, "owned_by": "fd"}]})
+            return JSONResponse(
+                {"object": "list", "data": [{"id": self.name, "object": "model", "created": 0, "owned_by": "fd"}]}
+            )
 
         @app.post("/v1/completions")
         async def completions(request: Request, body: CompletionRequest) -> Response:
@@ -137,7 +156,8 @@ class Server:
             body.refuse_unsupported()
             prompts = body.prompts()
             sampling = body.sampling(body.max_tokens)
-            return await self.respond(request, "/v1/completions", [(p, False, ()) for p in prompts], sampling, body.stream, body.include_usage, chat=False)
+            return await self.respond(request, "/v1/completions", [(p, False, ()) for p in prompts], sampling,
+                                      body.stream, body.include_usage, chat=False)
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request, body: ChatRequest) -> Response:
@@ -145,7 +165,8 @@ class Server:
             body.refuse_unsupported()
             sampling = body.sampling(body.limit())
             prompt, as_chat, images = self.conversation(body)
-            return await self.respond(request, "/v1/chat/completions", [(prompt, as_chat, images)], sampling, body.stream, body.include_usage, chat=True)
+            return await self.respond(request, "/v1/chat/completions", [(prompt, as_chat, images)], sampling,
+                                      body.stream, body.include_usage, chat=True)
 
         return app
 
@@ -157,12 +178,14 @@ class Server:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:
-            raise ApiError(404, f"model {model!r} is not served here; this server serves {self.name!r} (GET /v1/models)",
+            raise ApiError(404,
+                           f"model {model!r} is not served here; this server serves {self.name!r} (GET /v1/models)",
                            kind="not_found_error", param="model", code="model_not_found")
 
     # -- prompts ----------------------------------------------------------------------------
     def conversation(self, body: ChatRequest) -> tuple[Any, bool, tuple[Any, ...]]:
-        """(the messages as the engine renders them through the checkpoint's chat template, False, the pictures in order).
+        """(the messages as the engine renders them through the checkpoint's chat template, False, the pictures in
+        order).
 
         A message with pictures has a list content (an image part per picture where it stood, then its text), as VL
         templates expect; one without keeps a string, which every template takes."""
@@ -181,18 +204,24 @@ class Server:
         if self.failure is not None:
             raise ApiError(503, f"the server has stopped: {self.failure}", kind="server_error", code="unavailable")
         if self.draining is not None:
-            raise ApiError(503, f"the server is {self.draining}; it admits no new request", kind="server_error", code="unavailable")
+            raise ApiError(503, f"the server is {self.draining}; it admits no new request", kind="server_error",
+                           code="unavailable")
         if self.admitted + count > self.max_queue:
-            raise ApiError(503, f"the queue is full ({self.admitted} of --max-queue {self.max_queue} requests admitted); retry later",
+            raise ApiError(503,
+                           f"the queue is full ({self.admitted} of --max-queue {self.max_queue} requests admitted); "
+                           f"retry later",
                            kind="server_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
         self.admitted += count
 
-    async def submit(self, items: Sequence[tuple[Any, bool, tuple[Any, ...]]], sampling: "SamplingParams") -> list[Generation]:
+    async def submit(
+        self, items: Sequence[tuple[Any, bool, tuple[Any, ...]]], sampling: "SamplingParams"
+    ) -> list[Generation]:
         """Every prompt submitted (checked at once by the engine); one refused withdraws the others."""
         generations: list[Generation] = []
         try:
             for index, (prompt, chat, images) in enumerate(items):
-                # In a worker thread: the template, the tokenizer and the plugins' gates must not stall the other streams.
+                # In a worker thread: the template, the tokenizer and the plugins' gates must not stall the other
+                # streams.
                 submission = await asyncio.to_thread(self.engine.submit, prompt, sampling, chat=chat, images=images)
                 generations.append(Generation(index, submission))
         except RequestRefused as exc:
@@ -216,7 +245,8 @@ class Server:
             g.submission.cancel()
 
     async def events(self, generations: Sequence[Generation]) -> AsyncIterator[tuple[Generation, str | None]]:
-        """(generation, new text) as the engine produces it, then (generation, None) when it is done; errors re-raised."""
+        """(generation, new text) as the engine produces it, then (generation, None) when it is done; errors
+        re-raised."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[Generation, str, Any]] = asyncio.Queue()
 
@@ -246,7 +276,9 @@ class Server:
                 generation.completion = value
                 remaining -= 1
                 s = generation.submission
-                self.metrics.finished(s.prompt_tokens, len(value.token_ids), generation.submitted, s.first_token_at, time.time())
+                self.metrics.finished(
+                    s.prompt_tokens, len(value.token_ids), generation.submitted, s.first_token_at, time.time()
+                )
                 yield generation, None
             elif generation.cancelled is not None:
                 raise ApiError(503, generation.cancelled, kind="server_error", code="unavailable")
@@ -273,8 +305,8 @@ class Server:
             return ApiError(500, str(exc), kind="server_error")
         return ApiError(500, f"internal error ({type(exc).__name__}: {exc})".replace("\n", " "), kind="server_error")
 
-    async def respond(self, request: Request, endpoint: str, items: Sequence[tuple[Any, bool, tuple[Any, ...]]], sampling: "SamplingParams",
-                      stream: bool, include_usage: bool, chat: bool) -> Response:
+    async def respond(self, request: Request, endpoint: str, items: Sequence[tuple[Any, bool, tuple[Any, ...]]],
+                      sampling: "SamplingParams", stream: bool, include_usage: bool, chat: bool) -> Response:
         self.admit(len(items))
         try:
             generations = await self.submit(items, sampling)
@@ -299,7 +331,8 @@ class Server:
             collect.cancel()
             self.release(generations, endpoint, len(items))
             log(f"POST {endpoint}: the client went away before its answer; its generation(s) were cancelled")
-            return Response(status_code=499)  # nobody reads it: the code nginx logs for a client that closed the request
+            # Nobody reads it: the code nginx logs for a client that closed the request.
+            return Response(status_code=499)
         error = collect.exception()
         self.release(generations, endpoint, len(items))
         if error is not None:
@@ -322,15 +355,17 @@ class Server:
             completion_tokens += len(c.token_ids)
             reason = FINISH_REASONS.get(c.finish_reason, c.finish_reason)
             if chat:
-                choices.append({"index": g.index, "message": {"role": "assistant", "content": c.text or ""}, "logprobs": None, "finish_reason": reason})
+                choices.append({"index": g.index, "message": {"role": "assistant", "content": c.text or ""},
+                                "logprobs": None, "finish_reason": reason})
             else:
                 choices.append({"index": g.index, "text": c.text or "", "logprobs": None, "finish_reason": reason})
-        return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created, "model": self.name,
-                "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+        return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": self.name, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
-    async def sse(self, request: Request, endpoint: str, generations: Sequence[Generation], ident: str, created: int, chat: bool,
-                  include_usage: bool, count: int) -> AsyncIterator[str]:
-        """Server-sent events in the OpenAI chunk format, ending with `data: [DONE]`; a client that goes away cancels its generations."""
+    async def sse(self, request: Request, endpoint: str, generations: Sequence[Generation], ident: str, created: int,
+                  chat: bool, include_usage: bool, count: int) -> AsyncIterator[str]:
+        """Server-sent events in the OpenAI chunk format, ending with `data: [DONE]`; a client that goes away cancels
+        its generations."""
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
@@ -340,7 +375,9 @@ class Server:
         def choice(index: int, text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
             if not chat:
                 return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+            )
             return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
 
         status: int | str = 200
@@ -354,10 +391,13 @@ class Server:
                     else:
                         c = generation.completion
                         assert c is not None
-                        yield chunk([choice(generation.index, None, FINISH_REASONS.get(c.finish_reason, c.finish_reason))])
+                        yield chunk(
+                            [choice(generation.index, None, FINISH_REASONS.get(c.finish_reason, c.finish_reason))]
+                        )
             except (asyncio.CancelledError, GeneratorExit):
                 raise
-            except Exception as exc:  # noqa: BLE001 - the headers are sent: the error travels as an event, as OpenAI's does
+            # The headers are sent: the error travels as an event, as OpenAI's does.
+            except Exception as exc:  # noqa: BLE001
                 error = self.engine_error(exc)
                 log(f"{error.status} POST {endpoint} (streaming): {error.message}")
                 status = error.status
@@ -392,7 +432,10 @@ class Server:
             await asyncio.sleep(0.05)
         if self.admitted:
             log(f"cancelling {len(self.active)} generation(s) still running after {timeout:g} s")
-            self.withdraw(list(self.active), f"cancelled: the server is {reason} and the request ran past --shutdown-timeout {timeout:g} s")
+            self.withdraw(
+                list(self.active),
+                f"cancelled: the server is {reason} and the request ran past --shutdown-timeout {timeout:g} s",
+            )
             # Their streams end at the engine's next step; a little while for them to say so.
             end = time.monotonic() + 2.0
             while self.admitted and time.monotonic() < end:
@@ -413,8 +456,11 @@ class RequireKey:
             request = Request(scope, receive)
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                response = self.server.answer(request, ApiError(401, "a valid API key is needed: send the header Authorization: Bearer KEY",
-                                                                kind="authentication_error", code="invalid_api_key"))
+                response = self.server.answer(
+                    request,
+                    ApiError(401, "a valid API key is needed: send the header Authorization: Bearer KEY",
+                             kind="authentication_error", code="invalid_api_key"),
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -431,15 +477,24 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     errors = list(exc.errors())
     first = errors[0] if errors else {}
     given = first.get("input")
-    if first.get("type") == "json_invalid" or (tuple(first.get("loc", ())) == ("body",) and isinstance(given, (bytes, str))):
-        return ApiError(400, "the request body is not valid JSON: send a JSON object with Content-Type: application/json")
+    if first.get("type") == "json_invalid" or (
+        tuple(first.get("loc", ())) == ("body",) and isinstance(given, (bytes, str))
+    ):
+        return ApiError(
+            400, "the request body is not valid JSON: send a JSON object with Content-Type: application/json"
+        )
     # Union members (str, list[int], ...) appear in pydantic's location; the client named only the fields.
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and (isinstance(p, int) or FIELD.match(str(p)) and str(p) not in TYPE_TAGS)]
+    loc = [
+        str(p) for p in first.get("loc", ())
+        if p != "body" and (isinstance(p, int) or FIELD.match(str(p)) and str(p) not in TYPE_TAGS)
+    ]
     param = ".".join(loc) or None
     if first.get("type") == "missing":
         return ApiError(400, f"{param or 'the body'}: a required field is missing", param=param)
     shown = json.dumps(given)[:80] if isinstance(given, (int, float, str, bool, list)) else ""
-    return ApiError(400, f"{param or 'the body'}: {first.get('msg', 'invalid')}" + (f" (got {shown})" if shown else ""), param=param)
+    return ApiError(
+        400, f"{param or 'the body'}: {first.get('msg', 'invalid')}" + (f" (got {shown})" if shown else ""), param=param
+    )
 
 
 FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -458,7 +513,9 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port or --host") from None
+        raise ConfigError(
+            f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port or --host"
+        ) from None
     return sock
 
 
@@ -479,7 +536,8 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 
 def run(server: Server, sock: socket.socket, options: ServeOptions, announce: Callable[[str], None]) -> int:
-    """Serve until SIGTERM or SIGINT (drained within options.shutdown_timeout: 143 or 130) or a rank fails (its RankError raised)."""
+    """Serve until SIGTERM or SIGINT (drained within options.shutdown_timeout: 143 or 130) or a rank fails (its
+    RankError raised)."""
     import uvicorn
 
     # The engine's thread, the pump threads and the event loop hand every token on: with Python's default
@@ -493,8 +551,8 @@ def run(server: Server, sock: socket.socket, options: ServeOptions, announce: Ca
             # fd's handlers drain first and decide the exit code; uvicorn's would re-raise the signal at exit.
             yield
 
-    config = uvicorn.Config(server.app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=3,
-                            timeout_keep_alive=5)
+    config = uvicorn.Config(server.app, log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=3, timeout_keep_alive=5)
     http = Uvicorn(config)
     received: list[int] = []
 

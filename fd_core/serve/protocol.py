@@ -25,8 +25,8 @@ DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
 class ApiError(Exception):
     """A request the server answers with an OpenAI error body: status, message, type, param and code."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
         self.headers = headers or {}
@@ -65,7 +65,9 @@ class Sampling(BaseModel):
     def refuse_unsupported(self) -> None:
         """What fd does not do is refused, never silently ignored."""
         if self.n != 1:
-            raise ApiError(400, f"n={self.n}: fd serve returns one choice per prompt; send n=1 (or several requests)", param="n")
+            raise ApiError(
+                400, f"n={self.n}: fd serve returns one choice per prompt; send n=1 (or several requests)", param="n"
+            )
         if self.logprobs not in (None, False):
             raise ApiError(400, "logprobs are not supported by fd serve; drop the field", param="logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -117,7 +119,9 @@ class CompletionRequest(Sampling):
         if isinstance(prompt, str):
             return [prompt]
         if not prompt:
-            raise ApiError(400, "prompt is empty; send a string, a list of token ids, or a list of either", param="prompt")
+            raise ApiError(
+                400, "prompt is empty; send a string, a list of token ids, or a list of either", param="prompt"
+            )
         items: list[Any] = list(prompt)
         if all(isinstance(p, int) for p in items):
             return [[int(t) for t in items]]
@@ -167,13 +171,17 @@ def message_parts(message: Message, index: int) -> tuple[str, list[str]]:
         else:
             url = (part.image_url or {}).get("url")
             if not isinstance(url, str) or not url:
-                raise ApiError(400, f"messages[{index}]: an image_url part needs {{\"image_url\": {{\"url\": ...}}}}", param=f"messages[{index}]")
+                raise ApiError(
+                    400, f"messages[{index}]: an image_url part needs {{\"image_url\": {{\"url\": ...}}}}",
+                    param=f"messages[{index}]",
+                )
             images.append(url)
     return "".join(texts), images
 
 
 def read_image(url: str, roots: Sequence[Path]) -> Any:
-    """A picture from a data URL (base64 PNG or JPEG) or a file path under one of `roots`, as an array [C, H, W] in [0, 1]."""
+    """A picture from a data URL (base64 PNG or JPEG) or a file path under one of `roots`, as an array [C, H, W] in
+    [0, 1]."""
     import numpy as np
     from PIL import Image, UnidentifiedImageError
 
@@ -188,12 +196,16 @@ def read_image(url: str, roots: Sequence[Path]) -> Any:
             raw = base64.b64decode(data, validate=True)
             picture = Image.open(io.BytesIO(raw)).convert("RGB")
         except (binascii.Error, UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-            raise ApiError(400, f"the image data URL is not a PNG or JPEG picture ({exc.__class__.__name__})", param="messages") from None
+            raise ApiError(
+                400, f"the image data URL is not a PNG or JPEG picture ({exc.__class__.__name__})", param="messages"
+            ) from None
         return np.asarray(picture, dtype="float32").transpose(2, 0, 1) / 255.0
     path = Path(url.removeprefix("file://")).resolve()
     if not any(path.is_relative_to(root) for root in roots):
         allowed = ", ".join(str(r) for r in roots) or "none (start fd serve with --image-root DIR)"
-        raise ApiError(400, f"image path {url!r} is outside the directories the server may read: {allowed}", param="messages")
+        raise ApiError(
+            400, f"image path {url!r} is outside the directories the server may read: {allowed}", param="messages"
+        )
     if not path.is_file():
         raise ApiError(400, f"image path {url!r} is not a file the server can read", param="messages")
     from fd_core.runtime.images import load_image
@@ -205,7 +217,11 @@ def read_image(url: str, roots: Sequence[Path]) -> Any:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def new_id(prefix: str) -> str:

@@ -13,10 +13,13 @@ from typing import Any
 from fd_core.serve.app import EXIT_TERMINATED, ServeOptions, Server, bind, log, run
 
 
-def serve(options: ServeOptions, *, checkpoint: str | None, model: str | None, name: str | None, tp: int, **llm_options: Any) -> int:
-    """Load, listen, serve; the exit code (143 after SIGTERM, 130 after SIGINT). Nothing is left running when it returns."""
+def serve(
+    options: ServeOptions, *, checkpoint: str | None, model: str | None, name: str | None, tp: int, **llm_options: Any
+) -> int:
+    """Load, listen, serve; the exit code (143 after SIGTERM, 130 after SIGINT). Nothing is left running when it
+    returns."""
+    from fd_core.runtime.llm import LLM
     from fd_core.runtime.ranks.spawn import Terminated, raise_terminated
-    from fd_core.runtime.session import LLM
 
     sock = bind(options.host, options.port)  # a taken port fails before the model loads
     scratch: Path | None = None
@@ -35,7 +38,10 @@ def serve(options: ServeOptions, *, checkpoint: str | None, model: str | None, n
             arch = model or "ernie4_5"
             checkpoint = str(write_tiny_checkpoint(scratch / arch, arch, seed=int(llm_options.get("seed", 0))))
             served = name or f"{arch}-tiny"
-            log(f"no --checkpoint: serving the {arch} tiny preset (seeded random weights, a small tokenizer) from {checkpoint}")
+            log(
+                f"no --checkpoint: serving the {arch} tiny preset (seeded random weights, a small tokenizer) "
+                f"from {checkpoint}"
+            )
         else:
             served = name or Path(checkpoint).resolve().name
         log(f"loading {checkpoint} on {tp} rank(s)")
@@ -45,7 +51,8 @@ def serve(options: ServeOptions, *, checkpoint: str | None, model: str | None, n
 
         def announce(address: str) -> None:
             # The address on stderr: with --port 0 it is how a caller learns the port.
-            print(f"fd serve: serving {served!r} ({llm.model if llm else '?'}, tp={tp}, {llm.platform if llm else '?'}) at {address}",
+            print(f"fd serve: serving {served!r} ({llm.model if llm else '?'}, tp={tp}, "
+                  f"{llm.platform if llm else '?'}) at {address}",
                   file=sys.stderr, flush=True)
 
         signal.signal(signal.SIGTERM, previous)

@@ -41,12 +41,15 @@ def train_tokenizer(directory: Path, vocab_size: int) -> None:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator([line for line in CORPUS.splitlines() if line] * 8, trainer)
     if tokenizer.get_vocab_size() > vocab_size:
-        raise ConfigError(f"the tiny tokenizer has {tokenizer.get_vocab_size()} ids, more than the model's vocabulary of {vocab_size}")
+        raise ConfigError(
+            f"the tiny tokenizer has {tokenizer.get_vocab_size()} ids, more than the model's vocabulary of {vocab_size}"
+        )
     tokenizer.save(str(directory / "tokenizer.json"))
-    added = {str(tokenizer.token_to_id(t)): {"content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
-                                             "single_word": False} for t in SPECIAL_TOKENS}
-    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
-                              "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE, "added_tokens_decoder": added}
+    added = {str(tokenizer.token_to_id(t)): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                                             "normalized": False, "single_word": False} for t in SPECIAL_TOKENS}
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                              "pad_token": "<pad>", "clean_up_tokenization_spaces": False,
+                              "chat_template": CHAT_TEMPLATE, "added_tokens_decoder": added}
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
@@ -57,7 +60,10 @@ def write_tiny_checkpoint(directory: str | Path, model: str = "ernie4_5", seed: 
 
     arch = load_plugins().registry.get(model)  # an unknown name raises, listing the registered architectures
     if arch.multimodal:
-        raise ConfigError(f"the tiny tokenizer serves text models, and {arch.name} takes pictures; pass --checkpoint DIR, or --model ernie4_5")
+        raise ConfigError(
+            f"the tiny tokenizer serves text models, and {arch.name} takes pictures; "
+            "pass --checkpoint DIR, or --model ernie4_5"
+        )
     path = save_random_checkpoint(arch.name, str(directory), seed=seed)
     train_tokenizer(path, int(arch.preset["vocab_size"]))
     return path

@@ -3,7 +3,15 @@
 from fd_core.capabilities import Capabilities, capabilities_of
 from fd_core.testing.kernels import KernelTests
 from fd_core.testing.model_suite import ModelSuite
-from fd_core.testing.suite import AllReduceTests, CleanupTests, ContractTests, EligibilityTests, GraphBackendTests, ModelTests, PlatformSuite
+from fd_core.testing.suite import (
+    AllReduceTests,
+    CleanupTests,
+    ContractTests,
+    EligibilityTests,
+    GraphBackendTests,
+    ModelTests,
+    PlatformSuite,
+)
 
 __all__ = [
     "AllReduceTests",

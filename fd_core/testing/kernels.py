@@ -65,8 +65,10 @@ def cases(op: str, plugins: PluginSet, dtype: str, seed: int = 0) -> Iterator[tu
                            (t(batch, length, heads, d).transpose([0, 2, 1, 3]), cos, sin, layout))
                     # As the decoder passes the tables: one per row [B, 1, S, d/2] (rows at their own positions).
                     rows = rng.uniform(-20, 20, (batch, 1, length, d // 2)).astype("float32")
-                    yield (f"x[{batch}, {heads}, {length}, {d}] {layout}, tables per row [{batch}, 1, {length}, {d // 2}]",
-                           (t(batch, heads, length, d), paddle.to_tensor(np.cos(rows)), paddle.to_tensor(np.sin(rows)), layout))
+                    yield (f"x[{batch}, {heads}, {length}, {d}] {layout}, "
+                           f"tables per row [{batch}, 1, {length}, {d // 2}]",
+                           (t(batch, heads, length, d), paddle.to_tensor(np.cos(rows)), paddle.to_tensor(np.sin(rows)),
+                            layout))
         elif op == "attention":
             for batch, length, total in ((1, 5, 5), (2, 1, 9), (1, 3, 11), (2, 4, 4)):
                 # Causal over the last `length` of `total` positions: what prefill (length == total) and decode pass.
@@ -83,26 +85,31 @@ def cases(op: str, plugins: PluginSet, dtype: str, seed: int = 0) -> Iterator[tu
                 # masked, row b's first b slots masked too (its left padding in a batch of unequal prompts).
                 padded = np.stack([allowed & (np.arange(total)[None, :] >= b) for b in range(batch)])[:, None, None]
                 rows_mask = paddle.to_tensor(np.where(padded, 0.0, -1e9).astype("float32"))
-                yield (f"q[{batch}, {heads}, {length}, {d}] kv[{batch}, {kv}, {total}, {d}], mask per row [{batch}, 1, 1, {length}, {total}]",
+                yield (f"q[{batch}, {heads}, {length}, {d}] kv[{batch}, {kv}, {total}, {d}], "
+                       f"mask per row [{batch}, 1, 1, {length}, {total}]",
                        (t(batch, heads, length, d), t(batch, kv, total, d), t(batch, kv, total, d), rows_mask))
             yield f"q[1, {heads}, 4, {d}] no mask", (t(1, heads, 4, d), t(1, kv, 4, d), t(1, kv, 4, d), None)
         elif op == "matmul":
             inter = s["inter"]
             yield f"x[1, 1, {h}] @ w[{h}, {inter}]", (t(1, 1, h), t(h, inter), False)
             yield f"x[2, 5, {h}] @ w[{h}, {inter}]", (t(2, 5, h), t(h, inter), False)
-            yield f"x[1, {h}] @ w[{h}, {inter}]", (t(1, h), t(h, inter), False)  # the LM head's: hidden [B, H] @ [H, vocab / tp]
+            # The LM head's: hidden [B, H] @ [H, vocab / tp]
+            yield f"x[1, {h}] @ w[{h}, {inter}]", (t(1, h), t(h, inter), False)
             yield f"x[1, {h}] @ w[{inter}, {h}]^T", (t(1, h), t(inter, h), True)
             yield f"x[3, 1, {inter}] @ w[{h}, {inter}]^T", (t(3, 1, inter), t(h, inter), True)
         elif op == "sample":
             vocab = 50 + s["hidden"]
-            for temperature, top_k, top_p in ((0.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.9, 20, 0.95)):
+            for temperature, top_k, top_p in (
+                (0.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.9, 20, 0.95)
+            ):
                 yield (f"logits[4, {vocab}] temperature={temperature} top_k={top_k} top_p={top_p}",
                        (t(4, vocab, kind="float32") * 3, temperature, top_k, top_p, rng.random(4).tolist()))
     if op == "matmul":
         # One row against a weight of the size a real model's decode step multiplies by (4.2 M elements: 8 MiB in a
         # 16-bit dtype, 16 MiB in float32), odd sizes.
         yield f"x[1, 1, {LARGE}] @ w[{LARGE}, {4 * LARGE + ODD}]", (t(1, 1, LARGE), t(LARGE, 4 * LARGE + ODD), False)
-        yield f"x[1, 1, {4 * LARGE + ODD}] @ w[{4 * LARGE + ODD}, {LARGE}]", (t(1, 1, 4 * LARGE + ODD), t(4 * LARGE + ODD, LARGE), False)
+        yield (f"x[1, 1, {4 * LARGE + ODD}] @ w[{4 * LARGE + ODD}, {LARGE}]",
+               (t(1, 1, 4 * LARGE + ODD), t(4 * LARGE + ODD, LARGE), False))
         yield f"x[1, {LARGE}] @ w[{LARGE}, {4 * LARGE + ODD}]", (t(1, LARGE), t(LARGE, 4 * LARGE + ODD), False)
         yield f"x[1, {LARGE}] @ w[{4 * LARGE + ODD}, {LARGE}]^T", (t(1, LARGE), t(4 * LARGE + ODD, LARGE), True)
 
@@ -110,7 +117,10 @@ def cases(op: str, plugins: PluginSet, dtype: str, seed: int = 0) -> Iterator[tu
 def _numpy(value: Any) -> Any:
     import numpy as np
 
-    return np.asarray(value.astype("float32").numpy() if hasattr(value, "astype") and hasattr(value, "numpy") else value, dtype=np.float64)
+    return np.asarray(
+        value.astype("float32").numpy() if hasattr(value, "astype") and hasattr(value, "numpy") else value,
+        dtype=np.float64,
+    )
 
 
 def compare(op: str, got: Any, want: Any, dtype: str, args: tuple[Any, ...], native: Any) -> str | None:
@@ -127,7 +137,8 @@ def compare(op: str, got: Any, want: Any, dtype: str, args: tuple[Any, ...], nat
             return f"returned {len(got)} tokens for {len(want)} rows"
         for b, (g, w) in enumerate(zip(got, want, strict=True)):
             if g != w:
-                near = {native.sample(logits, temperature, top_k, top_p, [min(max(u + e, 0.0), 1.0 - 1e-12) for u in uniform])[b]
+                near = {native.sample(logits, temperature, top_k, top_p,
+                                      [min(max(u + e, 0.0), 1.0 - 1e-12) for u in uniform])[b]
                         for e in (-1e-6, 1e-6)}
                 if g not in near:
                     return f"row {b} chose token {g}, the native op {w}"
@@ -141,7 +152,10 @@ def compare(op: str, got: Any, want: Any, dtype: str, args: tuple[Any, ...], nat
         return None
     index = tuple(int(i) for i in np.argwhere(bad)[0])
     error = float(np.nanmax(np.abs(a - b)))
-    return f"largest error {error:.3g} (rtol {rtol:g}, atol {atol:g}); first difference at {list(index)}: {a[index]:.6g}, native {b[index]:.6g}"
+    return (
+        f"largest error {error:.3g} (rtol {rtol:g}, atol {atol:g}); "
+        f"first difference at {list(index)}: {a[index]:.6g}, native {b[index]:.6g}"
+    )
 
 
 class KernelTests:
@@ -161,7 +175,8 @@ class KernelTests:
             unchecked += [f"{op} in {d}" for d in hardware.dtypes if d not in OPS[op].dtypes]
             for dtype in dtypes:
                 for what, args in cases(op, plugins, dtype):
-                    # The reference first, on copies: a kernel that writes into its inputs must not change what it is compared with.
+                    # The reference first, on copies: a kernel that writes into its inputs must not change what it is
+                    # compared with.
                     want = getattr(native_ops, op)(*_copies(args))
                     for threads in THREAD_COUNTS:
                         at = f" on {threads} compute threads" if threads > 1 else ""
@@ -177,9 +192,14 @@ class KernelTests:
                             failures.append(f"{op} ({provider}) {dtype} {what}{at}: {problem}")
         # The first line (what `fd check` shows) names each failing op with its first case; every case follows.
         first = {f.split(" ", 1)[0]: f for f in reversed(failures)}
-        assert not failures, "; ".join(reversed(first.values())) + f" ({len(failures)} case(s) in all)\n" + "\n".join(failures[:40])
+        assert not failures, (
+            "; ".join(reversed(first.values())) + f" ({len(failures)} case(s) in all)\n" + "\n".join(failures[:40])
+        )
         if not checked:
-            pytest.skip(f"{plugins.platform}: no kernel case could be checked: the ops define no tolerance for {', '.join(unchecked)}")
+            pytest.skip(
+                f"{plugins.platform}: no kernel case could be checked: the ops define no tolerance for "
+                f"{', '.join(unchecked)}"
+            )
 
 
 def _on_threads(threads: int, kernel: Any, args: tuple[Any, ...]) -> Any:

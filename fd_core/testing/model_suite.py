@@ -1,6 +1,6 @@
 """The conformance suite for model packages: subclass `ModelSuite` and provide the `architecture_name` fixture.
 
-Every check generates through the engine `fd run` uses (its plan, `run_rank`, the ModelRunner), on the
+Every check generates through the session `fd run` and `LLM` use (the plan, its ranks, the engine), on the
 architecture's tiny preset and on its `odd_preset` when it declares one:
 
 - tp: tp=2 over two real ranks (graphs off and on) gives tp=1's tokens;
@@ -46,7 +46,8 @@ _RUNS: dict[tuple[str, int, str], Any] = {}
 
 
 def reference_class(arch: Architecture, transformers: Any) -> str | None:
-    """The transformers class name the architecture is compared with: its `reference`, else its first alias transformers defines."""
+    """The transformers class name the architecture is compared with: its `reference`, else its first alias
+    transformers defines."""
     if arch.reference is not None:
         return arch.reference or None
     return next((alias for alias in arch.aliases if getattr(transformers, alias, None) is not None), None)
@@ -80,7 +81,9 @@ class ModelSuite:
     @pytest.fixture
     def architecture_name(self) -> str:
         """The registered name (or alias) of the architecture under test."""
-        raise NotImplementedError("provide an `architecture_name` fixture returning your architecture's registered name")
+        raise NotImplementedError(
+            "provide an `architecture_name` fixture returning your architecture's registered name"
+        )
 
     @pytest.fixture
     def plugins(self) -> PluginSet:
@@ -110,75 +113,79 @@ class ModelSuite:
             root = Path(tempfile.mkdtemp(prefix=f"fd-model-suite-{architecture.name}-"))
             data = {**_config_data(architecture, config_index), "architectures": [architecture.name]}
             (root / "config.json").write_text(json.dumps(data))
-            return str(save_random_checkpoint(architecture.name, str(root / "checkpoint"), seed=0, config_path=str(root / "config.json")))
+            return str(save_random_checkpoint(
+                architecture.name, str(root / "checkpoint"), seed=0, config_path=str(root / "config.json")
+            ))
 
-        return {"model": None, "checkpoint": _cached((architecture.name, config_index, "writing the config's checkpoint"), write)}
+        return {
+            "model": None,
+            "checkpoint": _cached((architecture.name, config_index, "writing the config's checkpoint"), write),
+        }
 
     # -- runs shared by the checks -----------------------------------------------------------------
 
-    def _plan(self, plugins: PluginSet, arch: Architecture, index: int, source: Mapping[str, Any], **settings: Any) -> Any:
+    def _plan(
+        self, plugins: PluginSet, arch: Architecture, index: int, source: Mapping[str, Any], **settings: Any
+    ) -> Any:
         from fd_core.runtime.plan import RunConfig, plan_run
 
-        run = RunConfig(tp=settings.pop("tp", 1), steps=STEPS, prompt_ids=_prompt(arch, index), progress=False, **source, **settings)
+        run = RunConfig(
+            tp=settings.pop("tp", 1), steps=STEPS, prompt_ids=_prompt(arch, index), progress=False, **source, **settings
+        )
         return plan_run(run, plugins)
 
-    def _tp1(self, plugins: PluginSet, arch: Architecture, index: int, source: Mapping[str, Any], graph: str) -> dict[str, Any]:
-        from fd_core.runtime.ranks.launch import run_rank
+    def _tp1(
+        self, plugins: PluginSet, arch: Architecture, index: int, source: Mapping[str, Any], graph: str
+    ) -> dict[str, Any]:
+        from fd_core.runtime.job import run_plan
 
         return _cached((arch.name, index, f"the tp=1 run with --graph {graph}"),
-                       lambda: run_rank(self._plan(plugins, arch, index, source, graph=graph), plugins=plugins))
+                       lambda: run_plan(self._plan(plugins, arch, index, source, graph=graph), plugins)[0])
 
     # -- the checks ----------------------------------------------------------------------------------
 
-    def test_tp1_tokens_vary(self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]) -> None:
+    def test_tp1_tokens_vary(
+        self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]
+    ) -> None:
         """Tokens that never change would make every equality of the suite vacuous."""
         tokens = self._tp1(plugins, architecture, config_index, source, "off")["tokens"]
         assert len(set(tokens)) > 2, (
-            f"{architecture.name}: the seeded random model's greedy tokens {tokens} hardly change, so the tp, graph and reload "
-            f"checks compare nothing; give the preset initializer_range 0.2 (or check the head and the weights it loads)"
+            f"{architecture.name}: the seeded random model's greedy tokens {tokens} hardly change, so the tp, graph "
+            f"and reload checks compare nothing; give the preset initializer_range 0.2 (or check the head and the "
+            f"weights it loads)"
         )
 
-    @pytest.fixture
-    def tp2_together(self) -> list[str]:
-        """Architectures whose presets' two-rank runs share one spawn with this one's (a suite over several)."""
-        return []
-
     def test_tp2_equals_tp1(
-        self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any], tp2_together: list[str]
+        self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]
     ) -> None:
-        """Two real ranks, each holding its slice of every split weight, graphs off and on, give tp=1's tokens."""
+        """Two real ranks, each holding its slice of every split weight, graphs off and on, give tp=1's tokens (and the
+        same tokens on both ranks: the session checks every sequence that ends)."""
         from fd_core.errors import FdError
-        from fd_core.runtime.ranks.spawn import spawn_ranks
-        from fd_core.testing.model_ranks import runs_on_rank
+        from fd_core.runtime.job import run_plan
 
         want = self._tp1(plugins, architecture, config_index, source, "off")["tokens"]
-        try:
-            plans = [self._plan(plugins, architecture, config_index, source, tp=2, graph=g) for g in ("off", "on")]
-        except FdError as exc:
-            pytest.skip(f"{architecture.name}: tp=2 is not possible here, so there is no tp to compare with tp=1 ({exc})")
-        key = (architecture.name, config_index, "the two-rank run")
-        if key not in _RUNS and config_index == 0:
-            # One spawn for the presets of every architecture of `tp2_together` (two ranks cost seconds to start).
-            names = [n for n in dict.fromkeys([architecture.name, *tp2_together]) if n in plugins.registry]
-            batch = {n: plans if n == architecture.name else [
-                self._plan(plugins, plugins.registry.get(n), 0, {"model": n, "checkpoint": None}, tp=2, graph=g) for g in ("off", "on")]
-                for n in names}
+        for graph in ("off", "on"):
             try:
-                ranks = spawn_ranks(runs_on_rank, ([p for n in names for p in batch[n]],), 2, plans[0].dist_backend)
-                for i, n in enumerate(names):
-                    _RUNS[(n, 0, "the two-rank run")] = [rank[2 * i : 2 * i + 2] for rank in ranks]
-            except Exception as exc:  # noqa: BLE001 - kept for each architecture of the batch, as _cached does
-                for n in names:
-                    _RUNS[(n, 0, "the two-rank run")] = exc
-        ranks = _cached(key, lambda: spawn_ranks(runs_on_rank, (plans,), 2, plans[0].dist_backend))
-        for rank in ranks:
-            for graph, run in zip(("off", "on"), rank, strict=True):
-                assert run["tokens"] == want, (
-                    f"{architecture.name}: tp=2 (rank {run['rank']}, --graph {graph}) gives {run['tokens']}, tp=1 gives {want}; "
-                    f"a split weight, its split axis or an all-reduce of the model is wrong"
+                plan = self._plan(plugins, architecture, config_index, source, tp=2, graph=graph)
+            except FdError as exc:
+                pytest.skip(
+                    f"{architecture.name}: tp=2 is not possible here, so there is no tp to compare with tp=1 ({exc})"
                 )
+            try:
+                got = run_plan(plan, plugins)[0]
+            except RankError as exc:  # the ranks disagreed, or one failed
+                raise AssertionError(
+                    f"{architecture.name}: tp=2 (--graph {graph}) failed: {exc}; a split weight, its split axis or an "
+                    f"all-reduce of the model is wrong"
+                ) from None
+            assert got["tokens"] == want, (
+                f"{architecture.name}: tp=2 (--graph {graph}) gives {got['tokens']}, tp=1 gives {want}; "
+                f"a split weight, its split axis or an all-reduce of the model is wrong"
+            )
 
-    def test_graph_on_equals_graph_off(self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]) -> None:
+    def test_graph_on_equals_graph_off(
+        self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]
+    ) -> None:
         """A captured decode step (replayed) gives the eager tokens."""
         if not architecture.graph_capable:
             pytest.skip(f"{architecture.name} is registered with graph_capable=False")
@@ -187,12 +194,15 @@ class ModelSuite:
         if not graphs["graph"]["allowed"]:
             pytest.skip(f"{architecture.name}: no graph is captured here: {graphs['graph']['summary']}")
         assert graphs["tokens"] == eager["tokens"], (
-            f"{architecture.name}: with the captured decode graph the tokens are {graphs['tokens']}, eager {eager['tokens']}; "
-            f"the captured step depends on Python-side state or on shapes that change"
+            f"{architecture.name}: with the captured decode graph the tokens are {graphs['tokens']}, eager "
+            f"{eager['tokens']}; the captured step depends on Python-side state or on shapes that change"
         )
 
-    def test_graph_clear_really_clears(self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]) -> None:
-        """After fd_clear_graphs nothing is captured, a replay is refused, and decoding is eager with the same tokens."""
+    def test_graph_clear_really_clears(
+        self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]
+    ) -> None:
+        """After fd_clear_graphs nothing is captured, a replay is refused, and decoding is eager with the same
+        tokens."""
         from fd_core.host.backend import Backend
         from fd_core.runtime.engine.loop import Engine
         from fd_core.runtime.engine.runner import ModelRunner
@@ -215,7 +225,10 @@ class ModelSuite:
         runner = ModelRunner(backend, architecture, plan.config, plan.run.checkpoint, graph="on")
         runner.load()
         if not runner.decide().allowed:
-            pytest.skip(f"{architecture.name}: no graph is captured here: {runner.decision.summary() if runner.decision else ''}")
+            pytest.skip(
+                f"{architecture.name}: no graph is captured here: "
+                f"{runner.decision.summary() if runner.decision else ''}"
+            )
         engine, request = Engine(runner), Request.greedy(plan.request.prompts, STEPS)
         before = engine.generate(request)[0].token_ids
         assert spies and spies[-1].replays, f"{architecture.name}: decode did not replay its captured graph"
@@ -223,7 +236,9 @@ class ModelSuite:
         assert model is not None
         backend.clear_graphs(model)  # raises PluginError when no hook handles the model
         assert spy.clears, f"{architecture.name}: fd_clear_graphs returned True but never cleared the graph backend"
-        assert not any(spy.has(k) for k in spy.keys), f"{architecture.name}: fd_clear_graphs returned True but the graphs are still captured"
+        assert not any(spy.has(k) for k in spy.keys), (
+            f"{architecture.name}: fd_clear_graphs returned True but the graphs are still captured"
+        )
         key = next(iter(spy.inputs))
         try:
             spy.inner.replay(key, spy.inputs[key])
@@ -234,7 +249,9 @@ class ModelSuite:
         replays = spy.replays
         after = engine.generate(request)[0].token_ids
         assert spy.replays == replays, f"{architecture.name}: decode still replayed a graph after fd_clear_graphs"
-        assert after == before, f"{architecture.name}: decoding after fd_clear_graphs gives {after}, with graphs {before}"
+        assert after == before, (
+            f"{architecture.name}: decoding after fd_clear_graphs gives {after}, with graphs {before}"
+        )
 
     def test_sequences_joining_a_running_batch_get_their_alone_tokens(
         self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]
@@ -257,7 +274,10 @@ class ModelSuite:
         engine = Engine(runner, max_batch=4)
         base = list(_prompt(architecture, config_index))
         prompts = [base, base[:3], base[::-1][:4], base[1:], base[:2]]
-        jobs = [Job(i, tuple(p), SamplingParams(max_new_tokens=n, ignore_eos=True)) for i, (p, n) in enumerate(zip(prompts, (10, 4, 7, 6, 5), strict=True))]
+        jobs = [
+            Job(i, tuple(p), SamplingParams(max_new_tokens=n, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(prompts, (10, 4, 7, 6, 5), strict=True))
+        ]
         alone = [engine.generate(Request((j.prompt,), j.sampling))[0].token_ids for j in jobs]
         got: dict[int, list[int]] = {}
         arrivals = {0: [0], 1: [1], 3: [2, 3], 4: [4]}
@@ -269,52 +289,70 @@ class ModelSuite:
             step += 1
         for i, job in enumerate(jobs):
             assert got[i] == alone[i], (
-                f"{architecture.name}: prompt {list(job.prompt)} gives {got[i]} when it joins a running batch, {alone[i]} alone; "
-                f"a cache row is written or read at another row's positions (prefill's cache_rows, decode_step's per-row "
-                f"positions, or allocate_cache(keep=True))"
+                f"{architecture.name}: prompt {list(job.prompt)} gives {got[i]} when it joins a running batch, "
+                f"{alone[i]} alone; a cache row is written or read at another row's positions (prefill's cache_rows, "
+                f"decode_step's per-row positions, or allocate_cache(keep=True))"
             )
 
-    def test_reload_cycles_keep_the_tokens(self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]) -> None:
-        """`fd run --reload-cycles 2` (graphs on where allowed): clear, release, load, capture again; the same tokens each cycle."""
-        from fd_core.runtime.ranks.launch import run_rank
+    def test_reload_cycles_keep_the_tokens(
+        self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]
+    ) -> None:
+        """`fd run --reload-cycles 2` (graphs on where allowed): clear, release, load, capture again; the same tokens
+        each cycle."""
+        from fd_core.runtime.job import run_plan
 
         graph = "on" if architecture.graph_capable else "off"
         plan = self._plan(plugins, architecture, config_index, source, graph=graph, reload_cycles=2)
         try:
-            result = run_rank(plan, plugins=plugins)
-        except RankError as exc:  # run_rank's reload guard: a cycle changed the tokens
-            raise AssertionError(f"{architecture.name}: {exc}; release_weights/load_weights do not restore the same weights") from None
+            result = run_plan(plan, plugins)[0]
+        except RankError as exc:  # run_plan's reload guard: a cycle changed the tokens
+            raise AssertionError(
+                f"{architecture.name}: {exc}; release_weights/load_weights do not restore the same weights"
+            ) from None
         assert [c["tokens_match"] for c in result["reload_cycles"]] == [True, True]
         assert result["tokens"] == self._tp1(plugins, architecture, config_index, source, "off")["tokens"]
 
     def test_save_random_checkpoint_reloads_the_same_tokens(
         self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any], tmp_path: Path
     ) -> None:
-        """`fd save-random` writes the seeded weights in the published layout; `fd run --checkpoint` gives the seeded run's tokens."""
-        from fd_core.runtime.ranks.launch import run_rank
+        """`fd save-random` writes the seeded weights in the published layout; `fd run --checkpoint` gives the seeded
+        run's tokens."""
+        from fd_core.runtime.job import run_plan
         from fd_core.runtime.save_random import save_random_checkpoint
 
         if config_index != 0:
             pytest.skip("the config's runs are already from a save-random checkpoint")
         want = self._tp1(plugins, architecture, config_index, source, "off")["tokens"]
-        directory = _names(save_random_checkpoint(architecture.name, str(tmp_path / "checkpoint"), seed=0), architecture)
-        got = run_rank(self._plan(plugins, architecture, 0, {"model": None, "checkpoint": str(directory)}, graph="off"), plugins=plugins)["tokens"]
+        directory = _names(
+            save_random_checkpoint(architecture.name, str(tmp_path / "checkpoint"), seed=0), architecture
+        )
+        got = run_plan(
+            self._plan(plugins, architecture, 0, {"model": None, "checkpoint": str(directory)}, graph="off"), plugins
+        )[0]["tokens"]
         assert got == want, (
-            f"{architecture.name}: the checkpoint fd save-random wrote loads back to {got}, the seeded weights give {want}; "
-            f"a tensor is saved under a name, shape or layout that loads differently (or is ignored on load)"
+            f"{architecture.name}: the checkpoint fd save-random wrote loads back to {got}, the seeded weights give "
+            f"{want}; a tensor is saved under a name, shape or layout that loads differently (or is ignored on load)"
         )
 
-    def test_reference_greedy_tokens(self, plugins: PluginSet, architecture: Architecture, config_index: int, tmp_path: Path) -> None:
+    def test_reference_greedy_tokens(
+        self, plugins: PluginSet, architecture: Architecture, config_index: int, tmp_path: Path
+    ) -> None:
         """A tiny random model built and saved by transformers gives the reference's first-step logits (to rounding) and
         greedy tokens through `fd run`'s path."""
         try:
             import torch
             import transformers
         except ImportError as exc:
-            pytest.skip(f"{NOT_VERIFIED} the reference needs transformers and torch, which are not installed here ({exc}); pip install transformers torch")
+            pytest.skip(
+                f"{NOT_VERIFIED} the reference needs transformers and torch, which are not installed here ({exc}); "
+                f"pip install transformers torch"
+            )
         name = reference_class(architecture, transformers)
         if name is None:
-            pytest.skip(f"{NOT_VERIFIED} {architecture.name} names no reference class that transformers defines (set Architecture.reference)")
+            pytest.skip(
+                f"{NOT_VERIFIED} {architecture.name} names no reference class that transformers defines "
+                f"(set Architecture.reference)"
+            )
         model_cls = getattr(transformers, name, None)
         if model_cls is None:
             pytest.skip(f"{NOT_VERIFIED} transformers {transformers.__version__} has no {name}")
@@ -329,33 +367,39 @@ class ModelSuite:
             if margin > MIN_MARGIN:
                 break
         else:
-            pytest.fail(f"{architecture.name}: no seed of {list(REFERENCE_SEEDS)} keeps the reference's top-2 logits {MIN_MARGIN:g} apart "
-                        f"(best {best:.2e}); widen initializer_range in the preset", pytrace=False)
+            pytest.fail(f"{architecture.name}: no seed of {list(REFERENCE_SEEDS)} keeps the reference's top-2 logits "
+                        f"{MIN_MARGIN:g} apart (best {best:.2e}); widen initializer_range in the preset", pytrace=False)
         directory = tmp_path / "reference"
         model.save_pretrained(str(directory))
         for file_name, content in architecture.preset_files.items():
             (directory / file_name).write_text(json.dumps(dict(content)))
         _names(directory, architecture)
-        from fd_core.runtime.ranks.worker import RankWorker
+        from fd_core.runtime.session import Session
 
-        plan = self._plan(plugins, architecture, config_index, {"model": None, "checkpoint": str(directory)}, graph="auto")
-        worker = RankWorker.start(plan, plugins=plugins)  # what `fd run --tp 1` runs on its rank
-        got = worker.generate(plan.request)[0].token_ids
-        model = worker.runner.model
+        plan = self._plan(
+            plugins, architecture, config_index, {"model": None, "checkpoint": str(directory)}, graph="auto"
+        )
+        with Session(plan, plugins) as session:  # what `fd run --tp 1` runs
+            got = session.generate(plan.request)[0].token_ids
+            assert session.worker is not None
+            model = session.worker.runner.model
         assert model is not None
         import numpy as np
 
-        ours = np.asarray(model.prefill(np.asarray([prompt], dtype="int64")).astype("float32").numpy()[0], dtype=np.float64)
+        ours = np.asarray(
+            model.prefill(np.asarray([prompt], dtype="int64")).astype("float32").numpy()[0], dtype=np.float64
+        )
         scale = max(1.0, float(np.abs(first).max()))
         worst = float(np.abs(ours - first).max())
         assert worst <= LOGIT_TOL * scale, (
-            f"{architecture.name}: on a checkpoint saved by transformers' {name} (seed {seed}) fd's first-step logits differ from "
-            f"the reference's by {worst:.2e} (tolerance {LOGIT_TOL * scale:.1e}); the model computes something else than the reference "
-            f"(rotary layout, norms, biases, a weight's layout)"
+            f"{architecture.name}: on a checkpoint saved by transformers' {name} (seed {seed}) fd's first-step logits "
+            f"differ from the reference's by {worst:.2e} (tolerance {LOGIT_TOL * scale:.1e}); the model computes "
+            f"something else than the reference (rotary layout, norms, biases, a weight's layout)"
         )
         assert got == tokens, (
-            f"{architecture.name}: on a checkpoint saved by transformers' {name} (seed {seed}) fd gives {got}, the reference {tokens}; "
-            f"the model computes something else than the reference (rotary layout, norms, biases, a weight's layout)"
+            f"{architecture.name}: on a checkpoint saved by transformers' {name} (seed {seed}) fd gives {got}, the "
+            f"reference {tokens}; the model computes something else than the reference (rotary layout, norms, biases, "
+            f"a weight's layout)"
         )
 
 
@@ -368,7 +412,8 @@ def _names(directory: Path, arch: Architecture) -> Path:
 
 
 def _reference_model(torch: Any, model_cls: Any, data: Mapping[str, Any], seed: int) -> Any:
-    """transformers' model of the config, seeded; parameters it initialises to zero (biases, say) made random so that they count."""
+    """transformers' model of the config, seeded; parameters it initialises to zero (biases, say) made random so that
+    they count."""
     torch.manual_seed(seed)
     config = model_cls.config_class(**{k: v for k, v in data.items() if k not in ("architectures", "model_type")})
     model = model_cls(config).eval()

@@ -11,7 +11,9 @@ import pytest
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fd", "fd-backends conformance suite")
     group.addoption("--fd-platform", default=None, help="platform the generic conformance module checks (fd check)")
-    group.addoption("--fd-model", default=None, help="architecture the model conformance module checks (fd check --model)")
+    group.addoption(
+        "--fd-model", default=None, help="architecture the model conformance module checks (fd check --model)"
+    )
 
 
 @dataclass

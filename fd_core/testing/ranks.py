@@ -44,7 +44,8 @@ def _round_bf16(values: Any) -> Any:
 
 
 def rank_input(case: Case, rank: int, call: int = 0) -> Any:
-    """Rank `rank`'s input for call `call` of `case` as float64 numpy: random, non-integer, exactly representable in the dtype."""
+    """Rank `rank`'s input for call `call` of `case` as float64 numpy: random, non-integer, exactly representable in
+    the dtype."""
     import numpy as np
 
     seed = zlib.crc32(f"{case.name}/{case.dtype}/{rank}/{call}".encode())
@@ -144,7 +145,10 @@ def _run_case(backend: Any, case: Case, rank: int, world: int) -> dict[str, Any]
         where = {"call": call}
         if out is None:
             return {**outcome, **where, "error": "fd_all_reduce returned None"}
-        shape, dtype = list(getattr(out, "shape", [])), str(getattr(out, "dtype", type(out).__name__)).replace("paddle.", "")
+        shape, dtype = (
+            list(getattr(out, "shape", [])),
+            str(getattr(out, "dtype", type(out).__name__)).replace("paddle.", ""),
+        )
         if shape != list(case.shape):
             return {**outcome, **where, "problem": f"returned shape {shape}, expected {list(case.shape)}"}
         if dtype != case.dtype:
@@ -162,8 +166,8 @@ def _run_case(backend: Any, case: Case, rank: int, world: int) -> dict[str, Any]
             changed = outside & ~(after == base_before)
             if changed.any():
                 index = [int(i) for i in np.argwhere(changed)[0]]
-                return {**outcome, **where, "problem": f"wrote outside the view it was given: element {index} of the tensor it views "
-                        f"changed from {base_before[tuple(index)]:g} to {after[tuple(index)]:g}"}
+                return {**outcome, **where, "problem": f"wrote outside the view it was given: element {index} of the "
+                        f"tensor it views changed from {base_before[tuple(index)]:g} to {after[tuple(index)]:g}"}
     return outcome
 
 
@@ -194,7 +198,9 @@ def _graph_case(backend: Any, dtype: Any, rank: int) -> dict[str, Any]:
     return graph
 
 
-def all_reduce_on_rank(platform: str, cases: Sequence[Case], graph_dtypes: Sequence[str], out_dir: str) -> dict[str, Any]:
+def all_reduce_on_rank(
+    platform: str, cases: Sequence[Case], graph_dtypes: Sequence[str], out_dir: str
+) -> dict[str, Any]:
     """On one rank: every case through the Backend, then an all-reduce inside a captured graph per dtype.
 
     Each outcome is appended to `out_dir`/rank<r>.jsonl when it is known (a "start" line before each),

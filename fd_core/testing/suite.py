@@ -173,7 +173,9 @@ def _two_rank_results(platform: str, cases: tuple[Any, ...], graph_dtypes: tuple
         todo_graphs = [d for d in todo_graphs if f"graph-{d}" in left and f"graph-{d}" != culprit]
     for name in [c.name for c in cases] + [f"graph-{d}" for d in graph_dtypes]:
         if name not in run.outcomes and name not in run.stopped:
-            run.stopped[name] = f"not run: the two-rank run stopped {_MAX_SPAWNS} times before it (see the checks that failed first)"
+            run.stopped[name] = (
+                f"not run: the two-rank run stopped {_MAX_SPAWNS} times before it (see the checks that failed first)"
+            )
     return run
 
 
@@ -227,14 +229,20 @@ class ContractTests(_Base):
         detect = impl_function(platform_module, "fd_platform_detect")
         assert detect is not None, f"{platform_name}: implement fd_platform_detect()"
         answer = detect()
-        assert isinstance(answer, Detection), f"{platform_name}: fd_platform_detect must return fd_core.Detection, got {type(answer).__name__}"
+        assert isinstance(answer, Detection), (
+            f"{platform_name}: fd_platform_detect must return fd_core.Detection, got {type(answer).__name__}"
+        )
         assert isinstance(answer.priority, int), f"{platform_name}: Detection.priority must be an int"
         assert answer.reason.strip(), f"{platform_name}: Detection.reason must say what was (or was not) seen"
         if answer.detected:
-            assert answer.dist_backend, f"{platform_name}: a detected platform's Detection.dist_backend must name its paddle.distributed backend"
+            assert answer.dist_backend, (
+                f"{platform_name}: a detected platform's Detection.dist_backend must name its paddle.distributed "
+                f"backend"
+            )
 
     def test_detection_answers_the_same_every_time(self, platform_module: Any, platform_name: str) -> None:
-        """fd run asks in the parent and again in every rank: a platform that answers differently runs ranks on two platforms."""
+        """fd run asks in the parent and again in every rank: a platform that answers differently runs ranks on two
+        platforms."""
         detect = impl_function(platform_module, "fd_platform_detect")
         assert detect is not None, f"{platform_name}: implement fd_platform_detect()"
         # Every field but the reason and the free memory, which may change from one moment to the next.
@@ -243,23 +251,35 @@ class ContractTests(_Base):
         fresh = _fresh_detections(platform_module.__name__, fields, 3)
         answers = fresh + [[_plain(getattr(detect(), f, None)) for f in fields] for _ in range(3)]
         for call, answer in enumerate(answers[1:], 2):
-            changed = [f"{f}={b!r} (first call: {a!r})" for f, a, b in zip(fields, answers[0], answer, strict=True) if a != b]
-            where = f"call {call} in a new process" if call <= len(fresh) else f"a later call in the checking process (after {len(fresh)} in a new one)"
-            assert not changed, f"{platform_name}: fd_platform_detect answered differently on {where}: {', '.join(changed)}"
+            changed = [
+                f"{f}={b!r} (first call: {a!r})" for f, a, b in zip(fields, answers[0], answer, strict=True) if a != b
+            ]
+            where = (
+                f"call {call} in a new process" if call <= len(fresh)
+                else f"a later call in the checking process (after {len(fresh)} in a new one)"
+            )
+            assert not changed, (
+                f"{platform_name}: fd_platform_detect answered differently on {where}: {', '.join(changed)}"
+            )
 
     def test_detection_dist_backend_is_one_paddle_accepts(self, hardware: Detection, platform_name: str) -> None:
-        """The ranks rendezvous with Detection.dist_backend (the two-rank checks use it); paddle.distributed must accept it."""
+        """The ranks rendezvous with Detection.dist_backend (the two-rank checks use it); paddle.distributed must
+        accept it."""
         from fd_core.runtime.ranks.spawn import dist_backend_problem
 
         problem = dist_backend_problem(hardware.dist_backend)
         assert problem is None, f"{platform_name}: Detection.dist_backend={hardware.dist_backend!r}: {problem}"
 
-    def test_detection_dtypes_are_summed(self, hardware: Detection, capabilities: Capabilities, platform_name: str) -> None:
-        """A model computes in the Detection's dtypes, so the all-reduce must sum each (checked by the two-rank sums)."""
+    def test_detection_dtypes_are_summed(
+        self, hardware: Detection, capabilities: Capabilities, platform_name: str
+    ) -> None:
+        """A model computes in the Detection's dtypes, so the all-reduce must sum each (checked by the two-rank
+        sums)."""
         missing = [d for d in hardware.dtypes if d not in capabilities.dtypes]
         assert not missing, (
-            f"{platform_name}: Detection.dtypes {tuple(hardware.dtypes)} lists {', '.join(missing)}, which capabilities.dtypes "
-            f"{capabilities.dtypes} does not declare; the all-reduce of those dtypes would go unchecked"
+            f"{platform_name}: Detection.dtypes {tuple(hardware.dtypes)} lists {', '.join(missing)}, which "
+            f"capabilities.dtypes {capabilities.dtypes} does not declare; the all-reduce of those dtypes would go "
+            f"unchecked"
         )
 
     def test_hooks_match_the_specs(self, platform_module: Any, platform_name: str) -> None:
@@ -268,7 +288,9 @@ class ContractTests(_Base):
         pm.register(platform_module, name=platform_name)
         pm.check_pending()
         for hook in ("fd_platform_detect", "fd_all_reduce"):
-            assert impl_function(platform_module, hook) is not None, f"{platform_name}: a platform must implement {hook}"
+            assert impl_function(platform_module, hook) is not None, (
+                f"{platform_name}: a platform must implement {hook}"
+            )
 
     def test_selected_by_fd_platform(self, plugins: PluginSet, platform_name: str) -> None:
         assert plugins.platform == platform_name
@@ -302,50 +324,76 @@ class AllReduceTests(_Base):
         return _two_rank_results(platform_name, cases, graph_dtypes)
 
     @pytest.mark.parametrize("case", CASE_IDS)
-    def test_two_ranks_sum(self, two_ranks: _RankRun, capabilities: Capabilities, platform_name: str, case: str) -> None:
-        """The sum of random values from both ranks, against numpy's float64 sum of the same inputs, within the dtype's tolerance."""
+    def test_two_ranks_sum(
+        self, two_ranks: _RankRun, capabilities: Capabilities, platform_name: str, case: str
+    ) -> None:
+        """The sum of random values from both ranks, against numpy's float64 sum of the same inputs, within the dtype's
+        tolerance."""
         name, shape, dtype, layout, calls = next(c for c in ALL_REDUCE_CASES if c[0] == case)
         if dtype not in capabilities.dtypes:
             pytest.skip(f"{platform_name}: {dtype} not declared in capabilities.dtypes")
-        what = f"{dtype}{list(shape)}" + ("" if layout == "contiguous" else f" ({layout} view)") + (f", {calls} calls in a row" if calls > 1 else "")
+        what = (
+            f"{dtype}{list(shape)}"
+            + ("" if layout == "contiguous" else f" ({layout} view)")
+            + (f", {calls} calls in a row" if calls > 1 else "")
+        )
         for rank, got in enumerate(_outcomes(two_ranks, name, platform_name)):
-            where = f"{platform_name}: all-reduce of {what} on rank {rank}" + (f", call {got['call'] + 1}" if calls > 1 and "call" in got else "")
+            where = f"{platform_name}: all-reduce of {what} on rank {rank}" + (
+                f", call {got['call'] + 1}" if calls > 1 and "call" in got else ""
+            )
             assert "error" not in got, f"{where} failed: {got['error']}"
             assert "problem" not in got, f"{where} {got['problem']}"
             if "wrong" in got:
-                side = "the input tensor (declared in place, or returned as the result) holds" if got.get("in_input") else "returned a wrong sum:"
+                side = (
+                    "the input tensor (declared in place, or returned as the result) holds" if got.get("in_input")
+                    else "returned a wrong sum:"
+                )
                 raise AssertionError(f"{where} {side} {_describe_wrong(got['wrong'])}")
             assert got["calls"] == calls, f"{where}: only {got['calls']} of {calls} calls ran"
 
-    def test_all_reduce_inside_a_captured_graph(self, two_ranks: _RankRun, capabilities: Capabilities, platform_name: str) -> None:
+    def test_all_reduce_inside_a_captured_graph(
+        self, two_ranks: _RankRun, capabilities: Capabilities, platform_name: str
+    ) -> None:
         import numpy as np
 
         if not capabilities.graphs:
             pytest.skip(f"{platform_name}: capabilities.graphs is False")
         if 2 not in capabilities.graph_world_sizes:
-            pytest.skip(f"{platform_name}: capabilities.graph_world_sizes {capabilities.graph_world_sizes}: graphs are not captured at tp=2")
+            pytest.skip(
+                f"{platform_name}: capabilities.graph_world_sizes {capabilities.graph_world_sizes}: "
+                f"graphs are not captured at tp=2"
+            )
         dtypes = [d for d in capabilities.graph_dtypes if d in capabilities.dtypes]
         if not dtypes:
-            pytest.skip(f"{platform_name}: no dtype of capabilities.graph_dtypes {capabilities.graph_dtypes} is in capabilities.dtypes")
+            pytest.skip(
+                f"{platform_name}: no dtype of capabilities.graph_dtypes {capabilities.graph_dtypes} "
+                f"is in capabilities.dtypes"
+            )
         for dtype in dtypes:
             for rank, graph in enumerate(_outcomes(two_ranks, f"graph-{dtype}", platform_name)):
                 where = f"{platform_name}: an all-reduce of {dtype} captured in a graph on rank {rank}"
                 assert "error" not in graph, f"{where} failed: {graph['error']}"
                 if not graph["allowed"]:
                     pytest.skip(f"{platform_name} does not capture graphs at tp=2: {graph['summary']}")
-                assert graph["replay"] is not None, f"{where}: the graph backend's has(key) is False right after capture"
+                assert graph["replay"] is not None, (
+                    f"{where}: the graph backend's has(key) is False right after capture"
+                )
                 rtol = max(capabilities.rtol(dtype), 1e-5)
                 # Each rank's x @ w is 0.5 * 4 * (rank + 1); summed over two ranks and doubled: 12 in every element.
                 want = np.full((2, 4), 12.0)
                 for side in ("eager", "replay"):
                     got = np.asarray(graph[side], dtype=np.float64)
-                    assert np.allclose(got, want, rtol=rtol), f"{where}: {side} gives {got.reshape(-1)[:4].tolist()}..., expected 12 in every element"
+                    assert np.allclose(got, want, rtol=rtol), (
+                        f"{where}: {side} gives {got.reshape(-1)[:4].tolist()}..., expected 12 in every element"
+                    )
 
 
 class CleanupTests(_Base):
     """fd_clean_memory_fragments takes what the runner passes (None, seeded numpy arrays, paddle tensors, {}), twice."""
 
-    def test_cleanup_takes_every_argument_the_runner_passes(self, plugins: PluginSet, platform_name: str, hardware: Detection) -> None:
+    def test_cleanup_takes_every_argument_the_runner_passes(
+        self, plugins: PluginSet, platform_name: str, hardware: Detection
+    ) -> None:
         import numpy as np
         import paddle
 
@@ -356,9 +404,11 @@ class CleanupTests(_Base):
         for state_dict in (None, None, arrays, {"w": paddle.ones([8, 8]), "b": paddle.zeros([8])}, {}):
             backend.clean_memory_fragments(state_dict)  # a raising hook fails here, named
 
-    def test_cleanup_leaves_live_values_untouched(self, plugins: PluginSet, capabilities: Capabilities, platform_name: str, hardware: Detection) -> None:
-        """Checked by value against copies: cleanup may release memory, never change a live parameter (nor, unless it declares
-        cleanup_releases_state, the tensors it is given)."""
+    def test_cleanup_leaves_live_values_untouched(
+        self, plugins: PluginSet, capabilities: Capabilities, platform_name: str, hardware: Detection
+    ) -> None:
+        """Checked by value against copies: cleanup may release memory, never change a live parameter (nor, unless it
+        declares cleanup_releases_state, the tensors it is given)."""
         import numpy as np
         import paddle
 
@@ -367,17 +417,23 @@ class CleanupTests(_Base):
         rng = np.random.default_rng(7)
         layer = paddle.nn.Linear(32, 48)  # live parameters, as a loaded model holds them
         live = {name: p.numpy().copy() for name, p in layer.named_parameters()}
-        given = {"w": paddle.to_tensor(rng.standard_normal((16, 16)).astype("float32")), "b": paddle.to_tensor(rng.standard_normal(16).astype("float32"))}
+        given = {
+            "w": paddle.to_tensor(rng.standard_normal((16, 16)).astype("float32")),
+            "b": paddle.to_tensor(rng.standard_normal(16).astype("float32")),
+        }
         copies = {k: v.numpy().copy() for k, v in given.items()}
         backend = Backend(plugins)
         for state_dict in (None, {"w": rng.standard_normal((8, 8)).astype("float32")}, given, None):
             backend.clean_memory_fragments(state_dict)
             for name, p in layer.named_parameters():
-                assert p._is_initialized(), f"{platform_name}: fd_clean_memory_fragments({_what(state_dict)}) released a live parameter ({name})"
+                assert p._is_initialized(), (
+                    f"{platform_name}: fd_clean_memory_fragments({_what(state_dict)}) released a live parameter "
+                    f"({name})"
+                )
                 diff = np.abs(p.numpy() - live[name])
                 assert not diff.any(), (
-                    f"{platform_name}: fd_clean_memory_fragments({_what(state_dict)}) changed a live parameter ({name}): "
-                    f"{int((diff > 0).sum())} of {diff.size} values, largest change {float(diff.max()):.3g}"
+                    f"{platform_name}: fd_clean_memory_fragments({_what(state_dict)}) changed a live parameter "
+                    f"({name}): {int((diff > 0).sum())} of {diff.size} values, largest change {float(diff.max()):.3g}"
                 )
         if not capabilities.cleanup_releases_state:
             for name, tensor in given.items():
@@ -386,7 +442,9 @@ class CleanupTests(_Base):
                     f"and does not declare cleanup_releases_state"
                 )
 
-    def test_cleanup_releases_the_state_when_declared(self, plugins: PluginSet, capabilities: Capabilities, platform_name: str, hardware: Detection) -> None:
+    def test_cleanup_releases_the_state_when_declared(
+        self, plugins: PluginSet, capabilities: Capabilities, platform_name: str, hardware: Detection
+    ) -> None:
         import paddle
 
         from fd_core.host.backend import Backend
@@ -395,9 +453,14 @@ class CleanupTests(_Base):
         Backend(plugins).clean_memory_fragments(state)
         kept = [name for name, tensor in state.items() if tensor._is_initialized()]
         if capabilities.cleanup_releases_state:
-            assert not kept, f"{platform_name}: declares cleanup_releases_state, but fd_clean_memory_fragments left {kept} holding memory"
+            assert not kept, (
+                f"{platform_name}: declares cleanup_releases_state, but fd_clean_memory_fragments left {kept} "
+                f"holding memory"
+            )
         else:
-            assert set(state) == {"w", "b"}, f"{platform_name}: cleanup without cleanup_releases_state must not change the state dict"
+            assert set(state) == {"w", "b"}, (
+                f"{platform_name}: cleanup without cleanup_releases_state must not change the state dict"
+            )
 
 
 def _plain(value: Any) -> Any:
@@ -405,13 +468,15 @@ def _plain(value: Any) -> Any:
 
 
 def _fresh_detections(module: str, fields: tuple[str, ...], calls: int) -> list[list[Any]]:
-    """`calls` answers of the module's fd_platform_detect in a new Python process, as its first calls (as a rank makes them)."""
+    """`calls` answers of the module's fd_platform_detect in a new Python process, as its first calls (as a rank makes
+    them)."""
     import subprocess
     import sys
 
     code = (
         f"import json, importlib; m = importlib.import_module({module!r}); "
-        f"print(json.dumps([[(list(v) if isinstance(v, tuple) else v) for v in (getattr(d, f, None) for f in {list(fields)!r})] "
+        f"print(json.dumps([[(list(v) if isinstance(v, tuple) else v) "
+        f"for v in (getattr(d, f, None) for f in {list(fields)!r})] "
         f"for d in (m.fd_platform_detect() for _ in range({calls}))]))"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -423,7 +488,9 @@ def _fresh_detections(module: str, fields: tuple[str, ...], calls: int) -> list[
 
 
 def _what(state_dict: Any) -> str:
-    return "None" if state_dict is None else "{" + ", ".join(f"{k!r}: {type(v).__name__}" for k, v in state_dict.items()) + "}"
+    return "None" if state_dict is None else (
+        "{" + ", ".join(f"{k!r}: {type(v).__name__}" for k, v in state_dict.items()) + "}"
+    )
 
 
 class EligibilityTests(_Base):
@@ -436,7 +503,8 @@ class EligibilityTests(_Base):
         configs = [ModelConfig(architecture=PROBE)] + [a.preset_config() for a in plugins.registry]
         for config in configs:
             for tp in (1, 2):
-                # A vote of the wrong type, a veto without a reason or a vote that never returns raises here, naming its plugin.
+                # A vote of the wrong type, a veto without a reason or a vote that never returns raises here, naming
+                # its plugin.
                 decision = backend.graph_decision(config, ParallelConfig(tp_size=tp))
                 assert all(isinstance(v.allow, bool) and isinstance(v.reason, str) for v in decision.votes)
                 assert decision.allowed == (decision.mode is not None and all(v.allow for v in decision.votes))
@@ -463,7 +531,8 @@ class GraphBackendTests(_Base):
 
 
 def check_graph_backend(graphs: Any, name: str) -> None:
-    """The graph-backend contract: capture traces, replay equals eager without running Python, clear drops, capture again works."""
+    """The graph-backend contract: capture traces, replay equals eager without running Python, clear drops, capture
+    again works."""
     import numpy as np
     import paddle
 
@@ -501,9 +570,13 @@ class ModelTests(_Base):
         for arch in plugins.registry:
             if arch.graph_capable:
                 owner = plugins.pm.get_plugin(arch.package)
-                assert impl_function(owner, "fd_clear_graphs") is not None, f"{arch.name} ({arch.package}) has no fd_clear_graphs"
+                assert impl_function(owner, "fd_clear_graphs") is not None, (
+                    f"{arch.name} ({arch.package}) has no fd_clear_graphs"
+                )
 
-    def test_clear_hook_really_clears_each_captured_model(self, plugins: PluginSet, capabilities: Capabilities, hardware: Detection) -> None:
+    def test_clear_hook_really_clears_each_captured_model(
+        self, plugins: PluginSet, capabilities: Capabilities, hardware: Detection
+    ) -> None:
         """Through a recording graph backend: after fd_clear_graphs nothing is captured and decode does not replay."""
         from fd_core.host.backend import Backend
         from fd_core.runtime.engine.loop import Engine
@@ -539,16 +612,23 @@ class ModelTests(_Base):
             model = runner.model
             assert model is not None
             backend.clear_graphs(model)  # raises PluginError when no hook handles the model
-            assert spy.clears and not any(spy.has(k) for k in spy.keys), f"{arch.name}: fd_clear_graphs returned True but the graphs are still captured"
+            assert spy.clears and not any(spy.has(k) for k in spy.keys), (
+                f"{arch.name}: fd_clear_graphs returned True but the graphs are still captured"
+            )
             replays = spy.replays
             after = engine.generate(request)[0].token_ids
             assert spy.replays == replays, f"{arch.name}: decode still replayed a graph after fd_clear_graphs"
             assert after == before, f"{arch.name}: decoding after fd_clear_graphs gives {after}, with graphs {before}"
         if eager and len(eager) == len(plugins.registry):
-            pytest.skip(f"no architecture captures graphs here, so no clear hook was exercised: {'; '.join(f'{a}: {w}' for a, w in eager.items())}")
+            pytest.skip(
+                f"no architecture captures graphs here, so no clear hook was exercised: "
+                f"{'; '.join(f'{a}: {w}' for a, w in eager.items())}"
+            )
 
 
-    def test_the_engine_generates_what_the_model_computes_without_a_cache(self, plugins: PluginSet, hardware: Detection) -> None:
+    def test_the_engine_generates_what_the_model_computes_without_a_cache(
+        self, plugins: PluginSet, hardware: Detection
+    ) -> None:
         """Greedy tokens through the engine `fd run` uses (prefill, cached decode steps, graphs where the decision
         allows them) equal the argmax of a full prefill of the growing sequence: no cache, no decode step, no engine."""
         import numpy as np
@@ -572,22 +652,25 @@ class ModelTests(_Base):
             model.allocate_cache(1, len(prompt) + steps)
             ids = list(prompt)
             for step, token in enumerate(got):
-                logits = np.asarray(model.prefill(np.asarray([ids], dtype="int64")).astype("float32").numpy()[0], dtype=np.float64)
+                logits = np.asarray(
+                    model.prefill(np.asarray([ids], dtype="int64")).astype("float32").numpy()[0], dtype=np.float64
+                )
                 top2 = np.sort(logits)[-2:]
                 # A near-tie may break either way between two correct computations; anything else is a wrong token.
                 tie = top2[1] - top2[0] <= 1e-3 * max(1.0, float(np.abs(top2).max()))
                 assert token == int(logits.argmax()) or tie, (
-                    f"{arch.name} on {backend.platform}: step {step} of the engine chose {token}, but a full prefill of "
-                    f"{ids} gives {int(logits.argmax())}; the decode step, the KV cache or a captured graph is wrong"
+                    f"{arch.name} on {backend.platform}: step {step} of the engine chose {token}, but a full prefill "
+                    f"of {ids} gives {int(logits.argmax())}; the decode step, the KV cache or a captured graph is wrong"
                 )
                 ids.append(token)
 
 
     def test_the_platform_generates_what_the_native_path_does(self, plugins: PluginSet, hardware: Detection) -> None:
-        """Greedy tokens on the platform (its cleanup after loading, its kernels, graphs where the decision allows them) equal a
-        run on the native path: the same seeded weights with no platform hook called (no cleanup, the native ops, eager decode,
-        one rank). Two prompts decoded together (graphs as decided), then one alone on two compute threads and eagerly: the
-        one-row steps where a kernel may split its work (fd_core.kernels.compute_threads), each step calling it."""
+        """Greedy tokens on the platform (its cleanup after loading, its kernels, graphs where the decision allows
+        them) equal a run on the native path: the same seeded weights with no platform hook called (no cleanup, the
+        native ops, eager decode, one rank). Two prompts decoded together (graphs as decided), then one alone on two
+        compute threads and eagerly: the one-row steps where a kernel may split its work
+        (fd_core.kernels.compute_threads), each step calling it."""
         from fd_core.host.backend import Backend
         from fd_core.host.kernel_table import KernelTable
         from fd_core.runtime.engine.loop import Engine
@@ -608,7 +691,9 @@ class ModelTests(_Base):
             for each in (runner, eager, reference):
                 each.load()
                 each.decide()
-            for request, ours, threads in ((together, runner, None), (alone, eager, Threads(2, "the suite's two compute threads"))):
+            for request, ours, threads in (
+                (together, runner, None), (alone, eager, Threads(2, "the suite's two compute threads"))
+            ):
                 try:
                     got = [c.token_ids for c in Engine(ours, threads=threads).generate(request)]
                 finally:
@@ -617,9 +702,10 @@ class ModelTests(_Base):
                 want = [c.token_ids for c in Engine(reference).generate(request)]
                 how = "one prompt, eager, on 2 compute threads" if threads else "two prompts together"
                 assert got == want, (
-                    f"{arch.name} on {backend.platform} ({how}): greedy tokens {got} (kernels {backend.kernels.providers()}), but the "
-                    f"native path (the same weights, no platform cleanup, native ops, eager) gives {want}; the platform's cleanup, "
-                    f"graphs or kernels change what the model computes"
+                    f"{arch.name} on {backend.platform} ({how}): greedy tokens {got} (kernels "
+                    f"{backend.kernels.providers()}), but the native path (the same weights, no platform cleanup, "
+                    f"native ops, eager) gives {want}; the platform's cleanup, graphs or kernels change what the model "
+                    f"computes"
                 )
 
 
@@ -647,6 +733,8 @@ class _RecordingGraphs:
         self.inner.clear()
 
 
-class PlatformSuite(ContractTests, AllReduceTests, CleanupTests, EligibilityTests, GraphBackendTests, ModelTests, KernelTests):
+class PlatformSuite(
+    ContractTests, AllReduceTests, CleanupTests, EligibilityTests, GraphBackendTests, ModelTests, KernelTests
+):
     """Every conformance check; subclass it as `TestMyPlatform` and provide `platform_name` and `capabilities`."""
 

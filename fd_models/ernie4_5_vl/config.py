@@ -82,27 +82,37 @@ def check_config(config: Any, source: str = "config") -> None:
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{source}: malformed mixture-of-experts settings ({exc})") from None
     if len(moe.layer_types) != config.num_hidden_layers or set(moe.layer_types) - {"dense", "sparse"}:
-        raise ConfigError(f"{source}: mlp_layer_types must give \"dense\" or \"sparse\" for each of the {config.num_hidden_layers} layers")
+        raise ConfigError(f"{source}: mlp_layer_types must give \"dense\" or \"sparse\" "
+                          f"for each of the {config.num_hidden_layers} layers")
     if not (_positive_int(moe.experts) and _positive_int(moe.top_k) and moe.top_k <= moe.experts):
-        raise ConfigError(f"{source}: moe_k={moe.top_k!r} must be a positive integer no larger than moe_num_experts={moe.experts!r}")
+        raise ConfigError(
+            f"{source}: moe_k={moe.top_k!r} must be a positive integer no larger than moe_num_experts={moe.experts!r}"
+        )
     if len(moe.intermediate) != 2 or not all(_positive_int(i) for i in moe.intermediate):
-        raise ConfigError(f"{source}: moe_intermediate_size must be two positive integers (text, vision), got {list(moe.intermediate)}")
+        raise ConfigError(f"{source}: moe_intermediate_size must be two positive integers (text, vision), "
+                          f"got {list(moe.intermediate)}")
     if not (isinstance(moe.shared, int) and moe.shared >= 0):
         raise ConfigError(f"{source}: moe_num_shared_experts must be a non-negative integer, got {moe.shared!r}")
     vision = config.extra.get("vision_config")
     if not isinstance(vision, dict):
-        raise ConfigError(f"{source}: an ERNIE-4.5-VL config needs a \"vision_config\" object; use the checkpoint's own config.json")
+        raise ConfigError(
+            f"{source}: an ERNIE-4.5-VL config needs a \"vision_config\" object; use the checkpoint's own config.json"
+        )
     try:
         parsed = VisionConfig.from_dict(vision)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{source}: vision_config is malformed ({exc})") from None
-    for name in ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size", "spatial_merge_size"):
+    for name in ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size",
+                 "spatial_merge_size"):
         if not _positive_int(getattr(parsed, name)):
-            raise ConfigError(f"{source}: vision_config.{name} must be a positive integer, got {getattr(parsed, name)!r}")
+            raise ConfigError(
+                f"{source}: vision_config.{name} must be a positive integer, got {getattr(parsed, name)!r}"
+            )
     if parsed.hidden_size % parsed.num_heads or (parsed.hidden_size // parsed.num_heads) % 4:
         raise ConfigError(f"{source}: vision_config.hidden_size / num_heads must be a multiple of 4 (2-D rotary)")
     if parsed.hidden_act not in VISION_ACTIVATIONS:
-        raise ConfigError(f"{source}: vision_config.hidden_act {parsed.hidden_act!r} is not supported; use one of {', '.join(VISION_ACTIVATIONS)}")
+        raise ConfigError(f"{source}: vision_config.hidden_act {parsed.hidden_act!r} is not supported; "
+                          f"use one of {', '.join(VISION_ACTIVATIONS)}")
     if parsed.temporal_merge_size != 2:
         raise ConfigError(f"{source}: vision_config.temporal_merge_size must be 2, as the published resampler assumes")
     for key in ("image_token_id", "image_start_token_id", "image_end_token_id"):
@@ -117,7 +127,8 @@ def check_config(config: Any, source: str = "config") -> None:
         raise ConfigError(f"{source}: mrope_section must be three non-negative integers, got {section!r}")
     if section[0] != section[1] or sum(section) != config.resolved_head_dim // 2:
         raise ConfigError(
-            f"{source}: mrope_section {section} must give h and w the same share and sum to head_dim / 2 = {config.resolved_head_dim // 2}"
+            f"{source}: mrope_section {section} must give h and w the same share "
+            f"and sum to head_dim / 2 = {config.resolved_head_dim // 2}"
         )
 
 

@@ -33,7 +33,8 @@ def _mlp(moe: MoEConfig) -> Any:
         if moe.layer_types[index] == "dense":
             return SwiGLUMLP(config.hidden_size, config.intermediate_size, ctx, config.mlp_bias, config.dtype)
         return MoEBlock(
-            config.hidden_size, moe.intermediate, moe.experts, moe.top_k, moe.shared, moe.norm_min, ctx, config.dtype, config.mlp_bias
+            config.hidden_size, moe.intermediate, moe.experts, moe.top_k, moe.shared, moe.norm_min, ctx, config.dtype,
+            config.mlp_bias
         )
 
     return make
@@ -60,14 +61,17 @@ class Ernie4_5_VLMoeForConditionalGeneration(PictureTextModel):  # noqa: N801 - 
         self.vision_tokens = [config.extra[k] for k in ("image_token_id", "image_start_token_id", "image_end_token_id")]
         self.vision_model = VisionTransformer(self.vision_config, ctx, config.dtype)
         self.resampler_model = Resampler(self.vision_config, config.hidden_size, config.rms_norm_eps, ctx, config.dtype)
-        options = DecoderOptions(qk_norm=False, rope_layout="interleaved", mrope_style="ernie", mlp=_mlp(MoEConfig.from_config(config)))
+        options = DecoderOptions(qk_norm=False, rope_layout="interleaved", mrope_style="ernie",
+                                 mlp=_mlp(MoEConfig.from_config(config)))
         self.language_model = CausalLM(config, ctx, options)
 
     def _prefill_pictures(
-        self, host_ids: np.ndarray, embeds: paddle.Tensor, rows: list[list[paddle.Tensor]], slots: np.ndarray, positions: Any, delta: Any,
+        self, host_ids: np.ndarray, embeds: paddle.Tensor, rows: list[list[paddle.Tensor]], slots: np.ndarray,
+        positions: Any, delta: Any,
         cache_rows: Sequence[int] | None = None,
     ) -> paddle.Tensor:
-        """The decoder over the spliced prompt: picture tokens and the image start/end tokens go to the vision experts."""
+        """The decoder over the spliced prompt: picture tokens and the image start/end tokens go to the
+        vision experts."""
         vision_mask = np.isin(host_ids, self.vision_tokens)
         return self.language_model.prefill_embeds(embeds, positions, (), delta, vision_mask, cache_rows=cache_rows)
 

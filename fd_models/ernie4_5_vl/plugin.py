@@ -18,7 +18,8 @@ _MODULE = "fd_models.ernie4_5_vl.model"
 TINY_PRESET: dict[str, Any] = TINY_ERNIE_VL
 # transformers' Ernie4_5_VLMoeTextConfig / Ernie4_5_VLMoeConfig defaults, for keys a config.json may omit.
 CONFIG_DEFAULTS: dict[str, Any] = {
-    "num_key_value_heads": 4, "head_dim": None, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+    "num_key_value_heads": 4, "head_dim": None, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
     "tie_word_embeddings": True, "use_bias": False, "hidden_act": "silu",
 }
 build = lazy_build(_MODULE)
@@ -36,7 +37,8 @@ ARCHITECTURE = Architecture(
     config_defaults=CONFIG_DEFAULTS,
     preset_files={"preprocessor_config.json": TINY_ERNIE_VL_PREPROCESSOR},
     check_config=check_config, check_prompt=check_prompt, image_tokens=image_tokens, sharded_sizes=sharded_sizes,
-    description="ERNIE-4.5-VL as published: ViT with 2-D rope, resampler, 3-D rope, text and vision experts with shared experts")
+    description="ERNIE-4.5-VL as published: ViT with 2-D rope, resampler, 3-D rope, "
+                "text and vision experts with shared experts")
 
 
 @hookimpl

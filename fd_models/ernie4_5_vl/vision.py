@@ -31,10 +31,11 @@ class VisionTransformer(nn.Layer):
         self.matmul = ctx.ops.matmul
         self.patch_embed = nn.Layer()
         self.patch_embed.proj = nn.Layer()
-        new_param(self.patch_embed.proj, WeightSpec((config.hidden_size, config.in_channels * config.patch_size**2), None, dtype), 1)
+        new_param(self.patch_embed.proj,
+                  WeightSpec((config.hidden_size, config.in_channels * config.patch_size**2), None, dtype), 1)
         self.blocks = nn.LayerList([
-            VisionBlock(config.hidden_size, config.num_heads, config.intermediate_size, config.hidden_act, config.rms_norm_eps,
-                        ctx, dtype, ("fc1", "fc2"))
+            VisionBlock(config.hidden_size, config.num_heads, config.intermediate_size, config.hidden_act,
+                        config.rms_norm_eps, ctx, dtype, ("fc1", "fc2"))
             for _ in range(config.depth)
         ])
         self.ln = LayerNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -43,7 +44,8 @@ class VisionTransformer(nn.Layer):
         """patches [N, C*p*p] of one image -> features [N, hidden]."""
         _, gh, gw = grid
         x = self.matmul(patches.astype(self.patch_embed.proj.weight.dtype), self.patch_embed.proj.weight, True)
-        rope = axial_rope(gh, gw, self.config.spatial_merge_size, self.config.hidden_size // self.config.num_heads, self.config.rope_theta)
+        rope = axial_rope(gh, gw, self.config.spatial_merge_size, self.config.hidden_size // self.config.num_heads,
+                          self.config.rope_theta)
         for block in self.blocks:
             x = block(x, rope)
         return self.ln(x)
@@ -64,13 +66,17 @@ class _ResamplerMLP(nn.Layer):
 
 
 class Resampler(nn.Layer):
-    """Merges each 2x2 block of patch features into one text-width embedding (checkpoint prefix `model.resampler_model.`)."""
+    """Merges each 2x2 block of patch features into one text-width embedding (checkpoint
+    prefix `model.resampler_model.`)."""
 
-    def __init__(self, vision: VisionConfig, text_hidden: int, text_eps: float, ctx: Any, dtype: str = "float32") -> None:
+    def __init__(
+        self, vision: VisionConfig, text_hidden: int, text_eps: float, ctx: Any, dtype: str = "float32",
+    ) -> None:
         super().__init__()
         self.spatial_dim = vision.hidden_size * vision.spatial_merge_size**2
         self.spatial_linear = _ResamplerMLP(self.spatial_dim, self.spatial_dim, vision.rms_norm_eps, ctx, dtype)
-        self.temporal_linear = _ResamplerMLP(self.spatial_dim * vision.temporal_merge_size, self.spatial_dim, vision.rms_norm_eps, ctx, dtype)
+        self.temporal_linear = _ResamplerMLP(self.spatial_dim * vision.temporal_merge_size, self.spatial_dim,
+                                             vision.rms_norm_eps, ctx, dtype)
         self.mlp = ReplicatedLinear(self.spatial_dim, text_hidden, ctx, True, dtype)
         self.after_norm = RMSNorm(text_hidden, text_eps, ctx, dtype)
 

@@ -15,7 +15,7 @@ Paddle's CPU product reads fastest); the checkpoint names and layout are unchang
 
 A decode step (one token a row) reshapes between [B, 1, heads, d] and [B, heads, 1, d] instead of
 transposing: the same memory order. Paddle's CPU kernels copy a transposed view element by element
-(measured: 0.3 ms for one [1, 2, 128, 128] cache, ten times the product that reads it).
+(measured far slower than the product that reads it; docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def merge_heads(x: paddle.Tensor) -> paddle.Tensor:
 
 
 class Attention(nn.Layer):
-    """GQA with q/k/v column-parallel by heads (one fused `qkv` without biases) and o row-parallel; optional per-head q/k RMSNorm."""
+    """GQA with q/k/v column-parallel by heads (one fused `qkv` without biases) and o row-parallel;
+    optional per-head q/k RMSNorm."""
 
     def __init__(
         self, hidden_size: int, heads: int, kv_heads: int, head_dim: int, ctx: Any, qk_norm_eps: float | None,
@@ -78,9 +79,11 @@ class Attention(nn.Layer):
         self.fused = not bias
         if self.fused:
             # Checkpoint names relative to this layer: `self_attn.q_proj.weight` and so on.
-            parts = [(f"{name}_proj.weight", WeightSpec((n * head_dim, hidden_size), 0, dtype)) for name, n in (("q", heads), ("k", kv_heads), ("v", kv_heads))]
+            parts = [(f"{name}_proj.weight", WeightSpec((n * head_dim, hidden_size), 0, dtype))
+                     for name, n in (("q", heads), ("k", kv_heads), ("v", kv_heads))]
             new_columns_param(self, parts, tp, attr="qkv")
-            new_columns_param(self, [("o_proj.weight", WeightSpec((hidden_size, heads * head_dim), 1, dtype))], tp, attr="o")
+            new_columns_param(self, [("o_proj.weight", WeightSpec((hidden_size, heads * head_dim), 1, dtype))],
+                              tp, attr="o")
             self.widths = [self.heads * head_dim, self.kv_heads * head_dim, self.kv_heads * head_dim]
         else:
             self.q_proj = ColumnParallelLinear(hidden_size, heads * head_dim, ctx, bias, dtype)
@@ -109,12 +112,14 @@ class Attention(nn.Layer):
         self, x: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor], index: CacheIndex,
         mask: paddle.Tensor, cache_k: paddle.Tensor, cache_v: paddle.Tensor,
     ) -> paddle.Tensor:
-        """x [B, S, H] written into the caches at `index` (cache_index), attending over the first mask.shape[-1] positions -> [B, S, H].
+        """x [B, S, H] written into the caches at `index` (cache_index), attending over the first
+        mask.shape[-1] positions -> [B, S, H].
 
         Writes this step's keys and values into cache_k / cache_v in place.
         """
         q, k, v = self.project(x)
-        q, k, v = to_heads(q, self.heads, self.head_dim), to_heads(k, self.kv_heads, self.head_dim), to_heads(v, self.kv_heads, self.head_dim)
+        q, k, v = (to_heads(q, self.heads, self.head_dim), to_heads(k, self.kv_heads, self.head_dim),
+                   to_heads(v, self.kv_heads, self.head_dim))
         if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm_eps)
             q, k = self.q_norm(q), self.k_norm(k)
         q = self.rotary_embedding(q, *rope, self.rope_layout)

@@ -117,10 +117,11 @@ class TextModel(nn.Layer):
     def forward(
         self, embeds: paddle.Tensor, positions: paddle.Tensor, caches: Sequence[paddle.Tensor],
         rope_positions: paddle.Tensor | None = None, deepstack: Sequence[paddle.Tensor] = (),
-        vision_mask: paddle.Tensor | None = None, slots: paddle.Tensor | None = None, start: paddle.Tensor | None = None,
+        vision_mask: paddle.Tensor | None = None, slots: paddle.Tensor | None = None,
+        start: paddle.Tensor | None = None,
     ) -> paddle.Tensor:
-        """embeds [B, S, H] into cache slots `positions` [S] (or [B, S]: row b at its own) of `caches` [k0, v0, k1, v1, ...]
-        (written in place) -> hidden [B, S, H].
+        """embeds [B, S, H] into cache slots `positions` [S] (or [B, S]: row b at its own) of
+        `caches` [k0, v0, k1, v1, ...] (written in place) -> hidden [B, S, H].
 
         Queries attend over the cache slots `slots` = arange(L) (default: up to the last position),
         masked after each query's own position.
@@ -182,8 +183,8 @@ class CausalLM(nn.Layer):
         self._row_start: list[int] = []
         self._row_delta: list[int] = []
         cache_names = [f"cache_{i}_{kv}" for i in range(config.num_hidden_layers) for kv in "kv"]
-        # The step handed to graph backends: (token_ids, position, rope_position, slots, start, cache_0_k, cache_0_v, ...)
-        # -> logits; it writes the caches in place, so a backend must pass them through by reference.
+        # The step handed to graph backends: (token_ids, position, rope_position, slots, start, cache_0_k, cache_0_v,
+        # ...) -> logits; it writes the caches in place, so a backend must pass them through by reference.
         self.decode_fn = _with_positional_signature(
             self._decode, ["token_ids", "position", "rope_position", "slots", "start", *cache_names]
         )
@@ -208,7 +209,8 @@ class CausalLM(nn.Layer):
 
     # -- cache and steps -----------------------------------------------------------------
     def cache_shape(self, batch_size: int, max_len: int) -> list[int]:
-        """[B, local kv heads, max_len, head_dim]: the shape of every per-layer k and v cache (head-major: see attention)."""
+        """[B, local kv heads, max_len, head_dim]: the shape of every per-layer k and v cache
+        (head-major: see attention)."""
         kv_heads = self.config.num_key_value_heads // self.ctx.parallel.tp_size
         return [batch_size, kv_heads, max_len, self.config.resolved_head_dim]
 
@@ -232,11 +234,13 @@ class CausalLM(nn.Layer):
         # the old cache for a 1152 MiB new one, 880 MiB this way.
         previous: list[paddle.Tensor | None] = list(old) if keep and old is not None else []
         self._caches = old = None
-        length, rows = (min(max_len, previous[0].shape[2]), min(batch_size, previous[0].shape[0])) if previous else (0, 0)  # type: ignore[union-attr]
+        length, rows = ((min(max_len, previous[0].shape[2]), min(batch_size, previous[0].shape[0]))  # type: ignore[union-attr]
+                        if previous else (0, 0))
         caches = []
         try:
             for i in range(2 * self.config.num_hidden_layers):
-                # paddle's stubs take a dtype name only as a Literal; ModelConfig.dtype is a str, which ModelConfig.check keeps to COMPUTE_DTYPES.
+                # paddle's stubs take a dtype name only as a Literal; ModelConfig.dtype is a str, which
+                # ModelConfig.check keeps to COMPUTE_DTYPES.
                 cache = paddle.zeros(shape, dtype=self.config.dtype)  # type: ignore[arg-type]
                 if previous:
                     cache[:rows, :, :length] = previous[i][:rows, :, :length]  # type: ignore[index]
@@ -246,13 +250,15 @@ class CausalLM(nn.Layer):
             # Part of the old cache is gone: no row can go on, and none may pretend to.
             self._row_start, self._row_delta = [], []
             raise MemoryError(
-                f"allocating the KV cache {shape} x {2 * self.config.num_hidden_layers} ({self.config.dtype}) failed after "
-                f"{len(caches)} tensors: {exc}; the sequences in its rows are lost; lower --memory-fraction or the batch"
+                f"allocating the KV cache {shape} x {2 * self.config.num_hidden_layers} ({self.config.dtype}) "
+                f"failed after {len(caches)} tensors: {exc}; the sequences in its rows are lost; "
+                "lower --memory-fraction or the batch"
             ) from exc
         self._caches = caches
         if previous:
             fill = [0] * max(0, batch_size - len(self._row_start))
-            self._row_start, self._row_delta = (self._row_start + fill)[:batch_size], (self._row_delta + fill)[:batch_size]
+            self._row_start, self._row_delta = ((self._row_start + fill)[:batch_size],
+                                                (self._row_delta + fill)[:batch_size])
         else:
             self._row_start, self._row_delta = [0] * batch_size, [0] * batch_size
 
@@ -260,14 +266,18 @@ class CausalLM(nn.Layer):
         """Bytes the KV cache holds (0 before allocate_cache)."""
         return sum(int(c.numel()) * c.element_size() for c in self._caches or [])
 
-    def _require_cache(self, batch_size: int, length: int = 1, rows: Sequence[int] | None = None) -> list[paddle.Tensor]:
+    def _require_cache(
+        self, batch_size: int, length: int = 1, rows: Sequence[int] | None = None,
+    ) -> list[paddle.Tensor]:
         if self._caches is None:
             raise RuntimeError("allocate_cache(batch_size, max_len) must be called before prefill/decode")
         cached_batch, _, max_len, _ = self._caches[0].shape
-        fits = all(0 <= r < cached_batch for r in rows) and len(set(rows)) == len(rows) == batch_size if rows is not None else cached_batch == batch_size
+        fits = (all(0 <= r < cached_batch for r in rows) and len(set(rows)) == len(rows) == batch_size
+                if rows is not None else cached_batch == batch_size)
         if not fits or length > max_len:
             where = f" into rows {list(rows)}" if rows is not None else ""
-            raise ValueError(f"input batch {batch_size} x {length} tokens{where} does not fit the cache [{cached_batch}, max_len={max_len}]")
+            raise ValueError(f"input batch {batch_size} x {length} tokens{where} does not fit the cache "
+                             f"[{cached_batch}, max_len={max_len}]")
         return self._caches
 
     def _decode(
@@ -276,11 +286,13 @@ class CausalLM(nn.Layer):
     ) -> paddle.Tensor:
         """Decode step: (token_ids [B, 1], each row's cache slot [B, 1], its rotary position [B, 1], slots attended
         arange(L), first slots [B], *caches) -> logits [B, vocab]."""
-        hidden = self.model(self.model.embed_tokens(token_ids), position, caches, rope_position, slots=slots, start=start)
+        hidden = self.model(self.model.embed_tokens(token_ids), position, caches, rope_position, slots=slots,
+                            start=start)
         return self.lm_head(hidden[:, -1])
 
     def prefill_embeds(
-        self, embeds: paddle.Tensor, rope_positions: Any = None, deepstack: Sequence[paddle.Tensor] = (), rope_delta: int = 0,
+        self, embeds: paddle.Tensor, rope_positions: Any = None, deepstack: Sequence[paddle.Tensor] = (),
+        rope_delta: int = 0,
         vision_mask: Any = None, pad: Sequence[int] | None = None, cache_rows: Sequence[int] | None = None,
     ) -> paddle.Tensor:
         """Run embeds [B, S, H] causally into cache slots [0, S) of cache rows `cache_rows` (default 0..B-1); return
@@ -295,7 +307,8 @@ class CausalLM(nn.Layer):
         rows = list(range(batch)) if cache_rows is None else [int(r) for r in cache_rows]
         caches = self._require_cache(batch, length, rows)
         pads = [0] * batch if pad is None else [int(p) for p in pad]
-        # The prompt runs against a cache of its own rows, then lands in theirs: rows decoding meanwhile keep their cache.
+        # The prompt runs against a cache of its own rows, then lands in theirs: rows decoding
+        # meanwhile keep their cache.
         scratch = [paddle.zeros(self.cache_shape(batch, length), dtype=self.config.dtype) for _ in caches]  # type: ignore[arg-type]  # as in allocate_cache
         positions = paddle.arange(length, dtype="int64")
         rope = None if rope_positions is None else as_int64(rope_positions)
@@ -314,9 +327,12 @@ class CausalLM(nn.Layer):
         """Cache positions `prefill` fills (the prompt length): the first decode position."""
         return int(as_int64(input_ids).shape[1])
 
-    def prefill(self, input_ids: Any, image: Any = None, pad: Sequence[int] | None = None, cache_rows: Sequence[int] | None = None) -> paddle.Tensor:
-        """Run the prompt [B, S] (text only: `image` must be None) into cache rows `cache_rows`, `pad[b]` of row b's leading
-        ids padding; last-position logits [B, vocab]."""
+    def prefill(
+        self, input_ids: Any, image: Any = None, pad: Sequence[int] | None = None,
+        cache_rows: Sequence[int] | None = None,
+    ) -> paddle.Tensor:
+        """Run the prompt [B, S] (text only: `image` must be None) into cache rows `cache_rows`, `pad[b]` of
+        row b's leading ids padding; last-position logits [B, vocab]."""
         if image is not None:
             raise ValueError(f"{self.config.architecture} is a text-only model; it takes no image")
         return self.prefill_embeds(self.model.embed_tokens(as_int64(input_ids)), pad=pad, cache_rows=cache_rows)
@@ -347,7 +363,8 @@ class CausalLM(nn.Layer):
 
     # -- graphs --------------------------------------------------------------------------
     def capture(self, graph_backend: GraphBackend, batch_size: int) -> None:
-        """Capture decode_fn for `batch_size` through `graph_backend`, once per bucket of cache length (keys (batch, L))."""
+        """Capture decode_fn for `batch_size` through `graph_backend`, once per bucket of cache length
+        (keys (batch, L))."""
         if self._caches is None:
             raise RuntimeError("allocate_cache(batch_size, max_len) must be called before capture")
         cached_batch, max_len = self._caches[0].shape[0], self._caches[0].shape[2]
@@ -375,7 +392,8 @@ class CausalLM(nn.Layer):
         return self._graphs
 
     def use_graphs(self, graphs: GraphBackend | None) -> None:
-        """Replay decode steps from `graphs` (what `graphs` returned after an earlier `capture` of this model), or run eagerly with None."""
+        """Replay decode steps from `graphs` (what `graphs` returned after an earlier `capture` of this
+        model), or run eagerly with None."""
         self._graphs = graphs
 
     def clear_graph_opt_backend(self) -> None:

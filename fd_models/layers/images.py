@@ -31,7 +31,8 @@ class ImageSettings:
         cls, preprocessor: Mapping[str, Any] | None, factor: int, min_pixels: int, max_pixels: int,
         mean: Sequence[float], std: Sequence[float],
     ) -> "ImageSettings":
-        """The model's defaults overridden by a `preprocessor_config.json` mapping (`size` or `min_pixels`/`max_pixels`, mean, std)."""
+        """The model's defaults overridden by a `preprocessor_config.json` mapping (`size` or
+        `min_pixels`/`max_pixels`, mean, std)."""
         data = dict(preprocessor or {})
         given = data.get("size")
         size: Mapping[str, Any] = given if isinstance(given, dict) else {}
@@ -47,7 +48,9 @@ def smart_resize(height: int, width: int, settings: ImageSettings) -> tuple[int,
     """The processors' target size: multiples of `factor`, area within [min_pixels, max_pixels], aspect ratio kept."""
     factor = settings.factor
     if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"image {height}x{width} has an aspect ratio above 200, which the model's processor refuses; crop it")
+        raise ValueError(
+            f"image {height}x{width} has an aspect ratio above 200, which the model's processor refuses; crop it"
+        )
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > settings.max_pixels:
@@ -62,7 +65,8 @@ def smart_resize(height: int, width: int, settings: ImageSettings) -> tuple[int,
 
 
 def preprocess(picture: np.ndarray, settings: ImageSettings) -> np.ndarray:
-    """picture [C, H, W] in [0, 1] -> resized and normalised float32 [C, H', W'], as the reference's PIL processor gives it."""
+    """picture [C, H, W] in [0, 1] -> resized and normalised float32 [C, H', W'],
+    as the reference's PIL processor gives it."""
     channels, height, width = picture.shape
     target = smart_resize(height, width, settings)
     if target != (height, width):
@@ -72,7 +76,9 @@ def preprocess(picture: np.ndarray, settings: ImageSettings) -> np.ndarray:
         pixels = np.clip(np.round(picture * 255.0), 0, 255).astype(np.uint8).transpose(1, 2, 0)
         image = Image.fromarray(pixels[..., 0] if channels == 1 else pixels)
         resized = np.asarray(image.resize((target[1], target[0]), resample=Image.Resampling.BICUBIC))
-        picture = (resized.reshape(target[0], target[1], channels).transpose(2, 0, 1).astype(np.float32) / np.float32(255.0))
+        picture = (
+            resized.reshape(target[0], target[1], channels).transpose(2, 0, 1).astype(np.float32) / np.float32(255.0)
+        )
     mean = np.asarray(settings.mean[:channels], dtype=np.float32).reshape(-1, 1, 1)
     std = np.asarray(settings.std[:channels], dtype=np.float32).reshape(-1, 1, 1)
     return ((picture.astype(np.float32) - mean) / std).astype(np.float32)
@@ -97,9 +103,11 @@ def placeholder_count(shape: Sequence[int], settings: ImageSettings, patch: int)
 
 
 def check_prompt(
-    prompt: Sequence[int], image_token_id: int, shapes: Sequence[tuple[int, int, int]], settings: ImageSettings, patch: int
+    prompt: Sequence[int], image_token_id: int, shapes: Sequence[tuple[int, int, int]], settings: ImageSettings,
+    patch: int,
 ) -> None:
-    """Raise ValueError unless the prompt holds one run of placeholders per picture (shapes [C, H, W]), each of the right length."""
+    """Raise ValueError unless the prompt holds one run of placeholders per picture
+    (shapes [C, H, W]), each of the right length."""
     runs = [length for _, length in placeholder_runs(prompt, image_token_id)]
     needed = [placeholder_count(shape, settings, patch) for shape in shapes]
     if runs != needed:

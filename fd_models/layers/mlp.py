@@ -2,9 +2,9 @@
 
 Without biases the gate and up projections are one [hidden, 2 x intermediate / tp] matrix and the down
 projection is stored [intermediate / tp, hidden]: one matrix-vector product instead of two, in the
-layout Paddle's CPU product reads fastest (x @ W, not x @ W^T; about 10% less time for the block's
-weights at batch 1, measured on the 0.3B shapes). The checkpoint names and their [out, in] layout
-are unchanged: loading transposes each shard into place.
+layout Paddle's CPU product reads fastest (x @ W, not x @ W^T: measured faster for the block's
+weights at batch 1 on the 0.3B shapes; docs/benchmarks.md has the figures). The checkpoint names and
+their [out, in] layout are unchanged: loading transposes each shard into place.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from fd_models.layers.params import new_columns_param
 class SwiGLUMLP(nn.Layer):
     """down(silu(gate(x)) * up(x)); each rank holds intermediate_size / tp of the hidden units."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, ctx: Any, bias: bool = False, dtype: str = "float32") -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, ctx: Any, bias: bool = False, dtype: str = "float32",
+    ) -> None:
         super().__init__()
         self.ctx = ctx
         self.fused = not bias
@@ -31,7 +33,8 @@ class SwiGLUMLP(nn.Layer):
             gate, up = (WeightSpec((intermediate_size, hidden_size), 0, dtype) for _ in range(2))
             # Checkpoint names relative to this layer: `mlp.gate_proj.weight` and so on.
             new_columns_param(self, [("gate_proj.weight", gate), ("up_proj.weight", up)], tp, attr="gate_up")
-            new_columns_param(self, [("down_proj.weight", WeightSpec((hidden_size, intermediate_size), 1, dtype))], tp, attr="down")
+            new_columns_param(self, [("down_proj.weight", WeightSpec((hidden_size, intermediate_size), 1, dtype))], tp,
+                              attr="down")
         else:
             self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, ctx, bias, dtype)
             self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, ctx, bias, dtype)

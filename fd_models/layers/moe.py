@@ -28,12 +28,20 @@ from fd_models.layers.params import new_param, new_stacked_param
 class _Experts:
     """One modality's routed experts, stacked: gate/up [E, I/tp, H], down [E, H, I/tp] (parameters of the MoE block)."""
 
-    def __init__(self, first: int, count: int, hidden: int, intermediate: int, tp: int, dtype: str, parent: nn.Layer, kind: str) -> None:
+    def __init__(
+        self, first: int, count: int, hidden: int, intermediate: int, tp: int, dtype: str, parent: nn.Layer, kind: str,
+    ) -> None:
         names = [f"experts.{first + i}" for i in range(count)]
         # Registered on the MoE block itself so the stacked parts resolve to `mlp.experts.{i}....`.
-        self.gate = new_stacked_param(parent, [(f"{n}.gate_proj.weight", WeightSpec((intermediate, hidden), 0, dtype)) for n in names], tp, attr=f"{kind}_gate")
-        self.up = new_stacked_param(parent, [(f"{n}.up_proj.weight", WeightSpec((intermediate, hidden), 0, dtype)) for n in names], tp, attr=f"{kind}_up")
-        self.down = new_stacked_param(parent, [(f"{n}.down_proj.weight", WeightSpec((hidden, intermediate), 1, dtype)) for n in names], tp, attr=f"{kind}_down")
+        self.gate = new_stacked_param(parent, [(f"{n}.gate_proj.weight", WeightSpec((intermediate, hidden), 0,
+                                                                                    dtype)) for n in names], tp,
+                                                                                    attr=f"{kind}_gate")
+        self.up = new_stacked_param(parent, [(f"{n}.up_proj.weight", WeightSpec((intermediate, hidden), 0,
+                                                                                dtype)) for n in names], tp,
+                                                                                attr=f"{kind}_up")
+        self.down = new_stacked_param(parent, [(f"{n}.down_proj.weight", WeightSpec((hidden, intermediate), 1,
+                                                                                    dtype)) for n in names], tp,
+                                                                                    attr=f"{kind}_down")
 
 
 class MoEBlock(nn.Layer):
@@ -54,7 +62,8 @@ class MoEBlock(nn.Layer):
         new_param(self.gate, WeightSpec((hidden, experts), None, "float32"), 1)
         new_param(self.gate, WeightSpec((hidden, experts), None, "float32"), 1, attr="weight_1")
         self.moe_statics = nn.Layer()
-        new_param(self.moe_statics, WeightSpec((2, experts), None, "float32", init="zeros"), 1, attr="e_score_correction_bias")
+        new_param(self.moe_statics, WeightSpec((2, experts), None, "float32", init="zeros"), 1,
+                  attr="e_score_correction_bias")
         self.text = _Experts(0, experts, hidden, intermediate[0], tp, dtype, self, "text")
         self.vision = _Experts(experts, experts, hidden, intermediate[1], tp, dtype, self, "vision")
         self.shared = shared > 0
@@ -72,7 +81,9 @@ class MoEBlock(nn.Layer):
                     new_param(projection, WeightSpec((spec.shape[0],), bias_axis, dtype, init="zeros"), tp, attr="bias")
                 self.shared_experts.add_sublayer(name, projection)
 
-    def _route(self, x: paddle.Tensor, router: paddle.Tensor, bias: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+    def _route(
+        self, x: paddle.Tensor, router: paddle.Tensor, bias: paddle.Tensor,
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
         """(chosen experts [T, k] int64, their weights [T, k]) for tokens x [T, H]."""
         probs = F.softmax(self.matmul(x.astype("float32"), router, False), axis=-1)
         _, chosen = paddle.topk(probs + bias, self.top_k, axis=-1)
@@ -80,7 +91,9 @@ class MoEBlock(nn.Layer):
         weights = weights / paddle.clip(paddle.sum(weights, axis=-1, keepdim=True), min=self.norm_min)
         return chosen, weights.astype(x.dtype)
 
-    def _gathered(self, x: paddle.Tensor, experts: _Experts, chosen: paddle.Tensor, weights: paddle.Tensor) -> paddle.Tensor:
+    def _gathered(
+        self, x: paddle.Tensor, experts: _Experts, chosen: paddle.Tensor, weights: paddle.Tensor,
+    ) -> paddle.Tensor:
         """Fixed shapes for a decode step: gather each token's k experts and run them batched."""
         tokens = x.shape[0]
         flat = chosen.reshape([-1])
@@ -88,11 +101,13 @@ class MoEBlock(nn.Layer):
         # Batched over each token's own gathered experts (3-D weights): not the matmul op's one weight matrix.
         gate = paddle.matmul(xs, paddle.gather(experts.gate, flat), transpose_y=True)  # batched experts
         up = paddle.matmul(xs, paddle.gather(experts.up, flat), transpose_y=True)  # batched experts
-        out = paddle.matmul(self.silu_and_mul(gate, up), paddle.gather(experts.down, flat), transpose_y=True)  # batched experts: [T*k, 1, H]
+        down = paddle.gather(experts.down, flat)
+        out = paddle.matmul(self.silu_and_mul(gate, up), down, transpose_y=True)  # batched experts: [T*k, 1, H]
         return paddle.sum(out.reshape([tokens, self.top_k, -1]) * weights.unsqueeze(-1), axis=1)
 
     def _looped(
-        self, x: paddle.Tensor, experts: _Experts, chosen: paddle.Tensor, weights: paddle.Tensor, only: paddle.Tensor | None = None
+        self, x: paddle.Tensor, experts: _Experts, chosen: paddle.Tensor, weights: paddle.Tensor,
+        only: paddle.Tensor | None = None
     ) -> paddle.Tensor:
         """Prefill: each expert runs on the tokens routed to it only (shapes depend on the routing); with
         `only` [T] bool, on those of them it marks (the rest of `out` stays zero)."""
@@ -111,10 +126,13 @@ class MoEBlock(nn.Layer):
         return out
 
     def _experts(
-        self, x: paddle.Tensor, experts: _Experts, router: paddle.Tensor, bias: paddle.Tensor, one_step: bool, only: paddle.Tensor | None = None
+        self, x: paddle.Tensor, experts: _Experts, router: paddle.Tensor, bias: paddle.Tensor, one_step: bool,
+        only: paddle.Tensor | None = None
     ) -> paddle.Tensor:
         chosen, weights = self._route(x, router, bias)
-        return self._gathered(x, experts, chosen, weights) if one_step else self._looped(x, experts, chosen, weights, only)
+        return self._gathered(x, experts, chosen, weights) if one_step else self._looped(
+            x, experts, chosen, weights, only
+        )
 
     def forward(self, x: paddle.Tensor, vision_mask: paddle.Tensor | None = None) -> paddle.Tensor:
         """x [B, S, H]; `vision_mask` [B, S] (True for image tokens) or None (all text, as in decode) -> [B, S, H]."""

@@ -47,7 +47,8 @@ def mrope_positions(
 def batch_positions(
     ids: np.ndarray, image_token_id: int, grids: Sequence[tuple[int, int, int]], merge: int
 ) -> tuple[np.ndarray, int]:
-    """mrope_positions for a batch [B, S] whose prompts hold their images at the same places (one rotary table serves all)."""
+    """mrope_positions for a batch [B, S] whose prompts hold their images at the same places
+    (one rotary table serves all)."""
     first, delta = mrope_positions(ids[0], image_token_id, grids, merge)
     for row in ids[1:]:
         if not np.array_equal(mrope_positions(row, image_token_id, grids, merge)[0], first):
@@ -56,7 +57,8 @@ def batch_positions(
 
 
 def scatter_rows(base: paddle.Tensor, rows: paddle.Tensor, slots: np.ndarray) -> paddle.Tensor:
-    """base [B, S, H] with positions `slots` replaced, in order, by rows [B, len(slots), H] (or [len(slots), H] for every prompt)."""
+    """base [B, S, H] with positions `slots` replaced, in order, by rows [B, len(slots), H]
+    (or [len(slots), H] for every prompt)."""
     batch, length, hidden = base.shape
     # Gather from [base | rows]: position s takes base s, or row k for the k-th slot.
     index = np.tile(np.arange(length), (batch, 1))
@@ -108,6 +110,8 @@ def encode_batch(
         if grids is not None and row_grids != grids:
             raise ValueError("every prompt of a batch must hold images of the same sizes")
         grids = row_grids
-        rows.append([paddle.concat([features[i] for _, features in outputs], axis=0) for i in range(len(outputs[0][1]))])
+        rows.append(
+            [paddle.concat([features[i] for _, features in outputs], axis=0) for i in range(len(outputs[0][1]))]
+        )
     assert grids is not None
     return grids, rows

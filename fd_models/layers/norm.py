@@ -13,7 +13,8 @@ from fd_models.layers.params import new_param
 
 
 class RMSNorm(nn.Layer):
-    """weight * (x / rms(x)) through the Backend's `rms_norm` op (fd_core.kernels: float32 statistics, cast back before the weight)."""
+    """weight * (x / rms(x)) through the Backend's `rms_norm` op (fd_core.kernels: float32 statistics,
+    cast back before the weight)."""
 
     def __init__(self, size: int, eps: float, ctx: Any, dtype: str = "float32") -> None:
         super().__init__()

@@ -22,14 +22,17 @@ class _Linear(nn.Layer):
 
     split_axis: int | None = None
 
-    def __init__(self, in_features: int, out_features: int, ctx: Any, bias: bool = False, dtype: str = "float32") -> None:
+    def __init__(
+        self, in_features: int, out_features: int, ctx: Any, bias: bool = False, dtype: str = "float32",
+    ) -> None:
         super().__init__()
         self.ctx = ctx
         tp = ctx.parallel.tp_size if self.split_axis is not None else 1
         new_param(self, WeightSpec((out_features, in_features), self.split_axis, dtype), tp)
         # A column-parallel bias is split with the outputs; a row-parallel one is whole, added once after the sum.
         bias_axis = 0 if self.split_axis == 0 else None
-        self.bias = new_param(self, WeightSpec((out_features,), bias_axis, dtype, init="zeros"), tp, attr="bias") if bias else None
+        self.bias = (new_param(self, WeightSpec((out_features,), bias_axis, dtype, init="zeros"), tp, attr="bias")
+                     if bias else None)
         self.matmul = ctx.ops.matmul
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -62,9 +65,9 @@ class VocabParallelEmbedding(nn.Layer):
 
     The table is held transposed, [hidden, vocab / tp] (the checkpoint's `embed_tokens.weight` [vocab,
     hidden] is transposed into place at loading), because a tied LM head multiplies by it every step and
-    Paddle's CPU one-row product reads x @ W faster than x @ W^T on one thread (one rank's half of
-    ERNIE-4.5-0.3B's vocabulary: 10.7-13.7 against 13.7-16.0 ms, docs/benchmarks.md). Looking up a
-    token's column costs ~16 us, a 2048-token prompt's ~46 ms (rows: 10 ms), once per prompt.
+    Paddle's CPU one-row product reads x @ W faster than x @ W^T on one thread (measured on one rank's
+    half of ERNIE-4.5-0.3B's vocabulary; docs/benchmarks.md has the figures). Looking up tokens' columns
+    is slower than looking up rows would be, but it is paid once per prompt, not every step.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, ctx: Any, dtype: str = "float32") -> None:

@@ -24,8 +24,10 @@ Renames = Sequence[tuple[str, str]]
 
 def _create(layer: nn.Layer, shape: Sequence[int], dtype: str, attr: str) -> paddle.Tensor:
     # Zeros, not a random init: the runner always loads weights after build, so a random draw is waste.
-    # paddle's stubs take a dtype name only as a Literal; ours is a str (ModelConfig.dtype, which ModelConfig.check keeps to COMPUTE_DTYPES).
-    param = layer.create_parameter(list(shape), dtype=dtype, default_initializer=nn.initializer.Constant(0.0))  # type: ignore[arg-type]
+    # paddle's stubs take a dtype name only as a Literal; ours is a str (ModelConfig.dtype, which
+    # ModelConfig.check keeps to COMPUTE_DTYPES).
+    param = layer.create_parameter(list(shape), dtype=dtype,  # type: ignore[arg-type]
+                                   default_initializer=nn.initializer.Constant(0.0))
     param.stop_gradient = True  # inference only: no autograd bookkeeping, even outside no_grad
     setattr(layer, attr, param)
     return param
@@ -38,7 +40,9 @@ def new_param(layer: nn.Layer, spec: WeightSpec, tp_size: int, *, attr: str = "w
     return param
 
 
-def new_stacked_param(layer: nn.Layer, parts: Sequence[tuple[str, WeightSpec]], tp_size: int, *, attr: str) -> paddle.Tensor:
+def new_stacked_param(
+    layer: nn.Layer, parts: Sequence[tuple[str, WeightSpec]], tp_size: int, *, attr: str,
+) -> paddle.Tensor:
     """This rank's shards of several same-shaped checkpoint tensors stacked on a new first axis, as `attr` of `layer`.
 
     `parts` are (checkpoint name relative to `layer`, spec) in stacking order.
@@ -50,14 +54,18 @@ def new_stacked_param(layer: nn.Layer, parts: Sequence[tuple[str, WeightSpec]], 
     return param
 
 
-def new_columns_param(layer: nn.Layer, parts: Sequence[tuple[str, WeightSpec]], tp_size: int, *, attr: str = "weight") -> paddle.Tensor:
-    """This rank's shards of [out_i, in] checkpoint tensors, transposed and side by side: [in, sum of out_i], as `attr` of `layer`.
+def new_columns_param(
+    layer: nn.Layer, parts: Sequence[tuple[str, WeightSpec]], tp_size: int, *, attr: str = "weight",
+) -> paddle.Tensor:
+    """This rank's shards of [out_i, in] checkpoint tensors, transposed and side by side:
+    [in, sum of out_i], as `attr` of `layer`.
 
     `parts` are (checkpoint name relative to `layer`, spec) in column order; x @ param gives their outputs concatenated.
     """
     shapes = [spec.shard_shape(tp_size) for _, spec in parts]
     inner = {shape[1] for shape in shapes}
-    assert all(len(shape) == 2 for shape in shapes) and len(inner) == 1, f"columns of {attr} differ in their input size: {shapes}"
+    assert all(len(shape) == 2 for shape in shapes) and len(inner) == 1, (
+        f"columns of {attr} differ in their input size: {shapes}")
     param = _create(layer, [inner.pop(), sum(shape[0] for shape in shapes)], parts[0][1].dtype, attr)
     param.fd_columns = list(parts)
     param.fd_tp = tp_size
@@ -102,7 +110,8 @@ def _load_in_pieces(param: paddle.Tensor, name: str, pieces: Iterator[tuple[int,
     for start, piece in pieces:
         value = _tensor(piece, param.dtype)
         if tuple(value.shape[1:]) != tuple(param.shape[1:]) or start + value.shape[0] > param.shape[0]:
-            raise ValueError(f"load_weights: {name!r} piece at row {start} has shape {list(value.shape)}, expected rows of {list(param.shape)}")
+            raise ValueError(f"load_weights: {name!r} piece at row {start} has shape {list(value.shape)}, "
+                             f"expected rows of {list(param.shape)}")
         param[start : start + value.shape[0]] = value
         filled += value.shape[0]
         del piece, value  # before the next piece is read (see CheckpointShards.chunks)
@@ -110,8 +119,11 @@ def _load_in_pieces(param: paddle.Tensor, name: str, pieces: Iterator[tuple[int,
         raise ValueError(f"load_weights: {name!r} has {filled} rows, expected {param.shape[0]}")
 
 
-def _load_columns(param: paddle.Tensor, parts: Sequence[tuple[str, WeightSpec]], shards: Mapping[str, Any], tp_size: int) -> None:
-    """Fill a columns parameter: each part's rows (pieces of them, for a checkpoint) transposed into its columns, in place."""
+def _load_columns(
+    param: paddle.Tensor, parts: Sequence[tuple[str, WeightSpec]], shards: Mapping[str, Any], tp_size: int,
+) -> None:
+    """Fill a columns parameter: each part's rows (pieces of them, for a checkpoint) transposed
+    into its columns, in place."""
     if not param._is_initialized():
         paddle.empty(param.shape, dtype=param.dtype)._share_buffer_to(param)
     chunks = getattr(shards, "chunks", None)
@@ -123,7 +135,8 @@ def _load_columns(param: paddle.Tensor, parts: Sequence[tuple[str, WeightSpec]],
         for start, piece in pieces:
             value = _tensor(piece, param.dtype)
             if len(value.shape) != 2 or value.shape[1] != param.shape[0] or start + value.shape[0] > rows:
-                raise ValueError(f"load_weights: {name!r} piece at row {start} has shape {list(value.shape)}, expected rows of [{rows}, {param.shape[0]}]")
+                raise ValueError(f"load_weights: {name!r} piece at row {start} has shape {list(value.shape)}, "
+                                 f"expected rows of [{rows}, {param.shape[0]}]")
             param[:, column + start : column + start + value.shape[0]] = value.transpose([1, 0])
             filled += value.shape[0]
             del piece, value
@@ -155,7 +168,9 @@ def load_weights(layer: nn.Layer, shards: Mapping[str, Any], renames: Renames = 
         values = [_tensor(shards[name], param.dtype) for name, _ in parts]
         value = values[0] if hasattr(param, "fd_spec") else paddle.stack(values)
         if tuple(value.shape) != tuple(param.shape):
-            raise ValueError(f"load_weights: {parts[0][0]!r} has shape {list(value.shape)}, expected {list(param.shape)}")
+            raise ValueError(
+                f"load_weights: {parts[0][0]!r} has shape {list(value.shape)}, expected {list(param.shape)}"
+            )
         # assign (unlike set_value from a tensor) also re-creates storage that release_weights cleared.
         paddle.assign(value, output=param)
 

@@ -21,7 +21,8 @@ import paddle
 
 
 def rope_tables(
-    positions: paddle.Tensor, head_dim: int, theta: float, mrope_section: Sequence[int] | None = None, mrope_style: str = "qwen3"
+    positions: paddle.Tensor, head_dim: int, theta: float, mrope_section: Sequence[int] | None = None,
+    mrope_style: str = "qwen3",
 ) -> tuple[paddle.Tensor, paddle.Tensor]:
     """float32 cos and sin of shape [S, head_dim / 2] for int64 `positions` [S] (or [3, S] with `mrope_section`)."""
     # Built from ops rather than a numpy constant, so a traced graph holds no captured buffer.

@@ -31,7 +31,9 @@ def patchify(image: np.ndarray, config: Any, temporal: int = 1) -> tuple[np.ndar
     if channels != config.in_channels:
         raise ValueError(f"image has {channels} channels, expected {config.in_channels}")
     if height % config.unit or width % config.unit or height == 0 or width == 0:
-        raise ValueError(f"image {height}x{width} is not a multiple of {config.unit} (patch {p} x merge {m}) on each side; resize it")
+        raise ValueError(
+            f"image {height}x{width} is not a multiple of {config.unit} (patch {p} x merge {m}) on each side; resize it"
+        )
     frames = np.repeat(image.astype(np.float32)[None], t, axis=0)  # [T, C, H, W]
     gh, gw = height // p, width // p
     blocks = frames.reshape(1, t, channels, gh // m, m, p, gw // m, m, p)
@@ -63,7 +65,8 @@ def block_order_positions(gh: int, gw: int, merge: int) -> np.ndarray:
 
 
 def axial_rope(gh: int, gw: int, merge: int, head_dim: int, theta: float) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """cos, sin [N, head_dim / 2] of the axial 2-D rope: the first half of the frequencies follow the row, the second the column."""
+    """cos, sin [N, head_dim / 2] of the axial 2-D rope: the first half of the frequencies follow the
+    row, the second the column."""
     quarter = head_dim // 4
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim // 2, 2, dtype=np.float32) / (head_dim // 2)))
     pos = block_order_positions(gh, gw, merge).astype(np.float32)
@@ -92,7 +95,9 @@ class VisionAttention(nn.Layer):
 class VisionMLP(nn.Layer):
     """fc2(act(fc1(x))), its two linears named as the checkpoint names them."""
 
-    def __init__(self, size: int, hidden: int, act: str, ctx: Any, dtype: str, names: tuple[str, str] = ("fc1", "fc2")) -> None:
+    def __init__(
+        self, size: int, hidden: int, act: str, ctx: Any, dtype: str, names: tuple[str, str] = ("fc1", "fc2"),
+    ) -> None:
         super().__init__()
         self.act, self.names = act, names
         self.add_sublayer(names[0], ReplicatedLinear(size, hidden, ctx, True, dtype))
@@ -107,7 +112,8 @@ class VisionBlock(nn.Layer):
     """Pre-norm ViT block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
 
     def __init__(
-        self, size: int, heads: int, intermediate: int, act: str, eps: float, ctx: Any, dtype: str, mlp_names: tuple[str, str]
+        self, size: int, heads: int, intermediate: int, act: str, eps: float, ctx: Any, dtype: str,
+        mlp_names: tuple[str, str],
     ) -> None:
         super().__init__()
         self.norm1 = LayerNorm(size, eps, dtype)

@@ -54,10 +54,11 @@ class PictureTextModel(nn.Layer):
         return int(np.asarray(input_ids).shape[1])
 
     def prefill(
-        self, input_ids: Any, image: Any = None, pad: Sequence[int] | None = None, cache_rows: Sequence[int] | None = None,
+        self, input_ids: Any, image: Any = None, pad: Sequence[int] | None = None,
+        cache_rows: Sequence[int] | None = None,
     ) -> paddle.Tensor:
-        """Run the prompt [B, S] with its image(s) at their placeholders (see `batch_pictures`) into cache rows `cache_rows`
-        (default 0..B-1); last-position logits [B, vocab].
+        """Run the prompt [B, S] with its image(s) at their placeholders (see `batch_pictures`) into cache rows
+        `cache_rows` (default 0..B-1); last-position logits [B, vocab].
 
         `pad[b]` leading ids of row b are padding (text-only batches of unequal prompts).
 
@@ -68,7 +69,9 @@ class PictureTextModel(nn.Layer):
         if image is None:
             return self.language_model.prefill_embeds(embeds, pad=pad, cache_rows=cache_rows)
         if pad is not None and any(pad):
-            raise ValueError("prompts with pictures are not padded: give a batch of them equal lengths, or run them one by one")
+            raise ValueError(
+                "prompts with pictures are not padded: give a batch of them equal lengths, or run them one by one"
+            )
         host_ids = ids.numpy()
         grids, rows = encode_batch(batch_pictures(image, host_ids.shape[0]), self._encode)
         positions, delta = batch_positions(host_ids, self.image_token_id, grids, self.vision_config.spatial_merge_size)
@@ -81,10 +84,12 @@ class PictureTextModel(nn.Layer):
         raise NotImplementedError
 
     def _prefill_pictures(
-        self, host_ids: np.ndarray, embeds: paddle.Tensor, rows: list[list[paddle.Tensor]], slots: np.ndarray, positions: Any, delta: Any,
+        self, host_ids: np.ndarray, embeds: paddle.Tensor, rows: list[list[paddle.Tensor]], slots: np.ndarray,
+        positions: Any, delta: Any,
         cache_rows: Sequence[int] | None = None,
     ) -> paddle.Tensor:
-        """The decoder's run over `embeds` (pictures spliced in at `slots`) into cache rows `cache_rows`; last-position logits [B, vocab]."""
+        """The decoder's run over `embeds` (pictures spliced in at `slots`) into cache rows `cache_rows`;
+        last-position logits [B, vocab]."""
         raise NotImplementedError
 
     def allocate_cache(self, batch_size: int, max_len: int, keep: bool = False) -> None:
@@ -95,7 +100,8 @@ class PictureTextModel(nn.Layer):
         return self.language_model.cache_bytes()
 
     def decode_step(self, token_ids: Any, position: int | Sequence[int]) -> paddle.Tensor:
-        """One text token per cache row at cache slot `position[b]` (its rotary position offset by its pictures' delta)."""
+        """One text token per cache row at cache slot `position[b]` (its rotary position
+        offset by its pictures' delta)."""
         return self.language_model.decode_step(token_ids, position)
 
     def capture(self, graph_backend: GraphBackend, batch_size: int) -> None:

@@ -60,14 +60,20 @@ def check_vision_config(config: VisionConfig, text_hidden: int, source: str) -> 
     if config.hidden_size % config.num_heads or (config.hidden_size // config.num_heads) % 4:
         raise ConfigError(f"{source}: vision_config.hidden_size / num_heads must be a multiple of 4 (2-D rotary)")
     if math.isqrt(config.num_position_embeddings) ** 2 != config.num_position_embeddings:
-        raise ConfigError(f"{source}: vision_config.num_position_embeddings must be a square, got {config.num_position_embeddings}")
+        raise ConfigError(
+            f"{source}: vision_config.num_position_embeddings must be a square, got {config.num_position_embeddings}"
+        )
     if config.hidden_act not in VISION_ACTIVATIONS:
-        raise ConfigError(f"{source}: vision_config.hidden_act {config.hidden_act!r} is not supported; use one of {', '.join(VISION_ACTIVATIONS)}")
+        raise ConfigError(f"{source}: vision_config.hidden_act {config.hidden_act!r} is not supported; "
+                          f"use one of {', '.join(VISION_ACTIVATIONS)}")
     if config.out_hidden_size != text_hidden:
-        raise ConfigError(f"{source}: vision_config.out_hidden_size={config.out_hidden_size} differs from the text hidden_size={text_hidden}")
+        raise ConfigError(f"{source}: vision_config.out_hidden_size={config.out_hidden_size} "
+                          f"differs from the text hidden_size={text_hidden}")
     bad = [i for i in config.deepstack_visual_indexes if not 0 <= i < config.depth]
     if bad:
-        raise ConfigError(f"{source}: vision_config.deepstack_visual_indexes {bad} lie outside the {config.depth} blocks")
+        raise ConfigError(
+            f"{source}: vision_config.deepstack_visual_indexes {bad} lie outside the {config.depth} blocks"
+        )
 
 
 
@@ -75,24 +81,32 @@ def check_config(config: Any, source: str = "config") -> None:
     """The Qwen3-VL parts of a checked ModelConfig: the vision tower, the image token, the M-RoPE sections."""
     vision = config.extra.get("vision_config")
     if not isinstance(vision, dict):
-        raise ConfigError(f"{source}: a Qwen3-VL config needs a \"vision_config\" object; use the checkpoint's own config.json")
+        raise ConfigError(
+            f"{source}: a Qwen3-VL config needs a \"vision_config\" object; use the checkpoint's own config.json"
+        )
     try:
         parsed = VisionConfig.from_dict(vision)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{source}: vision_config is malformed ({exc})") from None
     check_vision_config(parsed, config.hidden_size, source)
     if len(parsed.deepstack_visual_indexes) > config.num_hidden_layers:
-        raise ConfigError(f"{source}: {len(parsed.deepstack_visual_indexes)} DeepStack features for {config.num_hidden_layers} text layers")
+        raise ConfigError(f"{source}: {len(parsed.deepstack_visual_indexes)} DeepStack features "
+                          f"for {config.num_hidden_layers} text layers")
     token = config.extra.get("image_token_id")
     if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < config.vocab_size:
-        raise ConfigError(f"{source}: image_token_id must be a token id below vocab_size={config.vocab_size}, got {token!r}")
+        raise ConfigError(
+            f"{source}: image_token_id must be a token id below vocab_size={config.vocab_size}, got {token!r}"
+        )
     rope = config.extra.get("rope_parameters") or config.extra.get("rope_scaling") or {}
     section = rope.get("mrope_section")
     if section is not None:
-        if not (isinstance(section, list) and len(section) == 3 and all(isinstance(s, int) and s >= 0 for s in section)):
+        if not (isinstance(section, list) and len(section) == 3
+                and all(isinstance(s, int) and s >= 0 for s in section)):
             raise ConfigError(f"{source}: mrope_section must be three non-negative integers, got {section!r}")
         if sum(section) != config.resolved_head_dim // 2:
-            raise ConfigError(f"{source}: mrope_section {section} must sum to head_dim / 2 = {config.resolved_head_dim // 2}")
+            raise ConfigError(
+                f"{source}: mrope_section {section} must sum to head_dim / 2 = {config.resolved_head_dim // 2}"
+            )
 
 
 # The picture side of a prompt: resizing and normalising, the placeholder check and count.

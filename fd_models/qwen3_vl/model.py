@@ -43,17 +43,20 @@ class Qwen3VLForConditionalGeneration(PictureTextModel):
         self.language_model = CausalLM(config, ctx, DecoderOptions(qk_norm=True, rope_layout="half"))
 
     def _prefill_pictures(
-        self, host_ids: np.ndarray, embeds: paddle.Tensor, rows: list[list[paddle.Tensor]], slots: np.ndarray, positions: Any, delta: Any,
+        self, host_ids: np.ndarray, embeds: paddle.Tensor, rows: list[list[paddle.Tensor]], slots: np.ndarray,
+        positions: Any, delta: Any,
         cache_rows: Sequence[int] | None = None,
     ) -> paddle.Tensor:
-        """The decoder over the spliced prompt: the DeepStack features join after the first layers at the picture tokens."""
+        """The decoder over the spliced prompt: the DeepStack features join after the first
+        layers at the picture tokens."""
         zeros = paddle.zeros_like(embeds)
         deepstack = [scatter_rows(zeros, paddle.stack([row[i] for row in rows]), slots) for i in range(1, len(rows[0]))]
         return self.language_model.prefill_embeds(embeds, positions, deepstack, delta, cache_rows=cache_rows)
 
     def _encode(self, picture: np.ndarray) -> tuple[tuple[int, int, int], list[paddle.Tensor]]:
         """One picture -> (its grid, [merged embeddings, DeepStack features...])."""
-        patches, grid = patchify(preprocess(picture, self.image_settings), self.vision_config, self.vision_config.temporal_patch_size)
+        patches, grid = patchify(preprocess(picture, self.image_settings), self.vision_config,
+                                 self.vision_config.temporal_patch_size)
         merged, deepstack = self.visual(paddle.to_tensor(patches), grid)
         return grid, [merged, *deepstack]
 

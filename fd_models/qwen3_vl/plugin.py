@@ -15,7 +15,8 @@ TINY_PRESET: dict[str, Any] = TINY_QWEN3_VL
 # transformers' Qwen3VLTextConfig / Qwen3VLConfig defaults, for keys a config.json may omit (Qwen3-VL has no MLP bias).
 CONFIG_DEFAULTS: dict[str, Any] = {
     "head_dim": 128, "num_key_value_heads": 32, "rope_theta": 500000.0, "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 128000, "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "tie_word_embeddings": False,
+    "max_position_embeddings": 128000, "attention_bias": False, "mlp_bias": False, "hidden_act": "silu",
+    "tie_word_embeddings": False,
 }
 build = lazy_build(_MODULE)
 
@@ -32,7 +33,8 @@ ARCHITECTURE = Architecture(
     config_defaults=CONFIG_DEFAULTS,
     preset_files={"preprocessor_config.json": TINY_QWEN3_VL_PREPROCESSOR},
     check_config=check_config, check_prompt=check_prompt, image_tokens=image_tokens,
-    description="Qwen3-VL as published: ViT with 2-D rope, 2x2 merger, DeepStack, interleaved M-RoPE, decoder with q/k norm")
+    description="Qwen3-VL as published: ViT with 2-D rope, 2x2 merger, DeepStack, interleaved M-RoPE, "
+                "decoder with q/k norm")
 
 
 @hookimpl

@@ -44,7 +44,8 @@ def interpolation_taps(gh: int, gw: int, merge: int, side: int) -> tuple[np.ndar
 
 
 class PatchMerger(nn.Layer):
-    """Each 2x2 block of patches concatenated, normalised (before or after the concatenation), then an MLP to the text width."""
+    """Each 2x2 block of patches concatenated, normalised (before or after the concatenation),
+    then an MLP to the text width."""
 
     def __init__(self, config: VisionConfig, ctx: Any, dtype: str, postshuffle_norm: bool) -> None:
         super().__init__()
@@ -55,7 +56,8 @@ class PatchMerger(nn.Layer):
         self.linear_fc2 = ReplicatedLinear(self.merged, config.out_hidden_size, ctx, True, dtype)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        x = self.norm(x.reshape([-1, self.merged])) if self.postshuffle_norm else self.norm(x).reshape([-1, self.merged])
+        x = (self.norm(x.reshape([-1, self.merged])) if self.postshuffle_norm
+             else self.norm(x).reshape([-1, self.merged]))
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
@@ -68,7 +70,8 @@ class Qwen3VLVisionModel(nn.Layer):
         self.matmul = ctx.ops.matmul
         # A Conv3d whose stride equals its kernel is a matrix product over flattened patches;
         # the published weight keeps the Conv3d shape [hidden, C, T, p, p].
-        conv = (config.hidden_size, config.in_channels, config.temporal_patch_size, config.patch_size, config.patch_size)
+        conv = (config.hidden_size, config.in_channels, config.temporal_patch_size, config.patch_size,
+                config.patch_size)
         self.patch_in = math.prod(conv[1:])
         self.patch_embed = nn.Layer()
         self.patch_embed.proj = nn.Layer()
@@ -78,8 +81,8 @@ class Qwen3VLVisionModel(nn.Layer):
         new_param(self.pos_embed, WeightSpec((config.num_position_embeddings, config.hidden_size), None, dtype), 1)
         self.side = math.isqrt(config.num_position_embeddings)
         self.blocks = nn.LayerList([
-            VisionBlock(config.hidden_size, config.num_heads, config.intermediate_size, config.hidden_act, _EPS, ctx, dtype,
-                        ("linear_fc1", "linear_fc2"))
+            VisionBlock(config.hidden_size, config.num_heads, config.intermediate_size, config.hidden_act, _EPS,
+                        ctx, dtype, ("linear_fc1", "linear_fc2"))
             for _ in range(config.depth)
         ])
         self.merger = PatchMerger(config, ctx, dtype, postshuffle_norm=False)
@@ -88,7 +91,8 @@ class Qwen3VLVisionModel(nn.Layer):
         )
 
     def forward(self, patches: paddle.Tensor, grid: tuple[int, int, int]) -> tuple[paddle.Tensor, list[paddle.Tensor]]:
-        """patches [N, C*T*p*p] of one image -> (merged embeddings [N / 4, text hidden], DeepStack features, each the same shape)."""
+        """patches [N, C*T*p*p] of one image -> (merged embeddings [N / 4, text hidden],
+        DeepStack features, each the same shape)."""
         _, gh, gw = grid
         weight = self.patch_embed.proj.weight.reshape([self.config.hidden_size, self.patch_in])
         x = self.matmul(patches.astype(weight.dtype), weight, True) + self.patch_embed.proj.bias

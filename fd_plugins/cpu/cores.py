@@ -1,5 +1,5 @@
-"""The cores this process may run compute threads on: its affinity mask (fd_core.detection.affinity_cores), capped by its
-cgroup's CPU quota."""
+"""The cores this process may run compute threads on: its affinity mask
+(fd_core.detection.affinity_cores), capped by its cgroup's CPU quota."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def _read(path: str) -> str | None:
 
 
 def cgroup_cpu_limit(read: Callable[[str], str | None] = _read) -> float | None:
-    """The cgroup's CPU quota in cores (cgroup v2 `cpu.max`, else v1 cfs quota / period); None when unlimited or unknown."""
+    """The cgroup's CPU quota in cores (cgroup v2 `cpu.max`, else v1 cfs quota / period);
+    None when unlimited or unknown."""
     line = read(CGROUP_V2_CPU_MAX)
     if line is not None:
         quota, _, period = line.partition(" ")
@@ -39,7 +40,8 @@ def cgroup_cpu_limit(read: Callable[[str], str | None] = _read) -> float | None:
 
 
 def usable_cores(affinity: int, quota: float | None) -> int:
-    """The affinity mask's cores, capped by the quota rounded up (a 1.5-core quota still runs two threads part of the time)."""
+    """The affinity mask's cores, capped by the quota rounded up (a 1.5-core quota still runs
+    two threads part of the time)."""
     cores = max(1, affinity)
     if quota is not None:
         cores = min(cores, max(1, math.ceil(quota)))

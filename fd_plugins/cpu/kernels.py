@@ -8,24 +8,25 @@ from typing import Any, Callable
 
 @functools.cache
 def _fused_rms_norm() -> Callable[..., Any]:
-    """Paddle's fused op, looked up on the first call: importing it at module level would import paddle in `fd plugins`."""
+    """Paddle's fused op, looked up on the first call: importing it at module level would
+    import paddle in `fd plugins`."""
     from paddle.incubate.nn.functional import fused_rms_norm
 
     return fused_rms_norm
 
 
 def rms_norm(x: Any, weight: Any, eps: float) -> Any:
-    """Paddle's fused RMSNorm (one CPU kernel instead of six ops); about 4x faster per call at the 0.3B hidden size here."""
+    """Paddle's fused RMSNorm (one CPU kernel instead of six ops); measured faster per call at the 0.3B hidden size
+    (`fd bench --rows kernels`; docs/benchmarks.md has the figures)."""
     return _fused_rms_norm()(x, weight, None, eps, x.ndim - 1)[0]
 
 
 def rotary_embedding(x: Any, cos: Any, sin: Any, layout: str) -> Any:
     """Each pair of dimensions as one complex number, turned by cos + i sin: one product instead of four broadcast ones.
 
-    Paddle's CPU build has no fused rotary kernel, and a broadcast elementwise op costs about six
-    times a same-shaped one here; for x[1, 16, 1, 128] this took 26 us against the native op's 97 in
-    the interleaved layout and 43 against 64 in the half one (`fd bench --rows kernels`), with the
-    same float32 result.
+    Paddle's CPU build has no fused rotary kernel, and a broadcast elementwise op costs several times
+    a same-shaped one; for x[1, 16, 1, 128] this measured faster than the native op in both layouts
+    (`fd bench --rows kernels`; docs/benchmarks.md has the figures), with the same float32 result.
     """
     import paddle
 

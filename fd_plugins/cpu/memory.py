@@ -56,7 +56,8 @@ def cgroup_limit(root: Path = Path("/")) -> tuple[int | None, int | None]:
             candidates.append((cgroup / relative, "memory.max", "memory.current"))
         elif "memory" in controllers.split(","):
             candidates.append((cgroup / "memory" / relative, "memory.limit_in_bytes", "memory.usage_in_bytes"))
-    candidates += [(cgroup, "memory.max", "memory.current"), (cgroup / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes")]
+    candidates += [(cgroup, "memory.max", "memory.current"),
+                   (cgroup / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes")]
     best: tuple[int | None, int | None] = (None, None)
     for directory, limit_file, usage_file in candidates:
         limit = _read_int(directory / limit_file)

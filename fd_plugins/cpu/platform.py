@@ -68,7 +68,8 @@ def gloo_all_reduce(tensor: Any, group: Any) -> Any:
     if 0 in tensor.shape:
         return tensor
     if isinstance(tensor, paddle.Tensor) and not tensor.is_contiguous():
-        # gloo takes only dense memory ("The tensor must be contiguous"): sum a dense copy, write it back through the view.
+        # gloo takes only dense memory ("The tensor must be contiguous"): sum a dense copy, write it
+        # back through the view.
         dense = gloo_all_reduce(tensor.contiguous(), group)
         paddle.assign(dense, output=tensor)
         return tensor
@@ -94,27 +95,31 @@ def fd_clean_memory_fragments(state_dict: dict[str, Any] | None) -> None:
     gc.collect()
 
 
-# Above this much dense weight per rank (what a decode step reads), a static program gains nothing over eager ops (see fd_graph_eligibility).
+# Above this much dense weight per rank (what a decode step reads), a static program gains nothing
+# over eager ops (see fd_graph_eligibility).
 STATIC_GAIN_WEIGHT_BYTES = 64 << 20
 
 
 @hookimpl
 def fd_graph_eligibility(model_config: ModelConfig, parallel_config: ParallelConfig, graph_mode: str) -> GraphVote:
-    """Static graphs trace every model; they pay only for small models at tp=1, so auto skips the rest (--graph on captures)."""
+    """Static graphs trace every model; they pay only for small models at tp=1,
+    so auto skips the rest (--graph on captures)."""
     weights = model_config.weight_bytes_per_rank(parallel_config.tp_size)
     if weights > STATIC_GAIN_WEIGHT_BYTES:
         # A step that reads this much weight is bound by memory, not op dispatch: at ERNIE-4.5-0.3B
-        # (1.4 GB) a static program's step measured no faster than eager ops (96-131 ms against
-        # 97-114), and tracing it delayed the first token by 3 to 4 s (docs/benchmarks.md).
+        # (1.4 GB) a static program's step measured no faster than eager ops, and tracing it delayed
+        # the first token by seconds (docs/benchmarks.md has the figures).
         return GraphVote.no_gain(
-            f"the model holds {weights / 2**20:.0f} MiB of dense weights per rank, more than {STATIC_GAIN_WEIGHT_BYTES >> 20} MiB: "
-            "memory-bound, where a static program runs no faster than eager ops and its capture delays the first token"
+            f"the model holds {weights / 2**20:.0f} MiB of dense weights per rank, "
+            f"more than {STATIC_GAIN_WEIGHT_BYTES >> 20} MiB: memory-bound, "
+            "where a static program runs no faster than eager ops and its capture delays the first token"
         )
     if parallel_config.tp_size > 1:
         # A traced program can only hold the gloo all-reduce (the shared-memory one runs in numpy),
-        # which costs milliseconds a call against microseconds eagerly; docs/benchmarks.md measures both.
+        # which is far slower a call than the shared-memory one eagerly; docs/benchmarks.md measures both.
         return GraphVote.no_gain(
-            "a static program would trace the gloo all-reduce; eager decode uses the shared-memory one, far faster on one host"
+            "a static program would trace the gloo all-reduce; "
+            "eager decode uses the shared-memory one, far faster on one host"
         )
     return GraphVote.ok("paddle static graph traces the model")
 

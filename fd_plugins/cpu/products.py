@@ -1,8 +1,8 @@
 """The cpu platform's matrix product: a one-row product split across the rank's compute threads.
 
 MKL runs a one-row product (a decode step's x [1, K] times a weight) on one thread whatever thread
-count it is given, and on the machine docs/benchmarks.md measures one thread reads memory at about
-0.7 of the rate two do: a tp=1 decode step left a core idle. Paddle releases the GIL while an op
+count it is given, and on the machine docs/benchmarks.md measures one thread reads memory markedly
+slower than two do: a tp=1 decode step left a core idle. Paddle releases the GIL while an op
 computes, so the calling thread and the pool's workers each multiply by one contiguous block of
 the weight's rows at once: for `x @ W` the blocks split the sum over K (the parts are added in
 float32), for `x @ W^T` they split the outputs (the parts are concatenated). The split is only
@@ -29,9 +29,9 @@ from fd_plugins.cpu.cores import cgroup_cpu_limit, usable_cores
 Call = tuple[Callable[..., Any], tuple[Any, ...]]
 
 # Below this much weight a split's two hand-offs cost more than the second thread's reading saves: on the
-# 2-core guest docs/benchmarks.md measures, waking a sleeping thread takes 30 to 40 us, and a split of a
-# weight that does not fit the cache broke even at 8 MiB (4 MiB: 229-285 us on one thread, 322-352 split;
-# 24 MiB: 1250-1480 against 970-1130).
+# 2-core guest docs/benchmarks.md measures, waking a sleeping thread is costly, and a split of a weight
+# that does not fit the cache broke even at 8 MiB (slower below it, faster above; docs/benchmarks.md has
+# the figures).
 SPLIT_MIN_BYTES = 8 << 20
 
 
@@ -51,7 +51,8 @@ class _Pool:
         """
         with self.lock:
             while len(self.workers) < len(parts) - 1:
-                worker = threading.Thread(target=self._serve, name=f"fd-cpu-product-{len(self.workers) + 1}", daemon=True)
+                worker = threading.Thread(target=self._serve, name=f"fd-cpu-product-{len(self.workers) + 1}",
+                                          daemon=True)
                 worker.start()
                 self.workers.append(worker)
         replies: queue.SimpleQueue[tuple[int, bool, Any]] = queue.SimpleQueue()
@@ -101,7 +102,8 @@ if hasattr(os, "register_at_fork"):
 
 
 def split_count(x: Any, weight: Any) -> int:
-    """How many threads `x @ weight` is split across: 1 unless eager, one row, a large weight and more than one compute thread."""
+    """How many threads `x @ weight` is split across: 1 unless eager, one row, a large weight and more than
+    one compute thread."""
     import paddle
 
     threads = compute_threads()
@@ -119,7 +121,8 @@ def _cores() -> int:
 
 
 def matmul(x: Any, weight: Any, transpose_weight: bool) -> Any:
-    """x [..., K] @ weight [K, N] (or weight [N, K] transposed): a one-row product on every compute thread, else Paddle's."""
+    """x [..., K] @ weight [K, N] (or weight [N, K] transposed): a one-row product on every
+    compute thread, else Paddle's."""
     import paddle
 
     parts = split_count(x, weight)

@@ -1,4 +1,5 @@
-"""The cpu platform's same-host all-reduce: one shared-memory segment per process group, numpy sums, no collective on the hot path.
+"""The cpu platform's same-host all-reduce: one shared-memory segment per process group, numpy sums,
+no collective on the hot path.
 
 Layout of a group's segment (W ranks, S bytes a slot, every offset 64-byte aligned):
 
@@ -47,8 +48,9 @@ TIMEOUT_ENV = "FD_SHM_TIMEOUT"
 
 _LINE = 64  # one counter per cache line, so ranks never write the same line
 _PAGE = 4096
-# Checks of the counters before the wait sleeps (~0.2 us each: tens of microseconds, the usual lag
-# of a peer that is on a core); then each sleep lasts until the peer's publish wakes it, or this long.
+# Checks of the counters before the wait sleeps (together about the usual lag of a peer that is on a
+# core; docs/benchmarks.md has the figures); then each sleep lasts until the peer's publish wakes it,
+# or this long.
 _BUSY_CHECKS = 256
 _SLEEP_SLICE = 2e-3
 # How many (address, size, dtype) views are kept: a 0.3B model's decode steps passed 88 to 124 distinct
@@ -61,7 +63,7 @@ AllReduce = Callable[[Any, Any], Any]
 
 # A sum that overflows to inf is the IEEE answer and gloo gives it silently; numpy would warn from
 # inside the decode loop. Filtering this module's RuntimeWarnings costs nothing per call, where
-# `with np.errstate(...)` costs ~1 us.
+# `with np.errstate(...)` costs time on every call.
 warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"fd_plugins\.cpu\.shm")
 
 # x86 keeps stores in program order as seen by other cores (TSO) and loads likewise, so the counter
@@ -102,7 +104,8 @@ def _futex_call() -> Callable[..., int] | None:
     syscall.restype = ctypes.c_long
 
     def futex(address: int, op: int, value: int, timeout: Any) -> int:
-        return int(syscall(ctypes.c_long(number), ctypes.c_void_p(address), ctypes.c_int(op), ctypes.c_int(value), timeout, None, ctypes.c_int(0)))
+        return int(syscall(ctypes.c_long(number), ctypes.c_void_p(address), ctypes.c_int(op), ctypes.c_int(value),
+                           timeout, None, ctypes.c_int(0)))
 
     return futex
 
@@ -135,7 +138,8 @@ class Waiter:
 
 
 def default_waiter() -> Waiter:
-    """The kernel's futex where this machine has one, else short sleeps (little-endian machines only: see Waiter.sleep)."""
+    """The kernel's futex where this machine has one, else short sleeps (little-endian
+    machines only: see Waiter.sleep)."""
     return Waiter(_futex_call() if sys.byteorder == "little" else None)
 
 
@@ -367,7 +371,8 @@ class ShmGroup:
             elif (free := _shm_free_bytes()) is not None and free < size:
                 # tmpfs lets the segment be created larger than it can hold, then kills the process
                 # with SIGBUS on first touch of a missing page: refuse up front instead.
-                self.reason = f"/dev/shm has {free} bytes free, the segment needs {size}; enlarge /dev/shm (docker --shm-size) or lower {BUFFER_ENV}"
+                self.reason = (f"/dev/shm has {free} bytes free, the segment needs {size}; "
+                               f"enlarge /dev/shm (docker --shm-size) or lower {BUFFER_ENV}")
             else:
                 try:
                     self._segment = _Segment(size=size)
@@ -391,7 +396,8 @@ class ShmGroup:
         if offer is None:
             ok, why = False, (self.reason if self.rank == 0 else "rank 0 offered no segment")
         elif len(set(hosts)) != 1:
-            ok, why = False, "ranks are on different hosts: " + ", ".join(f"{r}={h.split('/')[0]}" for r, h in enumerate(hosts))
+            ok, why = False, "ranks are on different hosts: " + ", ".join(f"{r}={h.split('/')[0]}"
+                                                                          for r, h in enumerate(hosts))
         elif self.rank != 0:
             name, slot, nonce = offer
             try:
@@ -426,7 +432,8 @@ class ShmGroup:
         step = _LINE // 8
         self._words = words
         self._mine = (1 + self.rank) * step
-        # A strided memoryview of the W counters: min() over it is ~0.2 us, numpy's is ~1.5 us.
+        # A strided memoryview of the W counters: min() over it measured faster than numpy's
+        # (docs/benchmarks.md has the figures).
         self._counters = words[step : (1 + self.world) * step : step]
         # Each rank's "asleep in _wait" flag, the second word of its line (written by that rank only).
         self._sleeping = words[step + 1 : (1 + self.world) * step + 1 : step]
@@ -478,7 +485,8 @@ class ShmGroup:
             return _write_back(tensor, self.all_reduce(tensor.contiguous()))
         # A decode step's partial sums come back at the same hundred or so addresses step after step (the
         # allocator reuses its blocks), so the numpy views of them and of the slots are made once per address:
-        # right after a product evicted the caches, making them took ~8 us a call (docs/benchmarks.md).
+        # right after a product evicted the caches, making them on every call was measurably costly
+        # (docs/benchmarks.md has the figures).
         key = (tensor.data_ptr(), nbytes, dtype)
         views = self._views.get(key)
         if views is None:
@@ -512,7 +520,8 @@ class ShmGroup:
         address, nbytes, dtype = key
         if len(self._views) >= _MAX_VIEWS:  # addresses a long run no longer uses
             self._views.clear()
-        memory: Any = (ctypes.c_char * nbytes).from_address(address)  # a buffer numpy reads; its stub lists no ctypes arrays
+        # a buffer numpy reads; its stub lists no ctypes arrays
+        memory: Any = (ctypes.c_char * nbytes).from_address(address)
         own = np.frombuffer(memory, dtype)
         views = self._views[key] = (own, (self._sets[0][:, :nbytes].view(dtype), self._sets[1][:, :nbytes].view(dtype)))
         return views
@@ -522,7 +531,8 @@ class ShmGroup:
         return self._fallback(tensor, self.group)
 
     def _wait(self, seq: int) -> None:
-        """Spin briefly, then sleep until woken by the late peer's publish, until every rank published `seq`; bounded."""
+        """Spin briefly, then sleep until woken by the late peer's publish, until every rank published `seq`;
+        bounded."""
         counters = self._counters
         start = time.monotonic()
         self.waits += 1
@@ -547,9 +557,10 @@ class ShmGroup:
                 if now > deadline:
                     missing = [r for r, c in enumerate(counters) if c < seq]
                     self._broken = (
-                        f"cpu all-reduce (shared memory): rank(s) {', '.join(map(str, missing))} of the group did not arrive at "
-                        f"call {seq} within {self.timeout:g} s ({TIMEOUT_ENV}); they crashed, hang, or took another "
-                        f"code path. The group's ranks are out of step; restart them."
+                        f"cpu all-reduce (shared memory): rank(s) {', '.join(map(str, missing))} of the group "
+                        f"did not arrive at call {seq} within {self.timeout:g} s ({TIMEOUT_ENV}); "
+                        f"they crashed, hang, or took another code path. The group's ranks are out of step; "
+                        f"restart them."
                     )
                     raise RuntimeError(self._broken)
                 # The flag is set before this read of the counter (the kernel re-reads it under its own
@@ -570,7 +581,8 @@ def _identity(tensor: Any) -> Any:
 
 
 def _write_back(view: Any, dense: Any) -> Any:
-    """Copy `dense` into the strided `view` it was made from (paddle.assign writes through a view) and return the view."""
+    """Copy `dense` into the strided `view` it was made from (paddle.assign writes through
+    a view) and return the view."""
     import paddle
 
     paddle.assign(dense, output=view)

@@ -27,6 +27,6 @@ def paddle_build() -> str:
         return f"the CPU build ({CPU_DISTRIBUTION} {cpu})"
     if importlib.util.find_spec("paddle") is None:  # finds the package without running its __init__
         return "not installed"
-    # Rare: a build under another name. Scanning every distribution's metadata costs tens of ms, paid only here.
+    # Rare: a build under another name. Scanning every distribution's metadata is slow, so it is paid only here.
     names = sorted(set(packages_distributions().get("paddle", [])))
     return " and ".join(f"{name} {installed(name)}" for name in names) or "installed by no known distribution"

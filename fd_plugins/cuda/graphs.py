@@ -14,7 +14,8 @@ class _Captured:
 
 
 class CudaGraphBackend:
-    """Captures with the given inputs as its buffers; replay copies inputs that are other tensors in and returns the static outputs."""
+    """Captures with the given inputs as its buffers; replay copies inputs that are other tensors in and
+    returns the static outputs."""
 
     mode = "cuda_graph"
 

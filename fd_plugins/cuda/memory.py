@@ -53,7 +53,9 @@ def custom_device_memory(device_type: str, count: int) -> tuple[DeviceMemory, ..
     from paddle.device import custom_device
 
     names = [f"{device_type}:{i}" for i in range(count)]
-    return tuple(_memory(custom_device.get_device_properties(n).total_memory, custom_device.memory_reserved(n)) for n in names)
+    return tuple(
+        _memory(custom_device.get_device_properties(n).total_memory, custom_device.memory_reserved(n)) for n in names
+    )
 
 
 def _memory(total: Any, reserved: Any) -> DeviceMemory:

@@ -32,7 +32,8 @@ def fd_platform_detect() -> Detection:
     if not paddle.is_compiled_with_cuda():
         return Detection(
             detected=False,
-            reason=f"paddle is not a CUDA build ({GPU_DISTRIBUTION} {gpu}, is_compiled_with_cuda() is False): {INSTALL_ADVICE}",
+            reason=f"paddle is not a CUDA build ({GPU_DISTRIBUTION} {gpu}, is_compiled_with_cuda() is False): "
+            f"{INSTALL_ADVICE}",
         )
     count = paddle.device.cuda.device_count()
     if count == 0:
@@ -51,7 +52,8 @@ def fd_platform_detect() -> Detection:
 
 
 def _device_memory(count: int) -> tuple[tuple[Any, ...], str]:
-    """Each device's memory, or none and why (a failed query leaves the memory unchecked, never the device undetected)."""
+    """Each device's memory, or none and why (a failed query leaves the memory unchecked,
+    never the device undetected)."""
     from fd_plugins.cuda.memory import device_memory
 
     try:

@@ -12,12 +12,14 @@ from fd_plugins.cuda.build import CPU_DISTRIBUTION, INSTALL_DOC, installed, padd
 from fd_plugins.cuda.memory import custom_device_memory, empty_custom_device_cache, release_state_dict
 from fd_plugins.cuda.platform import fd_graph_backend
 
-__all__ = ["fd_all_reduce", "fd_clean_memory_fragments", "fd_graph_backend", "fd_graph_eligibility", "fd_platform_detect"]
+__all__ = ["fd_all_reduce", "fd_clean_memory_fragments", "fd_graph_backend", "fd_graph_eligibility",
+           "fd_platform_detect"]
 
 DEVICE_TYPE = "iluvatar_gpu"
 # Paddle's Iluvatar support is a custom-device plugin installed over its CPU build, from Paddle's `ixuca` index.
 DISTRIBUTION = "paddle-iluvatar-gpu"
-INSTALL_ADVICE = f"Iluvatar GPUs need Paddle's CPU build ({CPU_DISTRIBUTION}) plus its {DISTRIBUTION} custom-device plugin, see {INSTALL_DOC}"
+INSTALL_ADVICE = (f"Iluvatar GPUs need Paddle's CPU build ({CPU_DISTRIBUTION}) plus its {DISTRIBUTION} "
+                  f"custom-device plugin, see {INSTALL_DOC}")
 # Architectures whose decode fails under CUDA graph capture on Iluvatar when tp > 1.
 _VL_GRAPH_UNSAFE = ("ernie4_5_vl", "Ernie4_5_VLMoeForConditionalGeneration")
 
@@ -28,15 +30,17 @@ def fd_platform_detect() -> Detection:
     plugin = installed(DISTRIBUTION)
     if plugin is None:
         # Known from the metadata alone: paddle need not be imported to say what is missing.
-        return Detection(detected=False, reason=f"{DISTRIBUTION} is not installed and paddle is {paddle_build()}: {INSTALL_ADVICE}")
+        return Detection(detected=False,
+                         reason=f"{DISTRIBUTION} is not installed and paddle is {paddle_build()}: {INSTALL_ADVICE}")
     import paddle
 
     if not paddle.is_compiled_with_custom_device(DEVICE_TYPE):
         # The plugin is there but paddle did not load it: usually a plugin built for another paddle version.
         return Detection(
             detected=False,
-            reason=f"paddle is {paddle_build()} but did not load {DISTRIBUTION} {plugin} (is_compiled_with_custom_device("
-            f"'{DEVICE_TYPE}') is False): install the {DISTRIBUTION} release made for this paddle, see {INSTALL_DOC}",
+            reason=f"paddle is {paddle_build()} but did not load {DISTRIBUTION} {plugin} "
+            f"(is_compiled_with_custom_device('{DEVICE_TYPE}') is False): "
+            f"install the {DISTRIBUTION} release made for this paddle, see {INSTALL_DOC}",
         )
     devices = [d for d in paddle.device.get_available_custom_device() or [] if d.startswith(DEVICE_TYPE)]
     if not devices:
@@ -79,6 +83,7 @@ def fd_graph_eligibility(model_config: ModelConfig, parallel_config: ParallelCon
     """Veto CUDA graphs for ERNIE-VL at tp > 1, which fails under capture on Iluvatar."""
     if model_config.architecture in _VL_GRAPH_UNSAFE and parallel_config.tp_size > 1:
         return GraphVote.veto(
-            f"ERNIE-4.5-VL (Ernie4_5_VLMoeForConditionalGeneration) with tp={parallel_config.tp_size} fails under CUDA graph capture on Iluvatar"
+            f"ERNIE-4.5-VL (Ernie4_5_VLMoeForConditionalGeneration) with tp={parallel_config.tp_size} "
+            "fails under CUDA graph capture on Iluvatar"
         )
     return GraphVote.ok("Iluvatar captures this model's decode")

@@ -13,12 +13,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ROWS = ("dispatch", "dispatch_vs_hook", "dispatch_wrapper", "tp1", "decode", "startup", "allreduce", "graph", "reload", "realsize", "step", "kvwrite", "kernels", "serve")
+ROWS = ("dispatch", "dispatch_vs_hook", "dispatch_wrapper", "tp1", "decode", "startup", "allreduce", "graph", "reload",
+        "realsize", "step", "kvwrite", "kernels", "serve")
 # The rows the CI smoke run prints: all but the real-size comparison and its step breakdown, whose smoke
 # run alone (a dozen processes importing paddle and torch) took 40 of the suite's 20-minute budget;
 # `fd bench --rows realsize,step` runs them, as docs/benchmarks.md records.
 SMOKE_ROWS = tuple(r for r in ROWS if r not in ("realsize", "step"))
-LINE_KEYS = {"row", "case", "a", "b", "a_value", "b_value", "unit", "ratio", "ratio_label", "target", "met", "note", "details"}
+LINE_KEYS = {"row", "case", "a", "b", "a_value", "b_value", "unit", "ratio", "ratio_label", "target", "met",
+             "note", "details"}
 
 
 def test_smoke_prints_every_row_and_writes_json(tmp_path: Path) -> None:
@@ -66,7 +68,8 @@ def test_rows_option_selects_rows(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert {line["row"] for line in json.loads(out.read_text())["lines"]} == {"dispatch", "tp1"}
-    bad = subprocess.run([sys.executable, "-m", "fd_bench", "--rows", "nosuchrow"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "fd_bench", "--rows", "nosuchrow"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True)
     assert bad.returncode == 2 and "nosuchrow" in bad.stderr
 
 
@@ -75,7 +78,8 @@ def test_json_to_stdout_is_only_json_and_errors_are_one_line(tmp_path: Path) -> 
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
 
     def bench(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "fd_core.cli", "bench", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        return subprocess.run([sys.executable, "-m", "fd_core.cli", "bench", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
 
     piped = bench("--smoke", "--rows", "tp1", "--json", "-")
     assert piped.returncode == 0, piped.stderr[-3000:]
@@ -95,6 +99,7 @@ def test_json_to_stdout_is_only_json_and_errors_are_one_line(tmp_path: Path) -> 
         assert (done.returncode, done.stdout, done.stderr) == (2, "", message + "\n")
     assert not missing.parent.exists() and not (tmp_path / "nosuch").exists()  # nothing was made on the way
     # fd's own -v before a plugin's command reaches the command.
-    verbose = subprocess.run([sys.executable, "-m", "fd_core.cli", "-v", "bench", "--smoke", "--rows", "tp1", "--json", "-"],
+    verbose = subprocess.run([sys.executable, "-m", "fd_core.cli", "-v", "bench", "--smoke", "--rows", "tp1",
+                              "--json", "-"],
                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert verbose.returncode == 0 and json.loads(verbose.stdout)["rows"] == ["tp1"], verbose.stderr[-3000:]

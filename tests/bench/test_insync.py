@@ -37,7 +37,8 @@ def test_in_step_pass_makes_a_tp2_steps_all_reduces(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
-    done = subprocess.run([sys.executable, "-m", "fd_bench.insync", str(path), "1"], capture_output=True, text=True, timeout=300, env=env)
+    done = subprocess.run([sys.executable, "-m", "fd_bench.insync", str(path), "1"], capture_output=True, text=True,
+                          timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     doc = json.loads(done.stdout.strip().splitlines()[-1])
     assert [r["rank"] for r in doc["ranks"]] == [0, 1]

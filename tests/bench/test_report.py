@@ -14,8 +14,8 @@ from fd_bench.report import Line, impossible
 
 
 def _line(**change: Any) -> Line:
-    values: dict[str, Any] = {"row": "tp1", "case": "c", "a": "A", "b": "B", "a_value": 10.0, "b_value": 20.0, "unit": "MiB",
-                              "ratio": 0.5, "ratio_label": "A / B", "target": "<= 1.20", "met": True}
+    values: dict[str, Any] = {"row": "tp1", "case": "c", "a": "A", "b": "B", "a_value": 10.0, "b_value": 20.0,
+                              "unit": "MiB", "ratio": 0.5, "ratio_label": "A / B", "target": "<= 1.20", "met": True}
     values.update(change)
     return Line(**values)
 
@@ -36,7 +36,9 @@ def test_possible_values_pass() -> None:
     assert impossible(_line(unit="%", a_value=-0.2, ratio=None)) is None  # a change in percent may be negative
 
 
-def test_a_row_with_an_impossible_value_is_an_error_not_met(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_row_with_an_impossible_value_is_an_error_not_met(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
     negative = _line(a_value=-17.0, ratio=-0.35, met=True)  # what the smoke RSS row once printed as met
     monkeypatch.setattr(fd_bench, "_runners", lambda selected, smoke: [(("tp1",), lambda: [negative])])
     out = tmp_path / "r.json"

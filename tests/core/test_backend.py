@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from fd_core import GraphVote, ModelConfig, ParallelConfig
-from fd_core.errors import PlatformError, PluginError
+from fd_core.errors import SETTINGS_STYLE_ENV, PlatformError, PluginError
 from fd_core.host.backend import load_backend
 
 CHIP = """
@@ -130,7 +130,7 @@ def test_graph_decision_keeps_every_vote_and_the_veto_reason(chip) -> None:
     allowed = backend.graph_decision(ModelConfig(architecture="vl_model"), ParallelConfig(tp_size=1))
     assert allowed.allowed and [v.line() for v in allowed.votes] == ["fakechip allows: captures everything else"]
     off = backend.graph_decision(ModelConfig(architecture="text"), requested="off")
-    assert not off.allowed and off.summary() == "chip_graph off: disabled by request (--graph off)"
+    assert not off.allowed and off.summary() == "chip_graph off: disabled by request (LLM(graph='off'))"
     assert off.votes == ()  # nobody is asked: votes that cannot change anything are not reported
 
 
@@ -139,11 +139,15 @@ def test_a_no_gain_vote_skips_under_auto_and_yields_to_on_but_a_veto_never_does(
     backend = load_backend(ParallelConfig(tp_size=1))
     auto = backend.graph_decision(ModelConfig(architecture="text"))
     assert not auto.allowed
-    assert auto.summary() == "chip_graph off: nogain skipped (no gain; --graph on captures anyway): eager is as fast here"
+    assert auto.summary() == "chip_graph off: nogain skipped (no gain; LLM(graph='on') captures anyway): eager is as fast here"
+    with pytest.MonkeyPatch.context() as flags:  # fd run and fd explain name the flag
+        flags.setenv(SETTINGS_STYLE_ENV, "cli")
+        assert auto.summary() == "chip_graph off: nogain skipped (no gain; --graph on captures anyway): eager is as fast here"
     assert "nogain skips (no gain): eager is as fast here" in [v.line() for v in auto.votes]
-    assert {"plugin": "nogain", "allow": False, "reason": "eager is as fast here", "advisory": True} in auto.to_dict()["votes"]
+    assert ({"plugin": "nogain", "allow": False, "reason": "eager is as fast here", "advisory": True}
+            in auto.to_dict()["votes"])
     on = backend.graph_decision(ModelConfig(architecture="text"), requested="on")
-    assert on.allowed and on.summary() == "chip_graph on: requested (--graph on) over nogain's no-gain vote"
+    assert on.allowed and on.summary() == "chip_graph on: requested (LLM(graph='on')) over nogain's no-gain vote"
     vetoed = backend.graph_decision(ModelConfig(architecture="vl_model"), ParallelConfig(tp_size=2), requested="on")
     assert not vetoed.allowed and "fakechip vetoed: vl_model with tp=2 fails under capture" in vetoed.summary()
 
@@ -175,7 +179,7 @@ def test_clear_graphs_of_a_model_nobody_owns_is_an_error() -> None:
 def test_platform_limits_and_missing_hardware(chip) -> None:
     backend = load_backend()
     backend.check_ranks(4)
-    with pytest.raises(PlatformError, match=r"--tp 5 is more than platform 'fakechip' serves here \(4\)"):
+    with pytest.raises(PlatformError, match=r"LLM\(tp=5\) is more than platform 'fakechip' serves here \(4\); use LLM\(tp=4\) or fewer"):
         backend.check_ranks(5)
     forced = load_backend(env={"FD_PLATFORM": "cuda"})
     with pytest.raises(PlatformError, match=r"platform 'cuda' is selected but its hardware is not here \(paddle is the CPU build \(paddlepaddle "):

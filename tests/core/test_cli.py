@@ -19,7 +19,8 @@ def test_plugins_lists_cpu_active_and_the_others_not_detected_with_the_reason() 
     assert max(map(len, done.stdout.splitlines())) <= 100  # wrapped for a terminal
     row = listing(done.stdout)["platform plugins"]
     assert row["cpu"].startswith("cpu fd-backends 0.1.0 active: ")
-    assert "not active: not detected: paddle is the CPU build (paddlepaddle " in row["cuda"]  # exact: tests/docs/test_install.py
+    # exact: tests/docs/test_install.py
+    assert "not active: not detected: paddle is the CPU build (paddlepaddle " in row["cuda"]
     assert "not active: not detected: paddle-iluvatar-gpu is not installed" in row["iluvatar"]
     assert row["cpu"].endswith(
         "hooks: fd_all_reduce, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility, fd_platform_detect, fd_register_kernels "
@@ -39,10 +40,11 @@ def test_plugins_json_has_every_field() -> None:
     by_name = {p["name"]: p for p in data["plugins"]}
     assert {"cpu", "cuda", "iluvatar", "ernie4_5", "ernie4_5_vl", "qwen3_vl"} <= set(by_name)
     cuda = by_name["cuda"]
-    assert set(cuda) == {"name", "kind", "module", "distribution", "version", "builtin", "allowed", "hooks", "detection", "error", "active", "status",
-                         "kernels"}
+    assert set(cuda) == {"name", "kind", "module", "distribution", "version", "builtin", "allowed", "hooks",
+                         "detection", "error", "active", "status", "kernels"}
     assert by_name["cpu"]["kernels"] == ["matmul", "rms_norm", "rotary_embedding"] and cuda["kernels"] == []
-    assert cuda["kind"] == "platform" and cuda["builtin"] and not cuda["active"] and cuda["detection"]["detected"] is False
+    assert (cuda["kind"] == "platform" and cuda["builtin"] and not cuda["active"]
+            and cuda["detection"]["detected"] is False)
     assert by_name["qwen3_vl"]["hooks"] == ["fd_clear_graphs", "fd_register_models"]
 
 
@@ -74,7 +76,8 @@ def test_explain_defaults_to_run_tp_and_refuses_what_run_refuses() -> None:
 def test_explain_json() -> None:
     data = json.loads(run_fd(["explain", "--json", "--tp", "2"]).stdout)
     assert data["platform"] == "cpu" and data["tp"] == 2 and data["graph"]["allowed"] is False
-    assert data["graph"]["votes"][0] == {"plugin": "cpu", "allow": False, "advisory": True, "reason": data["graph"]["votes"][0]["reason"]}
+    assert data["graph"]["votes"][0] == {"plugin": "cpu", "allow": False, "advisory": True,
+                                         "reason": data["graph"]["votes"][0]["reason"]}
 
 
 def test_usage_errors_are_one_line_with_exit_2() -> None:
@@ -105,7 +108,8 @@ def test_run_json_for_each_model_and_a_checkpoint_round_trip(tmp_path: Path) -> 
     assert first.returncode == 0, first.stderr
     summary = json.loads(first.stdout)
     assert summary["platform"] == "cpu" and summary["tp"] == 2 and summary["graph"]["allowed"]
-    assert len(summary["tokens"]) == 6 and set(summary["timings_s"]) >= {"load", "cleanup", "capture", "prefill", "decode"}
+    assert (len(summary["tokens"]) == 6
+            and set(summary["timings_s"]) >= {"load", "cleanup", "capture", "prefill", "decode"})
     # Start-up is measured as phases too, from process start to teardown, and the first token's time.
     assert set(summary["timings_s"]) >= {"start", "spawn", "rendezvous", "setup", "teardown"}
     assert 0 < summary["time_to_first_token_s"] < summary["wall_s"]
@@ -214,8 +218,8 @@ def test_help_lists_the_architectures_with_their_aliases() -> None:
     done = run_fd(["help", "run"])
     assert done.returncode == 0, done.stderr
     tail = done.stdout.split("architectures (--model takes a name or an alias):\n", 1)[1]
-    assert tail.split() == ["ernie4_5", "Ernie4_5ForCausalLM", "ernie4_5_vl", "Ernie4_5_VLMoeForConditionalGeneration", "(vision-language)",
-                            "qwen3_vl", "Qwen3VLForConditionalGeneration", "(vision-language)"]
+    assert tail.split() == ["ernie4_5", "Ernie4_5ForCausalLM", "ernie4_5_vl", "Ernie4_5_VLMoeForConditionalGeneration",
+                            "(vision-language)", "qwen3_vl", "Qwen3VLForConditionalGeneration", "(vision-language)"]
     assert "--max-new-tokens N, --steps N" in done.stdout and "(default: 1,2,3,4)" in done.stdout
     assert "architectures (--model" in run_fd(["explain", "--help"]).stdout
 
@@ -232,7 +236,9 @@ def test_check_json_is_the_whole_of_stdout_with_the_verdict_and_exit_code() -> N
     data = json.loads(done.stdout)
     assert done.returncode == data["exit_code"] == 3
     assert data["verdict"].startswith("not verified: ") and data["counts"]["skipped"] == len(data["checks"]) > 0
-    assert all(c["outcome"] == "skipped" and c["detail"].startswith("cuda: hardware not detected here") for c in data["checks"])
+    assert all(
+        c["outcome"] == "skipped" and c["detail"].startswith("cuda: hardware not detected here") for c in data["checks"]
+    )
     none = run_fd(["check", "cpu", "-k", "nosuchcheck"], timeout=300)
     assert (none.returncode, none.stdout) == (2, "")
     assert none.stderr.strip() == "fd: error: no check of the conformance suite matches -k 'nosuchcheck'; run fd check cpu without -k to see them all"

@@ -43,7 +43,8 @@ def fd_all_reduse(tensor, group):
 
 
 def test_wrong_sum_and_silent_veto_fail_with_the_broken_contract(tmp_path) -> None:
-    root = make_distribution(tmp_path / "broken", "broken-chip", {"broken_chip": BROKEN}, {"fd.platforms": {"brokenchip": "broken_chip"}})
+    root = make_distribution(tmp_path / "broken", "broken-chip", {"broken_chip": BROKEN},
+                             {"fd.platforms": {"brokenchip": "broken_chip"}})
     done = run_fd(["check", "brokenchip"], path=root, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
     rows = {line.split()[1]: line for line in done.stdout.splitlines() if line.startswith("  ")}
@@ -56,7 +57,8 @@ def test_wrong_sum_and_silent_veto_fail_with_the_broken_contract(tmp_path) -> No
 
 
 def test_misspelled_hook_fails_before_any_check_runs(tmp_path) -> None:
-    root = make_distribution(tmp_path / "typo", "typo-chip", {"typo_chip": TYPO}, {"fd.platforms": {"typochip": "typo_chip"}})
+    root = make_distribution(tmp_path / "typo", "typo-chip", {"typo_chip": TYPO},
+                             {"fd.platforms": {"typochip": "typo_chip"}})
     done = run_fd(["check", "typochip"], path=root)
     assert done.returncode == 2
     assert done.stderr.strip() == "fd: error: plugin 'typochip': hook 'fd_all_reduse' matches no hookspec; did you mean 'fd_all_reduce'?"
@@ -92,14 +94,16 @@ def fd_clear_graphs(model):
 
 
 def test_a_cleanup_that_fails_on_what_the_runner_passes_is_caught(tmp_path) -> None:
-    root = make_distribution(tmp_path / "c", "cleanup-chip", {"cleanup_chip": RAISING_CLEANUP}, {"fd.platforms": {"cleanupchip": "cleanup_chip"}})
+    root = make_distribution(tmp_path / "c", "cleanup-chip", {"cleanup_chip": RAISING_CLEANUP},
+                             {"fd.platforms": {"cleanupchip": "cleanup_chip"}})
     done = run_fd(["check", "cleanupchip", "-k", "cleanup"], path=root, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
     assert re.search(r"failed\s+test_cleanup_takes_every_argument_the_runner_passes\s+.*plugin 'cleanupchip': fd_clean_memory_fragments raised AttributeError", done.stdout)
 
 
 def test_a_graph_clear_hook_that_clears_nothing_is_caught(tmp_path) -> None:
-    root = make_distribution(tmp_path / "l", "lying-clear", {"lying_clear": LYING_CLEAR}, {"fd.plugins": {"lyingclear": "lying_clear"}})
+    root = make_distribution(tmp_path / "l", "lying-clear", {"lying_clear": LYING_CLEAR},
+                             {"fd.plugins": {"lyingclear": "lying_clear"}})
     done = run_fd(["check", "cpu", "-k", "really_clears"], path=root, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "fd_clear_graphs returned True but the graphs are still captured" in done.stdout

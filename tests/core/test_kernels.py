@@ -92,7 +92,8 @@ def test_two_extensions_on_one_op_is_an_error_naming_both(install_plugin) -> Non
 
 
 def test_a_model_package_may_not_register_kernels(install_plugin) -> None:
-    install_plugin("model-kernels", {"model_kernels": MODEL_WITH_KERNELS}, {"fd.models": {"model-kernels": "model_kernels"}})
+    install_plugin("model-kernels", {"model_kernels": MODEL_WITH_KERNELS},
+                   {"fd.models": {"model-kernels": "model_kernels"}})
     with pytest.raises(PluginError, match="plugin 'model-kernels': a model package may not register kernels"):
         load_plugins({})
 
@@ -116,20 +117,25 @@ def test_an_extension_takes_precedence_over_the_platform_and_layers_call_it_dire
     from fd_models.layers.norm import RMSNorm
 
     assert RMSNorm(8, 1e-6, backend).rms_norm is kernel  # resolved once: the layer's call is the kernel's own
-    assert plugins.kernels.by_plugin("first-kernels") == ["rms_norm"] and plugins.kernels.by_plugin("cpu") == ["matmul", "rms_norm", "rotary_embedding"]
+    assert (plugins.kernels.by_plugin("first-kernels") == ["rms_norm"]
+            and plugins.kernels.by_plugin("cpu") == ["matmul", "rms_norm", "rotary_embedding"])
 
 
 def test_no_model_layer_computes_an_op_itself() -> None:
     words = ("native_ops", "F.silu(", "rsqrt(", "def attend(", "def apply_rope(", "F.softmax(scores", "paddle.matmul(")
-    # The MoE's decode step multiplies by each token's gathered experts: batched 3-D weights, not the matmul op's one matrix.
+    # The MoE's decode step multiplies by each token's gathered experts: batched 3-D weights, not the matmul op's one
+    # matrix.
     allowed = "# batched experts"
     hits = [f"{p.relative_to(ROOT)}:{n}" for p in sorted((ROOT / "fd_models").rglob("*.py"))
-            for n, line in enumerate(p.read_text().splitlines(), 1) if any(w in line for w in words) and allowed not in line]
+            for n, line in enumerate(p.read_text().splitlines(), 1)
+            if any(w in line for w in words) and allowed not in line]
     assert not hits, f"model code computing a named op instead of calling the Backend's: {hits}"
 
 
 @pytest.mark.parametrize("capturable", [True, False])
-def test_capture_is_visible_to_a_kernel_and_an_uncapturable_one_turns_graphs_off(install_plugin, capturable: bool) -> None:
+def test_capture_is_visible_to_a_kernel_and_an_uncapturable_one_turns_graphs_off(
+    install_plugin, capturable: bool,
+) -> None:
     from fd_core.host.backend import Backend
     from fd_core.runtime.engine.loop import Engine
     from fd_core.runtime.engine.runner import ModelRunner
@@ -149,8 +155,11 @@ def test_capture_is_visible_to_a_kernel_and_an_uncapturable_one_turns_graphs_off
         assert decision.allowed and True in seen and False in seen  # traced inside the capture, eager at prefill
     else:
         assert not decision.allowed and set(seen) == {False}
-        assert any(v.plugin == "rec-kernels" and not v.allow and "rms_norm is registered as not capturable" in v.reason for v in decision.votes)
-        with pytest.raises(ConfigError, match=r"^--graph on: plugin 'rec-kernels' registered its kernel for rms_norm as not capturable; use --graph auto or off$"):
+        assert any(
+            v.plugin == "rec-kernels" and not v.allow and "rms_norm is registered as not capturable" in v.reason
+            for v in decision.votes
+        )
+        with pytest.raises(ConfigError, match=r"^LLM\(graph='on'\): plugin 'rec-kernels' registered its kernel for rms_norm as not capturable; use 'auto' or 'off'$"):
             backend.graph_decision(runner.config, requested="on")
 
 
@@ -158,13 +167,16 @@ def test_capture_is_visible_to_a_kernel_and_an_uncapturable_one_turns_graphs_off
 def example_kernels(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The example extension package, installed with pip into a directory of its own (put on PYTHONPATH to use it)."""
     target = tmp_path_factory.mktemp("example-kernels")
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--target", str(target),
-                           str(ROOT / "examples" / "fd-example-kernels")], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
+                           "--target", str(target), str(ROOT / "examples" / "fd-example-kernels")],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return target
 
 
-def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged_tokens(example_kernels: Path, tmp_path: Path) -> None:
+def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged_tokens(
+    example_kernels: Path, tmp_path: Path,
+) -> None:
     args = ["run", "--tp", "2", "--max-new-tokens", "6", "--prompt-ids", "5,6,7,8", "--json"]
     plain = run_fd(args, timeout=300)
     assert plain.returncode == 0, plain.stderr
@@ -174,12 +186,14 @@ def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged
     assert ours.returncode == 0, ours.stderr
     plain_json, ours_json = json.loads(plain.stdout), json.loads(ours.stdout)
     assert plain_json["kernels"]["rms_norm"] == "cpu" and plain_json["kernels"]["silu_and_mul"] == "native"
-    assert ours_json["kernels"] == {**plain_json["kernels"], "rms_norm": "example-kernels", "silu_and_mul": "example-kernels"}
+    assert ours_json["kernels"] == {**plain_json["kernels"], "rms_norm": "example-kernels",
+                                    "silu_and_mul": "example-kernels"}
     assert ours_json["tokens"] == plain_json["tokens"]
     for op in ("rms_norm", "silu_and_mul"):
         assert len({p.name for p in trace.glob(f"{op}.*")}) == 2, f"{op} was not called by both ranks: {sorted(p.name for p in trace.iterdir())}"
     listed = json.loads(run_fd(["plugins", "--json"], example_kernels).stdout)
-    assert next(p for p in listed["plugins"] if p["name"] == "example-kernels")["kernels"] == ["rms_norm", "silu_and_mul"]
+    assert (next(p for p in listed["plugins"] if p["name"] == "example-kernels")["kernels"]
+            == ["rms_norm", "silu_and_mul"])
     explained = run_fd(["explain", "--tp", "1"], example_kernels)
     assert "rms_norm: example-kernels, silu_and_mul: example-kernels, rotary_embedding: cpu" in " ".join(explained.stdout.split())
 
@@ -229,7 +243,8 @@ def fd_register_kernels(register):
 
 
 def test_a_wrong_kernel_fails_fd_check_by_name(tmp_path: Path) -> None:
-    root = make_distribution(tmp_path / "wrong", "wrong-kernels", {"wrong_kernels": WRONG_KERNELS}, {"fd.plugins": {"wrong-kernels": "wrong_kernels"}})
+    root = make_distribution(tmp_path / "wrong", "wrong-kernels", {"wrong_kernels": WRONG_KERNELS},
+                             {"fd.plugins": {"wrong-kernels": "wrong_kernels"}})
     done = run_fd(["check", "cpu", "-k", "every_kernel_in_use"], root, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "failed   test_every_kernel_in_use_matches_the_native_op" in done.stdout
@@ -282,7 +297,8 @@ def test_the_suites_model_run_decodes_one_row_on_two_compute_threads(install_plu
 
 
 def test_fd_run_refuses_a_misspelled_op_in_one_line(tmp_path: Path) -> None:
-    root = make_distribution(tmp_path / "typo", "typo-kernels", {"typo_kernels": MISSPELLED}, {"fd.plugins": {"typo-kernels": "typo_kernels"}})
+    root = make_distribution(tmp_path / "typo", "typo-kernels", {"typo_kernels": MISSPELLED},
+                             {"fd.plugins": {"typo-kernels": "typo_kernels"}})
     done = run_fd(["run", "--tp", "1"], root)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip().splitlines() == [
@@ -293,7 +309,8 @@ def test_fd_run_refuses_a_misspelled_op_in_one_line(tmp_path: Path) -> None:
 
 def test_fd_run_refuses_graph_on_with_an_uncapturable_kernel_before_any_rank_starts(tmp_path: Path) -> None:
     source = RECORDING_NORM.replace("CAPTURABLE", "False")
-    root = make_distribution(tmp_path / "eager", "eager-kernels", {"eager_kernels": source}, {"fd.plugins": {"eager-kernels": "eager_kernels"}})
+    root = make_distribution(tmp_path / "eager", "eager-kernels", {"eager_kernels": source},
+                             {"fd.plugins": {"eager-kernels": "eager_kernels"}})
     done = run_fd(["run", "--tp", "2", "--graph", "on"], root)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip().splitlines() == [

@@ -172,7 +172,8 @@ def private_attributes(modules: dict[str, Path]) -> list[str]:
                         aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
         for node in ast.walk(tree):
             if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
-                    and node.attr.startswith("_") and not node.attr.startswith("__") and aliases[node.value.id] != name):
+                    and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and aliases[node.value.id] != name):
                 bad.append(f"{name}:{node.lineno} reads {aliases[node.value.id]}.{node.attr}, a private name")
     return bad
 
@@ -237,7 +238,8 @@ def test_the_check_fails_a_private_name_taken_or_read(tmp_path: Path) -> None:
 
 
 def test_the_check_fails_the_runtime_importing_the_server(tmp_path: Path) -> None:
-    tree = _tree(tmp_path, {"fd_core/serve/__init__.py": "", "fd_core/serve/app.py": "from fd_core.runtime.engine import Engine\n",
+    tree = _tree(tmp_path, {"fd_core/serve/__init__.py": "",
+                            "fd_core/serve/app.py": "from fd_core.runtime.engine import Engine\n",
                             "fd_core/runtime/plan.py": "def f():\n    from fd_core.serve.app import Server\n"})
     assert check_tree(tree) == ["fd_core.runtime.plan:2 (runtime) imports fd_core.serve.app (serve): an arrow pointing up"]
 

@@ -10,20 +10,23 @@ import pytest
 
 from fakedist import run_fd
 from fd_core import Detection, DeviceMemory, ModelConfig
-from fd_core.errors import ConfigError
+from fd_core.errors import SETTINGS_STYLE_ENV, ConfigError
 from fd_core.runtime.memory import MemoryPlan, cache_length, plan_memory
 from fd_plugins.cpu.memory import cgroup_limit, host_memory
 from plugin_sources import TINY_DEVICE
 
 GiB = 2**30
 
-# Qwen2-7B's sizes, about 14.2 GiB of bfloat16 weights: refused on one 16 GiB device at tp=1 is right; at tp=2 each rank holds half.
-BIG = ModelConfig(architecture="big", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                  intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768, tie_word_embeddings=False, dtype="bfloat16")
+# Qwen2-7B's sizes, about 14.2 GiB of bfloat16 weights: refused on one 16 GiB device at tp=1 is right; at tp=2 each rank
+# holds half.
+BIG = ModelConfig(architecture="big", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                  num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768,
+                  tie_word_embeddings=False, dtype="bfloat16")
 
 
 def devices(*free_gib: float, total: float = 16) -> Detection:
-    return Detection(detected=True, device_memory=tuple(DeviceMemory(total=int(total * GiB), free=int(f * GiB)) for f in free_gib))
+    return Detection(detected=True, device_memory=tuple(DeviceMemory(total=int(total * GiB), free=int(f * GiB))
+                                                        for f in free_gib))
 
 
 def test_each_rank_is_checked_for_its_share_of_the_weights_not_the_whole_model() -> None:
@@ -55,6 +58,20 @@ def test_the_device_with_least_free_memory_binds_and_ranks_on_one_device_share_i
     unknown = plan_memory(BIG, 1, Detection(detected=True), 0.9, "chip", "big")
     assert unknown.capacity_tokens is None and unknown.fits(10**12) and unknown.batch_size(8, 10**9) == 8
     assert "KV cache not sized: the platform reports no device memory" in unknown.summary()
+
+
+@pytest.fixture(autouse=True)
+def flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checks here pin what `fd run` and `fd explain` print, which names flags (fd_core.errors.setting)."""
+    monkeypatch.setenv(SETTINGS_STYLE_ENV, "cli")
+
+
+def test_a_python_caller_is_told_the_keyword_it_passed_not_a_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(SETTINGS_STYLE_ENV)
+    with pytest.raises(ConfigError, match=r"^LLM\(memory_fraction=\.\.\.\) must be a number in \(0, 1\]"):
+        plan_memory(BIG, 2, devices(15, 15), 0, "chip", "big")
+    with pytest.raises(ConfigError, match=r"use a larger LLM\(tp=\.\.\.\), a higher LLM\(memory_fraction=\.\.\.\) or a smaller model$"):
+        plan_memory(BIG, 1, devices(15), 0.9, "chip", "big")
 
 
 def test_the_fraction_scales_the_capacity_and_is_checked() -> None:
@@ -94,7 +111,8 @@ MEMINFO = "MemTotal:       16000000 kB\nMemFree:         1000000 kB\nMemAvailabl
 def test_host_memory_is_meminfo_within_the_cgroup_limit(tmp_path: Path) -> None:
     """/proc and /sys/fs/cgroup as files under a fake root: cgroup v2 (this process's group), v1, and none."""
     v2 = write(tmp_path / "v2", {"proc/meminfo": MEMINFO, "proc/self/cgroup": "0::/job/fd\n",
-                                 "sys/fs/cgroup/job/fd/memory.max": "4294967296\n", "sys/fs/cgroup/job/fd/memory.current": "1073741824\n"})
+                                 "sys/fs/cgroup/job/fd/memory.max": "4294967296\n",
+                                 "sys/fs/cgroup/job/fd/memory.current": "1073741824\n"})
     assert host_memory(v2) == DeviceMemory(total=4 * GiB, free=3 * GiB)
     v1 = write(tmp_path / "v1", {"proc/meminfo": MEMINFO, "proc/self/cgroup": "4:memory:/process_api/abc\n1:cpu:/\n",
                                  "sys/fs/cgroup/memory/process_api/abc/memory.limit_in_bytes": str(2 * GiB),
@@ -102,7 +120,8 @@ def test_host_memory_is_meminfo_within_the_cgroup_limit(tmp_path: Path) -> None:
                                  "sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712"})
     assert cgroup_limit(v1) == (2 * GiB, GiB // 2)
     assert host_memory(v1) == DeviceMemory(total=2 * GiB, free=GiB + GiB // 2)
-    unlimited = write(tmp_path / "none", {"proc/meminfo": MEMINFO, "proc/self/cgroup": "0::/\n", "sys/fs/cgroup/memory.max": "max\n"})
+    unlimited = write(tmp_path / "none", {"proc/meminfo": MEMINFO, "proc/self/cgroup": "0::/\n",
+                                          "sys/fs/cgroup/memory.max": "max\n"})
     assert host_memory(unlimited) == DeviceMemory(total=16000000 * 1024, free=8000000 * 1024)
     assert host_memory(tmp_path / "nothing") is None
 
@@ -135,7 +154,9 @@ def test_fd_run_json_has_the_dtype_and_the_memory_plan_whose_weights_are_each_ra
     assert "tokens (batch x context); --memory-fraction 0.5 of " in joined and "free on device 0, shared by 2 ranks" in joined
 
 
-def test_the_engine_decodes_in_batches_the_capacity_holds_with_unchanged_tokens(install_plugin, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_engine_decodes_in_batches_the_capacity_holds_with_unchanged_tokens(
+    install_plugin, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from fd_core.runtime import LLM, SamplingParams
 
     install_plugin("fd-tiny", {"tiny_device": TINY_DEVICE}, {"fd.platforms": {"tiny": "tiny_device"}})
@@ -147,9 +168,10 @@ def test_the_engine_decodes_in_batches_the_capacity_holds_with_unchanged_tokens(
     monkeypatch.setenv("FDTEST_TINY_FREE", str(427264 + 512 * 70))
     with LLM(model="ernie4_5", tp=1, graph="off", platform="tiny", memory_fraction=1.0) as tight:
         assert tight.platform == "tiny" and tight._plan.memory.capacity_tokens == 70
-        runner = tight._worker.runner
+        runner = tight._session.worker.runner
         shapes: list = []
         real = runner.prepare
-        monkeypatch.setattr(runner, "prepare", lambda batch, max_len: shapes.append((batch, max_len)) or real(batch, max_len))
+        monkeypatch.setattr(runner, "prepare", lambda batch, max_len: shapes.append((batch, max_len))
+                            or real(batch, max_len))
         got = [c.token_ids for c in tight.generate(prompts, params)]
     assert shapes == [(2, 32), (2, 32)] and got == expected

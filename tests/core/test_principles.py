@@ -1,4 +1,5 @@
-"""Design principles checked on the source: no platform words in fd_core, lazy paddle, no direct collectives in models."""
+"""Design principles checked on the source: no platform words in fd_core, lazy paddle,
+no direct collectives in models."""
 
 from __future__ import annotations
 

@@ -88,7 +88,8 @@ def test_name_clash_blames_the_newcomer_not_the_builtin(install_plugin) -> None:
 
 
 def test_a_failed_registration_is_listed_not_fatal_to_the_listing(install_plugin) -> None:
-    """`fd plugins` (strict=False) lists the failed package with its error, keeps the others, and drops what it half registered."""
+    """`fd plugins` (strict=False) lists the failed package with its error, keeps the others,
+    and drops what it half registered."""
     install_plugin("clash", {"clash_pkg": HALF_CLASH}, {"fd.models": {"clash": "clash_pkg"}})
     plugins = load_plugins({}, strict=False)
     record = plugins.record("clash", "model")

@@ -31,7 +31,9 @@ def calls(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
 
-def test_a_gate_refuses_in_the_plan_naming_itself_with_what_it_was_shown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_gate_refuses_in_the_plan_naming_itself_with_what_it_was_shown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     log = tmp_path / "gate.log"
     monkeypatch.setenv("FDTEST_GATE_LOG", str(log))
     plugins, _ = gate_plugins()
@@ -39,8 +41,9 @@ def test_a_gate_refuses_in_the_plan_naming_itself_with_what_it_was_shown(tmp_pat
         plan_run(RunConfig(model="ernie4_5", tp=2, temperature=0.7, steps=8, id_prompts=((1, 2), (3, 4, 5))), plugins)
     assert str(refused.value) == "gate refuses this request: cannot sample with a temperature here; use greedy decoding"
     # What the gate was shown: the built request (two prompts, the sampling), the model and the layout, no streaming.
-    assert calls(log) == [{"pid": os.getpid(), "paddle_imported": calls(log)[0]["paddle_imported"], "prompts": 2, "images": 0,
-                           "temperature": 0.7, "max_new_tokens": 8, "architecture": "ernie4_5", "tp": 2, "stream": False}]
+    assert calls(log) == [{"pid": os.getpid(), "paddle_imported": calls(log)[0]["paddle_imported"], "prompts": 2,
+                           "images": 0, "temperature": 0.7, "max_new_tokens": 8, "architecture": "ernie4_5", "tp": 2,
+                           "stream": False}]
     # Accepted requests plan as before; the gate is asked once per plan.
     plan = plan_run(RunConfig(model="ernie4_5", tp=2, steps=8), plugins)
     assert plan.request.prompts == ((1, 2, 3, 4),) and len(calls(log)) == 2
@@ -83,7 +86,9 @@ def test_a_gate_that_never_returns_is_named(monkeypatch: pytest.MonkeyPatch) -> 
         plan_run(RunConfig(model="ernie4_5", tp=1), plugins)
 
 
-def test_llm_asks_the_gate_about_each_request_before_the_engine_runs(install_plugin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_llm_asks_the_gate_about_each_request_before_the_engine_runs(
+    install_plugin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from fd_core.runtime import LLM, SamplingParams
 
     log = tmp_path / "gate.log"
@@ -91,7 +96,7 @@ def test_llm_asks_the_gate_about_each_request_before_the_engine_runs(install_plu
     install_plugin("fd-gate", {"gate_probe": REQUEST_GATE}, {"fd.plugins": {"gate": "gate_probe"}})
     with LLM(model="ernie4_5", tp=1, graph="off") as llm:
         assert calls(log) == []  # the model's plan holds no request of the caller's: nothing to ask about yet
-        engine = llm._worker.engine
+        engine = llm._session.worker.engine
         ran: list = []
         real = engine.add
         monkeypatch.setattr(engine, "add", lambda job: ran.append(job) or real(job))
@@ -102,17 +107,20 @@ def test_llm_asks_the_gate_about_each_request_before_the_engine_runs(install_plu
         assert ran == [] and engine.decoded_tokens == 0
         [done] = llm.generate([1, 2, 3], SamplingParams(max_new_tokens=4))
         assert len(done.token_ids) == 4 and len(ran) == 1
-    assert [(c["stream"], c["prompts"], c["temperature"]) for c in calls(log)] == [(True, 1, 0.0), (False, 2, 0.5), (False, 1, 0.0)]
+    assert ([(c["stream"], c["prompts"], c["temperature"]) for c in calls(log)]
+            == [(True, 1, 0.0), (False, 2, 0.5), (False, 1, 0.0)])
 
 
-def test_llm_at_tp2_refuses_without_disturbing_its_ranks(install_plugin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_llm_at_tp2_refuses_without_disturbing_its_ranks(
+    install_plugin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from fd_core.runtime import LLM, SamplingParams
 
     log = tmp_path / "gate.log"
     monkeypatch.setenv("FDTEST_GATE_LOG", str(log))
     install_plugin("fd-gate", {"gate_probe": REQUEST_GATE}, {"fd.plugins": {"gate": "gate_probe"}})
     with LLM(model="ernie4_5", tp=2, graph="off") as llm:
-        pool = llm._pool
+        pool = llm._session.driver
         with pytest.raises(RequestRefused, match="at most 64 new tokens, 65 asked for"):
             llm.generate([1, 2, 3], SamplingParams(max_new_tokens=65))
         # Refused before it queued: no rank saw it, nothing waits, the ranks are up.

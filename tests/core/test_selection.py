@@ -153,7 +153,8 @@ def test_a_second_distribution_claiming_a_builtin_platform_name_is_reported_not_
     assert str(err.value) == message
     listed = load_plugins({}, strict=False)
     cpus = [r for r in listed.records if r.name == "cpu"]
-    assert [r.distribution for r in cpus] == ["fd-backends", "impostor"] or sorted(r.distribution for r in cpus) == ["fd-backends", "impostor"]
+    assert ([r.distribution for r in cpus] == ["fd-backends", "impostor"]
+            or sorted(r.distribution for r in cpus) == ["fd-backends", "impostor"])
     builtin = next(r for r in cpus if r.builtin)
     assert listed.platform == "cpu" and builtin.active and builtin.detection.reason.startswith("always available")
     assert next(r for r in cpus if not r.builtin).status == f"failed: {message}"

@@ -1,5 +1,5 @@
-"""The compute-thread decision: --threads, then the user's OMP_NUM_THREADS, then the usable cores shared among the host's ranks;
-and what fd run reports of it (and of the decode step's parts)."""
+"""The compute-thread decision: --threads, then the user's OMP_NUM_THREADS,
+then the usable cores shared among the host's ranks; and what fd run reports of it (and of the decode step's parts)."""
 
 from __future__ import annotations
 
@@ -80,15 +80,19 @@ def test_plan_carries_the_decision(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_fd_run_and_explain_report_threads_per_rank() -> None:
     env_free = {k: v for k, v in __import__("os").environ.items() if k != "OMP_NUM_THREADS"}
-    run = subprocess.run([sys.executable, "-m", "fd_core.cli", "run", "--tp", "1", "--steps", "2", "--threads", "1", "--json"],
+    run = subprocess.run([sys.executable, "-m", "fd_core.cli", "run", "--tp", "1", "--steps", "2",
+                          "--threads", "1", "--json"],
                          capture_output=True, text=True, env=env_free, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     doc = json.loads(run.stdout)
-    assert doc["threads"] == {"per_rank": 1, "reason": "--threads", "openmp": 1, "one_row_decode": 1, "one_row_decode_kernels": 1}
+    assert doc["threads"] == {"per_rank": 1, "reason": "--threads", "openmp": 1, "one_row_decode": 1,
+                              "one_row_decode_kernels": 1}
     # The decode step's parts (fd -v prints them): choosing the token and the rest add up to the step.
     step = doc["decode_step_ms"]
-    assert 0 < step["choose"] < step["step"] and abs(step["choose"] + step["model_and_loop"] - step["step"]) < 0.01, step
-    explain = subprocess.run([sys.executable, "-m", "fd_core.cli", "explain", "--tp", "2"], capture_output=True, text=True, env=env_free, timeout=300)
+    assert (0 < step["choose"] < step["step"]
+            and abs(step["choose"] + step["model_and_loop"] - step["step"]) < 0.01), step
+    explain = subprocess.run([sys.executable, "-m", "fd_core.cli", "explain", "--tp", "2"], capture_output=True,
+                             text=True, env=env_free, timeout=300)
     assert explain.returncode == 0, explain.stderr[-2000:]
     text = " ".join(explain.stdout.split())  # the report wraps at 100 columns
     assert "threads: 1 per rank" in text and "shared by 2 rank(s)" in text, text
@@ -116,8 +120,8 @@ def test_openmp_limit_reaches_the_loaded_runtime() -> None:
 
 
 def test_a_one_row_decode_step_runs_on_one_thread_unless_the_user_chose_the_count() -> None:
-    """The default MKL count drops to 1 for a one-row decode step (MKL does not thread it) and its kernels keep the plan's;
-    --threads and OMP_NUM_THREADS are kept; the report says so."""
+    """The default MKL count drops to 1 for a one-row decode step (MKL does not thread it)
+    and its kernels keep the plan's; --threads and OMP_NUM_THREADS are kept; the report says so."""
     from fd_core.runtime.report import threads_line
     from fd_core.runtime.threads import decide_threads, phase_threads
 

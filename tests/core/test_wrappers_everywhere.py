@@ -77,7 +77,8 @@ def test_a_wrapper_on_every_hook_runs_and_changes_nothing(install_plugin, tmp_pa
     assert explain.returncode == 0, explain.stderr
     assert "all-reduce: hook call (wrapped by wrapall)" in explain.stdout
     plain = run_fd(["run", "--tp", "2", "--steps", "4", "--json"], timeout=300)
-    wrapped = run_fd(["run", "--tp", "2", "--steps", "4", "--reload-cycles", "1", "--json"], path=root, env=env, timeout=300)
+    wrapped = run_fd(["run", "--tp", "2", "--steps", "4", "--reload-cycles", "1", "--json"], path=root, env=env,
+                     timeout=300)
     assert wrapped.returncode == 0, wrapped.stderr
     assert json.loads(wrapped.stdout)["tokens"] == json.loads(plain.stdout)["tokens"]
     called = {p.name.split(".")[0] for p in seen.iterdir()}

@@ -182,7 +182,8 @@ def simulated_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(paddle.device.cuda, "get_device_name", lambda index=0: "NVIDIA H100 80GB HBM3")
     # The memory each device reports (80 GiB, none reserved by this process).
-    monkeypatch.setattr(paddle.device.cuda, "get_device_properties", lambda index=0: types.SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(paddle.device.cuda, "get_device_properties",
+                        lambda index=0: types.SimpleNamespace(total_memory=80 * 2**30))
     monkeypatch.setattr(paddle.device.cuda, "memory_reserved", lambda index=0: 0)
 
 
@@ -191,7 +192,8 @@ def simulated_iluvatar(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(iluvatar, "installed", lambda name: {"paddle-iluvatar-gpu": "3.1.1"}.get(name))
     monkeypatch.setattr(paddle, "is_compiled_with_custom_device", lambda kind: kind == "iluvatar_gpu")
     monkeypatch.setattr(paddle.device, "get_available_custom_device", lambda: ["iluvatar_gpu:0", "iluvatar_gpu:1"])
-    monkeypatch.setattr(paddle.device.custom_device, "get_device_properties", lambda name=None: types.SimpleNamespace(total_memory=32 * 2**30))
+    monkeypatch.setattr(paddle.device.custom_device, "get_device_properties",
+                        lambda name=None: types.SimpleNamespace(total_memory=32 * 2**30))
     monkeypatch.setattr(paddle.device.custom_device, "memory_reserved", lambda name=None: 0)
 
 
@@ -212,7 +214,9 @@ def test_every_quoted_output_has_a_way_to_check_it() -> None:
 
 
 @pytest.mark.parametrize("title", list(HOW))
-def test_the_page_quotes_what_fd_and_paddle_print(title: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_page_quotes_what_fd_and_paddle_print(
+    title: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
     """Sections without a simulation run for real here; NVIDIA and Iluvatar render `fd plugins` in this
     process with the device queries substituted (not on the hardware)."""
     runs = quoted_runs(sections(DOC.read_text())[title])
@@ -256,10 +260,13 @@ def _detected_by_state(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         (cuda, {"paddlepaddle-gpu": "3.2.1"}, lambda p: (p.setattr(paddle, "is_compiled_with_cuda", lambda: True),
                                                          p.setattr(paddle.device.cuda, "device_count", lambda: 0))),
         (cuda, {}, lambda p: (p.setattr(build, "installed", lambda name: None),
-                              p.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "paddle" else real_find_spec(name, *a)))),
-        (iluvatar, {"paddle-iluvatar-gpu": "3.1.1"}, lambda p: p.setattr(paddle, "is_compiled_with_custom_device", lambda kind: False)),
-        (iluvatar, {"paddle-iluvatar-gpu": "3.1.1"}, lambda p: (p.setattr(paddle, "is_compiled_with_custom_device", lambda kind: True),
-                                                                p.setattr(paddle.device, "get_available_custom_device", lambda: []))),
+                              p.setattr(importlib.util, "find_spec",
+                                        lambda name, *a: None if name == "paddle" else real_find_spec(name, *a)))),
+        (iluvatar, {"paddle-iluvatar-gpu": "3.1.1"},
+         lambda p: p.setattr(paddle, "is_compiled_with_custom_device", lambda kind: False)),
+        (iluvatar, {"paddle-iluvatar-gpu": "3.1.1"},
+         lambda p: (p.setattr(paddle, "is_compiled_with_custom_device", lambda kind: True),
+                    p.setattr(paddle.device, "get_available_custom_device", lambda: []))),
     ]
     for plugin, installed, arrange in states:
         with monkeypatch.context() as patch:

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "text"))
+import kit
 
-import kit  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def python_blocks(text: str) -> list[str]:

@@ -36,7 +36,8 @@ def _walk(tmp_path: Path, env: dict[str, str]) -> None:
             for command in filter(None, (line.strip() for line in body.splitlines())):
                 if command.startswith("fd run"):
                     command += " --json"
-                done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+                done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                      timeout=600)
                 assert done.returncode == 0, f"$ {command}\n{done.stdout}\n{done.stderr}"
                 ran["commands"] += 1
                 if command.startswith("fd plugins"):
@@ -48,7 +49,8 @@ def _walk(tmp_path: Path, env: dict[str, str]) -> None:
                 if command.startswith("fd check"):
                     assert re.search(r"^\d+ passed, 0 failed, \d+ skipped$", done.stdout, re.M), done.stdout
                     if "--model" in command:  # the model suite, reference included (transformers is in the test extra)
-                        for check in ("reference_greedy_tokens", "tp2_equals_tp1", "graph_clear_really_clears", "reload_cycles_keep_the_tokens"):
+                        for check in ("reference_greedy_tokens", "tp2_equals_tp1", "graph_clear_really_clears",
+                                      "reload_cycles_keep_the_tokens"):
                             assert f"passed   test_{check}[preset]" in done.stdout, done.stdout
                     else:
                         assert "passed   test_clear_hook_really_clears_each_captured_model" in done.stdout

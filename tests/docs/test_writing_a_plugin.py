@@ -33,19 +33,23 @@ def _walk(tmp_path: Path, env: dict[str, str]) -> None:
             ran["files"] += 1
         elif lang == "sh":
             for command in filter(None, (line.strip() for line in body.splitlines())):
-                done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                      timeout=300)
                 assert done.returncode == 0, f"$ {command}\n{done.stdout}\n{done.stderr}"
                 ran["commands"] += 1
                 if command.startswith("fd plugins"):
                     assert "fd-mychip 0.1.0" in done.stdout and "not active" in done.stdout
-                if command.startswith("FD_PLATFORM=mychip fd explain") and "grep" not in command and "--json" not in command:
-                    assert "mychip vetoed: mychip has no graph backend yet" in done.stdout or "no graph backend" in done.stdout
+                if (command.startswith("FD_PLATFORM=mychip fd explain") and "grep" not in command
+                        and "--json" not in command):
+                    assert ("mychip vetoed: mychip has no graph backend yet" in done.stdout
+                            or "no graph backend" in done.stdout)
                 if command.startswith("FD_PLATFORM=mychip fd explain") and 'grep -A1 "^memory:"' in command:
                     # The memory report: weights per rank and the KV cache its two 1 GiB devices leave.
                     assert done.stdout.startswith("memory: weights 0.20 MiB per rank (tp=2, float32); KV cache for "), done.stdout
                 if "--memory-fraction 0.5 --json" in command:
                     weights, capacity, fraction = done.stdout.split()
-                    assert (int(weights), int(capacity), float(fraction)) == (214272, (2**29 - 214272) // 256, 0.5), done.stdout
+                    assert ((int(weights), int(capacity), float(fraction))
+                            == (214272, (2**29 - 214272) // 256, 0.5)), done.stdout
                 if command == "fd check mychip":
                     assert re.search(r"^\d+ passed, 0 failed, \d+ skipped$", done.stdout, re.M), done.stdout
                     assert re.search(r"skipped\s+test_replay_equals_eager_and_clear_recaptures\s+mychip: capabilities.graphs is False", done.stdout)

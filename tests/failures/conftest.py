@@ -70,7 +70,9 @@ def new_marker() -> str:
     return f"fdtest-{uuid.uuid4().hex}"
 
 
-def start_fd(args: Sequence[str], path: Path | None = None, env: Mapping[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
+def start_fd(
+    args: Sequence[str], path: Path | None = None, env: Mapping[str, str] | None = None,
+) -> tuple[subprocess.Popen[str], str]:
     """Start `fd args` in its own process group (as a shell job), SIGINT at its default, as in a terminal."""
     marker = new_marker()
 
@@ -90,7 +92,8 @@ def start_fd(args: Sequence[str], path: Path | None = None, env: Mapping[str, st
 
 
 def run_fd(
-    args: Sequence[str], path: Path | None = None, env: Mapping[str, str] | None = None, timeout: float = 120, traced: bool = False
+    args: Sequence[str], path: Path | None = None, env: Mapping[str, str] | None = None, timeout: float = 120,
+    traced: bool = False
 ) -> FdRun:
     """Run `fd args` to completion; with `traced`, also learn whether it imported paddle."""
     marker = new_marker()
@@ -152,7 +155,8 @@ def probe_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A distribution holding the test-only `failprobe` extension plugin (see failprobe_plugin.py)."""
     source = (HERE / "failprobe_plugin.py").read_text()
     root = tmp_path_factory.mktemp("failprobe")
-    return make_distribution(root, "fd-failprobe", {"fd_failprobe": source}, {"fd.plugins": {"failprobe": "fd_failprobe"}})
+    return make_distribution(root, "fd-failprobe", {"fd_failprobe": source},
+                             {"fd.plugins": {"failprobe": "fd_failprobe"}})
 
 
 @pytest.fixture

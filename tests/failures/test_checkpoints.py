@@ -96,7 +96,8 @@ def test_tensor_problem_is_found_before_any_parameter_is_touched(checkpoints: di
     directory = checkpoints[case]
     plugins = load_plugins({})
     arch = plugins.registry.get("ernie4_5")
-    runner = ModelRunner(load_backend(ParallelConfig(), plugins=plugins), arch, model_config_for(arch, str(directory)), str(directory))
+    runner = ModelRunner(load_backend(ParallelConfig(), plugins=plugins), arch, model_config_for(arch, str(directory)),
+                         str(directory))
     with pytest.raises(CheckpointError) as err:
         runner.load()
     assert str(err.value) == expected_message(case, directory)
@@ -128,7 +129,8 @@ def tp2_runs(checkpoints: dict[str, Path]) -> dict[str, FdRun]:
     """`fd run --tp 2 --checkpoint <broken>` for CLI_CASES, started together to save time."""
     started = {}
     for case in CLI_CASES:
-        started[case] = (start_fd(["run", "--tp", "2", "--steps", "2", "--checkpoint", str(checkpoints[case])]), time.monotonic())
+        started[case] = (start_fd(["run", "--tp", "2", "--steps", "2", "--checkpoint", str(checkpoints[case])]),
+                         time.monotonic())
     runs = {}
     for case, ((proc, marker), begin) in started.items():
         try:
@@ -171,7 +173,9 @@ def test_directory_problem_fails_before_any_rank_starts(checkpoints: dict[str, P
     assert left_over(done.marker, wait=0) == []
 
 
-def test_save_random_refuses_a_non_empty_directory_and_leaves_it_alone(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+def test_save_random_refuses_a_non_empty_directory_and_leaves_it_alone(
+    checkpoints: dict[str, Path], tmp_path: Path,
+) -> None:
     target = tmp_path / "taken"
     target.mkdir()
     (target / "notes.txt").write_text("mine")

@@ -75,7 +75,9 @@ def test_tp_that_does_not_divide_the_heads() -> None:
     ],
     ids=["kv-heads", "vocab", "intermediate"],
 )
-def test_tp_that_does_not_divide_a_sharded_dimension_of_the_checkpoint(tmp_path: Path, overrides: dict, bad: str) -> None:
+def test_tp_that_does_not_divide_a_sharded_dimension_of_the_checkpoint(
+    tmp_path: Path, overrides: dict, bad: str,
+) -> None:
     checkpoint = config_checkpoint(tmp_path / "ckpt", **overrides)
     done = run_fd(["run", "--tp", "2", "--checkpoint", str(checkpoint)], traced=True)
     assert_one_line_error(done, f"tp=2 does not divide {bad} of ernie4_5; choose a tp that divides each of them")

@@ -25,7 +25,8 @@ from fd_core.errors import FdError
 SEED = int(os.environ.get("FDTEST_FUZZ_SEED", "20261130"))
 CHECKPOINT_CASES = 220
 CONFIG_CASES = 260
-WEIRD: list[Any] = [None, True, -1, 0, 1, 2**62, -(2**62), 1.5, math.nan, math.inf, -0.0, "", "64", "x" * 300, [], [1, 2], {}, {"a": 1}]
+WEIRD: list[Any] = [None, True, -1, 0, 1, 2**62, -(2**62), 1.5, math.nan, math.inf, -0.0, "", "64", "x" * 300, [],
+                    [1, 2], {}, {"a": 1}]
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +90,9 @@ def _checkpoint_mutations(rng: random.Random) -> list[tuple[str, Callable[[bytes
     def garbage(data: bytes) -> bytes:
         return bytes(rng.randrange(256) for _ in range(rng.randint(0, 4096)))
 
-    return [("truncate", truncate), ("flip header bytes", flip), ("length field", length_field), ("dtype", edit("dtype")),
-            ("shape", edit("shape")), ("offsets", edit("offsets")), ("name", edit("name")), ("drop", edit("drop")), ("garbage", garbage)]
+    return [("truncate", truncate), ("flip header bytes", flip), ("length field", length_field),
+            ("dtype", edit("dtype")), ("shape", edit("shape")), ("offsets", edit("offsets")), ("name", edit("name")),
+            ("drop", edit("drop")), ("garbage", garbage)]
 
 
 def _load(directory: Path, specs: dict[str, Any]) -> None:
@@ -125,9 +127,9 @@ def test_corrupted_checkpoints_fail_in_one_line_or_load(base: dict[str, Any]) ->
     assert outcomes["error"] > CHECKPOINT_CASES // 2, outcomes  # the generator really corrupts
 
 
-FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size",
-          "head_dim", "rope_theta", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "use_bias", "hidden_act",
-          "rope_parameters", "architectures", "text_config")
+FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+          "vocab_size", "head_dim", "rope_theta", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+          "use_bias", "hidden_act", "rope_parameters", "architectures", "text_config")
 
 
 def test_mutated_configs_fail_in_one_line_or_parse(base: dict[str, Any]) -> None:
@@ -142,7 +144,10 @@ def test_mutated_configs_fail_in_one_line_or_parse(base: dict[str, Any]) -> None
             if rng.random() < 0.15:
                 data.pop(field, None)
             elif field == "rope_parameters":
-                data[field] = rng.choice([{"rope_type": rng.choice(["yarn", "linear", 5, None])}, {"rope_theta": rng.choice(WEIRD)}, rng.choice(WEIRD)])
+                data[field] = rng.choice(
+                    [{"rope_type": rng.choice(["yarn", "linear", 5, None])}, {"rope_theta": rng.choice(WEIRD)},
+                     rng.choice(WEIRD)]
+                )
             else:
                 data[field] = rng.choice(WEIRD)
         try:

@@ -27,16 +27,19 @@ def gate(distribution, tmp_path: Path):
 
 def test_fd_run_refuses_a_request_the_gate_refuses_before_any_rank_starts(gate) -> None:
     site, log = gate
-    done = run_fd(["run", "--tp", "2", "--temperature", "0.7", "--seed", "1"], path=site, env={"FDTEST_GATE_LOG": str(log)}, traced=True)
+    done = run_fd(["run", "--tp", "2", "--temperature", "0.7", "--seed", "1"], path=site,
+                  env={"FDTEST_GATE_LOG": str(log)}, traced=True)
     assert_one_line_error(done, "gate refuses this request: cannot sample with a temperature here; use greedy decoding")
     assert_no_rank_started(done)
     [call] = [json.loads(line) for line in log.read_text().splitlines()]
-    assert (call["tp"], call["temperature"], call["architecture"], call["paddle_imported"]) == (2, 0.7, "ernie4_5", False)
+    assert ((call["tp"], call["temperature"], call["architecture"], call["paddle_imported"])
+            == (2, 0.7, "ernie4_5", False))
 
 
 def test_fd_run_asks_the_gate_once_in_the_parent_and_runs_what_it_accepts(gate) -> None:
     site, log = gate
-    done = run_fd(["run", "--tp", "2", "--steps", "3", "--graph", "off", "--json"], path=site, env={"FDTEST_GATE_LOG": str(log)})
+    done = run_fd(["run", "--tp", "2", "--steps", "3", "--graph", "off", "--json"], path=site,
+                  env={"FDTEST_GATE_LOG": str(log)})
     assert done.returncode == 0, done.stderr
     assert len(json.loads(done.stdout)["tokens"]) == 3
     calls = [json.loads(line) for line in log.read_text().splitlines()]

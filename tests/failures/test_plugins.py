@@ -91,7 +91,9 @@ def test_detection_that_raises_is_reported_and_stated_in_explain(distribution) -
     ],
     ids=["misspelled-hook", "unknown-argument", "wrapper-not-a-generator"],
 )
-def test_invalid_hook_fails_at_load_naming_plugin_hook_and_fix(distribution, source: str, group: str, message: str) -> None:
+def test_invalid_hook_fails_at_load_naming_plugin_hook_and_fix(
+    distribution, source: str, group: str, message: str,
+) -> None:
     site = distribution("bad-plugin", {"bad_plugin": source}, {group: {"bad": "bad_plugin"}})
     for command in (["plugins"], ["run", "--steps", "1"]):
         done = run_fd(command, path=site, traced=True)
@@ -149,7 +151,8 @@ def test_graph_capable_architecture_without_clear_hook_fails_registration(distri
 
 
 def test_empty_allow_list_loads_no_third_party_plugin_and_says_so(distribution) -> None:
-    site = distribution("fake-chip", {"fake_chip": CHIP.format(priority=5)}, {"fd.platforms": {"fakechip": "fake_chip"}})
+    site = distribution("fake-chip", {"fake_chip": CHIP.format(priority=5)},
+                        {"fd.platforms": {"fakechip": "fake_chip"}})
     assert json.loads(run_fd(["plugins", "--json"], path=site).stdout)["platform"] == "fakechip"  # loaded when allowed
     done = run_fd(["plugins"], path=site, env={"FD_PLUGINS": ""})
     assert done.returncode == 0, done.stderr

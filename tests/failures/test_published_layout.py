@@ -235,7 +235,8 @@ def pictures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from PIL import Image
 
     root = tmp_path_factory.mktemp("pictures")
-    out = {"good": root / "good.png", "text": root / "notes.png", "empty": root / "empty.jpg", "huge": root / "huge.npy"}
+    out = {"good": root / "good.png", "text": root / "notes.png", "empty": root / "empty.jpg",
+           "huge": root / "huge.npy"}
     Image.fromarray(np.zeros((32, 32, 3), dtype=np.uint8)).save(out["good"])
     out["text"].write_text("not a picture")
     out["empty"].write_bytes(b"")
@@ -255,7 +256,9 @@ QWEN_PROMPT = "5,17,508,510,510,510,510,509,42"  # one run of 4 placeholders: a 
         ("missing", "--image {path}: no such file; pass a PNG or JPEG picture or a .npy array [3, H, W]"),
     ],
 )
-def test_bad_pictures_are_one_line_before_any_process(pictures: dict[str, Path], tmp_path: Path, picture: str, message: str) -> None:
+def test_bad_pictures_are_one_line_before_any_process(
+    pictures: dict[str, Path], tmp_path: Path, picture: str, message: str,
+) -> None:
     path = pictures.get(picture, tmp_path / "missing.png")
     done = run_fd(["run", "--model", "qwen3_vl", "--prompt-ids", QWEN_PROMPT, "--image", str(path)], traced=True)
     assert_one_line_error(done, message.format(path=path))
@@ -282,7 +285,10 @@ def test_placeholders_must_match_the_pictures(pictures: dict[str, Path], images:
 
 
 def test_a_good_picture_runs(pictures: dict[str, Path]) -> None:
-    done = run_fd(["run", "--tp", "1", "--model", "qwen3_vl", "--prompt-ids", QWEN_PROMPT, "--image", str(pictures["good"]), "--steps", "2", "--json"])
+    done = run_fd(
+        ["run", "--tp", "1", "--model", "qwen3_vl", "--prompt-ids", QWEN_PROMPT, "--image", str(pictures["good"]),
+         "--steps", "2", "--json"]
+    )
     assert done.returncode == 0, done.stderr
     assert len(json.loads(done.stdout)["tokens"]) == 2
 

@@ -122,7 +122,9 @@ def assert_quiet_stop(o: Outcome) -> None:
         ("rank0-sigkill", 0, "killed by SIGKILL"),
     ],
 )
-def test_a_failing_rank_ends_the_run_within_seconds_naming_it(outcomes: dict, name: str, rank: int, message: str) -> None:
+def test_a_failing_rank_ends_the_run_within_seconds_naming_it(
+    outcomes: dict, name: str, rank: int, message: str,
+) -> None:
     o = outcome(outcomes, name)
     assert o.run.returncode == 2, o.run.stderr
     assert len(o.run.error_lines) == 1 and o.run.stderr.strip().splitlines()[-1] == o.run.error_lines[0], o.run.stderr
@@ -176,7 +178,8 @@ def test_rank_endpoints_are_loopback(outcomes: dict) -> None:
 
 
 def test_ranks_listen_only_on_loopback(outcomes: dict) -> None:
-    """Paddle's own store (rank 0 serving it) would listen on every interface; fd serves it on 127.0.0.1 from the parent."""
+    """Paddle's own store (rank 0 serving it) would listen on every interface;
+    fd serves it on 127.0.0.1 from the parent."""
     o = outcome(outcomes, "ctrl-c")
     listening = {rank: o.rank_record(rank)["listening"] for rank in (0, 1)}
     assert all(a.startswith("127.") for addresses in listening.values() for a in addresses), listening

@@ -7,20 +7,18 @@ longer than the context, text and ids together, stop strings without text, an un
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+import kit
 from conftest import assert_one_line_error, left_over, run_fd
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "text"))
-import kit  # noqa: E402
-from fd_models.presets import TINY_TEXT  # noqa: E402
+from fd_models.presets import TINY_TEXT
 
 
 def _checkpoint(directory: Path, tokenizer: bool = True, **overrides: object) -> Path:
-    """An ERNIE config.json (placeholder weights: these runs fail before any is read), with a SentencePiece tokenizer."""
+    """An ERNIE config.json (placeholder weights: these runs fail before any is read),
+    with a SentencePiece tokenizer."""
     import numpy as np
     from safetensors.numpy import save_file
 
@@ -65,7 +63,8 @@ def test_a_prompt_longer_than_the_context_gives_both_numbers(tmp_path: Path) -> 
     path = _checkpoint(tmp_path / "ckpt", max_position_embeddings=24)
     text = "The quick brown fox jumps over the lazy dog. " * 3
     tokens = len(__import__("fd_core.runtime", fromlist=["load_tokenizer"]).load_tokenizer(path).encode(text))
-    run = run_fd(["run", "--checkpoint", str(path), "--prompt", "hi", "--prompt", text, "--max-new-tokens", "4"], traced=True)
+    run = run_fd(["run", "--checkpoint", str(path), "--prompt", "hi", "--prompt", text, "--max-new-tokens", "4"],
+                 traced=True)
     assert_one_line_error(
         run, f"prompt 2 has {tokens} tokens and 4 new tokens are asked for: {tokens + 4} exceed the model's context of 24 "
         "(max_position_embeddings of ernie4_5); shorten the prompt or ask for fewer tokens",

@@ -1,4 +1,5 @@
-"""Fixtures for the model-package tests: tiny models per architecture, a simulated tp group, a to_static graph backend."""
+"""Fixtures for the model-package tests: tiny models per architecture, a simulated tp
+group, a to_static graph backend."""
 
 from __future__ import annotations
 
@@ -27,12 +28,15 @@ def architectures() -> list[Architecture]:
     return found
 
 
-def make_ctx(tp_size: int = 1, tp_rank: int = 0, all_reduce: Callable[[Any], Any] = lambda t: t) -> types.SimpleNamespace:
+def make_ctx(
+    tp_size: int = 1, tp_rank: int = 0, all_reduce: Callable[[Any], Any] = lambda t: t,
+) -> types.SimpleNamespace:
     """What a model's build receives, without a platform: the layout, an all-reduce, and the native ops."""
     from fd_core import native_ops
     from fd_core.host.kernel_table import KernelTable, Ops
 
-    return types.SimpleNamespace(all_reduce=all_reduce, parallel=ParallelConfig(tp_size, tp_rank), ops=Ops(KernelTable(), native_ops))
+    return types.SimpleNamespace(all_reduce=all_reduce, parallel=ParallelConfig(tp_size, tp_rank),
+                                 ops=Ops(KernelTable(), native_ops))
 
 
 def build_loaded(arch: Architecture, ctx: Any = None) -> Any:
@@ -61,7 +65,8 @@ def image_tokens(arch: Architecture) -> int:
 
 
 def prompt(arch: Architecture, with_placeholders: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
-    """Token ids [BATCH, S] and, for VL models, an image [BATCH, C, H, W] (values in [0, 1]) whose placeholders are in the prompt."""
+    """Token ids [BATCH, S] and, for VL models, an image [BATCH, C, H, W] (values in [0,
+    1]) whose placeholders are in the prompt."""
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 400, (BATCH, PROMPT)).astype(np.int64)
     if not arch.multimodal:
@@ -73,7 +78,9 @@ def prompt(arch: Architecture, with_placeholders: bool = True) -> tuple[np.ndarr
     return ids, image
 
 
-def greedy(model: Any, ids: np.ndarray, image: np.ndarray | None, steps: int = STEPS) -> tuple[list[np.ndarray], np.ndarray]:
+def greedy(
+    model: Any, ids: np.ndarray, image: np.ndarray | None, steps: int = STEPS,
+) -> tuple[list[np.ndarray], np.ndarray]:
     """Prefill then greedy-decode `steps` tokens; every step's logits and the generated tokens [B, steps]."""
     model.allocate_cache(ids.shape[0], MAX_LEN)
     logits = model.prefill(ids, image)

@@ -13,7 +13,8 @@ from fd_core.errors import ConfigError
 from fd_core.host.loading import load_plugins
 
 # architecture -> the transformers config class that holds its decoder settings
-TEXT_CONFIGS = {"ernie4_5": "Ernie4_5Config", "ernie4_5_vl": "Ernie4_5_VLMoeTextConfig", "qwen3_vl": "Qwen3VLTextConfig"}
+TEXT_CONFIGS = {"ernie4_5": "Ernie4_5Config", "ernie4_5_vl": "Ernie4_5_VLMoeTextConfig",
+                "qwen3_vl": "Qwen3VLTextConfig"}
 TOP_CONFIGS = {"ernie4_5": "Ernie4_5Config", "ernie4_5_vl": "Ernie4_5_VLMoeConfig", "qwen3_vl": "Qwen3VLConfig"}
 
 
@@ -25,7 +26,8 @@ def test_declared_defaults_equal_the_reference_config_class(name: str) -> None:
     top = getattr(transformers, TOP_CONFIGS[name])().to_dict()
     rope = (text.get("rope_parameters") or {}).get("rope_theta")
     for key in DECODER_KEYS:
-        assert key in arch.config_defaults or key in ("attention_bias", "mlp_bias") and "use_bias" in arch.config_defaults, (
+        assert (key in arch.config_defaults
+                or key in ("attention_bias", "mlp_bias") and "use_bias" in arch.config_defaults), (
             f"{name} declares no default for {key}")
         declared = arch.config_defaults.get(key, arch.config_defaults.get("use_bias"))
         if key == "rope_theta":
@@ -42,7 +44,9 @@ def test_declared_defaults_equal_the_reference_config_class(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(TEXT_CONFIGS))
-def test_a_key_without_a_default_is_refused_by_name_before_any_rank_starts(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_key_without_a_default_is_refused_by_name_before_any_rank_starts(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from dataclasses import replace
 
     from fd_core.runtime.plan import RunConfig, plan_run
@@ -60,7 +64,8 @@ def test_a_key_without_a_default_is_refused_by_name_before_any_rank_starts(name:
     # ... and a key without one is refused, naming the key and the fix, in the parent.
     section.pop("num_key_value_heads")
     (directory / "config.json").write_text(json.dumps(data))
-    stripped = replace(arch, config_defaults={k: v for k, v in arch.config_defaults.items() if k != "num_key_value_heads"})
+    stripped = replace(arch, config_defaults={k: v for k, v in arch.config_defaults.items()
+                                              if k != "num_key_value_heads"})
     monkeypatch.setattr(plugins.registry, "get", lambda key: stripped)
     with pytest.raises(ConfigError, match=r"does not set num_key_value_heads and architecture '\w+' declares no default for it; add it to config.json"):
         plan_run(RunConfig(model=None, checkpoint=str(directory), progress=False), plugins)
@@ -79,7 +84,9 @@ def test_config_features_the_decoder_lacks_are_refused_by_name(setting: dict, na
     arch = load_plugins({}).registry.get("ernie4_5")
     with pytest.raises(ConfigError, match=named):
         arch.config_from({**arch.preset, **setting})
-    arch.config_from({**arch.preset, "sliding_window": 64, "use_sliding_window": False, "layer_types": ["full_attention"] * 2})
+    arch.config_from(
+        {**arch.preset, "sliding_window": 64, "use_sliding_window": False, "layer_types": ["full_attention"] * 2}
+    )
 
 
 def test_a_check_config_that_raises_is_one_line_naming_the_package_and_hook() -> None:
@@ -103,7 +110,9 @@ def test_fd_plugins_json_lists_the_architectures() -> None:
     assert done.returncode == 0, done.stderr
     archs = {a["name"]: a for a in json.loads(done.stdout)["architectures"]}
     assert archs["qwen3_vl"] == {
-        "name": "qwen3_vl", "aliases": ["Qwen3VLForConditionalGeneration"], "package": "qwen3_vl", "graph_capable": True,
-        "multimodal": True, "reference": "Qwen3VLForConditionalGeneration", "description": archs["qwen3_vl"]["description"],
+        "name": "qwen3_vl", "aliases": ["Qwen3VLForConditionalGeneration"], "package": "qwen3_vl",
+        "graph_capable": True,
+        "multimodal": True, "reference": "Qwen3VLForConditionalGeneration",
+        "description": archs["qwen3_vl"]["description"],
     }
     assert set(archs) == {"ernie4_5", "ernie4_5_vl", "qwen3_vl"}

@@ -25,9 +25,9 @@ def test_two_launched_nodes_run_the_same_job_as_one_process(tmp_path: Path) -> N
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FD_", "PADDLE_"))}
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "paddle.distributed.launch", "--log_level", "WARNING", "--nnodes", "2", "--nproc_per_node", "1",
-             "--master", f"127.0.0.1:{port}", "--rank", str(rank), "--log_dir", str(tmp_path / f"log{rank}"),
-             fd, "run", "--steps", "5", "--json"],
+            [sys.executable, "-m", "paddle.distributed.launch", "--log_level", "WARNING", "--nnodes", "2",
+             "--nproc_per_node", "1", "--master", f"127.0.0.1:{port}", "--rank", str(rank),
+             "--log_dir", str(tmp_path / f"log{rank}"), fd, "run", "--steps", "5", "--json"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
         )
         for rank in (0, 1)

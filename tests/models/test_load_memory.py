@@ -108,7 +108,8 @@ def test_loading_a_checkpoint_stages_little_beside_the_parameters(tmp_path: Path
     rows, cols, layers, layer_rows = 16384, 2048, 16, 512
     layer = _Big(rows, cols, layers, layer_rows)
     rng = np.random.default_rng(1)
-    state = {name: rng.standard_normal(spec.shape, dtype=np.float32) for name, spec in params.weight_specs(layer).items()}
+    state = {name: rng.standard_normal(spec.shape, dtype=np.float32)
+             for name, spec in params.weight_specs(layer).items()}
     weights.save_checkpoint(tmp_path / "ckpt", {}, state, "bfloat16")
     shards = weights.load_checkpoint(tmp_path / "ckpt", params.weight_specs(layer))
     rose, file_pages = _peak_above(lambda: params.load_weights(layer, shards), "RssFile")

@@ -18,7 +18,3 @@ class TestBuiltinModels(ModelSuite):
     @pytest.fixture(params=ARCHS)
     def architecture_name(self, request: pytest.FixtureRequest) -> str:
         return str(request.param)
-
-    @pytest.fixture
-    def tp2_together(self) -> list[str]:
-        return ARCHS

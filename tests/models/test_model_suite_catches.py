@@ -24,8 +24,9 @@ FAILED = (AssertionError, pytest.fail.Exception)
 
 @pytest.fixture(scope="module")
 def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = make_distribution(tmp_path_factory.mktemp("suite-llama"), "fd-suite-llama", {"fd_suite_llama": PLUGIN, "fd_suite_llama_model": MODEL},
-                   {"fd.models": {"suite_llama": "fd_suite_llama"}})
+    root = make_distribution(tmp_path_factory.mktemp("suite-llama"), "fd-suite-llama",
+                             {"fd_suite_llama": PLUGIN, "fd_suite_llama_model": MODEL},
+                             {"fd.models": {"suite_llama": "fd_suite_llama"}})
     sys.path.insert(0, str(root))
     yield root
     sys.path.remove(str(root))
@@ -58,8 +59,8 @@ def test_a_wrong_rotary_layout_fails_the_reference_check(suite: Any, tmp_path: P
 
 def test_a_missing_all_reduce_fails_the_tp_check(suite: Any) -> None:
     plugins, checks = suite
-    with pytest.raises(AssertionError, match=r"suite_llama_no_reduce: tp=2 \(rank 0, --graph off\) gives"):
-        checks.test_tp2_equals_tp1(*_args(plugins, "suite_llama_no_reduce"), [])
+    with pytest.raises(AssertionError, match=r"suite_llama_no_reduce: tp=2 \(--graph off\) (gives|failed)"):
+        checks.test_tp2_equals_tp1(*_args(plugins, "suite_llama_no_reduce"))
 
 
 def test_a_captured_step_unlike_eager_fails_the_graph_check(suite: Any) -> None:
@@ -83,7 +84,9 @@ def test_a_reload_that_changes_the_weights_fails_the_reload_check(suite: Any) ->
 def test_one_position_for_every_row_fails_the_continuous_batching_check(suite: Any) -> None:
     plugins, checks = suite
     with pytest.raises(AssertionError, match=r"suite_llama_one_position: prompt \[.*\] gives .* when it joins a running batch"):
-        checks.test_sequences_joining_a_running_batch_get_their_alone_tokens(*_args(plugins, "suite_llama_one_position"))
+        checks.test_sequences_joining_a_running_batch_get_their_alone_tokens(
+            *_args(plugins, "suite_llama_one_position")
+        )
 
 
 def test_fd_check_model_names_the_failed_reference_check(package: Path) -> None:
@@ -91,7 +94,8 @@ def test_fd_check_model_names_the_failed_reference_check(package: Path) -> None:
     assert done.returncode == 1, done.stderr
     report = json.loads(done.stdout)
     rows = {r["check"]: r for r in report["checks"]}
-    assert report["model"] == "suite_llama_bad_rope" and rows["test_reference_greedy_tokens[preset]"]["outcome"] == "failed"
+    assert (report["model"] == "suite_llama_bad_rope"
+            and rows["test_reference_greedy_tokens[preset]"]["outcome"] == "failed")
     assert "transformers' LlamaForCausalLM" in rows["test_reference_greedy_tokens[preset]"]["detail"]
 
 
@@ -102,5 +106,6 @@ def test_without_transformers_the_reference_is_not_verified_never_passed(package
     done = run_fd(["check", "--model", "suite_llama", "-k", "reference"], Path(path), timeout=300)
     assert done.returncode == 3, done.stdout + done.stderr
     assert "skipped  test_reference_greedy_tokens[preset]" in done.stdout and "not verified:" in done.stdout
-    allowed = run_fd(["check", "--model", "suite_llama", "-k", "reference", "--allow-unverified", "--json"], Path(path), timeout=300)
+    allowed = run_fd(["check", "--model", "suite_llama", "-k", "reference", "--allow-unverified", "--json"], Path(path),
+                     timeout=300)
     assert allowed.returncode == 0 and json.loads(allowed.stdout)["counts"]["passed"] == 0

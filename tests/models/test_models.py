@@ -183,7 +183,8 @@ def test_decode_writes_the_cache_in_place(kit) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tp_rank", [0, 1])
 def test_checkpoint_pieces_fill_the_parameters_exactly(kit, tmp_path, monkeypatch, dtype: str, tp_rank: int) -> None:
-    """Pieces of a few rows each (read with pread, widened from bfloat16) fill every shard as one whole read does, after a release too."""
+    """Pieces of a few rows each (read with pread, widened from bfloat16) fill every shard as one whole
+    read does, after a release too."""
     import paddle
 
     from fd_core.runtime import weights
@@ -203,7 +204,8 @@ def test_checkpoint_pieces_fill_the_parameters_exactly(kit, tmp_path, monkeypatc
     for name, param in model.named_parameters():
         if hasattr(param, "fd_spec") and len(param.shape) > 1:
             want = shards[name]
-            np.testing.assert_array_equal(param.numpy(), want.numpy() if isinstance(want, paddle.Tensor) else want, err_msg=name)
+            np.testing.assert_array_equal(param.numpy(), want.numpy() if isinstance(want, paddle.Tensor) else want,
+                                          err_msg=name)
         elif hasattr(param, "fd_columns"):  # [out, in] shards transposed side by side (the fused feed-forward)
             prefix = name.rsplit(".", 1)[0] + "."
             parts = [shards[prefix + part] for part, _ in param.fd_columns]

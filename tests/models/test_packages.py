@@ -1,4 +1,5 @@
-"""Package-level rules: registration, Hugging-Face weight names and split axes, no paddle at plugin import, no direct comm."""
+"""Package-level rules: registration, Hugging-Face weight names and split axes,
+no paddle at plugin import, no direct comm."""
 
 from __future__ import annotations
 
@@ -47,8 +48,10 @@ def test_presets_put_vision_keys_in_extra(vl_arch) -> None:
         ("ernie4_5_vl", "model.vision_model.blocks.1.attn.qkv.weight", None),
         ("ernie4_5_vl", "model.resampler_model.spatial_linear.0.weight", None),
         ("ernie4_5_vl", "model.layers.0.mlp.gate_proj.weight", 0),  # the dense first layer
-        ("ernie4_5_vl", "model.layers.1.mlp.experts.0.gate_proj.weight", 0),  # a text expert: split by its intermediate rows
-        ("ernie4_5_vl", "model.layers.1.mlp.experts.7.down_proj.weight", 1),  # a vision expert: by its intermediate columns
+        # a text expert: split by its intermediate rows
+        ("ernie4_5_vl", "model.layers.1.mlp.experts.0.gate_proj.weight", 0),
+        # a vision expert: by its intermediate columns
+        ("ernie4_5_vl", "model.layers.1.mlp.experts.7.down_proj.weight", 1),
         ("ernie4_5_vl", "model.layers.2.mlp.shared_experts.up_proj.weight", 0),
         ("ernie4_5_vl", "model.layers.2.mlp.gate.weight_1", None),  # the vision router, replicated
         ("ernie4_5_vl", "model.layers.2.mlp.moe_statics.e_score_correction_bias", None),

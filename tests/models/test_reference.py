@@ -230,17 +230,18 @@ def _fd_rank_result(case: Case, graph: str) -> tuple[list[int], np.ndarray, bool
     first-step logits (the model's prefill on the planned pictures), whether a graph was captured."""
     from fd_core.host.loading import load_plugins
     from fd_core.runtime.plan import RunConfig, plan_run
-    from fd_core.runtime.ranks.worker import RankWorker
+    from fd_core.runtime.session import Session
 
     run = RunConfig(model=None, tp=1, steps=STEPS, prompt_ids=tuple(case.prompt), checkpoint=str(case.directory),
                     images=tuple(map(str, case.images)), graph=graph, progress=False)
     plugins = load_plugins({})
     plan = plan_run(run, plugins)
-    worker = RankWorker.start(plan, plugins=plugins)
-    model, decision = worker.runner.model, worker.runner.decision
-    assert model is not None and decision is not None
-    tokens = worker.generate(plan.request)[0].token_ids
-    logits = model.prefill(np.asarray([case.prompt]), list(plan.request.images) or None).numpy()[0]
+    with Session(plan, plugins) as session:  # what `fd run --tp 1` runs
+        assert session.worker is not None
+        model, decision = session.worker.runner.model, session.worker.runner.decision
+        assert model is not None and decision is not None
+        tokens = session.generate(plan.request)[0].token_ids
+        logits = model.prefill(np.asarray([case.prompt]), list(plan.request.images) or None).numpy()[0]
     return tokens, logits, decision.allowed
 
 
@@ -298,8 +299,9 @@ def test_fd_run_matches_the_reference(cases: dict[str, Case], cli_runs: dict[tup
 @pytest.mark.parametrize(("model", "seed"), [("ernie4_5", 4), ("qwen3_vl", 1)])
 def test_save_random_writes_what_transformers_loads(tmp_path: Path, model: str, seed: int) -> None:
     """`fd save-random` writes the published layout: transformers reads it and generates fd's tokens."""
+    from fd_core.host.loading import load_plugins
+    from fd_core.runtime.job import run_plan
     from fd_core.runtime.plan import RunConfig, plan_run
-    from fd_core.runtime.ranks.launch import run_rank
     from fd_core.runtime.save_random import save_random_checkpoint
 
     directory = save_random_checkpoint(model, str(tmp_path / model), seed=seed, dtype="bfloat16")
@@ -307,5 +309,7 @@ def test_save_random_writes_what_transformers_loads(tmp_path: Path, model: str, 
     reference = getattr(transformers, config["architectures"][0]).from_pretrained(str(directory), dtype=torch.float32).eval()
     tokens, _, margin = _reference(reference, PROMPT, None)
     assert margin > MIN_MARGIN, f"{model}: top-2 logits {margin:.2e} apart; choose another seed"
-    ours = run_rank(plan_run(RunConfig(model=None, tp=1, steps=STEPS, prompt_ids=tuple(PROMPT), checkpoint=str(directory), progress=False)))
+    plugins = load_plugins()
+    ours = run_plan(plan_run(RunConfig(model=None, tp=1, steps=STEPS, prompt_ids=tuple(PROMPT), checkpoint=str(directory), progress=False),
+                             plugins), plugins)[0]
     assert ours["tokens"] == tokens

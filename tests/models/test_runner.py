@@ -67,7 +67,8 @@ def test_reload_clears_graphs_before_releasing_weights_and_keeps_the_output(arch
         runner.reload()
         # The engine captures again on its next batch: the graph state was cleared where it is kept.
         assert engine.generate(request)[0].token_ids == first
-        assert order.calls == ["clear_graphs", "release_weights", "clean(None)", "load_weights", "clean(state)", "capture"]
+        assert order.calls == ["clear_graphs", "release_weights", "clean(None)", "load_weights",
+                               "clean(state)", "capture"]
 
 
 def test_unknown_architecture_lists_the_registered_ones() -> None:
@@ -80,7 +81,8 @@ def test_unknown_architecture_lists_the_registered_ones() -> None:
 def test_tp_must_divide_every_sharded_dimension() -> None:
     from fd_core.errors import ConfigError
 
-    config = ModelConfig(architecture="x", num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=512)
+    config = ModelConfig(architecture="x", num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                         vocab_size=512)
     config.check_tensor_parallel(2)
     with pytest.raises(ConfigError, match=r"tp=4 does not divide num_key_value_heads=2 of x; choose a tp that divides each of them"):
         config.check_tensor_parallel(4)

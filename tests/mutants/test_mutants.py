@@ -45,7 +45,8 @@ def _check(name: str, root: Path) -> dict[str, Any]:
         report = {"checks": [], "verdict": f"no JSON: {done.stderr.strip()[-500:]}"}
     result = {"code": done.returncode, "report": report, "stderr": done.stderr, "seconds": time.monotonic() - begin}
     # The run's own guards: at tp=2 the mutant either stops the run or gives the tokens the cpu platform gives.
-    ran = run_fd(["run", "--tp", "2", "--steps", "6", "--json"], path=Path(f"{PLATFORMS}:{dist}"), env={"FD_PLATFORM": name}, timeout=300)
+    ran = run_fd(["run", "--tp", "2", "--steps", "6", "--json"], path=Path(f"{PLATFORMS}:{dist}"),
+                 env={"FD_PLATFORM": name}, timeout=300)
     result["run"] = {"code": ran.returncode, "stdout": ran.stdout, "error": ran.stderr.strip().splitlines()[-1:] }
     return result
 

@@ -11,10 +11,12 @@ from typing import Any, Callable
 
 
 class Recorder:
-    """Callable that checks each call against `real`'s signature, records it, and returns `result` (or its first argument)."""
+    """Callable that checks each call against `real`'s signature, records it,
+    and returns `result` (or its first argument)."""
 
     def __init__(
-        self, name: str, log: list[tuple[str, tuple[Any, ...], dict[str, Any]]], result: Any = "first-arg", *, real: Callable[..., Any]
+        self, name: str, log: list[tuple[str, tuple[Any, ...], dict[str, Any]]], result: Any = "first-arg", *,
+        real: Callable[..., Any]
     ) -> None:
         self.name, self.log, self.result = name, log, result
         self.signature = inspect.signature(real)
@@ -27,7 +29,9 @@ class Recorder:
         return self.result
 
 
-def substitute(monkeypatch: Any, owner: Any, name: str, log: list, result: Any = "first-arg", label: str | None = None) -> Recorder:
+def substitute(
+    monkeypatch: Any, owner: Any, name: str, log: list, result: Any = "first-arg", label: str | None = None,
+) -> Recorder:
     """Replace `owner.name` by a Recorder bound to the real `owner.name`, logging calls as `label` (default: `name`)."""
     recorder = Recorder(label or name, log, result, real=getattr(owner, name))
     monkeypatch.setattr(owner, name, recorder)

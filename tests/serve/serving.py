@@ -82,8 +82,8 @@ def left_over(marker: str, wait: float = 3.0) -> list[int]:
     return leftovers.left_over(MARKER, marker, wait)
 
 
-def start_server(args: Sequence[str], site: Path | None = None, env: Mapping[str, str] | None = None, timeout: float = 120,
-                 until: re.Pattern[str] | None = None) -> Served:
+def start_server(args: Sequence[str], site: Path | None = None, env: Mapping[str, str] | None = None,
+                 timeout: float = 120, until: re.Pattern[str] | None = None) -> Served:
     """`fd serve ARGS --port 0` as a user starts it; returns once it prints its address, or a line matching `until`
     (fails with its stderr if it exits first)."""
     marker = uuid.uuid4().hex
@@ -91,9 +91,9 @@ def start_server(args: Sequence[str], site: Path | None = None, env: Mapping[str
     if site is not None:
         full["PYTHONPATH"] = os.pathsep.join([str(site), full.get("PYTHONPATH", "")])
     full.update({MARKER: marker, **(env or {})})
-    process = subprocess.Popen([sys.executable, "-m", "fd_core.cli", "serve", *args, "--port", "0"], stdin=subprocess.DEVNULL,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full,
-                               start_new_session=True)  # its own process group, as a terminal gives a command
+    process = subprocess.Popen([sys.executable, "-m", "fd_core.cli", "serve", *args, "--port", "0"],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env=full, start_new_session=True)  # its own process group, as a terminal gives a command
     served = Served(process, "", marker)
     found = threading.Event()
 

@@ -11,9 +11,12 @@ import pytest
 from fd_core import cli
 
 
-def test_without_the_serve_extra_fd_serve_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_without_the_serve_extra_fd_serve_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("fastapi", "uvicorn") else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("fastapi", "uvicorn") else real(name, *a))
     assert cli.main(["serve"]) == 2
     err = capsys.readouterr().err
     assert err == "fd: error: fd serve needs the serve extra (fastapi and uvicorn not installed): pip install 'fd-backends[serve]' (in a checkout: pip install '.[serve]')\n"
@@ -28,5 +31,6 @@ def test_a_taken_port_is_one_line_before_the_model_loads(capsys: pytest.CaptureF
         start = time.monotonic()
         assert cli.main(["serve", "--port", str(port)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"fd: error: cannot listen on 127.0.0.1:{port} (") and err[-1].endswith("choose another --port or --host")
+    assert (err[-1].startswith(f"fd: error: cannot listen on 127.0.0.1:{port} (")
+            and err[-1].endswith("choose another --port or --host"))
     assert not any("loading" in line for line in err) and time.monotonic() - start < 5

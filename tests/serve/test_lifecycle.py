@@ -22,7 +22,9 @@ LONG = 3000  # new tokens: far more than a test waits for, so that only a cancel
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Served]:
-    served = start_server(["--tp", "2", "--max-queue", "3", "--api-key", KEY, "--shutdown-timeout", "3", "--rank-timeout", "5"])
+    served = start_server(
+        ["--tp", "2", "--max-queue", "3", "--api-key", KEY, "--shutdown-timeout", "3", "--rank-timeout", "5"]
+    )
     yield served
     if served.process.poll() is None:  # the SIGTERM test ends it; a failure before it must not leak the server
         served.stop(signal.SIGKILL)
@@ -41,8 +43,9 @@ def idle(served: Served) -> bool:
 def open_stream(served: Served, max_tokens: int = LONG) -> tuple[Any, Any]:
     """A streaming completion whose headers have arrived; (client, response) to read or close."""
     client = httpx.Client(base_url=served.url, headers=AUTH, timeout=60)
-    request = client.build_request("POST", "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": max_tokens, "stream": True,
-                                                                     "ignore_eos": True})
+    request = client.build_request("POST", "/v1/completions",
+                                   json={"prompt": "Once upon a time", "max_tokens": max_tokens, "stream": True,
+                                         "ignore_eos": True})
     response = client.send(request, stream=True)
     assert response.status_code == 200, response.read()
     return client, response
@@ -51,7 +54,8 @@ def open_stream(served: Served, max_tokens: int = LONG) -> tuple[Any, Any]:
 def test_the_readme_command_serves_the_tiny_model_behind_its_key(server: Served) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
     assert [m.id for m in client.models.list().data] == ["ernie4_5-tiny"]
-    reply = client.chat.completions.create(model="ernie4_5-tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=8)
+    reply = client.chat.completions.create(model="ernie4_5-tiny", messages=[{"role": "user", "content": "Hello"}],
+                                           max_tokens=8)
     assert reply.usage.completion_tokens >= 1 and reply.choices[0].finish_reason in ("stop", "length")
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi"}, headers=headers)
@@ -78,17 +82,20 @@ def test_a_client_that_disconnects_mid_stream_is_cancelled(server: Served) -> No
 def test_a_client_that_gives_up_on_a_whole_answer_is_cancelled_too(server: Served) -> None:
     cancelled = metric(metrics(server), "fd_requests_cancelled_total")
     with pytest.raises(httpx.ReadTimeout):  # it waits a second for 3000 tokens, then closes the connection
-        httpx.post(f"{server.url}/v1/completions", json={"prompt": "Once", "max_tokens": LONG, "ignore_eos": True}, headers=AUTH, timeout=1.0)
+        httpx.post(f"{server.url}/v1/completions", json={"prompt": "Once", "max_tokens": LONG, "ignore_eos": True},
+                   headers=AUTH, timeout=1.0)
     wait_for(lambda: idle(server), 10, "the engine dropping the abandoned request")
     assert metric(metrics(server), "fd_requests_cancelled_total") == cancelled + 1
-    wait_for(lambda: "the client went away before its answer" in server.stderr, 5, "the log line of the abandoned request")
+    wait_for(lambda: "the client went away before its answer" in server.stderr, 5,
+             "the log line of the abandoned request")
 
 
 def test_a_full_queue_answers_503_with_retry_after(server: Served) -> None:
     streams = [open_stream(server) for _ in range(3)]
     try:
         wait_for(lambda: metric(metrics(server), "fd_queue_length") == 3, 10, "three requests admitted")
-        full = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, headers=AUTH, timeout=60)
+        full = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, headers=AUTH,
+                          timeout=60)
         assert full.status_code == 503 and full.headers["retry-after"] == "1", full.text
         assert full.json()["error"]["code"] == "queue_full" and "--max-queue 3" in full.json()["error"]["message"]
     finally:
@@ -102,13 +109,15 @@ def test_sigterm_under_load_drains_cancels_and_exits_143_leaving_nothing(server:
     outcomes: dict[str, Any] = {}
 
     def short() -> None:
-        reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 32, "ignore_eos": True}, headers=AUTH, timeout=60)
+        reply = httpx.post(f"{server.url}/v1/completions",
+                           json={"prompt": "Hello", "max_tokens": 32, "ignore_eos": True}, headers=AUTH, timeout=60)
         outcomes["short"] = reply.status_code
 
     def long(name: str) -> None:
         try:
             with httpx.stream("POST", f"{server.url}/v1/completions", headers=AUTH, timeout=60,
-                              json={"prompt": "Once", "max_tokens": LONG, "stream": True, "ignore_eos": True}) as response:
+                              json={"prompt": "Once", "max_tokens": LONG, "stream": True,
+                                    "ignore_eos": True}) as response:
                 outcomes[name] = [line for line in response.iter_lines() if line]
         except httpx.HTTPError as exc:  # the connection closed under it: also an end, not a hang
             outcomes[name] = exc
@@ -134,7 +143,9 @@ def test_sigterm_under_load_drains_cancels_and_exits_143_leaving_nothing(server:
     assert outcomes["short"] == 200, server.stderr  # finished within the bound
     for name in ("long0", "long1"):  # cancelled at the bound: the stream ended without [DONE]
         events = outcomes[name]
-        assert not isinstance(events, list) or (events[-1:] != ["data: [DONE]"] and "ran past --shutdown-timeout 3 s" in events[-1]), events[-3:]
+        assert not isinstance(events, list) or (
+            events[-1:] != ["data: [DONE]"] and "ran past --shutdown-timeout 3 s" in events[-1]
+        ), events[-3:]
     assert "cancelling 2 generation(s) still running after 3 s" in server.stderr
     assert "Traceback" not in server.stderr, server.stderr
     assert left_over(server.marker) == []

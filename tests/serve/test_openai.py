@@ -41,8 +41,11 @@ def oracle(checkpoint: Path) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def server(request: pytest.FixtureRequest, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    site = make_distribution(tmp_path_factory.mktemp("site"), "fd-serve-gate", {"serve_gate": GATE}, {"fd.plugins": {"serve_gate": "serve_gate"}})
+def server(
+    request: pytest.FixtureRequest, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Served]:
+    site = make_distribution(tmp_path_factory.mktemp("site"), "fd-serve-gate", {"serve_gate": GATE},
+                             {"fd.plugins": {"serve_gate": "serve_gate"}})
     served = start_server(["--checkpoint", str(checkpoint), "--tp", str(request.param), "--max-queue", "32"], site=site)
     yield served
     finish(served, interrupt=request.param == 2)  # tp=2 ends as Ctrl-C ends it: SIGINT to the server and its ranks
@@ -67,8 +70,10 @@ def test_models_health_and_metrics_answer(server: Served, client: openai.OpenAI)
     after = httpx.get(f"{server.url}/metrics").text
     assert reply.usage.completion_tokens == 9
     assert metric(after, "fd_generation_tokens_total") - metric(before, "fd_generation_tokens_total") == 9
-    assert metric(after, "fd_prompt_tokens_total") - metric(before, "fd_prompt_tokens_total") == reply.usage.prompt_tokens
-    assert metric(after, "fd_time_to_first_token_seconds_count") - metric(before, "fd_time_to_first_token_seconds_count") == 1
+    assert (metric(after, "fd_prompt_tokens_total") - metric(before, "fd_prompt_tokens_total")
+            == reply.usage.prompt_tokens)
+    assert (metric(after, "fd_time_to_first_token_seconds_count")
+            - metric(before, "fd_time_to_first_token_seconds_count") == 1)
     assert metric(after, "fd_decode_tokens_total") - metric(before, "fd_decode_tokens_total") == 8
     assert metric(after, "fd_decode_tokens_per_second") > 0
     assert 'fd_requests_total{endpoint="/v1/completions",status="200"}' in after
@@ -83,47 +88,63 @@ def test_completions_equal_the_engine_alone(client: openai.OpenAI, oracle: Any) 
         assert got.choices[0].text == want.text
         assert got.choices[0].finish_reason == {"eos": "stop", "stop": "stop", "length": "length"}[want.finish_reason]
         assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(want.prompt_ids), len(want.token_ids))
-    assert reasons == {"eos", "length"}  # both mappings were seen ("Hello world" meets the end-of-sequence id at its 7th token)
+    # both mappings were seen ("Hello world" meets the end-of-sequence id at its 7th token)
+    assert reasons == {"eos", "length"}
     # Token ids in, and several prompts in one request (one choice each, in order).
     ids = oracle.tokenizer.encode("Hello world")
-    assert client.completions.create(model="tiny", prompt=ids, max_tokens=6).choices[0].text == expected(oracle, ids, max_new_tokens=6).text
+    assert (client.completions.create(model="tiny", prompt=ids, max_tokens=6).choices[0].text
+            == expected(oracle, ids, max_new_tokens=6).text)
     many = client.completions.create(model="tiny", prompt=PROMPTS[3:5], max_tokens=7)
-    assert [c.text for c in sorted(many.choices, key=lambda c: c.index)] == [expected(oracle, p, max_new_tokens=7).text for p in PROMPTS[3:5]]
+    assert [c.text for c in sorted(many.choices, key=lambda c: c.index)] == [
+        expected(oracle, p, max_new_tokens=7).text for p in PROMPTS[3:5]
+    ]
 
 
 def test_chat_goes_through_the_chat_template(client: openai.OpenAI, oracle: Any, checkpoint: Path) -> None:
     want = expected(oracle, "Say hello", chat=True, max_new_tokens=10)
-    got = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hello"}], max_tokens=10)
+    got = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hello"}],
+                                         max_tokens=10)
     assert got.choices[0].message.role == "assistant" and got.choices[0].message.content == want.text
     assert got.usage.prompt_tokens == len(want.prompt_ids)
     # A conversation: rendered here with jinja2 from the checkpoint's template, as an independent reading of it.
     import jinja2
 
     template = json.loads((checkpoint / "tokenizer_config.json").read_text())["chat_template"]
-    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
-             {"role": "user", "content": "Count"}]
-    rendered = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(template).render(messages=turns, add_generation_prompt=True,
-                                                                                                        bos_token="<s>")
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Count"}]
+    rendered = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(template).render(
+        messages=turns, add_generation_prompt=True, bos_token="<s>")
     ids = oracle.tokenizer.encode(rendered, add_special_tokens=False)
     got = client.chat.completions.create(model="tiny", messages=turns, max_tokens=9)  # type: ignore[arg-type]
     assert got.usage.prompt_tokens == len(ids)
     assert got.choices[0].message.content == expected(oracle, ids, max_new_tokens=9).text
 
 
-def test_streaming_sends_the_same_text_in_openai_chunks_ending_with_done(server: Served, client: openai.OpenAI, oracle: Any) -> None:
+def test_streaming_sends_the_same_text_in_openai_chunks_ending_with_done(
+    server: Served, client: openai.OpenAI, oracle: Any,
+) -> None:
     want = expected(oracle, PROMPTS[5], max_new_tokens=24)
-    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[5], max_tokens=24, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(model="tiny", prompt=PROMPTS[5], max_tokens=24, stream=True,
+                                  stream_options={"include_usage": True})
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
-    assert len([c for c in chunks if c.choices and c.choices[0].text]) > 1  # piece by piece, not the whole text at the end
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == {"eos": "stop", "stop": "stop", "length": "length"}[want.finish_reason]
+    # piece by piece, not the whole text at the end
+    assert len([c for c in chunks if c.choices and c.choices[0].text]) > 1
+    assert ([c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            == {"eos": "stop", "stop": "stop", "length": "length"}[want.finish_reason])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
     chat_want = expected(oracle, "Tell a story", chat=True, max_new_tokens=16)
-    deltas = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Tell a story"}], max_tokens=16, stream=True))
+    deltas = list(
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Tell a story"}],
+                                       max_tokens=16, stream=True)
+    )
     assert deltas[0].choices[0].delta.role == "assistant"
     assert "".join(d.choices[0].delta.content or "" for d in deltas) == chat_want.text
     assert deltas[-1].choices[0].finish_reason is not None
     # On the wire: server-sent events, each `data: {json}`, the last `data: [DONE]`.
-    with httpx.stream("POST", f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "stream": True}, timeout=60) as raw:
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "stream": True},
+                      timeout=60) as raw:
         assert raw.headers["content-type"].startswith("text/event-stream")
         events = [line for line in raw.iter_lines() if line]
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: {") for e in events[:-1])
@@ -142,13 +163,17 @@ def test_a_stop_string_cuts_the_text_before_it(client: openai.OpenAI, oracle: An
 
 def test_a_seed_gives_the_same_sample_and_another_seed_another(client: openai.OpenAI, oracle: Any) -> None:
     def sample(seed: int) -> str:
-        return client.completions.create(model="tiny", prompt="Once", max_tokens=16, temperature=1.0, top_p=0.95, seed=seed).choices[0].text or ""
+        return client.completions.create(model="tiny", prompt="Once", max_tokens=16, temperature=1.0, top_p=0.95,
+                                         seed=seed).choices[0].text or ""
 
     first = sample(7)
     assert first == sample(7) == expected(oracle, "Once", max_new_tokens=16, temperature=1.0, top_p=0.95, seed=7).text
     assert any(sample(seed) != first for seed in (8, 9))
     # Without a seed each request draws anew, as OpenAI's API does (not seed 0 every time).
-    unseeded = {client.completions.create(model="tiny", prompt="Once", max_tokens=16, temperature=1.0).choices[0].text for _ in range(3)}
+    unseeded = {
+        client.completions.create(model="tiny", prompt="Once", max_tokens=16, temperature=1.0).choices[0].text
+        for _ in range(3)
+    }
     assert len(unseeded) > 1
 
 
@@ -160,7 +185,9 @@ def test_sixteen_concurrent_clients_get_their_sequential_outputs(server: Served,
         prompt, tokens, stream = job
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
         if stream:
-            return "".join(c.choices[0].text for c in client.completions.create(model="tiny", prompt=prompt, max_tokens=tokens, stream=True))
+            return "".join(c.choices[0].text
+                           for c in client.completions.create(model="tiny", prompt=prompt, max_tokens=tokens,
+                                                              stream=True))
         return client.completions.create(model="tiny", prompt=prompt, max_tokens=tokens).choices[0].text
 
     with ThreadPoolExecutor(16) as pool:
@@ -177,10 +204,14 @@ def openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
     return dict(body["error"])
 
 
-def test_errors_come_in_the_openai_format_with_one_log_line_each(server: Served, client: openai.OpenAI, oracle: Any) -> None:
+def test_errors_come_in_the_openai_format_with_one_log_line_each(
+    server: Served, client: openai.OpenAI, oracle: Any,
+) -> None:
     url = f"{server.url}/v1/completions"
     logged = len([line for line in server.lines if line.startswith("fd serve: 4")])
-    assert "not valid JSON" in openai_error(httpx.post(url, content=b'{"prompt": "Hi",', headers={"content-type": "application/json"}), 400)["message"]
+    assert "not valid JSON" in openai_error(
+        httpx.post(url, content=b'{"prompt": "Hi",', headers={"content-type": "application/json"}), 400
+    )["message"]
     wrong = openai_error(httpx.post(url, json={"prompt": "Hi", "max_tokens": "many"}), 400)
     assert wrong["param"] == "max_tokens"
     assert openai_error(httpx.post(url, json={"max_tokens": 3}), 400)["param"] == "prompt"

@@ -4,7 +4,6 @@ a VL model (the tiny Qwen3-VL with a trained tokenizer) and answers what the Pyt
 from __future__ import annotations
 
 import base64
-import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -12,10 +11,8 @@ import numpy as np
 import pytest
 
 from fd_core.runtime.engine.sampling import SamplingParams
+from kit import text_checkpoint  # the tokenizers tests/text trains
 from serving import Served, finish, start_server
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "text"))  # kit: the tokenizers tests/text trains
-from kit import text_checkpoint  # noqa: E402
 
 openai = pytest.importorskip("openai", reason="the serve tests use the official openai client (pip install -e '.[cpu,test]')")
 
@@ -39,12 +36,16 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, picture: tuple[Path, np.ndarray]) -> Iterator[Served]:
-    served = start_server(["--checkpoint", str(checkpoint), "--tp", "1", "--name", "vl", "--image-root", str(picture[0].parent)])
+    served = start_server(
+        ["--checkpoint", str(checkpoint), "--tp", "1", "--name", "vl", "--image-root", str(picture[0].parent)]
+    )
     yield served
     finish(served)
 
 
-def test_a_picture_in_a_chat_message_answers_as_the_engine_alone(server: Served, checkpoint: Path, picture: tuple[Path, np.ndarray]) -> None:
+def test_a_picture_in_a_chat_message_answers_as_the_engine_alone(
+    server: Served, checkpoint: Path, picture: tuple[Path, np.ndarray],
+) -> None:
     from fd_core.runtime import LLM
 
     path, pixels = picture

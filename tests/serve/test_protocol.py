@@ -1,4 +1,5 @@
-"""The request side of `fd serve` without a server: pictures from data URLs and from the directories the server may read."""
+"""The request side of `fd serve` without a server: pictures from data URLs and from the
+directories the server may read."""
 
 from __future__ import annotations
 

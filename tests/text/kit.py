@@ -1,4 +1,5 @@
-"""Tiny tokenizers trained here (no download) and saved into checkpoint directories, as the published models lay them out.
+"""Tiny tokenizers trained here (no download) and saved into checkpoint directories,
+as the published models lay them out.
 
 Not a conftest.py: tests/failures imports its own `conftest` by name. Test modules import the fixtures from here.
 """
@@ -24,7 +25,8 @@ CORPUS = [
     "A model reads a prompt and writes a continuation.",
 ]
 # Texts the tests encode: some seen in training, some not (unknown characters fall back to bytes).
-SAMPLES = ["Hello world", "Café crème, naïve", "日本語とテキスト", "Привет мир 🙂", "unseen Ωmega ∑ text ✓", "  leading and trailing  "]
+SAMPLES = ["Hello world", "Café crème, naïve", "日本語とテキスト", "Привет мир 🙂", "unseen Ωmega ∑ text ✓",
+           "  leading and trailing  "]
 
 # A Qwen-style chat template with image parts (what Qwen3-VL's chat_template.json does for a user turn).
 QWEN_CHAT = (
@@ -51,7 +53,8 @@ def bpe_tokenizer(directory: Path, vocab_size: int = 400) -> dict[str, int]:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
     tokenizer.train_from_iterator(CORPUS * 4, trainer)
     tokenizer.add_special_tokens(QWEN_SPECIALS)
     directory.mkdir(parents=True, exist_ok=True)
@@ -60,22 +63,27 @@ def bpe_tokenizer(directory: Path, vocab_size: int = 400) -> dict[str, int]:
     config = {
         "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
         "unk_token": None, "clean_up_tokenization_spaces": False, "chat_template": QWEN_CHAT,
-        "added_tokens_decoder": {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False, "single_word": False} for t, i in ids.items()},
+        "added_tokens_decoder": {
+            str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False, "normalized": False,
+                     "single_word": False} for t, i in ids.items()
+        },
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return ids
 
 
 def sentencepiece_tokenizer(directory: Path, vocab_size: int = 420, add_bos: bool = False) -> dict[str, int]:
-    """A SentencePiece tokenizer.model (ERNIE style: <unk> <s> </s>, byte fallback) with its JSON files; returns special ids."""
+    """A SentencePiece tokenizer.model (ERNIE style: <unk> <s> </s>, byte fallback) with its JSON
+    files; returns special ids."""
     import io
 
     import sentencepiece
 
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS * 4), model_writer=model, vocab_size=vocab_size, model_type="bpe", byte_fallback=True,
-        character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, user_defined_symbols=["<|begin_of_sentence|>", "<mask:0>"],
+        sentence_iterator=iter(CORPUS * 4), model_writer=model, vocab_size=vocab_size, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        user_defined_symbols=["<|begin_of_sentence|>", "<mask:0>"],
         minloglevel=2,
     )
     directory.mkdir(parents=True, exist_ok=True)

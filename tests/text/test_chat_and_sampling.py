@@ -21,7 +21,9 @@ MESSAGES = ["Hello there", "Café 🙂 日本語"]
 
 
 @pytest.mark.parametrize(("kind", "images"), [("bpe", 0), ("bpe", 2), ("sp", 0)])
-def test_chat_template_renders_and_tokenizes_as_transformers(tokenizer_dirs: dict[str, Path], transformers_tokenizer, kind: str, images: int) -> None:
+def test_chat_template_renders_and_tokenizes_as_transformers(
+    tokenizer_dirs: dict[str, Path], transformers_tokenizer, kind: str, images: int,
+) -> None:
     directory = tokenizer_dirs[kind]
     ours, reference = load_tokenizer(directory), transformers_tokenizer(directory)
     for text in MESSAGES:
@@ -35,7 +37,9 @@ def test_chat_template_renders_and_tokenizes_as_transformers(tokenizer_dirs: dic
 
 def test_templates_are_found_where_transformers_saves_them(tmp_path: Path) -> None:
     assert load_chat_template(tmp_path) is None
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "default", "template": "A"}, {"name": "tool_use", "template": "B"}]}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": [{"name": "default", "template": "A"}, {"name": "tool_use", "template": "B"}]})
+    )
     assert load_chat_template(tmp_path) == "A"
     (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "C"}))
     assert load_chat_template(tmp_path) == "C"
@@ -74,7 +78,8 @@ def test_greedy_is_argmax_and_sampling_is_seeded() -> None:
 
 
 def test_sampling_settings_are_checked() -> None:
-    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1}, {"max_new_tokens": 0}, {"stop": ("",)}):
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1}, {"max_new_tokens": 0},
+                {"stop": ("",)}):
         with pytest.raises(ConfigError):
             SamplingParams(**bad)  # type: ignore[arg-type]
 
@@ -82,5 +87,6 @@ def test_sampling_settings_are_checked() -> None:
 def test_generation_config_defaults_apply_only_where_not_given() -> None:
     defaults = {"do_sample": True, "temperature": 0.8, "top_p": 0.9}
     assert SamplingParams().with_defaults(defaults, ()).temperature == 0.8
-    assert SamplingParams(temperature=0.5).with_defaults(defaults, ("temperature",)) == SamplingParams(temperature=0.5, top_p=0.9)
+    assert (SamplingParams(temperature=0.5).with_defaults(defaults, ("temperature",))
+            == SamplingParams(temperature=0.5, top_p=0.9))
     assert SamplingParams().with_defaults({**defaults, "do_sample": False}, ()) == SamplingParams()

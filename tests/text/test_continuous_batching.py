@@ -61,7 +61,9 @@ def _step(engine: Engine, done: dict[int, Completion], held: dict[int, set[int]]
 @pytest.mark.parametrize(("model", "graph"), [("ernie4_5", "off"), ("ernie4_5", "on"), ("qwen3_vl", "off")])
 def test_sequences_joining_a_running_batch_get_their_alone_tokens(plugins: PluginSet, model: str, graph: str) -> None:
     engine = _engine(plugins, model, graph, max_batch=4)
-    alone = [engine.generate(Request((tuple(j.prompt),), j.sampling))[0].token_ids for j in map(_job, range(len(PROMPTS)))]
+    alone = [
+        engine.generate(Request((tuple(j.prompt),), j.sampling))[0].token_ids for j in map(_job, range(len(PROMPTS)))
+    ]
     done: dict[int, Completion] = {}
     held: dict[int, set[int]] = {}
     # Two at once (a padded prefill into a fresh cache), one more a step later (the cache grows while they decode),
@@ -80,7 +82,8 @@ def test_sequences_joining_a_running_batch_get_their_alone_tokens(plugins: Plugi
 
 def test_a_cancelled_sequence_frees_its_slot_and_the_others_go_on(plugins: PluginSet) -> None:
     engine = _engine(plugins, "ernie4_5", "off", max_batch=2)
-    long, other, later = (Job(k, tuple(PROMPTS[i]), SamplingParams(max_new_tokens=n, ignore_eos=True)) for k, i, n in ((0, 0, 30), (1, 2, 12), (2, 4, 8)))
+    long, other, later = (Job(k, tuple(PROMPTS[i]), SamplingParams(max_new_tokens=n, ignore_eos=True))
+                          for k, i, n in ((0, 0, 30), (1, 2, 12), (2, 4, 8)))
     alone = {j.key: engine.generate(Request((j.prompt,), j.sampling))[0].token_ids for j in (long, other, later)}
     done: dict[int, Completion] = {}
     held: dict[int, set[int]] = {}
@@ -93,7 +96,8 @@ def test_a_cancelled_sequence_frees_its_slot_and_the_others_go_on(plugins: Plugi
     engine.add(later)  # waits for a slot: both are taken until the cancel retires one
     _step(engine, done, held)
     cut = done[long.key]
-    assert cut.finish_reason == "cancelled" and 0 < len(cut.token_ids) < 30 and cut.token_ids == alone[long.key][: len(cut.token_ids)]
+    assert (cut.finish_reason == "cancelled" and 0 < len(cut.token_ids) < 30
+            and cut.token_ids == alone[long.key][: len(cut.token_ids)])
     assert engine.running[slot] == later.key, "the cancelled sequence's slot did not take the waiting one"
     while engine.pending:
         _step(engine, done, held)
@@ -122,7 +126,8 @@ def test_a_prompt_with_a_picture_joins_a_running_batch(plugins: PluginSet) -> No
 
 
 # -- the Python API ---------------------------------------------------------------------------
-TEXTS = ["Hello world", "The quick brown fox", "Привет", "Numbers 12345 and more", "a", "Café crème", "zz top", "one two three four"]
+TEXTS = ["Hello world", "The quick brown fox", "Привет", "Numbers 12345 and more", "a", "Café crème", "zz top",
+         "one two three four"]
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +174,8 @@ def test_eight_threads_each_get_their_sequential_output(llm: LLM) -> None:
 
 
 def test_a_request_submitted_while_another_runs_joins_it(llm: LLM) -> None:
-    long_params, short_params = SamplingParams(max_new_tokens=48, ignore_eos=True), SamplingParams(max_new_tokens=3, ignore_eos=True)
+    long_params, short_params = (SamplingParams(max_new_tokens=48, ignore_eos=True),
+                                 SamplingParams(max_new_tokens=3, ignore_eos=True))
     alone_long, alone_short = llm.generate(TEXTS[1], long_params)[0], llm.generate(TEXTS[3], short_params)[0]
     long = llm.submit(TEXTS[1], long_params)
     assert _until(lambda: long.first_token_at is not None)
@@ -231,7 +237,7 @@ def test_a_script_that_forgets_close_exits_promptly(checkpoint: Path, tmp_path: 
 
         if __name__ == "__main__":
             llm = LLM({str(checkpoint)!r}, tp=2, graph="off")
-            print(*llm._pool.pids, flush=True)
+            print(*llm._session.pids, flush=True)
             stream = llm.stream("Hello", SamplingParams(max_new_tokens=200, ignore_eos=True))
             next(stream)  # left half read
             print(llm.generate("Hello", SamplingParams(max_new_tokens=2))[0].finish_reason, flush=True)
@@ -248,7 +254,8 @@ def test_a_script_that_forgets_close_exits_promptly(checkpoint: Path, tmp_path: 
     took = time.monotonic() - ended
     assert code == 0 and last == "length", process.stderr.read() if process.stderr else ""
     assert took < 15, f"the script took {took:.1f} s to exit after its last line"
-    assert len(pids) == 2 and _until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids), 5), "ranks left running"
+    assert len(pids) == 2 and _until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids), 5), (
+        "ranks left running")
 
 
 def test_an_exception_in_the_with_block_stops_the_ranks_and_fails_what_runs(checkpoint: Path) -> None:
@@ -256,7 +263,7 @@ def test_an_exception_in_the_with_block_stops_the_ranks_and_fails_what_runs(chec
 
     with pytest.raises(ValueError, match="the caller's own"):
         with LLM(checkpoint, tp=2, graph="off") as llm:
-            pids = list(llm._pool.pids)  # type: ignore[union-attr]
+            pids = list(llm._session.pids)  # type: ignore[union-attr]
             running = llm.submit(TEXTS[0], SamplingParams(max_new_tokens=400, ignore_eos=True))
             assert _until(lambda: running.first_token_at is not None)
             raise ValueError("the caller's own")
@@ -266,14 +273,15 @@ def test_an_exception_in_the_with_block_stops_the_ranks_and_fails_what_runs(chec
 
 
 def test_a_rank_that_dies_between_requests_is_seen_without_a_request(checkpoint: Path) -> None:
-    """No step runs while the LLM is idle: `error` must still report a rank that died then (fd serve's idle watch reads it)."""
+    """No step runs while the LLM is idle: `error` must still report a rank that died then (fd
+    serve's idle watch reads it)."""
     import os
     import signal
 
     from fd_core.errors import RankError
 
     with LLM(checkpoint, tp=2, graph="off") as llm:
-        pids = list(llm._pool.pids)  # type: ignore[union-attr]
+        pids = list(llm._session.pids)  # type: ignore[union-attr]
         assert llm.error is None
         os.kill(pids[1], signal.SIGKILL)
         assert _until(lambda: llm.error is not None, 30), "the dead rank was not reported"

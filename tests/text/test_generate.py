@@ -35,7 +35,9 @@ def sessions(checkpoints: dict[str, Path]):  # noqa: ANN201
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_a_batch_gives_each_prompt_what_it_gives_alone(sessions: dict[str, LLM], model: str, capfd: pytest.CaptureFixture[str]) -> None:
+def test_a_batch_gives_each_prompt_what_it_gives_alone(
+    sessions: dict[str, LLM], model: str, capfd: pytest.CaptureFixture[str],
+) -> None:
     llm = sessions[model]
     together = llm.generate(PROMPTS, GREEDY)
     assert f"capturing the decode step for batch size {len(PROMPTS)}" in capfd.readouterr().err
@@ -43,7 +45,8 @@ def test_a_batch_gives_each_prompt_what_it_gives_alone(sessions: dict[str, LLM],
     assert [c.token_ids for c in together] == [c.token_ids for c in alone]
     assert [c.text for c in together] == [c.text for c in alone]
     # Prompts of unequal lengths, so the batch was padded; and outputs that differ, so equality means something.
-    assert len({len(c.prompt_ids) for c in together}) == len(PROMPTS) and len({tuple(c.token_ids) for c in together}) > 1
+    assert (len({len(c.prompt_ids) for c in together}) == len(PROMPTS)
+            and len({tuple(c.token_ids) for c in together}) > 1)
     assert all(c.text == llm.tokenizer.decode(c.token_ids) and c.finish_reason == "length" for c in together)
 
 
@@ -73,7 +76,10 @@ def test_sampling_is_reproducible_and_differs_across_seeds(sessions: dict[str, L
     llm = sessions["qwen3_vl"]
 
     def sample(seed: int) -> list[list[int]]:
-        return [c.token_ids for c in llm.generate(PROMPTS[:2], SamplingParams(max_new_tokens=10, temperature=1.5, seed=seed))]
+        return [
+            c.token_ids
+            for c in llm.generate(PROMPTS[:2], SamplingParams(max_new_tokens=10, temperature=1.5, seed=seed))
+        ]
 
     assert sample(1) == sample(1)
     assert sample(1) != sample(2)
@@ -103,7 +109,9 @@ def test_chat_with_a_picture_expands_its_placeholder(sessions: dict[str, LLM]) -
     picture = pixels.transpose(2, 0, 1).astype(np.float32) / 255
     request = llm._request("What is this?", GREEDY, True, [picture])
     # As many placeholders as the reference processor expands one into for this picture.
-    processor = transformers.Qwen2VLImageProcessorPil(**{k: v for k, v in TINY_QWEN3_VL_PREPROCESSOR.items() if k != "image_processor_type"})
+    processor = transformers.Qwen2VLImageProcessorPil(
+        **{k: v for k, v in TINY_QWEN3_VL_PREPROCESSOR.items() if k != "image_processor_type"}
+    )
     grid = processor(images=[Image.fromarray(pixels)], return_tensors="np")["image_grid_thw"][0]
     pad = llm.tokenizer.token_to_id("<|image_pad|>")
     assert request.prompts[0].count(pad) == int(np.prod(grid)) // processor.merge_size**2 > 1
@@ -122,7 +130,7 @@ def test_tp2_from_python_equals_tp1_and_stops_its_ranks(checkpoints: dict[str, P
     want = [c.token_ids for c in sessions["qwen3_vl"].generate(PROMPTS, GREEDY)]
     sampled = sessions["qwen3_vl"].generate(PROMPTS[:2], SamplingParams(max_new_tokens=6, temperature=1.0, seed=4))
     with LLM(checkpoints["qwen3_vl"], tp=2) as llm:
-        pids = list(llm._pool.pids)
+        pids = list(llm._session.pids)
         assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY)] == want
         # Every rank draws the same token (the pool checks the ranks agree), and the same as tp=1.
         assert llm.generate(PROMPTS[:2], SamplingParams(max_new_tokens=6, temperature=1.0, seed=4)) == sampled
@@ -132,7 +140,7 @@ def test_tp2_from_python_equals_tp1_and_stops_its_ranks(checkpoints: dict[str, P
 
 def test_a_rank_that_dies_is_named_and_the_others_stop(checkpoints: dict[str, Path]) -> None:
     llm = LLM(checkpoints["ernie4_5"], tp=2)
-    pids = list(llm._pool.pids)
+    pids = list(llm._session.pids)
     running = llm.submit(PROMPTS[1], SamplingParams(max_new_tokens=200, ignore_eos=True))
     os.kill(pids[1], signal.SIGKILL)
     with pytest.raises(RankError, match="rank 1 failed: killed by SIGKILL"):

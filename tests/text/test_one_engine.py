@@ -107,8 +107,8 @@ def text_checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_tp1_run_discovers_plugins_once_and_reads_each_checkpoint_file_once(text_checkpoint_dir: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FD_")}
-    done = _run([sys.executable, "-c", COUNT_READS, "run", "--tp", "1", "--checkpoint", str(text_checkpoint_dir), "--chat",
-                 "--prompt", "Hello there", "--max-new-tokens", "3"], env)
+    done = _run([sys.executable, "-c", COUNT_READS, "run", "--tp", "1", "--checkpoint", str(text_checkpoint_dir),
+                 "--chat", "--prompt", "Hello there", "--max-new-tokens", "3"], env)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stderr.strip().splitlines()[-1])
     assert report["code"] == 0 and report["discoveries"] == 1, report
@@ -121,7 +121,9 @@ def test_a_tp1_run_discovers_plugins_once_and_reads_each_checkpoint_file_once(te
 def test_the_plan_is_plain_data_a_rank_receives(text_checkpoint_dir: Path) -> None:
     from fd_core.runtime.plan import RunConfig, plan_run
 
-    plan = plan_run(RunConfig(model="", checkpoint=str(text_checkpoint_dir), prompts=("Hello there",), steps=3, progress=False))
+    plan = plan_run(
+        RunConfig(model="", checkpoint=str(text_checkpoint_dir), prompts=("Hello there",), steps=3, progress=False)
+    )
     assert plan.checkpoint is not None and plan.checkpoint.tokenizer() is not None  # loaded here, not carried
     copy = pickle.loads(pickle.dumps(plan))
     assert copy.request == plan.request and copy.config == plan.config and copy.model == plan.model == "qwen3_vl"
@@ -130,7 +132,8 @@ def test_the_plan_is_plain_data_a_rank_receives(text_checkpoint_dir: Path) -> No
 
 
 def test_a_rank_that_cannot_select_the_planned_platform_stops(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A rank asks only the planned platform's detection again (the others were asked in planning): one that says no there stops it."""
+    """A rank asks only the planned platform's detection again (the others were asked in planning):
+    one that says no there stops it."""
     import dataclasses
 
     from fd_core.errors import PlatformError

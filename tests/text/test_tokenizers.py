@@ -18,14 +18,18 @@ WITH_SPECIALS = {"bpe": "<|im_start|>user\nCafé 🙂<|im_end|>\n", "sp": "<s>He
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_encode_and_decode_equal_transformers(tokenizer_dirs: dict[str, Path], transformers_tokenizer, kind: str) -> None:
+def test_encode_and_decode_equal_transformers(
+    tokenizer_dirs: dict[str, Path], transformers_tokenizer, kind: str,
+) -> None:
     ours, reference = load_tokenizer(tokenizer_dirs[kind]), transformers_tokenizer(tokenizer_dirs[kind])
     for text in [*SAMPLES, WITH_SPECIALS[kind]]:
         ids = ours.encode(text)
         assert ids == reference(text)["input_ids"], text
-        assert ours.encode(text, add_special_tokens=False) == reference(text, add_special_tokens=False)["input_ids"], text
+        assert (ours.encode(text, add_special_tokens=False)
+                == reference(text, add_special_tokens=False)["input_ids"]), text
         for skip in (True, False):
-            assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip), (text, skip)
+            assert (ours.decode(ids, skip_special_tokens=skip)
+                    == reference.decode(ids, skip_special_tokens=skip)), (text, skip)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -73,7 +77,8 @@ def test_stop_strings_cut_the_text_and_hold_back_a_possible_start(tokenizer_dirs
     state = TextState(StreamDecoder(tokenizer), ("o t",))
     shown = "".join(state.push(t) for t in ids if not state.stopped) + state.finish()
     assert state.stopped and state.text == "Hello world, hell" and shown == state.text
-    assert held_back("abc hel", ("hello",)) == 3 and held_back("abc", ("hello",)) == 0 and held_back("ab h", ("x", "h!")) == 1
+    assert (held_back("abc hel", ("hello",)) == 3 and held_back("abc", ("hello",)) == 0
+            and held_back("ab h", ("x", "h!")) == 1)
 
 
 def test_added_tokens_from_the_json_files(tmp_path: Path, tokenizer_dirs: dict[str, Path]) -> None:
@@ -83,14 +88,16 @@ def test_added_tokens_from_the_json_files(tmp_path: Path, tokenizer_dirs: dict[s
     (tmp_path / "sp" / "added_tokens.json").write_text(json.dumps({"<|IMAGE_PLACEHOLDER|>": 420}))
     tokenizer = load_tokenizer(tmp_path / "sp")
     assert tokenizer.encode("a<|IMAGE_PLACEHOLDER|>b", add_special_tokens=False)[1] == 420
-    assert tokenizer.token_to_id("<|IMAGE_PLACEHOLDER|>") == 420 and tokenizer.id_to_token(420) == "<|IMAGE_PLACEHOLDER|>"
+    assert (tokenizer.token_to_id("<|IMAGE_PLACEHOLDER|>") == 420
+            and tokenizer.id_to_token(420) == "<|IMAGE_PLACEHOLDER|>")
 
 
 def test_no_tokenizer_says_which_files_and_the_way_around(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError) as caught:
         load_tokenizer(tmp_path)
     message = str(caught.value)
-    assert "tokenizer.json" in message and "tokenizer.model" in message and "--prompt-ids" in message and "\n" not in message
+    assert ("tokenizer.json" in message and "tokenizer.model" in message and "token ids as the prompt" in message
+            and "\n" not in message)
 
 
 def test_a_malformed_tokenizer_file_is_one_line(tmp_path: Path) -> None:

@@ -37,7 +37,8 @@ def fd_platform_detect() -> Detection:
     return Detection(
         detected=True,
         priority=-1,
-        reason=f"opt-in: set FD_PLATFORM=cpu_checked to check every all-reduce's shape and dtype across ranks ({cores} cores)",
+        reason="opt-in: set FD_PLATFORM=cpu_checked to check every all-reduce's shape and dtype across ranks "
+        f"({cores} cores)",
         device="cpu",
         dist_backend="gloo",
         max_ranks=cores,
@@ -89,10 +90,13 @@ def fd_clean_memory_fragments(state_dict: dict[str, Any] | None) -> None:
 
 
 @hookimpl
-def fd_graph_eligibility(model_config: ModelConfig, parallel_config: ParallelConfig, graph_mode: str) -> GraphVote | None:
+def fd_graph_eligibility(
+    model_config: ModelConfig, parallel_config: ParallelConfig, graph_mode: str,
+) -> GraphVote | None:
     """Veto static graphs at tp > 1: a captured all-reduce would run unchecked."""
     if parallel_config.tp_size > 1:
-        return GraphVote.veto("the cross-rank check runs in Python before each all-reduce; a static graph would skip it")
+        return GraphVote.veto("the cross-rank check runs in Python before each all-reduce; "
+                              "a static graph would skip it")
     return GraphVote.ok("one rank: no all-reduce to check")
 
 

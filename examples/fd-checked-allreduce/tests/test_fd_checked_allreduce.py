@@ -17,7 +17,9 @@ from fd_core import Capabilities, Detection, GraphVote, ModelConfig, ParallelCon
 from fd_core.testing import PlatformSuite
 
 INSTALLED = any(ep.name == "cpu_checked" for ep in entry_points(group="fd.platforms"))
-needs_install = pytest.mark.skipif(not INSTALLED, reason="fd-checked-allreduce is not installed: pip install ./examples/fd-checked-allreduce")
+needs_install = pytest.mark.skipif(
+    not INSTALLED, reason="fd-checked-allreduce is not installed: pip install ./examples/fd-checked-allreduce"
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +35,10 @@ def test_detection_is_opt_in_and_does_not_import_paddle() -> None:
     assert isinstance(answer, Detection)
     assert answer.detected and answer.priority == -1
     assert answer.reason.startswith("opt-in: set FD_PLATFORM=cpu_checked")
-    probe = "import sys; from fd_checked_allreduce import platform as p; p.fd_platform_detect(); print('paddle' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env={"PYTHONPATH": ":".join(sys.path)})
+    probe = ("import sys; from fd_checked_allreduce import platform as p; p.fd_platform_detect(); "
+             "print('paddle' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": ":".join(sys.path)})
     assert out.stdout.strip() == "False"
 
 
@@ -80,7 +84,8 @@ def test_fd_run_gives_the_same_tokens_as_the_cpu_platform() -> None:
 
     def run(name: str) -> dict[str, Any]:
         env = {**os.environ, "FD_PLATFORM": name}
-        done = subprocess.run([sys.executable, "-m", "fd_core.cli", "run", "--steps", "8", "--json"], capture_output=True, text=True, env=env, timeout=300)
+        done = subprocess.run([sys.executable, "-m", "fd_core.cli", "run", "--steps", "8", "--json"],
+                              capture_output=True, text=True, env=env, timeout=300)
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout)
 

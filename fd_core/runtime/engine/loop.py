@@ -21,7 +21,8 @@ from fd_core.runtime.threads import Threads, apply_threads, phase_threads
 if TYPE_CHECKING:
     from fd_core.runtime.text.tokenizer import Tokenizer
 
-PAD_ID = 0  # what fills a shorter prompt's left padding and a free slot's decode input (masked; any id in the vocabulary would do)
+# What fills a shorter prompt's left padding and a free slot's decode input (masked; any id in the vocabulary would do).
+PAD_ID = 0
 
 
 @dataclass
@@ -38,7 +39,8 @@ class Completion:
     finish_reason: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "ids": self.token_ids, "finish_reason": self.finish_reason, "prompt_tokens": len(self.prompt_ids)}
+        return {"text": self.text, "ids": self.token_ids, "finish_reason": self.finish_reason,
+                "prompt_tokens": len(self.prompt_ids)}
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,8 @@ def check_finite(logits: Any, step: int, live: Sequence[bool]) -> None:
 
     The test runs where the logits are (one isfinite-and-all reduction): one bool per row comes to
     the host, not the vocabulary (400 KB a row at 100k tokens); the count is taken on failure only.
-    Where the logits are host memory already a copy would cost less (0.03 ms against the two ops'
-    0.09 ms for a 103424-token row on a 2-core host): a step's rounding error either way.
+    Where the logits are host memory already a copy would cost a little less: a step's rounding error
+    either way (docs/benchmarks.md, "Threads").
     """
     import numpy as np
 
@@ -90,8 +92,9 @@ def check_finite(logits: Any, step: int, live: Sequence[bool]) -> None:
         row = np.asarray(logits[bad[0]].numpy() if hasattr(logits, "numpy") else logits[bad[0]])
         count = int((~np.isfinite(row)).sum())
         raise NumericsError(
-            f"step {step} produced {count} non-finite logit(s) (NaN or Inf) for prompt {bad[0] + 1}; the weights, the inputs or "
-            f"the platform's kernels or all-reduce produce non-finite numbers (fd check tests the all-reduce)"
+            f"step {step} produced {count} non-finite logit(s) (NaN or Inf) for prompt {bad[0] + 1}; the weights, "
+            f"the inputs or the platform's kernels or all-reduce produce non-finite numbers (fd check tests the "
+            f"all-reduce)"
         )
 
 
@@ -129,7 +132,8 @@ class Engine:
     # first token of the first request was chosen (time.time()), for the time to first token.
     decode_core_s: float = 0.0
     first_token_at: float | None = None
-    # Of the decode time: choosing tokens (the non-finite check and the sample op) and how many times (a per-step breakdown).
+    # Of the decode time: choosing tokens (the non-finite check and the sample op) and how many times (a per-step
+    # breakdown).
     choose_s: float = 0.0
     choose_calls: int = 0
     # The plan's KV-cache capacity: the cache (slots x length) is kept within it (None: up to max_batch slots).
@@ -161,7 +165,8 @@ class Engine:
                 on_text(index, text)
 
     def stream(self, request: Request) -> Generator[tuple[int, str], None, list[Completion]]:
-        """Yields (prompt index, new text) while generating; returns every completion (all queued at once, then stepped)."""
+        """Yields (prompt index, new text) while generating; returns every completion (all queued at once, then
+        stepped)."""
         if self.pending:
             raise RuntimeError("this engine is already generating; queue the request with add() instead")
         jobs = jobs_of(request)
@@ -192,7 +197,8 @@ class Engine:
         self._waiting.append(job)
 
     def cancel(self, key: int) -> None:
-        """End a sequence at the next step (its completion's finish_reason is "cancelled"); an unknown key is ignored."""
+        """End a sequence at the next step (its completion's finish_reason is "cancelled"); an unknown key is
+        ignored."""
         self._cancelled.add(key)
 
     def reset(self) -> None:
@@ -222,7 +228,9 @@ class Engine:
         cancelled, self._cancelled = self._cancelled, set()
         for job in [j for j in self._waiting if j.key in cancelled]:
             self._waiting.remove(job)
-            events.append(Event(job.key, done=Completion(list(job.prompt), [], "" if self.tokenizer else None, "cancelled")))
+            events.append(
+                Event(job.key, done=Completion(list(job.prompt), [], "" if self.tokenizer else None, "cancelled"))
+            )
         for row in [r for r in self._rows.values() if r.job.key in cancelled]:
             row.reason = "cancelled"
             events.append(self._finish(row, final=False))
@@ -238,7 +246,8 @@ class Engine:
 
     def _admit(self) -> None:
         """Waiting sequences into the cache, in order: a fresh cache for a group when nothing runs, else free slots
-        (the cache grows, keeping its rows, when the next needs more slots or a longer cache and the memory holds it)."""
+        (the cache grows, keeping its rows, when the next needs more slots or a longer cache and the memory holds
+        it)."""
         if not self._waiting:
             return
         if not self._rows:
@@ -265,14 +274,16 @@ class Engine:
             self._prefill(jobs, free[: len(jobs)])
 
     def _grow(self, rows: int, length: int) -> bool:
-        """Make the cache hold `rows` sequences of `length` positions, keeping what its rows hold; False if it cannot."""
+        """Make the cache hold `rows` sequences of `length` positions, keeping what its rows hold; False if it
+        cannot."""
         assert self._shape is not None
         slots, have = self._shape
         if rows > self.max_batch:
             return False
         # Powers of two, so that a batch growing one sequence at a time captures few shapes.
         wanted = (min(self.max_batch, 1 << (rows - 1).bit_length()) if rows > slots else slots,
-                  min(self.runner.config.max_position_embeddings, max(have, 1 << (length - 1).bit_length())) if length > have else have)
+                  min(self.runner.config.max_position_embeddings, max(have, 1 << (length - 1).bit_length()))
+                  if length > have else have)
         for size in (wanted, (max(rows, slots), max(have, length))):
             if self._fits(*size):
                 self.runner.prepare(*size, keep=True)
@@ -281,7 +292,8 @@ class Engine:
         return False
 
     def _group(self) -> list[Job]:
-        """The waiting sequences that start together in a fresh cache: pictures alone; text, in order, as many as fit."""
+        """The waiting sequences that start together in a fresh cache: pictures alone; text, in order, as many as
+        fit."""
         first = self._waiting[0]
         if first.images:
             return [self._waiting.popleft()]
@@ -298,7 +310,8 @@ class Engine:
     def _use_threads(self, rows: int | None) -> None:
         """Compute the coming prefill (`rows` None) or decode step of `rows` cache rows on its phase's threads."""
         if self.threads is not None:
-            # Every phase, not only on a change: MKL's count is the process's, which another engine may have set (14 us).
+            # Every phase, not only on a change: MKL's count is the process's, which another engine may have set (cheap:
+            # docs/benchmarks.md).
             apply_threads(phase_threads(self.threads, rows))
 
     def _prefill(self, jobs: Sequence[Job], slots: Sequence[int]) -> None:

@@ -27,7 +27,8 @@ def _sample(model: Any) -> dict[str, Any]:
         flat = param.reshape([-1])
         step = max(1, int(flat.shape[0]) // 64)
         # The strided slice is a view: made contiguous first, it is copied alone; converted as a view
-        # (astype, numpy) it copied the whole parameter (the embedding's 404 MiB at ERNIE-4.5-0.3B: the load's peak RSS).
+        # (astype, numpy) it copied the whole parameter (the embedding's 404 MiB at ERNIE-4.5-0.3B: the load's peak
+        # RSS).
         out[name] = flat[::step].contiguous().astype("float32").numpy().copy()
     return out
 
@@ -93,7 +94,9 @@ class ModelRunner:
         if self.checkpoint is None:
             return random_state_dict(specs, self.seed, p.tp_rank, p.tp_size, init_std(self.config))
         ignored: set[str] = getattr(self.model, "ignored_tensors", lambda: set())()
-        return load_checkpoint(self.checkpoint, specs, p.tp_rank, p.tp_size, ignored, check_finite=not self.allow_non_finite)
+        return load_checkpoint(
+            self.checkpoint, specs, p.tp_rank, p.tp_size, ignored, check_finite=not self.allow_non_finite
+        )
 
     def load(self) -> None:
         """Build the model if needed, load weights, then clean memory fragments with what loading left behind."""
@@ -118,7 +121,9 @@ class ModelRunner:
         before = _sample(model)
 
         def unchanged(plugin: str) -> None:
-            changed = next((name for name, values in _sample(model).items() if not _same(values, before.get(name))), None)
+            changed = next(
+                (name for name, values in _sample(model).items() if not _same(values, before.get(name))), None
+            )
             if changed is not None:
                 # A cleanup hook may release memory, never change the weights: that would give plausible, wrong tokens.
                 raise PluginError(

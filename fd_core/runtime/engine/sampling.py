@@ -57,8 +57,9 @@ class SamplingParams:
             raise ConfigError(f"temperature must be finite and >= 0 (0 is greedy), got {self.temperature}")
         if 0 < self.temperature < MIN_TEMPERATURE:
             raise ConfigError(
-                f"temperature {self.temperature:g} is below {MIN_TEMPERATURE:g}, where logits / temperature overflow and "
-                f"sampling is undefined; pass 0 for greedy decoding (what such a temperature approaches) or at least {MIN_TEMPERATURE:g}"
+                f"temperature {self.temperature:g} is below {MIN_TEMPERATURE:g}, where logits / temperature "
+                f"overflow and sampling is undefined; pass 0 for greedy decoding (what such a temperature "
+                f"approaches) or at least {MIN_TEMPERATURE:g}"
             )
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -77,7 +78,10 @@ class SamplingParams:
         """These settings with generation_config.json's sampling defaults for the fields not in `given`."""
         if not defaults.get("do_sample"):
             return self
-        keep = {k: v for k, v in defaults.items() if k in ("temperature", "top_p", "top_k") and k not in given and v is not None}
+        keep = {
+            k: v for k, v in defaults.items()
+            if k in ("temperature", "top_p", "top_k") and k not in given and v is not None
+        }
         return replace(self, **keep)
 
 

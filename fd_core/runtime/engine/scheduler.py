@@ -7,8 +7,9 @@ import itertools
 import queue
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from fd_core.errors import FdError
 from fd_core.runtime.engine.loop import Completion, Event, Job
@@ -37,7 +38,8 @@ class Submission:
         self._error: BaseException | None = None
 
     def __iter__(self) -> Iterator[str]:
-        """The new text pieces as they are produced (blocking); ends when the sequence ends; raises the failure that ended it."""
+        """The new text pieces as they are produced (blocking); ends when the sequence ends; raises the failure that
+        ended it."""
         while True:
             piece = self._pieces.get()
             if piece is _END:
@@ -49,7 +51,8 @@ class Submission:
             raise self._error
 
     def result(self, timeout: float | None = None) -> Completion:
-        """The completion, once the sequence ended (TimeoutError after `timeout` seconds); raises the failure that ended it."""
+        """The completion, once the sequence ended (TimeoutError after `timeout` seconds); raises the failure that
+        ended it."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"the request did not finish within {timeout} s")
         if self._error is not None:
@@ -58,7 +61,8 @@ class Submission:
         return self._completion
 
     def cancel(self) -> None:
-        """End the sequence at the next step boundary, freeing its slot; iteration then ends (finish_reason "cancelled")."""
+        """End the sequence at the next step boundary, freeing its slot; iteration then ends (finish_reason
+        "cancelled")."""
         if not self._done.is_set():
             self._cancel(self.key)
 
@@ -100,7 +104,8 @@ class Pending:
 
 
 class Scheduler:
-    """Queues submissions from any thread and runs `tick` on one thread of its own, step after step while any is pending.
+    """Queues submissions from any thread and runs `tick` on one thread of its own, step after step while any is
+    pending.
 
     A failing tick fails every pending submission with its error; `fatal(error)` says whether the
     scheduler stops for good (the ranks are gone), or goes on with the next submissions (the engine
@@ -119,13 +124,15 @@ class Scheduler:
         self._new: list[Pending] = []
         self._cancels: list[int] = []
         self._live: dict[int, Submission] = {}
+        self._calls: list[tuple[Callable[[], Any], Future[Any]]] = []
         self._closing = False
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, jobs: Sequence[Job]) -> list[Submission]:
-        """Queue jobs (their keys replaced by the scheduler's own); they join the running batch together at the next step boundary."""
+        """Queue jobs (their keys replaced by the scheduler's own); they join the running batch together at the next
+        step boundary."""
         with self._lock:
             self._check_open()
             out = []
@@ -137,6 +144,16 @@ class Scheduler:
                 out.append(submission)
             self._lock.notify_all()
             return out
+
+    def call(self, fn: Callable[[], Any]) -> "Future[Any]":
+        """Run `fn` on the scheduler's thread at the next step boundary (a weight reload, a report: what must not
+        run beside a step); its result or error in the Future. A failure counts as a failed step does."""
+        future: Future[Any] = Future()
+        with self._lock:
+            self._check_open()
+            self._calls.append((fn, future))
+            self._lock.notify_all()
+        return future
 
     def cancel(self, key: int) -> None:
         """Cancel the sequence `key` at the next step boundary."""
@@ -157,7 +174,12 @@ class Scheduler:
             self._lock.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join()
-        self._fail_all(error or SchedulerClosed("the LLM was closed before this request finished"))
+        closed = error or SchedulerClosed("the LLM was closed before this request finished")
+        self._fail_all(closed)
+        with self._lock:
+            calls, self._calls = self._calls, []
+        for _, future in calls:
+            future.set_exception(closed)
 
     def _check_open(self) -> None:
         if self.error is not None:
@@ -171,10 +193,24 @@ class Scheduler:
             self._on_start()
         while True:
             with self._lock:
-                while not (self._live or self._closing):
+                while not (self._live or self._calls or self._closing):
                     self._lock.wait()
                 if self._closing:
                     return
+                calls, self._calls = self._calls, []
+            for fn, future in calls:
+                try:
+                    future.set_result(fn())
+                except BaseException as error:  # noqa: BLE001 - handed to the caller waiting on the Future
+                    future.set_exception(error)
+                    if self._fatal(error):
+                        with self._lock:
+                            self.error, self._closing = error, True
+                        self._fail_all(error)
+                        return
+            with self._lock:
+                if not self._live:
+                    continue
                 new, self._new = self._new, []
                 cancels, self._cancels = self._cancels, []
             try:

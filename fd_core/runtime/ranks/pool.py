@@ -1,5 +1,5 @@
-"""Ranks that stay up between requests (the Python API at tp > 1): spawned as `fd run` spawns them, with
-its failure handling, and served requests over one pipe each."""
+"""Ranks kept up for a session at tp > 1: spawned with `spawn_ranks`' failure handling, each serving one engine
+step per tick over its pipe, and weight reloads and reports when asked."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import multiprocessing
 import os
 import signal
 import threading
-from typing import TYPE_CHECKING, Any, Sequence
+import time
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
-from fd_core.errors import RankError
-from fd_core.host.paddle_logs import quiet_paddle_logs
+from fd_core.errors import RankError, setting
 from fd_core.runtime import progress
 from fd_core.runtime.ranks.spawn import DEFAULT_STALL_S, init_rank, spawn_ranks
 from fd_core.runtime.ranks.worker import RankWorker
@@ -23,28 +23,39 @@ POLL_S = 0.2
 
 
 def serve_rank(plan: "Plan", pipes: Sequence[Any]) -> dict[str, Any]:
-    """A spawned rank: load, report ready, then one engine step per tick until told to close.
+    """A spawned rank: join the group, load, report ready, then serve the session's messages until told to close.
 
     A tick carries the jobs added and the keys cancelled since the last, the same to every rank, so
     every rank's engine admits, decodes and finishes the same sequences at the same step; rank 0
     answers with every event, the others with the tokens of what finished (compared with rank 0's).
+    A reload is a weight update on every rank; a report is each rank's timings and memory.
     """
-    quiet_paddle_logs()
+    progress.report("rendezvous")
+    at = time.time()
     rank, world = init_rank()
     conn = pipes[rank]
-    worker = RankWorker.start(plan, rank, world)
+    worker = RankWorker.start(plan, rank, world, before={"at": at, "rendezvous": time.time() - at})
     engine = worker.engine
     conn.send(("ready", {**worker.describe(), "pid": os.getpid()}))
     while True:
         try:
-            # Between requests a rank is idle, not stuck: it keeps noting progress, or the parent's stall watch would stop it.
+            # Between requests a rank is idle, not stuck: it keeps noting progress, or the parent's stall watch would
+            # stop it.
             while not conn.poll(1.0):
                 progress.report("waiting for a request")
             message = conn.recv()
         except EOFError:  # the caller went away without closing
             return worker.describe()
-        if message[0] == "close":
+        kind = message[0]
+        if kind == "close":
             return worker.describe()
+        if kind == "reload":
+            worker.reload()
+            conn.send(("reloaded",))
+            continue
+        if kind == "report":
+            conn.send(("report", worker.report()))
+            continue
         for job in message[1]:
             engine.add(job)
         for key in message[2]:
@@ -59,17 +70,27 @@ def serve_rank(plan: "Plan", pipes: Sequence[Any]) -> dict[str, Any]:
 
 
 class RankPool:
-    """`tp` ranks serving requests; a rank that fails stops the others and the next call raises its RankError."""
+    """`tp` ranks serving one session; a rank that fails stops the others and the next call raises its RankError.
 
-    def __init__(self, plan: "Plan", tp: int, grace: float, stall: float = DEFAULT_STALL_S) -> None:
-        context = multiprocessing.get_context("spawn")
+    `start_method` "fork" starts the ranks with this process's imports done (seconds saved); only for a
+    caller that has run no paddle op and started no thread pool, as `spawn_ranks` says.
+    """
+
+    def __init__(
+        self, plan: "Plan", tp: int, grace: float, stall: float = DEFAULT_STALL_S,
+        start_method: Literal["spawn", "fork"] = "spawn",
+    ) -> None:
+        context = multiprocessing.get_context(start_method)
         pairs = [context.Pipe() for _ in range(tp)]
         self.conns = [ours for ours, _ in pairs]
         theirs = tuple(end for _, end in pairs)
         self.error: BaseException | None = None
         self.aborted = False
+        # Set by abort(): the spawning thread stops every rank, even before they are ready
+        self.stop = threading.Event()
         self.pids: list[int] = []
-        self.thread = threading.Thread(target=self._spawn, args=(plan, theirs, tp, grace, stall), name="fd-ranks", daemon=True)
+        self.thread = threading.Thread(target=self._spawn, args=(plan, theirs, tp, grace, stall, start_method),
+                                       name="fd-ranks", daemon=True)
         self.thread.start()
         try:
             self.ready = [self._receive(rank, "ready") for rank in range(tp)]
@@ -82,10 +103,13 @@ class RankPool:
         self.pids = [info[1]["pid"] for info in self.ready]
         self.info: dict[str, Any] = self.ready[0][1]
 
-    def _spawn(self, plan: "Plan", pipes: tuple[Any, ...], tp: int, grace: float, stall: float) -> None:
+    def _spawn(
+        self, plan: "Plan", pipes: tuple[Any, ...], tp: int, grace: float, stall: float, start_method: Any
+    ) -> None:
         try:
             spawn_ranks(serve_rank, (plan, pipes), tp, plan.dist_backend, grace=grace, stall=stall,
-                        stall_hint="raise LLM(stall_timeout=...) if it is only slow")
+                        start_method=start_method, stall_hint=f"raise {setting('stall_timeout')} if it is only slow",
+                        platform=plan.platform, stop=self.stop)
         except BaseException as exc:  # re-raised in the caller's thread by its next call
             self.error = exc
 
@@ -110,27 +134,40 @@ class RankPool:
             raise self.error
         raise RankError(f"rank {rank} ended without answering")
 
-    def tick(self, adds: Sequence["Job"], cancels: Sequence[int]) -> list["Event"]:
-        """One engine step on every rank for the jobs added and keys cancelled since the last; rank 0's events."""
+    def _each(self, message: tuple[Any, ...], answer: str) -> list[tuple[Any, ...]]:
+        """`message` to every rank; every rank's answer, in rank order (a broken pipe is the ranks' failure)."""
         try:
-            return self._tick(adds, cancels)
+            for conn in self.conns:
+                conn.send(message)
+            return [self._receive(rank, answer) for rank in range(len(self.conns))]
         except (OSError, EOFError) as exc:
-            if self.aborted:  # the pipes were closed under this step by abort()
-                raise RankError("the ranks were stopped (the LLM was aborted) before this request finished") from None
+            if self.aborted:  # the pipes were closed under this call by abort()
+                raise RankError("the ranks were stopped (the session was aborted) before this call finished") from None
             raise RankError(f"the pipe to the ranks failed: {exc}") from None
 
-    def _tick(self, adds: Sequence["Job"], cancels: Sequence[int]) -> list["Event"]:
-        for conn in self.conns:
-            conn.send(("tick", list(adds), list(cancels)))
-        events, info = self._receive(0, "events")[1:]
+    def tick(self, adds: Sequence["Job"], cancels: Sequence[int]) -> list["Event"]:
+        """One engine step on every rank for the jobs added and keys cancelled since the last; rank 0's events."""
+        answers = self._each(("tick", list(adds), list(cancels)), "events")
+        events, info = answers[0][1:]
         ended = {e.key: e.done.token_ids for e in events if e.done is not None}
-        for rank in range(1, len(self.conns)):
-            theirs = dict(self._receive(rank, "events")[1])
-            if theirs != ended:
-                raise RankError(f"rank {rank} generated different tokens than rank 0 (or ended other sequences); the ranks disagree")
+        for rank, answer in enumerate(answers[1:], 1):
+            if dict(answer[1]) != ended:
+                raise RankError(
+                    f"rank {rank} generated different tokens than rank 0 (or ended other sequences); the ranks disagree"
+                )
         if info is not None:
             self.info = info
         return list(events)
+
+    def reload(self) -> None:
+        """A weight update on every rank (graphs cleared, weights released, loaded again)."""
+        self._each(("reload",), "reloaded")
+
+    def reports(self) -> list[dict[str, Any]]:
+        """Every rank's timings, speed and memory, in rank order."""
+        reports = [answer[1] for answer in self._each(("report",), "report")]
+        self.info = {k: v for k, v in reports[0].items() if k in self.info}
+        return reports
 
     def close(self) -> None:
         """Ask every rank to finish and wait for them."""
@@ -142,8 +179,10 @@ class RankPool:
         self.thread.join()
 
     def abort(self) -> None:
-        """Stop every rank now (after an error or Ctrl-C in the caller): SIGTERM, then spawn's own cleanup."""
+        """Stop every rank now (after an error, Ctrl-C or a stop signal in the caller): SIGTERM, then spawn's own
+        cleanup."""
         self.aborted = True
+        self.stop.set()
         for pid in self.pids:
             try:
                 os.kill(pid, signal.SIGTERM)

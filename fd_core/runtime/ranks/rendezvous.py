@@ -180,12 +180,14 @@ def serve_launched_store(rank: int) -> None:
         try:
             bound = socket.gethostbyname(host)
             if bound.startswith("127.") and _other_hosts():
-                # A hostname that resolves to loopback here (Debian's 127.0.1.1) would bind where no other node can reach.
+                # A hostname that resolves to loopback here (Debian's 127.0.1.1) would bind where no other node can
+                # reach.
                 raise OSError(f"{host} resolves to {bound} on this host, which the job's other hosts cannot reach")
             _served.append(LoopbackStore(bound, int(port)))
         except (OSError, ValueError) as exc:
             # Not an address of this host (a NAT's, say): Paddle's own store, on every interface, still works.
-            print(f"fd: warning: cannot serve the rendezvous store on {address} ({exc}); Paddle's own store listens on every interface",
+            print(f"fd: warning: cannot serve the rendezvous store on {address} ({exc}); "
+                  "Paddle's own store listens on every interface",
                   file=sys.stderr)
             return
     os.environ[STORE_ENV] = address

@@ -12,6 +12,7 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -19,7 +20,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal, Sequence
 
-from fd_core.errors import ConfigError, FdError, PlatformError, RankError
+from fd_core.errors import ConfigError, FdError, PlatformError, RankError, setting
 from fd_core.host.output import plugin_prints_to_stderr
 from fd_core.host.paddle_logs import quiet_paddle_logs
 from fd_core.runtime import progress
@@ -40,7 +41,10 @@ def launched_rank() -> tuple[int, int] | None:
             f"unset them, or start fd with python -m paddle.distributed.launch"
         ) from None
     if not 0 <= parsed[0] < parsed[1]:
-        raise ConfigError(f"PADDLE_TRAINER_ID={rank} is outside 0..{parsed[1] - 1} (PADDLE_TRAINERS_NUM={world}); check the launcher's environment")
+        raise ConfigError(
+            f"PADDLE_TRAINER_ID={rank} is outside 0..{parsed[1] - 1} (PADDLE_TRAINERS_NUM={world}); "
+            f"check the launcher's environment"
+        )
     return parsed
 
 
@@ -93,6 +97,8 @@ sigterm_received = False
 stop_signal: int | None = None
 
 
+# How often the watch over running ranks wakes when nothing happens (to check progress notes and a stop request).
+WATCH_S = 0.25
 # After the first rank fails, how long to let the failures it causes land before naming a culprit.
 SETTLE_S = 0.5
 # How long a rank may sit stopped (SIGSTOP, a debugger) before the run ends: its peers cannot go on.
@@ -146,7 +152,11 @@ def _describe(failures: list[RankFailure]) -> str:
     line = f"rank {first.rank} failed: {first.message}"
     if then:
         # A bad checkpoint or config fails every rank alike: say so instead of repeating it.
-        notes = [f"rank {f.rank} failed the same way" if f.message == first.message else f"then rank {f.rank}: {_shorten(f.message)}" for f in then]
+        notes = [
+            f"rank {f.rank} failed the same way" if f.message == first.message
+            else f"then rank {f.rank}: {_shorten(f.message)}"
+            for f in then
+        ]
         line += f" ({'; '.join(notes)})"
     if first.traceback:
         line += f"; its traceback is in {first.traceback}"
@@ -200,11 +210,18 @@ def _call_and_save(fn: Callable[..., Any], out_dir: str, errors_dir: str, parent
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGQUIT, signal.SIG_IGN)
     rank = os.environ.get("PADDLE_TRAINER_ID", "0")
+    if "paddle" in sys.modules:
+        import paddle
+
+        # Paddle keeps its graph mode per thread, and a rank forked from a thread other than the main one starts
+        # without it (in static mode): every rank computes eagerly unless it captures.
+        paddle.disable_static()
     os.environ[rendezvous.STORE_ENV] = store
     os.environ[progress.PROGRESS_ENV] = os.path.join(out_dir, f"rank{rank}.progress")
     progress.report("starting")
     try:
-        # A rank's stdout is its parent's: what plugins print there must not mix with fd's output (see plugin_prints_to_stderr).
+        # A rank's stdout is its parent's: what plugins print there must not mix with fd's output (see
+        # plugin_prints_to_stderr).
         with plugin_prints_to_stderr():
             result = fn(*args)
     except Exception as exc:
@@ -219,7 +236,9 @@ def _call_and_save(fn: Callable[..., Any], out_dir: str, errors_dir: str, parent
         message = (f"{type(exc).__name__}: {exc}".splitlines() or [type(exc).__name__])[0]
         with contextlib.suppress(OSError):  # without it the parent falls back to Paddle's error queue
             with open(record + ".tmp", "w") as f:
-                json.dump({"time": time.time(), "message": message, "traceback": trace if os.path.exists(trace) else None}, f)
+                json.dump(
+                    {"time": time.time(), "message": message, "traceback": trace if os.path.exists(trace) else None}, f
+                )
             os.replace(record + ".tmp", record)
         raise
     path = os.path.join(out_dir, f"rank{rank}.pickle")
@@ -241,9 +260,9 @@ def raise_terminated(signum: int, frame: Any) -> None:
 
 
 @contextlib.contextmanager
-def _sigterm_raises() -> Iterator[None]:
-    """Turn SIGTERM, SIGHUP and SIGQUIT into `Terminated` while ranks run, so they are stopped (and the
-    run's temporary directories removed) rather than orphaned."""
+def stop_signals_raise() -> Iterator[None]:
+    """Turn SIGTERM, SIGHUP and SIGQUIT into `Terminated` in the main thread while ranks run, so they are stopped
+    (and the run's temporary directories removed) rather than orphaned; elsewhere a no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -275,6 +294,7 @@ def spawn_ranks(
     start_method: Literal["spawn", "fork", "forkserver"] = "spawn",
     stall_hint: str = STALL_HINT,
     platform: str | None = None,
+    stop: threading.Event | None = None,
 ) -> list[Any]:
     """Run `fn(*args)` on `nprocs` local ranks; return each rank's result in rank order.
 
@@ -288,6 +308,7 @@ def spawn_ranks(
     (KeyboardInterrupt) and SIGTERM (Terminated) stop every rank before they propagate; a rank also
     dies with this process if it is killed outright. `stall_hint` ends a stalled rank's error: how the
     caller's user gives a slow rank more time. `platform` names the plugin whose detection gave `dist_backend`.
+    `stop`, once set (from another thread), stops every rank as Ctrl-C would and raises KeyboardInterrupt.
     """
     import paddle.distributed as dist
 
@@ -295,7 +316,10 @@ def spawn_ranks(
     problem = dist_backend_problem(dist_backend)
     if problem is not None:
         who = f"platform {platform!r}" if platform else "the platform"
-        raise PlatformError(f"{who}: fd_platform_detect returned a Detection with dist_backend={dist_backend!r}: {problem}; fix the platform plugin")
+        raise PlatformError(
+            f"{who}: fd_platform_detect returned a Detection with dist_backend={dist_backend!r}: {problem}; "
+            f"fix the platform plugin"
+        )
     stray = os.environ.get("PADDLE_TRAINERS_NUM")
     if stray is not None and launched_rank() is None:
         # Left over from a launcher's environment: paddle.distributed.spawn would assert on it.
@@ -305,17 +329,21 @@ def spawn_ranks(
         )
     remove_stale_dirs()
     # The handlers first: a stop signal from here on removes the directories below on its way out.
-    with _sigterm_raises():
+    with stop_signals_raise():
         errors_dir = tempfile.mkdtemp(prefix=f"{ERRORS_PREFIX}{os.getpid()}-")
         try:
-            with tempfile.TemporaryDirectory(prefix=f"{RANKS_PREFIX}{os.getpid()}-") as out_dir, LoopbackStore() as store:
+            with (
+                tempfile.TemporaryDirectory(prefix=f"{RANKS_PREFIX}{os.getpid()}-") as out_dir,
+                LoopbackStore() as store,
+            ):
                 with _quiet_root_logger(), _naming_shared_memory():
                     context = dist.spawn(
                         # paddle's typed options omit `backend`, which spawn reads at run time.
-                        _call_and_save, args=(fn, out_dir, errors_dir, os.getpid(), store.address, *args), nprocs=nprocs, join=False,
+                        _call_and_save, args=(fn, out_dir, errors_dir, os.getpid(), store.address, *args),
+                        nprocs=nprocs, join=False,
                         backend=dist_backend, ips=LOOPBACK, start_method=start_method,  # type: ignore[call-arg]
                     )
-                _watch(context, out_dir, grace, stall, stall_hint)
+                _watch(context, out_dir, grace, stall, stall_hint, stop)
                 return _results(out_dir, nprocs)
         finally:
             # Tracebacks of failed ranks outlive the run (the error line names them); nothing else does.
@@ -343,7 +371,8 @@ def shared_memory_problem(path: str = SHM_DIR) -> str | None:
 
 @contextlib.contextmanager
 def _naming_shared_memory() -> Iterator[None]:
-    """An OSError without a path while starting ranks (multiprocessing's locks live in /dev/shm) as one line naming it."""
+    """An OSError without a path while starting ranks (multiprocessing's locks live in /dev/shm) as one line naming
+    it."""
     try:
         yield
     except OSError as exc:
@@ -353,8 +382,8 @@ def _naming_shared_memory() -> Iterator[None]:
         if problem is None:
             raise RankError(f"starting the ranks failed: {exc.strerror or exc}") from None
         raise RankError(
-            f"starting the ranks failed: {exc.strerror or exc}: {problem}; the ranks' locks and shared memory live there: "
-            f"make it writable with free space (docker run --shm-size), or run with --tp 1"
+            f"starting the ranks failed: {exc.strerror or exc}: {problem}; the ranks' locks and shared memory live "
+            f"there: make it writable with free space (docker run --shm-size), or run with {setting('tp', 1)}"
         ) from None
 
 
@@ -451,7 +480,9 @@ def _results(out_dir: str, nprocs: int) -> list[Any]:
             with open(os.path.join(out_dir, f"rank{rank}.pickle"), "rb") as f:
                 results.append(pickle.load(f))
         except FileNotFoundError:
-            raise RankError(f"rank {rank} exited without a result (exit code 0); was it stopped from outside?") from None
+            raise RankError(
+                f"rank {rank} exited without a result (exit code 0); was it stopped from outside?"
+            ) from None
     return results
 
 
@@ -478,7 +509,11 @@ class _Monitor:
             if _process_state(self.processes[index].pid) in ("T", "t"):
                 since = self.stopped_since.setdefault(index, now)
                 if now - since >= STOPPED_S:
-                    return RankFailure(index, f"stopped (SIGSTOP or a debugger) for {now - since:.0f} s; its peers cannot go on without it", (0, since))
+                    return RankFailure(
+                        index,
+                        f"stopped (SIGSTOP or a debugger) for {now - since:.0f} s; its peers cannot go on without it",
+                        (0, since),
+                    )
             else:
                 self.stopped_since.pop(index, None)
         notes = {i: progress.read(os.path.join(self.out_dir, f"rank{i}.progress")) for i in live}
@@ -489,12 +524,16 @@ class _Monitor:
                 note = notes[index]
                 phase = note[1] if note else "starting"
                 return RankFailure(
-                    index, f"made no progress for {now - last:.0f} s (last phase: {phase}); {self.stall_hint}", (0, last)
+                    index, f"made no progress for {now - last:.0f} s (last phase: {phase}); {self.stall_hint}",
+                    (0, last),
                 )
         return None
 
 
-def _watch(context: Any, out_dir: str, grace: float, stall: float = DEFAULT_STALL_S, stall_hint: str = STALL_HINT) -> None:
+def _watch(
+    context: Any, out_dir: str, grace: float, stall: float = DEFAULT_STALL_S, stall_hint: str = STALL_HINT,
+    stop: threading.Event | None = None,
+) -> None:
     """Wait for every rank; on a failure (or a stopped or stuck rank) stop the rest and raise RankError naming it."""
     processes = list(context.processes)
     pending = {p.sentinel: i for i, p in enumerate(processes)}
@@ -511,7 +550,9 @@ def _watch(context: Any, out_dir: str, grace: float, stall: float = DEFAULT_STAL
 
     try:
         while pending:
-            failed = reap(multiprocessing.connection.wait(list(pending), timeout=1.0))
+            failed = reap(multiprocessing.connection.wait(list(pending), timeout=WATCH_S))
+            if stop is not None and stop.is_set():
+                raise KeyboardInterrupt
             if not failed:
                 stuck = monitor.check(list(pending.values()))
                 if stuck is not None:
@@ -522,7 +563,9 @@ def _watch(context: Any, out_dir: str, grace: float, stall: float = DEFAULT_STAL
             # (briefly), so that the rank named is the one that failed first, not a bystander.
             deadline = time.monotonic() + SETTLE_S
             while pending and time.monotonic() < deadline:
-                failed += reap(multiprocessing.connection.wait(list(pending), timeout=max(0.0, deadline - time.monotonic())))
+                failed += reap(
+                    multiprocessing.connection.wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+                )
             failures = [_failure(context, out_dir, i) for i in failed]
             _stop_all(processes, grace)
             raise RankError(_describe(failures))

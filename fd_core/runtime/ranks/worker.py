@@ -1,31 +1,23 @@
-"""One rank's side of a run: from the plan it received, its plugins, backend, model loaded and decided,
-and its generation engine."""
+"""One rank's side of a run: from the plan it received, its plugins, backend, model loaded and decided, its
+generation engine, and what it reports (timings, memory) when asked."""
 
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 from fd_core.config import ParallelConfig
 from fd_core.errors import PlatformError
 from fd_core.host.backend import Backend, load_backend
 from fd_core.host.loading import PluginSet, load_plugins
-from fd_core.host.output import fd_stdout
 from fd_core.runtime import progress
-from fd_core.runtime.engine.loop import Completion, Engine
+from fd_core.runtime.engine.loop import Engine
 from fd_core.runtime.engine.runner import ModelRunner
 from fd_core.runtime.plan import Plan, plugin_env
-from fd_core.runtime.request import Request
+from fd_core.runtime.procstats import peak_resident_bytes, resident_bytes
 from fd_core.runtime.threads import apply_threads
-
-
-def print_text(index: int, text: str) -> None:
-    """Stream new text to stdout as it is produced (rank 0 of an interactive run)."""
-    out = fd_stdout()  # the real stdout: what plugins print goes to stderr meanwhile
-    out.write(text)
-    out.flush()
 
 
 @dataclass
@@ -39,30 +31,42 @@ class RankWorker:
     runner: ModelRunner
     engine: Engine
     log: Callable[[str], None]
+    # When the run's clock started (fd's own start, else this rank's), and what the rank held on entry.
+    started: float = 0.0
+    entry_rss: int = 0
+    reports: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def start(
-        cls, plan: Plan, rank: int = 0, tp: int = 1, group: Any = None, entered: float | None = None, plugins: PluginSet | None = None
+        cls, plan: Plan, rank: int = 0, tp: int = 1, group: Any = None, *, plugins: PluginSet | None = None,
+        backend: Backend | None = None, before: Mapping[str, float] | None = None,
     ) -> "RankWorker":
         """Select the platform, load the planned model and decide on graphs; progress lines from rank 0.
 
-        `plugins` are the planning process's own (a rank in it discovers none again); a rank in another
-        process discovers them once. `entered` (time.time()) is when this rank's work began: the time up
-        to the model's build is its "setup" phase.
+        `plugins` are the planning process's own (a rank in it discovers none again; `backend`, its
+        Backend, when this rank's parallel layout is the planning one's); a rank in another process
+        discovers them once. `before` holds phases the caller timed before this (the rendezvous), and
+        their start as "at".
         """
-        entered = time.time() if entered is None else entered
+        entered = time.time()
+        # What this rank holds before any work of its own: a forked rank shares its parent's imports
+        # and holds less than a freshly started process that imported paddle.
+        entry_rss = resident_bytes()
         run = plan.run
         if plugins is None:
             progress.report("loading plugins")
             try:
-                plugins = load_plugins(plugin_env(run.platform), planned=plan.platform)  # the others' detections were asked in planning
+                # The others' detections were asked in planning.
+                plugins = load_plugins(plugin_env(run.platform), planned=plan.platform)
             except PlatformError as exc:
                 # Only the planned platform is asked again: its detection said yes in planning and no here.
                 raise PlatformError(
                     f"rank {rank}: the run was planned on {plan.platform!r}, which this rank could not select ({exc}); "
                     f"a platform's fd_platform_detect must answer the same every time (or force one with FD_PLATFORM)"
                 ) from None
-        backend = load_backend(ParallelConfig(tp_size=tp, tp_rank=rank, group=group), plugins=plugins)
+        parallel = ParallelConfig(tp_size=tp, tp_rank=rank, group=group)
+        if backend is None or backend.parallel != parallel:
+            backend = load_backend(parallel, plugins=plugins)
         if backend.platform != plan.platform:
             # Detection that answers differently from one call to the next would run ranks on two platforms.
             raise PlatformError(
@@ -78,7 +82,7 @@ class RankWorker:
             # launcher selected for this rank (paddle reads it from the rank's environment).
             paddle.set_device(backend.detection.device)
         if plan.threads is not None:
-            # The plan's compute threads per rank (fd_core.runtime.threads.decide_threads), before any weight is read.
+            # The plan's compute threads per rank (fd_core.runtime.threads), before any weight is read.
             apply_threads(plan.threads)
 
         def log(message: str) -> None:
@@ -89,21 +93,31 @@ class RankWorker:
         progress.report("checking the all-reduce")
         backend.check_collective()
         runner = ModelRunner(backend, arch, plan.config, run.checkpoint, run.seed, run.graph, log, run.allow_non_finite)
-        runner.timings["setup"] = time.time() - entered
+        # Start-up as phases, in the order they happened: the process's start, imports and the plan up to
+        # starting the ranks ("start"); starting them ("spawn"); the rendezvous; then plugin discovery and
+        # the backend on this rank ("setup").
+        before = dict(before or {})
+        started = run.started_at if run.started_at is not None else entered
+        rank_start = before.pop("at", entered)
+        spawned = run.spawned_at if run.spawned_at is not None else rank_start
+        early: dict[str, float] = {}
+        if run.started_at is not None or run.spawned_at is not None:
+            early["start"] = max(0.0, spawned - started)
+        if run.spawned_at is not None:
+            early["spawn"] = max(0.0, rank_start - spawned)
+        runner.timings = {**early, **before, "setup": time.time() - entered}
         log(f"loading {arch.name} ({run.checkpoint or 'seeded random weights'}) on {backend.platform}, tp={tp}")
         progress.report("loading weights")
         runner.load()
         log(f"loaded {arch.name} on {backend.platform} (tp={tp}) in {runner.timings['load']:.2f}s")
         runner.decide()
         tokenizer = plan.checkpoint.tokenizer_if_any() if plan.checkpoint is not None else None
-        return cls(rank, tp, plan, backend, runner, Engine(runner, tokenizer, run.max_batch, memory=plan.memory, threads=plan.threads), log)
+        engine = Engine(runner, tokenizer, run.max_batch, memory=plan.memory, threads=plan.threads)
+        return cls(rank, tp, plan, backend, runner, engine, log, started, entry_rss)
 
-    def generate(self, request: Request, on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
-        """Every prompt's completion; progress lines around it."""
-        self.log(f"generating for {len(request.prompts)} prompt(s)")
-        outputs = self.engine.generate(request, on_text)
-        self.log(f"generated {sum(len(c.token_ids) for c in outputs)} tokens at {self.engine.tokens_per_s:.1f} tokens/s")
-        return outputs
+    def reload(self) -> None:
+        """A weight update on this rank: graphs cleared, weights released, cleaned, loaded again."""
+        self.runner.reload()
 
     def describe(self) -> dict[str, Any]:
         """What a caller reads back: platform, model, graph decision, all-reduce binding and timings so far."""
@@ -121,3 +135,36 @@ class RankWorker:
             "threads": self.plan.threads.to_dict() if self.plan.threads is not None else None,
             "memory": self.plan.memory.to_dict() if self.plan.memory is not None else None,
         }
+
+    def report(self) -> dict[str, Any]:
+        """describe(), with this rank's speed, time to first token (from the run's start) and memory."""
+        engine, model = self.engine, self.runner.model
+        assert model is not None
+        first_token_s = (engine.first_token_at or time.time()) - self.started
+        return {
+            **self.describe(),
+            # What the memory target compares the peak with: this rank's parameters and KV cache.
+            "weight_bytes": sum(
+                p.numel().item() * p.element_size() for p in model.parameters()  # type: ignore[attr-defined]
+            ),
+            "kv_cache_bytes": getattr(model, "cache_bytes", lambda: 0)(),
+            "entry_rss_bytes": self.entry_rss,
+            "tokens_per_s": round(engine.tokens_per_s, 2),
+            "time_to_first_token_s": round(first_token_s, 4),
+            "decode_core_share": round(engine.decode_core_s / engine.decode_s, 3) if engine.decode_s > 0 else None,
+            "decode_step_ms": _step_breakdown(engine),
+            "finished_at": time.time(),
+            "rss_bytes": resident_bytes(),
+            "peak_rss_bytes": peak_resident_bytes(),
+        }
+
+
+def _step_breakdown(engine: Engine) -> dict[str, float] | None:
+    """A decode step's milliseconds: the whole, choosing the token (the non-finite check and sampling), and the model
+    step with the loop around it."""
+    if not engine.choose_calls or engine.decode_s <= 0:
+        return None
+    steps = max(1, engine.choose_calls - 1)  # the first choice (of the prefill's logits) is not decode time
+    choose = engine.choose_s * steps / engine.choose_calls
+    return {"step": round(engine.decode_s / steps * 1e3, 3), "choose": round(choose / steps * 1e3, 3),
+            "model_and_loop": round((engine.decode_s - choose) / steps * 1e3, 3)}

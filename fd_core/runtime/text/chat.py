@@ -18,10 +18,14 @@ MAX_TEMPLATE_BYTES = 1 << 20
 
 
 def find_chat_template(directory: str | Path, read: JsonReader = read_json) -> tuple[str, Path] | None:
-    """The chat template of a checkpoint and the file holding it: chat_template.jinja, chat_template.json, or tokenizer_config.json."""
+    """The chat template of a checkpoint and the file holding it: chat_template.jinja, chat_template.json, or
+    tokenizer_config.json."""
     path = Path(directory)
     if os.path.lexists(path / "chat_template.jinja"):
-        return read_text(path / "chat_template.jinja", str(path / "chat_template.jinja"), MAX_TEMPLATE_BYTES), path / "chat_template.jinja"
+        return (
+            read_text(path / "chat_template.jinja", str(path / "chat_template.jinja"), MAX_TEMPLATE_BYTES),
+            path / "chat_template.jinja",
+        )
     for name in ("chat_template.json", "tokenizer_config.json"):
         template = read(path / name).get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
@@ -35,7 +39,8 @@ def find_chat_template(directory: str | Path, read: JsonReader = read_json) -> t
 
 
 def load_chat_template(directory: str | Path, read: JsonReader = read_json) -> str | None:
-    """The chat template of a checkpoint (chat_template.jinja, chat_template.json, or tokenizer_config.json's), if any."""
+    """The chat template of a checkpoint (chat_template.jinja, chat_template.json, or tokenizer_config.json's), if
+    any."""
     found = find_chat_template(directory, read)
     return None if found is None else found[0]
 
@@ -46,12 +51,15 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def user_message(text: str, images: int = 0) -> dict[str, Any]:
-    """A user turn: plain text, or (with pictures) one image part per picture followed by the text, as VL templates expect."""
+    """A user turn: plain text, or (with pictures) one image part per picture followed by the text, as VL templates
+    expect."""
     if not images:
         return {"role": "user", "content": text}
     return {"role": "user", "content": [{"type": "image"} for _ in range(images)] + [{"type": "text", "text": text}]}
@@ -68,7 +76,8 @@ MAX_EXPONENT = 4096
 
 
 class _Overrun(BaseException):
-    """Raised inside a rendering thread by its watchdog; a BaseException, so that no `except Exception` in jinja keeps it."""
+    """Raised inside a rendering thread by its watchdog; a BaseException, so that no `except Exception` in jinja keeps
+    it."""
 
 
 class _TooLarge(Exception):
@@ -188,15 +197,29 @@ def _environment() -> Any:
         intercepted_binops = frozenset({"*", "**", "+", "%"})
 
         def call_binop(self, context: Any, op: str, left: Any, right: Any) -> Any:
-            if op == "**" and isinstance(right, int) and right > MAX_EXPONENT and isinstance(left, (int, float)) and abs(left) > 1:
+            if (
+                op == "**"
+                and isinstance(right, int)
+                and right > MAX_EXPONENT
+                and isinstance(left, (int, float))
+                and abs(left) > 1
+            ):
                 raise _TooLarge(f"it raises a number to the power {right} (fd allows {MAX_EXPONENT})")
             if op == "*" and isinstance(left, int) and isinstance(right, (str, list, tuple)):
                 left, right = right, left
-            if op == "*" and isinstance(left, (str, list, tuple)) and isinstance(right, int) and len(left) * right > MAX_RENDER_CHARS:
-                raise _TooLarge(f"it makes {_kind(left, len(left) * right)} by repetition (fd allows {MAX_RENDER_CHARS})")
+            if (
+                op == "*"
+                and isinstance(left, (str, list, tuple))
+                and isinstance(right, int)
+                and len(left) * right > MAX_RENDER_CHARS
+            ):
+                raise _TooLarge(
+                    f"it makes {_kind(left, len(left) * right)} by repetition (fd allows {MAX_RENDER_CHARS})"
+                )
             return _size(super().call_binop(context, op, left, right))
 
-        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - jinja's own signature
+        # Jinja's own signature.
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
             _no_huge_numbers(args, kwargs)
             return _size(super().call(__context, __obj, *args, **kwargs))
 
@@ -213,8 +236,8 @@ def _environment() -> Any:
 
 
 def render_chat(
-    template: str, messages: Sequence[Mapping[str, Any]], special_tokens: Mapping[str, str], add_generation_prompt: bool = True,
-    source: str | Path | None = None,
+    template: str, messages: Sequence[Mapping[str, Any]], special_tokens: Mapping[str, str],
+    add_generation_prompt: bool = True, source: str | Path | None = None,
 ) -> str:
     """The conversation as the model's prompt text; a template that fails, loops or grows without bound is a
     one-line ConfigError (naming `source`, the file the template came from, when given)."""
@@ -222,11 +245,14 @@ def render_chat(
 
     what = f"the chat template in {source}" if source is not None else "the chat template"
     fix = "fix the template" if source is not None else "fix the checkpoint's chat template"
-    variables = {"messages": list(messages), "add_generation_prompt": add_generation_prompt, "tools": None, "documents": None, **special_tokens}
+    variables = {"messages": list(messages), "add_generation_prompt": add_generation_prompt, "tools": None,
+                 "documents": None, **special_tokens}
     try:
         return _render(_environment(), template, variables)
     except _Overrun:
-        raise ConfigError(f"{what} did not finish rendering within {RENDER_SECONDS:g} s (a loop without end?); {fix}") from None
+        raise ConfigError(
+            f"{what} did not finish rendering within {RENDER_SECONDS:g} s (a loop without end?); {fix}"
+        ) from None
     except TemplateError as exc:
         raise ConfigError(f"{what} failed to render: {exc}".replace("\n", " ")) from None
     except _TooLarge as exc:

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from fd_core.errors import CheckpointError
+from fd_core.errors import CheckpointError, in_terms
 from fd_core.runtime.files import read_text, regular_file
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
@@ -25,14 +25,17 @@ MAX_JSON_BYTES = 64 << 20
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object file, or {} when it is absent; a malformed or special (FIFO, device) one is a one-line CheckpointError."""
+    """A JSON object file, or {} when it is absent; a malformed or special (FIFO, device) one is a one-line
+    CheckpointError."""
     if not os.path.lexists(path):
         return {}
     text = read_text(path, str(path), MAX_JSON_BYTES)
     try:
         data = json.loads(text)
     except (ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{path}: not a readable JSON file ({exc.__class__.__name__}: {exc}); fix or re-download it") from None
+        raise CheckpointError(
+            f"{path}: not a readable JSON file ({exc.__class__.__name__}: {exc}); fix or re-download it"
+        ) from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -54,7 +57,8 @@ def _describe(value: Any) -> str:
 
 
 def flag(data: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
-    """A true/false setting of a checkpoint's JSON file: a JSON boolean (or null: the default); the string "false" is refused, not read as true."""
+    """A true/false setting of a checkpoint's JSON file: a JSON boolean (or null: the default); the string "false" is
+    refused, not read as true."""
     value = data.get(key)
     if value is None:
         return default
@@ -64,14 +68,15 @@ def flag(data: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
 
 
 def _token_list(data: Mapping[str, Any], key: str, where: str) -> list[Any]:
-    """A list of tokens (strings or {"content": ...}); a string where the list belongs is refused (it is not a list of its letters)."""
+    """A list of tokens (strings or {"content": ...}); a string where the list belongs is refused (it is not a list of
+    its letters)."""
     value = data.get(key)
     if value is None:
         return []
     if not isinstance(value, list) or any(_content(v) is None for v in value):
         raise CheckpointError(
-            f"{where}: {key} must be a list of token strings (or {{\"content\": ...}} objects), got {_describe(value)}; "
-            f"write it as [\"<token>\", ...]"
+            f"{where}: {key} must be a list of token strings (or {{\"content\": ...}} objects), "
+            f"got {_describe(value)}; write it as [\"<token>\", ...]"
         )
     return value
 
@@ -84,13 +89,18 @@ class Tokenizer:
         self.config = dict(config)
         # Roles (bos_token, eos_token, ...) as strings; special_tokens_map.json overrides tokenizer_config.json.
         self.roles: dict[str, str] = {}
-        sources = ((config, f"{directory}/tokenizer_config.json"), (special_map, f"{directory}/special_tokens_map.json"))
+        sources = (
+            (config, f"{directory}/tokenizer_config.json"), (special_map, f"{directory}/special_tokens_map.json")
+        )
         for source, where in sources:
             for role in SPECIAL_ROLES:
                 value = source.get(role)
                 token = _content(value)
                 if value is not None and token is None:
-                    raise CheckpointError(f"{where}: {role} must be a token string (or {{\"content\": ...}}), got {_describe(value)}; fix the file")
+                    raise CheckpointError(
+                        f"{where}: {role} must be a token string (or {{\"content\": ...}}), got {_describe(value)}; "
+                        f"fix the file"
+                    )
                 if token:  # an empty role names no token
                     self.roles[role] = token
         extra = [item for source, where in sources for item in _token_list(source, "additional_special_tokens", where)]
@@ -155,9 +165,16 @@ def clean_up_tokenization(text: str) -> str:
 
 
 class JsonTokenizer(Tokenizer):
-    """A `tokenizer.json` through the `tokenizers` library (byte-level BPE for Qwen3-VL, and any other model it holds)."""
+    """A `tokenizer.json` through the `tokenizers` library (byte-level BPE for Qwen3-VL, and any other model it
+    holds)."""
 
-    def __init__(self, directory: Path, config: Mapping[str, Any], special_map: Mapping[str, Any], added: Mapping[int, Mapping[str, Any]]) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        config: Mapping[str, Any],
+        special_map: Mapping[str, Any],
+        added: Mapping[int, Mapping[str, Any]],
+    ) -> None:
         super().__init__(directory, config, special_map)
         from tokenizers import AddedToken
         from tokenizers import Tokenizer as Backend
@@ -170,8 +187,8 @@ class JsonTokenizer(Tokenizer):
         # Added tokens the JSON files declare but tokenizer.json lacks, as transformers adds them: in id order,
         # in one call (the library rebuilds its matcher on every call, so one call per token is quadratic),
         # then the special ones marked special (which leaves them where they are).
-        missing = [AddedToken(entry["content"], special=entry["special"], lstrip=entry["lstrip"], rstrip=entry["rstrip"],
-                              normalized=entry["normalized"], single_word=entry["single_word"])
+        missing = [AddedToken(entry["content"], special=entry["special"], lstrip=entry["lstrip"],
+                              rstrip=entry["rstrip"], normalized=entry["normalized"], single_word=entry["single_word"])
                    for _, entry in sorted(added.items()) if self.backend.token_to_id(entry["content"]) is None]
         if missing:
             self.backend.add_tokens(missing)
@@ -225,7 +242,13 @@ def _utf8(data: bytes | bytearray) -> str:
 class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece `tokenizer.model` (ERNIE-4.5) with added tokens split out before the model sees the text."""
 
-    def __init__(self, directory: Path, config: Mapping[str, Any], special_map: Mapping[str, Any], added: Mapping[int, Mapping[str, Any]]) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        config: Mapping[str, Any],
+        special_map: Mapping[str, Any],
+        added: Mapping[int, Mapping[str, Any]],
+    ) -> None:
         super().__init__(directory, config, special_map)
         import sentencepiece
 
@@ -266,7 +289,11 @@ class SentencePieceTokenizer(Tokenizer):
 
     def _with_specials(self, ids: list[int]) -> list[int]:
         bos, eos = self.role_id("bos_token"), self.role_id("eos_token")
-        return ([bos] if self.add_bos and bos is not None else []) + ids + ([eos] if self.add_eos and eos is not None else [])
+        return (
+            ([bos] if self.add_bos and bos is not None else [])
+            + ids
+            + ([eos] if self.add_eos and eos is not None else [])
+        )
 
     def _decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         # As transformers decodes a SentencePiece model: pieces with "▁" as spaces, runs of byte pieces
@@ -318,27 +345,40 @@ def _added_tokens(directory: Path, config: Mapping[str, Any], read: JsonReader) 
     if decoder is None:
         decoder = {}
     if not isinstance(decoder, Mapping):
-        raise CheckpointError(f"{where}: added_tokens_decoder must be an object of token id -> token, got {_describe(decoder)}; fix the file")
+        raise CheckpointError(
+            f"{where}: added_tokens_decoder must be an object of token id -> token, got {_describe(decoder)}; "
+            f"fix the file"
+        )
     for key, entry in decoder.items():
         content = _content(entry)
         if content is None or not str(key).isdigit():
             raise CheckpointError(f"{where}: added_tokens_decoder entry {key!r} is malformed")
         if not content:
-            raise CheckpointError(f"{where}: added_tokens_decoder entry {key!r} is an empty token, which would match between every character; remove it")
+            raise CheckpointError(
+                f"{where}: added_tokens_decoder entry {key!r} is an empty token, which would match between every "
+                f"character; remove it"
+            )
         fields = entry if isinstance(entry, Mapping) else {}
-        flags = {name: flag(fields, name, default, f"{where}: added_tokens_decoder entry {key!r}") for name, default in ADDED_TOKEN_FLAGS.items()}
+        flags = {
+            name: flag(fields, name, default, f"{where}: added_tokens_decoder entry {key!r}")
+            for name, default in ADDED_TOKEN_FLAGS.items()
+        }
         added[int(key)] = {**flags, "content": content}
     for content, token_id in read(directory / "added_tokens.json").items():
         if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
             raise CheckpointError(f"{directory}/added_tokens.json: {content!r} maps to {token_id!r}, not a token id")
         if not content:
-            raise CheckpointError(f"{directory}/added_tokens.json: an empty token (id {token_id}) would match between every character; remove it")
+            raise CheckpointError(
+                f"{directory}/added_tokens.json: an empty token (id {token_id}) would match between every character; "
+                f"remove it"
+            )
         added.setdefault(token_id, {**ADDED_TOKEN_FLAGS, "special": False, "content": content})
     return added
 
 
 def has_tokenizer(directory: str | Path) -> bool:
-    """Whether the directory holds a tokenizer fd can read (a special file by that name is refused when it is loaded)."""
+    """Whether the directory holds a tokenizer fd can read (a special file by that name is refused when it is
+    loaded)."""
     return any(os.path.lexists(Path(directory) / name) for name in TOKENIZER_FILES)
 
 
@@ -351,7 +391,9 @@ def load_tokenizer(directory: str | Path, read: JsonReader = read_json) -> Token
     if not has_tokenizer(path):
         raise CheckpointError(
             f"{path} has no tokenizer (looked for {' and '.join(TOKENIZER_FILES)}); "
-            f"pass token ids with --prompt-ids, which needs none"
+            + in_terms(
+                "pass token ids with --prompt-ids, which needs none", "pass token ids as the prompt, which needs none"
+            )
         )
     name = next(n for n in TOKENIZER_FILES if os.path.lexists(path / n))
     regular_file(path / name, str(path / name))

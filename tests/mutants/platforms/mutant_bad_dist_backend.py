@@ -1,6 +1,12 @@
 """Names a rendezvous backend paddle.distributed does not have ("mpi")."""
 
-from mutant_control import FD_CAPABILITIES, fd_all_reduce, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility  # noqa: F401
+from mutant_control import (  # noqa: F401
+    FD_CAPABILITIES,
+    fd_all_reduce,
+    fd_clean_memory_fragments,
+    fd_graph_backend,
+    fd_graph_eligibility,
+)
 
 from fd_core import Detection, hookimpl
 

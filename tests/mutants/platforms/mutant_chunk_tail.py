@@ -1,6 +1,12 @@
 """Sums in chunks of 65536 elements and forgets the tail after the last full chunk (an off-by-one in a chunked ring)."""
 
-from mutant_control import FD_CAPABILITIES, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility, fd_platform_detect  # noqa: F401
+from mutant_control import (  # noqa: F401
+    FD_CAPABILITIES,
+    fd_clean_memory_fragments,
+    fd_graph_backend,
+    fd_graph_eligibility,
+    fd_platform_detect,
+)
 
 from fd_core import hookimpl
 from fd_plugins.cpu import platform as _cpu

@@ -14,6 +14,7 @@ def fd_clean_memory_fragments(state_dict):
     import paddle
 
     for obj in gc.get_objects():
-        if isinstance(obj, paddle.Tensor) and not obj.stop_gradient and obj.dtype == paddle.float32 and obj._is_initialized():
+        if (isinstance(obj, paddle.Tensor) and not obj.stop_gradient and obj.dtype == paddle.float32
+                and obj._is_initialized()):
             paddle.assign(obj.astype("bfloat16").astype("float32"), output=obj)
     gc.collect()

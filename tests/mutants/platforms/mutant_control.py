@@ -11,4 +11,5 @@ EXPECT = None  # passes
 @hookimpl
 def fd_platform_detect() -> Detection:
     cpu = _cpu.fd_platform_detect()
-    return Detection(detected=True, priority=-5, reason="mutation-test control", device="cpu", dist_backend="gloo", max_ranks=cpu.max_ranks)
+    return Detection(detected=True, priority=-5, reason="mutation-test control", device="cpu", dist_backend="gloo",
+                     max_ranks=cpu.max_ranks)

@@ -1,6 +1,12 @@
 """Sums 16-bit floats in float32 and returns the float32 sum, not a tensor of the input's dtype."""
 
-from mutant_control import FD_CAPABILITIES, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility, fd_platform_detect  # noqa: F401
+from mutant_control import (  # noqa: F401
+    FD_CAPABILITIES,
+    fd_clean_memory_fragments,
+    fd_graph_backend,
+    fd_graph_eligibility,
+    fd_platform_detect,
+)
 
 from fd_core import hookimpl
 from fd_plugins.cpu import platform as _cpu

@@ -41,7 +41,9 @@ def _expected(x: Any, w: Any, transpose: bool) -> np.ndarray:
     ((1, 1, 2048 + 13), (2048 + 13, 1024), False),  # an odd K
     ((1, 1024), (4096 + 13, 1024), True),  # the LM head's: the outputs split
 ])
-def test_a_split_product_matches_numpy(threads, monkeypatch: pytest.MonkeyPatch, count: int, x_shape, w_shape, transpose: bool) -> None:
+def test_a_split_product_matches_numpy(
+    threads, monkeypatch: pytest.MonkeyPatch, count: int, x_shape, w_shape, transpose: bool,
+) -> None:
     monkeypatch.setattr(products, "_cores", lambda: 8)  # as on a host with more cores than parts
     x, w = _t(*x_shape), _t(*w_shape)
     threads(count)
@@ -52,7 +54,8 @@ def test_a_split_product_matches_numpy(threads, monkeypatch: pytest.MonkeyPatch,
 
 
 def test_a_float64_split_keeps_float64_sums(threads, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The parts of a split sum are added in float32 only for a narrower dtype: a float64 product stays float64-exact."""
+    """The parts of a split sum are added in float32 only for a narrower dtype:
+    a float64 product stays float64-exact."""
     monkeypatch.setattr(products, "_cores", lambda: 2)
     x, w = _t(1, 1, 2048).astype("float64"), _t(2048, 1024).astype("float64")
     threads(2)

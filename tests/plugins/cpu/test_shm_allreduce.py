@@ -1,4 +1,5 @@
-"""The cpu platform's shared-memory all-reduce on two real ranks (paddle.distributed spawn over gloo, nothing mocked)."""
+"""The cpu platform's shared-memory all-reduce on two real ranks (paddle.distributed spawn
+over gloo, nothing mocked)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ def test_half_sums_round_like_paddle(dtype: str) -> None:
     from fd_plugins.cpu import shm
 
     rng = np.random.default_rng(7)
-    special = np.array([0.0, -0.0, 1.0, 1.00390625, 1.01171875, 65504.0, 65520.0, 1e-8, 3.0e38, np.inf, -np.inf, np.nan], dtype=np.float32)
+    special = np.array(
+        [0.0, -0.0, 1.0, 1.00390625, 1.01171875, 65504.0, 65520.0, 1e-8, 3.0e38, np.inf, -np.inf, np.nan],
+        dtype=np.float32
+    )
     a = np.concatenate([rng.standard_normal(4000).astype(np.float32) * 1000, special])
     b = np.concatenate([rng.standard_normal(4000).astype(np.float32) * 1000, np.zeros_like(special)])
     halves = [paddle.to_tensor(x).astype(dtype) for x in (a, b)]

@@ -4,8 +4,6 @@ its device calls substituted and recorded. None of these tests runs on a GPU."""
 from __future__ import annotations
 
 import inspect
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,9 +15,7 @@ from fd_core import DeviceMemory, ParallelConfig
 from fd_core.testing import Capabilities, PlatformSuite
 from fd_plugins.cuda import graphs as cuda_graphs
 from fd_plugins.cuda import platform as cuda
-
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from recording import FakeCUDAGraph, substitute  # noqa: E402
+from recording import FakeCUDAGraph, substitute
 
 
 class TestCudaPlatform(PlatformSuite):
@@ -150,7 +146,8 @@ def test_detection_with_a_cuda_build_and_two_devices(monkeypatch: pytest.MonkeyP
     # Per device, not per host: each device's total, less what paddle's allocator holds of it.
     assert answer.device_memory == (DeviceMemory(total=80 * 2**30, free=79 * 2**30),) * 2
     assert [(name, args) for name, args, _ in log] == [
-        ("get_device_properties", (0,)), ("memory_reserved", (0,)), ("get_device_properties", (1,)), ("memory_reserved", (1,)),
+        ("get_device_properties", (0,)), ("memory_reserved", (0,)),
+        ("get_device_properties", (1,)), ("memory_reserved", (1,)),
     ]
     assert answer.problem() is None
     monkeypatch.setattr(paddle.device.cuda, "device_count", lambda: 0)
@@ -191,7 +188,8 @@ def test_cleanup_leaves_a_lazy_mapping_of_seeded_weights_unread(monkeypatch: pyt
 
 
 def test_all_reduce_runs_for_real_over_gloo() -> None:
-    """cuda's fd_all_reduce on two real CPU ranks (gloo): the same paddle call NCCL gets, summed for real. Not on a GPU."""
+    """cuda's fd_all_reduce on two real CPU ranks (gloo): the same paddle call NCCL gets,
+    summed for real. Not on a GPU."""
     from device_workers import all_reduce_on_rank
     from fd_core.runtime.ranks.spawn import spawn_ranks
 

@@ -4,8 +4,6 @@ and with its device calls substituted and recorded. None of these tests runs on 
 from __future__ import annotations
 
 import inspect
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,14 +11,12 @@ import paddle
 import paddle.distributed as dist
 import pytest
 
+from fakedist import run_fd
 from fd_core import DeviceMemory, ModelConfig, ParallelConfig
 from fd_core.host.backend import load_backend
 from fd_core.testing import Capabilities, PlatformSuite
 from fd_plugins.iluvatar import platform as iluvatar
-
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from fakedist import run_fd  # noqa: E402
-from recording import substitute  # noqa: E402
+from recording import substitute
 
 # What detection says on this machine (Paddle's CPU build, no Iluvatar plugin).
 NOT_INSTALLED = (
@@ -61,10 +57,12 @@ def test_all_reduce_runs_on_the_calc_stream_synchronously(monkeypatch: pytest.Mo
 
 @pytest.mark.parametrize(
     ("architecture", "tp", "allowed"),
-    [("ernie4_5_vl", 2, False), ("ernie4_5_vl", 4, False), ("ernie4_5_vl", 1, True), ("ernie4_5", 2, True), ("qwen3_vl", 2, True)],
+    [("ernie4_5_vl", 2, False), ("ernie4_5_vl", 4, False), ("ernie4_5_vl", 1, True), ("ernie4_5", 2, True),
+     ("qwen3_vl", 2, True)],
 )
 def test_veto_fires_for_ernie_vl_only_above_one_rank(architecture: str, tp: int, allowed: bool) -> None:
-    vote = iluvatar.fd_graph_eligibility(ModelConfig(architecture=architecture), ParallelConfig(tp_size=tp), "cuda_graph")
+    vote = iluvatar.fd_graph_eligibility(ModelConfig(architecture=architecture), ParallelConfig(tp_size=tp),
+                                         "cuda_graph")
     assert vote.allow is allowed
     if not allowed:
         assert vote.reason == f"ERNIE-4.5-VL (Ernie4_5_VLMoeForConditionalGeneration) with tp={tp} fails under CUDA graph capture on Iluvatar"
@@ -89,13 +87,15 @@ def test_fd_explain_shows_the_veto_for_the_registered_architecture() -> None:
 
 
 def test_cleanup_frees_the_state_dict_then_empties_the_custom_device_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The device-generic cache call (not the CUDA one, a no-op on custom devices) substituted and recorded; not on Iluvatar hardware."""
+    """The device-generic cache call (not the CUDA one, a no-op on custom devices) substituted and
+    recorded; not on Iluvatar hardware."""
     from paddle.device import custom_device
 
     log: list = []
     substitute(monkeypatch, custom_device, "empty_cache", log, None)
     substitute(monkeypatch, paddle.device, "synchronize", log, None)
-    substitute(monkeypatch, paddle.device.cuda, "empty_cache", log, None, label="cuda.empty_cache")  # must not be called
+    # must not be called
+    substitute(monkeypatch, paddle.device.cuda, "empty_cache", log, None, label="cuda.empty_cache")
     state = {"w": paddle.ones([4])}
     iluvatar.fd_clean_memory_fragments(state)
     iluvatar.fd_clean_memory_fragments(None)

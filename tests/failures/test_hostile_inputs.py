@@ -1,4 +1,4 @@
-"""Round 3, hostile inputs: checkpoint files, prompts and pictures a user or a download hands fd.
+"""Hostile inputs: checkpoint files, prompts and pictures a user or a download hands fd.
 
 Each ends as one line naming the file, field or option and the fix (a ConfigError-family error; exit 2
 from `fd`), in bounded time, before any rank starts; what used to give silently wrong output gives the
@@ -21,12 +21,10 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
+import kit
 from conftest import assert_one_line_error, fd_env, left_over, new_marker, run_fd
 from fd_core.errors import CheckpointError, ConfigError
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "text"))
-import kit  # noqa: E402
-from fd_models.presets import TINY_QWEN3_VL, TINY_TEXT  # noqa: E402
+from fd_models.presets import TINY_QWEN3_VL, TINY_TEXT
 
 
 def _placeholder_weights(directory: Path) -> None:
@@ -39,7 +37,7 @@ def _placeholder_weights(directory: Path) -> None:
 @pytest.fixture(scope="module")
 def ernie(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An ERNIE-4.5 checkpoint directory with a SentencePiece tokenizer and placeholder weights."""
-    directory = tmp_path_factory.mktemp("round3") / "ernie"
+    directory = tmp_path_factory.mktemp("inputs") / "ernie"
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps({**TINY_TEXT, "architectures": ["ernie4_5"]}))
     _placeholder_weights(directory)
@@ -50,9 +48,10 @@ def ernie(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Qwen3-VL checkpoint directory with a byte-level BPE tokenizer, its chat template and placeholder weights."""
-    directory = tmp_path_factory.mktemp("round3") / "qwen"
+    directory = tmp_path_factory.mktemp("inputs") / "qwen"
     ids = kit.bpe_tokenizer(directory)
-    config = {**json.loads(json.dumps(TINY_QWEN3_VL)), "image_token_id": ids["<|image_pad|>"], "vision_start_token_id": ids["<|vision_start|>"],
+    config = {**json.loads(json.dumps(TINY_QWEN3_VL)), "image_token_id": ids["<|image_pad|>"],
+              "vision_start_token_id": ids["<|vision_start|>"],
               "vision_end_token_id": ids["<|vision_end|>"], "eos_token_id": ids["<|im_end|>"]}
     (directory / "config.json").write_text(json.dumps(config))
     _placeholder_weights(directory)
@@ -76,7 +75,8 @@ def _plan(checkpoint: Path | None = None, **run: Any) -> Any:
     """plan_run as `fd run` and LLM call it: every check before a rank starts (tp=1)."""
     from fd_core.runtime.plan import RunConfig, plan_run
 
-    return plan_run(RunConfig(model="" if checkpoint else run.pop("model", "qwen3_vl"), tp=1, checkpoint=str(checkpoint) if checkpoint else None,
+    return plan_run(RunConfig(model="" if checkpoint else run.pop("model", "qwen3_vl"), tp=1,
+                              checkpoint=str(checkpoint) if checkpoint else None,
                               **run))
 
 
@@ -91,7 +91,8 @@ def _one_line(exc: BaseException, *parts: str) -> None:
 
 
 def test_a_prompt_that_is_not_utf8_is_one_line(ernie: Path) -> None:
-    # The shell hands Python bytes; what is not UTF-8 arrives as lone surrogates (the tokenizers library raised TypeError).
+    # The shell hands Python bytes; what is not UTF-8 arrives as lone surrogates (the tokenizers library raised
+    # TypeError).
     run = run_fd(["run", "--tp", "1", "--checkpoint", str(ernie), "--prompt", "\udcff\udcfehello"], traced=True)
     assert_one_line_error(run, "the prompt is not valid UTF-8 text (the byte 0xff at character 0); pass the text encoded as UTF-8")
     assert run.paddle_imported is False
@@ -100,8 +101,10 @@ def test_a_prompt_that_is_not_utf8_is_one_line(ernie: Path) -> None:
 def test_fd_run_with_stdout_closed_is_one_line(ernie: Path) -> None:
     # fd 1 closed before Python starts: sys.stdout is None (fd raised AttributeError on isatty).
     marker = new_marker()
-    done = subprocess.run([sys.executable, "-m", "fd_core.cli", "run", "--tp", "1", "--checkpoint", str(ernie), "--prompt", "hi"],
-                          env=fd_env(marker), stderr=subprocess.PIPE, text=True, timeout=120, preexec_fn=lambda: os.close(1))
+    done = subprocess.run([sys.executable, "-m", "fd_core.cli", "run", "--tp", "1", "--checkpoint", str(ernie),
+                           "--prompt", "hi"],
+                          env=fd_env(marker), stderr=subprocess.PIPE, text=True, timeout=120,
+                          preexec_fn=lambda: os.close(1))
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
@@ -110,7 +113,9 @@ def test_fd_run_with_stdout_closed_is_one_line(ernie: Path) -> None:
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
-def test_a_prompts_file_that_is_not_a_regular_file_is_refused_without_reading(ernie: Path, tmp_path: Path, kind: str) -> None:
+def test_a_prompts_file_that_is_not_a_regular_file_is_refused_without_reading(
+    ernie: Path, tmp_path: Path, kind: str,
+) -> None:
     # A FIFO blocked in open() with nobody writing; /dev/zero read one endless line until MemoryError.
     path = "/dev/zero"
     if kind == "fifo":
@@ -146,9 +151,12 @@ def test_a_chat_template_that_loops_is_stopped_within_its_bound(ernie: Path, tmp
          "it makes a string of 16777216 characters (fd allows 8388608)"),
         ("{% for i in range(20000) %}{{ 'a' * 1000 }}{% endfor %}", "its output passes 8388608 characters"),
     ],
-    ids=["divide-by-zero", "recursion", "huge-range", "huge-string", "huge-filter-size", "doubling-concat", "huge-output"],
+    ids=["divide-by-zero", "recursion", "huge-range", "huge-string", "huge-filter-size", "doubling-concat",
+         "huge-output"],
 )
-def test_a_chat_template_that_fails_or_grows_is_one_line_naming_its_file(ernie: Path, tmp_path: Path, template: str, detail: str) -> None:
+def test_a_chat_template_that_fails_or_grows_is_one_line_naming_its_file(
+    ernie: Path, tmp_path: Path, template: str, detail: str,
+) -> None:
     from fd_core.runtime.checkpoint import Checkpoint
     from fd_core.runtime.request import chat_prompt
 
@@ -175,7 +183,8 @@ def test_a_template_that_renders_well_is_unchanged_by_the_bounds() -> None:
     from fd_core.runtime.text.chat import render_chat, user_message
 
     text = render_chat(kit.QWEN_CHAT, [user_message("x" * 100000, images=2)], {})
-    assert text == "<|im_start|>user\n" + "<|vision_start|><|image_pad|><|vision_end|>" * 2 + "x" * 100000 + "<|im_end|>\n<|im_start|>assistant\n"
+    assert text == ("<|im_start|>user\n" + "<|vision_start|><|image_pad|><|vision_end|>" * 2 + "x" * 100000
+                    + "<|im_end|>\n<|im_start|>assistant\n")
 
 
 # -- tokenizer files ------------------------------------------------------------------------
@@ -238,9 +247,11 @@ def test_twenty_thousand_added_tokens_load_in_linear_time(qwen: Path, tmp_path: 
     assert tokenizer.decode(ids) == "ab<extra_4>c<extra_19999>" and first + 3 in tokenizer.special_ids
 
 
-@pytest.mark.parametrize("name", ["tokenizer_config.json", "tokenizer.json", "generation_config.json", "chat_template.jinja"])
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "tokenizer.json", "generation_config.json",
+                                  "chat_template.jinja"])
 def test_a_checkpoint_file_that_is_a_fifo_is_refused_without_opening_it(qwen: Path, tmp_path: Path, name: str) -> None:
-    # Reading a FIFO blocks until a writer comes; before, some were also skipped as if absent (another template, no eos ids).
+    # Reading a FIFO blocks until a writer comes; before, some were also skipped as if absent (another template, no eos
+    # ids).
     from fd_core.runtime.checkpoint import Checkpoint
 
     path = _copy(qwen, tmp_path / "ckpt")
@@ -267,7 +278,9 @@ def test_a_checkpoint_file_that_is_a_fifo_is_refused_without_opening_it(qwen: Pa
     ],
     ids=["temperature-string", "do-sample-false-string", "top-k-float", "eos-string"],
 )
-def test_generation_config_values_are_checked_by_type(ernie: Path, tmp_path: Path, settings: dict[str, Any], message: str) -> None:
+def test_generation_config_values_are_checked_by_type(
+    ernie: Path, tmp_path: Path, settings: dict[str, Any], message: str,
+) -> None:
     path = _copy(ernie, tmp_path / "ckpt")
     (path / "generation_config.json").write_text(json.dumps(settings))
     with pytest.raises(CheckpointError) as caught:
@@ -282,7 +295,8 @@ def test_a_checkpoint_default_out_of_range_names_generation_config(ernie: Path, 
     with pytest.raises(CheckpointError) as caught:
         _plan(path, prompts=("hi",))
     _one_line(caught.value, f"{path}/generation_config.json: its default temperature 1e-310 is below 1e-05", "fix the file, or pass the setting")
-    assert _plan(path, prompts=("hi",), temperature=0.0).request.sampling.greedy  # the setting passed wins over the file
+    # the setting passed wins over the file
+    assert _plan(path, prompts=("hi",), temperature=0.0).request.sampling.greedy
 
 
 def test_a_temperature_that_underflows_is_refused_and_the_floor_samples_finitely() -> None:
@@ -312,7 +326,7 @@ def test_one_stop_string_given_as_a_str_is_one_stop_string() -> None:
 @pytest.mark.parametrize(("settings", "message"), [({"seed": -1}, "seed must be >= 0, got -1"),
                                                    ({"max_batch": 0}, "max_batch must be >= 1 (prompts decoded together), got 0")])
 def test_the_python_api_refuses_what_the_cli_refuses(settings: dict[str, Any], message: str) -> None:
-    from fd_core.runtime.session import LLM
+    from fd_core.runtime.llm import LLM
 
     start = time.monotonic()
     with pytest.raises(ConfigError) as caught:
@@ -369,9 +383,12 @@ def test_a_100_megapixel_png_is_refused_from_its_header(pictures: dict[str, Path
     ],
     ids=["text-file", "channels-last", "one-channel", "four-channels"],
 )
-def test_a_npy_that_is_not_an_rgb_picture_is_refused_by_fd_run(pictures: dict[str, Path], name: str, message: str) -> None:
+def test_a_npy_that_is_not_an_rgb_picture_is_refused_by_fd_run(
+    pictures: dict[str, Path], name: str, message: str,
+) -> None:
     # The text file got numpy's advice to use allow_pickle; the layouts passed and failed in the ranks.
-    run = run_fd(["run", "--tp", "1", "--model", "qwen3_vl", "--prompt-ids", "5,17,508,510,510,510,510,509,42", "--image", str(pictures[name])],
+    run = run_fd(["run", "--tp", "1", "--model", "qwen3_vl", "--prompt-ids", "5,17,508,510,510,510,510,509,42",
+                  "--image", str(pictures[name])],
                  traced=True)
     assert_one_line_error(run, f"--image {pictures[name]}: {message}")
     assert run.paddle_imported is False
@@ -403,13 +420,16 @@ def test_picture_arrays_given_to_the_api_are_checked(make: Callable[[], Any], me
     plan = _plan(model="qwen3_vl")
     arch = plan.architecture(load_plugins())
     with pytest.raises(ConfigError) as caught:
-        build_request([[5, 17, 508, 510, 510, 510, 510, 509, 42]], SamplingParams(max_new_tokens=2), arch=arch, config=plan.config,
+        build_request([[5, 17, 508, 510, 510, 510, 510, 509, 42]], SamplingParams(max_new_tokens=2), arch=arch,
+                      config=plan.config,
                       checkpoint=None, images=[make()])
     assert message in str(caught.value)
 
 
 
-def test_a_rank_loading_the_tokenizer_notes_the_phase(qwen: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rank_loading_the_tokenizer_notes_the_phase(
+    qwen: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # A rank slow in the tokenizer (20,000 added tokens took 56 s) was blamed by the stall watch on the phase before it.
     from fd_core.runtime import progress
     from fd_core.runtime.checkpoint import Checkpoint

@@ -1,0 +1,89 @@
+"""`fd check` is never a pass unless its checks ran and passed: interrupted (Ctrl-C, SIGTERM, a stop
+signal while a check runs inside Paddle) it says so and exits 128 + the signal; without the platform's
+hardware it is "not verified" (exit 3) unless --allow-unverified.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import fd_env, left_over, new_marker, run_fd, start_fd
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_fd_check_is_never_a_pass(sig: signal.Signals, code: int) -> None:
+
+    proc, marker = start_fd(["check", "cpu"])
+    time.sleep(6)  # inside the suite: the plugins are loaded and the checks are running
+    os.killpg(proc.pid, sig) if sig == signal.SIGINT else os.kill(proc.pid, sig)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, (out, err)
+    assert "verdict: interrupted: only the checks listed ran; nothing is verified" in err
+    assert "verdict: passed" not in out and "Traceback" not in err
+    assert left_over(marker) == []
+
+
+def test_fd_check_without_the_hardware_is_not_verified() -> None:
+    done = run_fd(["check", "cuda"], timeout=300)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert re.search(r"^verdict: not verified: \d+ check\(s\) need cuda's hardware, which is not here$", done.stdout, re.M)
+    allowed = run_fd(["check", "cuda", "--allow-unverified"], timeout=300)
+    assert allowed.returncode == 0
+
+
+SIGNALLER = """
+import os
+import signal
+from pathlib import Path
+
+from fd_core import hookimpl
+from fd_core.native_ops import silu_and_mul
+
+_calls = 0
+
+
+def signalling_silu_and_mul(gate, up):
+    # The first call (inside a check, in fd check's own process) sends SIGTERM to this process, as a
+    # process manager would while Paddle captures a graph; the call must then go on, not be interrupted.
+    global _calls
+    _calls += 1
+    if _calls == 1 and os.getpid() == int(os.environ["FDTEST_CHECK_PID"] or "0"):
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # a while of Python, where a raising handler would run
+            pass
+        Path(os.environ["FDTEST_SIGNALLED"]).write_text("went on")
+    return silu_and_mul(gate, up)
+
+
+@hookimpl
+def fd_register_kernels(register):
+    register("silu_and_mul", signalling_silu_and_mul)
+"""
+
+CHECK = "test_the_engine_generates_what_the_model_computes_without_a_cache"
+
+
+def test_a_stop_signal_during_a_check_waits_for_the_check_to_end(distribution, tmp_path: Path) -> None:
+    """Raised inside Paddle's C++ (a graph being captured in `fd check`'s process), a stop aborted with SIGABRT;
+    it is raised between checks instead: the interrupted kernel goes on, and `fd check` exits 143."""
+    path = distribution("fd-signaller", {"fd_signaller": SIGNALLER}, {"fd.plugins": {"signaller": "fd_signaller"}})
+    flag = tmp_path / "signalled"
+    marker = new_marker()
+    # The kernel signals its own process only in fd check's (not in a rank): its pid is known once started.
+    proc = subprocess.Popen(["sh", "-c", f"FDTEST_CHECK_PID=$$ exec {sys.executable} -m fd_core.cli check cpu -k {CHECK}"],
+                            env=fd_env(marker, path, {"FDTEST_SIGNALLED": str(flag)}), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 143, (out, err)
+    assert flag.read_text() == "went on", err
+    assert "verdict: interrupted: only the checks listed ran; nothing is verified" in err
+    assert "Traceback" not in err and "Fatal Python error" not in err
+    assert left_over(marker) == []
