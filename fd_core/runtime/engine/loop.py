@@ -16,7 +16,7 @@ from fd_core.runtime.engine.sampling import Sampler, SamplingParams
 from fd_core.runtime.memory import MemoryPlan, cache_length
 from fd_core.runtime.request import Request
 from fd_core.runtime.text.streaming import StreamDecoder, TextState
-from fd_core.runtime.threads import Threads, apply_threads, phase_threads
+from fd_core.runtime.threads import Threads, apply_phase
 
 if TYPE_CHECKING:
     from fd_core.runtime.text.tokenizer import Tokenizer
@@ -312,7 +312,7 @@ class Engine:
         if self.threads is not None:
             # Every phase, not only on a change: MKL's count is the process's, which another engine may have set (cheap:
             # docs/benchmarks.md).
-            apply_threads(phase_threads(self.threads, rows))
+            apply_phase(self.threads, rows)
 
     def _prefill(self, jobs: Sequence[Job], slots: Sequence[int]) -> None:
         """Prefill `jobs` together (left-padded) into cache `slots`; their first tokens come from the step's choice."""
