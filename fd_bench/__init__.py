@@ -37,6 +37,12 @@ ROWS: dict[str, str] = {
     "kernels": "a layer's call of a resolved op vs a direct call; the cpu platform's fused RMSNorm vs the native op",
     "serve": ("fd serve at 1, 4 and 16 concurrent streaming clients vs the same requests through LLM one at a time: "
               "req/s, tok/s, time to first token"),
+    "prefix": ("8 requests sharing a 1,024-token system prompt through fd serve: time to first token, prefix caching "
+               "on vs off"),
+    "capacity": ("sequences of 64 to 2,048 positions running together at one KV budget: blocks vs the fixed slots "
+                 "before"),
+    "chunked": "the largest gap of a running stream while a 4,096-token prompt arrives: chunked prefill vs whole",
+    "decode_paged": "decode tok/s at batch 1 and 8: the paged KV cache vs the fixed-slot code before it (its commit)",
 }
 DEFAULT_JSON = Path("benchmarks/results/latest.json")
 # A smoke run (CI) must not overwrite the recorded full run.
@@ -127,6 +133,16 @@ def _runners(selected: list[str], smoke: bool) -> list[tuple[tuple[str, ...], Ca
         from fd_bench import serving
 
         jobs.append((("serve",), lambda: serving.serve_rows(smoke)))
+    paged_rows = {"prefix": "prefix_rows", "capacity": "capacity_rows", "chunked": "chunked_rows",
+                  "decode_paged": "decode_rows"}
+    for row, function in paged_rows.items():
+        if row in chosen:
+            from fd_bench import paged
+
+            def run_paged(function: str = function) -> list[Any]:
+                return list(getattr(paged, function)(smoke))
+
+            jobs.append(((row,), run_paged))
     return jobs
 
 

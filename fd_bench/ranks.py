@@ -52,8 +52,23 @@ def seeded_model(arch: Any, config: Any, ctx: Any, rank: int, world: int, max_le
 
     model = arch.build(config, ctx)
     model.load_weights(random_state_dict(model.weight_specs(), 0, rank, world, init_std(config)))
-    model.allocate_cache(1, max_len)
+    model.allocate_kv_cache(1 + table_width(max_len), BLOCK_SIZE)
     return model
+
+
+BLOCK_SIZE = 16
+
+
+def table_width(max_len: int) -> int:
+    """Blocks of one sequence of `max_len` positions (the benchmark's one row owns blocks 1 onward)."""
+    return -(-max_len // BLOCK_SIZE)
+
+
+def at(position: int, length: int, max_len: int) -> Any:
+    """The KVBatch of one row's `length` new tokens from `position` in its own blocks."""
+    from fd_core.kvcache import KVBatch
+
+    return KVBatch.contiguous(1, position, length, BLOCK_SIZE, table_width(max_len))
 
 
 def decode_setup(backend: Any, smoke: bool) -> tuple[Any, Any, Any, int, int, int, int]:
@@ -111,13 +126,13 @@ def decode(rank: int, world: int, smoke: bool, modes: tuple[str, ...] = ("eager"
                     # The cpu static-graph backend keeps one traced program per function and shapes
                     # (on the function): dropped here, so that each side traces its own all-reduce.
                     forget_traces(model.decode_fn)
-                    model.capture(backend.graph_backend(), 1)
+                    model.capture(backend.graph_backend(), 1, table_width(max_len))
                     graphs[name] = model.graphs
         except Exception as exc:  # noqa: BLE001 - reported in the row, the eager numbers stand
             out[mode] = {"error": f"{type(exc).__name__}: {exc}"}
             continue
         wire("fd")
-        first = model.prefill(prompt).numpy()
+        first = model.prefill(prompt, None, at(0, prompt.shape[1], max_len)).numpy()
         token = np.asarray([[int(first.argmax())]], dtype="int64")
         # Step by step: the sides take turns every decode step (the order rotates and flips), so the noise of
         # a shared machine (a peer rank descheduled for a time slice) falls on both sides alike.
@@ -127,14 +142,15 @@ def decode(rank: int, world: int, smoke: bool, modes: tuple[str, ...] = ("eager"
             for name in names[i % 3:] + names[: i % 3] if i % 2 == 0 else (names[i % 3:] + names[: i % 3])[::-1]:
                 wire(name)
                 start = perf_counter_ns()
-                model.decode_step(token, prompt.shape[1] + i % steps).numpy()  # the logits are used, as a sampler would
+                # the logits are used, as a sampler would
+                model.decode_step(token, at(prompt.shape[1] + i % steps, 1, max_len)).numpy()
                 if i >= warm:
                     times[name].append(perf_counter_ns() - start)
         # Both wirings compute the same step: the same position and token on the same cache.
         check = {}
         for name in ("fd", "direct"):
             wire(name)
-            check[name] = model.decode_step(token, prompt.shape[1]).numpy()
+            check[name] = model.decode_step(token, at(prompt.shape[1], 1, max_len)).numpy()
         out[mode] = {
             "fd_step_ns": statistics.median(times["fd"]),
             "direct_step_ns": statistics.median(times["direct"]),

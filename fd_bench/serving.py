@@ -14,7 +14,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from fd_bench.report import Line
 
@@ -23,11 +23,11 @@ PROMPTS = ["Hello world", "The quick brown fox", "Once upon a time", "A language
 CLIENTS = (1, 4, 16)
 
 
-def _start(checkpoint: Path) -> tuple[subprocess.Popen[str], str]:
-    """`fd serve` on a free port; its address read from stderr."""
+def start_server(checkpoint: Path, extra: Sequence[str] = ()) -> tuple[subprocess.Popen[str], str]:
+    """`fd serve` (with `extra` options) on a free port; its address read from stderr."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FD_")}
     process = subprocess.Popen([sys.executable, "-m", "fd_core.cli", "serve", "--checkpoint", str(checkpoint),
-                                "--tp", "1", "--port", "0", "--max-queue", "64"],
+                                "--tp", "1", "--port", "0", "--max-queue", "64", *extra],
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                env=env)
     found: list[str] = []
@@ -111,7 +111,7 @@ def serve_rows(smoke: bool) -> list[Line]:
             made = sum(len(llm.generate(PROMPTS[i % len(PROMPTS)], sampling)[0].token_ids) for i in range(requests))
             wall = time.perf_counter() - start
         sequential = {"req_s": requests / wall, "tok_s": made / wall}
-        process, url = _start(checkpoint)
+        process, url = start_server(checkpoint)
         try:
             # Warm-up: the first batch of each size pays for its cache and its decode graph's capture (once per size).
             for c in (*range(1, 9), 16):

@@ -69,7 +69,6 @@ class StepTimer:
 def instrument(worker: Any, timer: StepTimer) -> Callable[[], float]:
     """Time every part of `worker`'s model in place; returns a function giving the decode steps' total seconds."""
     from fd_core.runtime.engine import loop as engine
-    from fd_models.layers import attention as attention_module
     from fd_models.layers.attention import Attention
     from fd_models.layers.mlp import SwiGLUMLP
     from fd_models.layers.norm import RMSNorm
@@ -90,7 +89,9 @@ def instrument(worker: Any, timer: StepTimer) -> Callable[[], float]:
         elif isinstance(layer, VocabParallelEmbedding):
             timer.wrap(layer, "forward", "embedding")
         elif isinstance(layer, Attention):
-            timer.wrap(layer, "attention", "attention")
+            timer.wrap(layer, "paged_attention", "attention")
+            timer.wrap(layer, "paged_prefill_attention", "attention")
+            timer.wrap(layer, "write_kv_cache", "kv_write")
             timer.wrap(layer, "rotary_embedding", "rotary")
             if layer.fused:  # its projections are its own matrices, not linear layers
                 timer.wrap(layer, "matmul", "linear")
@@ -100,7 +101,6 @@ def instrument(worker: Any, timer: StepTimer) -> Callable[[], float]:
             timer.wrap(layer, "silu_and_mul", "silu_mul")
             if layer.fused:  # its projections are its own matrices, not linear layers
                 timer.wrap(layer, "matmul", "linear")
-    timer.wrap(attention_module, "write_cache", "kv_write")
     timer.wrap(worker.backend, "all_reduce", "all_reduce")
     timer.wrap(engine, "check_finite", "sample")
     timer.wrap(worker.backend.ops, "sample", "sample")

@@ -7,6 +7,7 @@ from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.detection import Detection, DeviceMemory
 from fd_core.errors import CheckpointError, ConfigError, FdError, PlatformError, PluginError, RankError, RequestRefused
 from fd_core.graphs import GraphBackend, GraphDecision, GraphVote
+from fd_core.kvcache import KVBatch
 from fd_core.markers import hookimpl
 from fd_core.models import Architecture, CausalModel, WeightSpec
 
@@ -36,6 +37,7 @@ __all__ = [
     "GraphBackend",
     "GraphDecision",
     "GraphVote",
+    "KVBatch",
     "ModelConfig",
     "ParallelConfig",
     "PlatformError",

@@ -159,12 +159,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from fd_core.host.loading import load_plugins
     from fd_core.runtime.memory import plan_memory
     from fd_core.runtime.plan import DEFAULT_MODEL, RunConfig, compute_dtype, plan_model, run_threads
-    from fd_core.runtime.report import kernel_line, threads_line
+    from fd_core.runtime.report import kernel_line, kv_cache_line, kv_cache_report, threads_line
 
     plugins = load_plugins()
     backend = load_backend(ParallelConfig(tp_size=args.tp), plugins=plugins)
     run = RunConfig(model=args.model, tp=args.tp, checkpoint=args.checkpoint, dtype=args.dtype, graph=args.graph,
-                    memory_fraction=args.memory_fraction, threads=args.threads)
+                    memory_fraction=args.memory_fraction, threads=args.threads, kv_block_size=args.kv_block_size,
+                    kv_cache_blocks=args.kv_cache_blocks, prefix_caching=args.prefix_caching,
+                    max_prefill_tokens=args.max_prefill_tokens)
     if len(plugins.registry):
         # What fd run plans, by the same function: the checkpoint's architecture and config.json, the layout fd run
         # would refuse refused here in the same words (no decision is shown for it), memory and threads.
@@ -176,13 +178,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
         config = ModelConfig(architecture=name, dtype=compute_dtype(args.dtype, backend))
         model_line = f"{name} (no model package registers it)"
         memory = plan_memory(
-            config, args.tp, backend.detection, args.memory_fraction, backend.platform, config.architecture
+            config, args.tp, backend.detection, args.memory_fraction, backend.platform, config.architecture,
+            block_size=args.kv_block_size, kv_cache_blocks=args.kv_cache_blocks,
+            max_prefill_tokens=args.max_prefill_tokens,
         )
         threads = run_threads(run, backend.detection)
     decision = backend.graph_decision(config, requested=args.graph)
+    kv = kv_cache_report(memory, backend.kernels.providers(), args.prefix_caching, args.max_prefill_tokens)
     if args.json:
         _print_json({**backend.describe(), "model": config.architecture, "graph": decision.to_dict(),
-                     "dtype": config.dtype, "memory": memory.to_dict(), "threads": threads.to_dict()})
+                     "dtype": config.dtype, "memory": memory.to_dict(), "threads": threads.to_dict(), "kv_cache": kv})
         return 0
     det = backend.detection
     lines = [
@@ -193,7 +198,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     lines += [f"model: {model_line}, tp={args.tp}", f"all-reduce: {backend.all_reduce_binding}",
               f"kernels: {kernel_line(backend.kernels.providers())}", f"graph: {decision.summary()}"]
     lines += [f"  {vote.line()}" for vote in decision.votes]
-    lines += [f"dtype: {config.dtype}", threads_line(threads.to_dict()), f"memory: {memory.summary()}"]
+    lines += [f"dtype: {config.dtype}", threads_line(threads.to_dict()), f"memory: {memory.summary()}",
+              kv_cache_line(kv)]
     print(_fit(lines), file=_stdout())
     return 0
 
@@ -304,6 +310,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         memory_fraction=args.memory_fraction,
         threads=args.threads,
+        kv_block_size=args.kv_block_size,
+        kv_cache_blocks=args.kv_cache_blocks,
+        prefix_caching=args.prefix_caching,
+        max_prefill_tokens=args.max_prefill_tokens,
         # Text streams to an interactive terminal as it is produced (one prompt; several print in order at the end).
         stream=bool(texts) and len(texts) == 1 and not args.json and _stdout().isatty(),
         started_at=process_start_time(ENTERED_AT),
@@ -366,7 +376,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            image_roots=tuple(Path(p) for p in args.image_root or ()))
     return serve(options, checkpoint=args.checkpoint, model=args.model, name=args.name, tp=args.tp, dtype=args.dtype,
                  graph=args.graph, seed=args.seed, max_batch=args.max_batch, rank_timeout=args.rank_timeout,
-                 stall_timeout=args.stall_timeout, memory_fraction=args.memory_fraction, threads=args.threads)
+                 stall_timeout=args.stall_timeout, memory_fraction=args.memory_fraction, threads=args.threads,
+                 kv_block_size=args.kv_block_size, kv_cache_blocks=args.kv_cache_blocks,
+                 prefix_caching=args.prefix_caching, max_prefill_tokens=args.max_prefill_tokens)
 
 
 def cmd_save_random(args: argparse.Namespace) -> int:
@@ -530,6 +542,23 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+def _cache_options(p: argparse.ArgumentParser) -> None:
+    """The paged KV cache's options, as fd run, fd serve and fd explain take them."""
+    from fd_core.detection import DEFAULT_KV_BLOCK_SIZE
+    from fd_core.runtime.memory import DEFAULT_MAX_PREFILL_TOKENS
+
+    p.add_argument("--kv-block-size", type=_positive, default=None, metavar="N",
+                   help=f"positions a KV-cache block holds (default: the platform's, else {DEFAULT_KV_BLOCK_SIZE})")
+    p.add_argument("--kv-cache-blocks", type=_positive, default=None, metavar="N",
+                   help="KV-cache blocks a rank allocates, at most what the memory plan leaves (default: that, capped "
+                        "by the platform's KV budget and by what --max-batch sequences of the whole context could use)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not share full KV-cache blocks between sequences with the same prefix (default: share)")
+    p.add_argument("--max-prefill-tokens", type=_positive, default=DEFAULT_MAX_PREFILL_TOKENS, metavar="N",
+                   help=f"most prompt tokens one step prefills, beside the running decodes; a longer prompt is "
+                        f"prefilled in chunks (default: {DEFAULT_MAX_PREFILL_TOKENS})")
+
+
 def build_parser(
     commands: Mapping[str, tuple[str, Any, str]] | None = None, architectures: Sequence[str] = ()
 ) -> argparse.ArgumentParser:
@@ -582,6 +611,7 @@ def build_parser(
                    help="compute dtype, as fd run takes it (default: the platform's preferred one)")
     p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION, metavar="F", help=memory_help)
     p.add_argument("--threads", type=_positive, default=None, metavar="N", help=threads_help)
+    _cache_options(p)
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("run", help="run a model: load, clean, decide, capture, generate", **models)
@@ -635,6 +665,7 @@ def build_parser(
                    help="load weights holding NaN or Inf instead of refusing them (experiments only)")
     p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION, metavar="F", help=memory_help)
     p.add_argument("--threads", type=_positive, default=None, metavar="N", help=threads_help)
+    _cache_options(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (needs the serve extra)",
@@ -677,6 +708,7 @@ def build_parser(
                    help="how long a rank may go without progress before the server stops (default: 60)")
     p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION, metavar="F", help=memory_help)
     p.add_argument("--threads", type=_positive, default=None, metavar="N", help=threads_help)
+    _cache_options(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("check",

@@ -28,6 +28,10 @@ class DeviceMemory:
         return None
 
 
+# Positions per KV-cache block when the platform states none: vLLM's default; a platform's kernels may want more.
+DEFAULT_KV_BLOCK_SIZE = 16
+
+
 @dataclass(frozen=True)
 class Detection:
     """A platform's answer to `fd_platform_detect`; the highest `priority` among detected platforms wins."""
@@ -52,6 +56,12 @@ class Detection:
     # Cores this process may run compute threads on (its affinity mask capped by its cgroup's quota);
     # the plan divides them among the host's ranks. None: not reported (the affinity mask is used).
     host_cores: int | None = None
+    # Positions per block of the paged KV cache its attention kernels want (`--kv-block-size` overrides); None:
+    # fd's default, DEFAULT_KV_BLOCK_SIZE.
+    kv_block_size: int | None = None
+    # The most KV-cache bytes a rank allocates when the user caps nothing (`--kv-cache-blocks`): a host platform
+    # keeps the cache from taking most of the machine's memory up front; None: what the memory plan leaves.
+    kv_cache_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,6 +80,10 @@ class Detection:
             isinstance(self.max_ranks, bool) or not isinstance(self.max_ranks, int) or self.max_ranks < 1
         ):
             return f"max_ranks={self.max_ranks!r}, expected None or a positive integer"
+        for name in ("kv_block_size", "kv_cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                return f"{name}={value!r}, expected None or a positive integer"
         if self.host_cores is not None and (
             isinstance(self.host_cores, bool) or not isinstance(self.host_cores, int) or self.host_cores < 1
         ):

@@ -56,6 +56,32 @@ OPS: dict[str, Op] = {op.name: op for op in (
        "to the smallest prefix of the sorted probabilities whose mass reaches top_p; the engine draws `uniform` from "
        "each sequence's seeded generator, so every rank chooses the same token. Returns a list of B ints",
        dtypes=("float32",), traced=False, tolerances={"float32": (0.0, 0.0)}),
+    # The paged KV cache. Its layout is the platform's: allocate_kv_cache makes one layer's key and value caches,
+    # and only write_kv_cache and the paged attention ops read or write them (fd never indexes them itself), so a
+    # platform that changes the layout registers all four. Positions: position p of a sequence lives in block
+    # block_tables[b, p // block_size] at offset p % block_size; a slot is block * block_size + offset.
+    Op("allocate_kv_cache", ("num_blocks", "block_size", "kv_heads", "head_dim", "dtype"),
+       "one layer's key and value caches, a pair of zeroed tensors of `dtype` holding num_blocks blocks of block_size "
+       "positions of kv_heads x head_dim values each, in the platform's layout (native: [kv_heads, num_blocks, "
+       "block_size, head_dim] each); the runtime allocates them once per run and passes them back to the three ops "
+       "below, never reading them itself",
+       traced=False, tolerances={"float32": (0.0, 0.0), "float16": (0.0, 0.0), "bfloat16": (0.0, 0.0)}),
+    Op("write_kv_cache", ("key", "value", "k_cache", "v_cache", "slot_mapping"),
+       "store key[t] and value[t] ([T, kv_heads, head_dim], the cache's dtype) at slot slot_mapping[t] ([T] int64, "
+       "slot = block * block_size + offset) of k_cache and v_cache, in place; returns None. A slot may repeat only "
+       "for padding, whose values are never read (the runtime points padding at its null block)"),
+    Op("paged_attention", ("q", "k_cache", "v_cache", "block_tables", "context_lens"),
+       "one decode query per sequence: q [B, h, d], row b attending positions [0, context_lens[b]) of its blocks "
+       "(block_tables [B, W] int64, context_lens [B] int64; its new key and value already written): softmax(q k^T / "
+       "sqrt(d)) v with grouped-query heads (query head j reads kv head j // (h / kv_h)), scores and softmax in "
+       "float32; the result [B, h, d] in q's dtype. Table entries past a row's blocks name a block whose values are "
+       "finite (the runtime's null block)"),
+    Op("paged_prefill_attention", ("q", "k_cache", "v_cache", "block_tables", "prefix_lens"),
+       "new tokens attending causally to themselves and to their sequence's cached prefix: q [B, S, h, d], row b's "
+       "query i at position prefix_lens[b] + i attending positions [0, prefix_lens[b] + i] of its blocks "
+       "(block_tables [B, W] int64, prefix_lens [B] int64; the new keys and values already written): "
+       "softmax(q k^T / sqrt(d)) v as paged_attention; the result [B, S, h, d] in q's dtype. Queries past a row's "
+       "new tokens (padding) may give any finite value"),
     Op("matmul", ("x", "weight", "transpose_weight"),
        "x [..., K] times weight [K, N], or times the transpose of weight [N, K] when transpose_weight is True: "
        "[..., N] in x's dtype, summed in float32 or wider (a kernel that splits the sum adds its parts in float32); "

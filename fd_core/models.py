@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from fd_core.config import ModelConfig
+    from fd_core.kvcache import KVBatch
 
 
 @dataclass(frozen=True)
@@ -46,35 +47,25 @@ class CausalModel(Protocol):
     def release_weights(self) -> None:
         """Free parameter storage; load_weights must work afterwards."""
 
-    def allocate_cache(self, batch_size: int, max_len: int, keep: bool = False) -> None:
-        """Preallocate the KV cache of `batch_size` rows (one sequence each) with fixed shapes, so decode replays a
-        captured graph; zeroed, or with `keep` holding the current cache's rows and positions that fit."""
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the paged KV cache once: `num_blocks` blocks of `block_size` positions for every layer, through the
+        Backend's `allocate_kv_cache` op (the platform's layout; block 0 is the runtime's null block)."""
 
-    def prefill(
-        self,
-        input_ids: Any,
-        image: Any = None,
-        pad: Sequence[int] | None = None,
-        cache_rows: Sequence[int] | None = None,
-    ) -> Any:
-        """Run the prompt [B, S] (and image, for VL models) into cache rows `cache_rows` (default 0..B-1), leaving
-        the other rows as they are; return last-position logits [B, vocab].
+    def prefill(self, input_ids: Any, image: Any = None, batch: "KVBatch | None" = None) -> Any:
+        """Run new tokens [B, S] (and pictures, for VL models) into the cache where `batch` says (row b's first
+        batch.lengths[b] ids real, the rest padding; at positions batch.starts[b] onward, after its cached prefix);
+        return the logits of each row's last new token [B, vocab] (full vocab). A VL model sets batch.rope_deltas for
+        the rows it prefills with pictures. The keys and values go through the `write_kv_cache` op and attention
+        through `paged_prefill_attention`."""
 
-        `pad[b]` leading ids of row b are left padding (a batch of unequal prompts): masked, with its
-        positions counted after them, in prefill and in every later decode step of that cache row. The
-        runtime passes `pad` only when some row is padded.
-        """
+    def decode_step(self, token_ids: Any, batch: "KVBatch") -> Any:
+        """One token per row [B, 1] at position batch.starts[b] of its sequence; return logits [B, vocab]. Each row
+        attends through its own block table only (`paged_attention`), so a padding row (null block) changes no other
+        row's result; replay the graph captured for (B, table width) when there is one."""
 
-    def prefill_length(self, input_ids: Any, image: Any = None) -> int:
-        """The first decode position after prefilling this prompt (image tokens included)."""
-
-    def decode_step(self, token_ids: Any, position: int | Sequence[int]) -> Any:
-        """One token per cache row [B, 1] (B: the cache's rows), row b at cache position `position[b]` (an int: every
-        row at it); return logits [B, vocab] (full vocab). Each row attends over its own positions only, so a row
-        whose sequence ended (or that holds none) changes no other row's result."""
-
-    def capture(self, graph_backend: GraphBackend, batch_size: int) -> None:
-        """Capture the decode step for `batch_size` through `graph_backend`; later steps replay it."""
+    def capture(self, graph_backend: GraphBackend, batch_size: int, table_width: int) -> None:
+        """Capture the decode step for `batch_size` rows and block tables `table_width` blocks wide through
+        `graph_backend`; later steps of that shape replay it."""
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,78 @@ def attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: paddle
     return out.reshape([batch, heads, length, dim])
 
 
+def allocate_kv_cache(
+    num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: str
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """One layer's zeroed key and value caches, [kv_heads, num_blocks, block_size, head_dim] each: head-major, so
+    gathering a sequence's blocks gives [kv_heads, blocks x block_size, head_dim] with no transpose."""
+    shape = [kv_heads, num_blocks, block_size, head_dim]
+    return paddle.zeros(shape, dtype=dtype), paddle.zeros(shape, dtype=dtype)  # type: ignore[arg-type]
+
+
+def write_kv_cache(
+    key: paddle.Tensor, value: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor,
+    slot_mapping: paddle.Tensor,
+) -> None:
+    """key and value [T, kv_h, d] into their slots: one index_put_ per cache at (head, block, offset) triples."""
+    tokens, kv_heads, dim = key.shape
+    block_size = k_cache.shape[2]
+    slots = slot_mapping.reshape([1, -1]).expand([kv_heads, tokens]).reshape([-1])
+    heads = paddle.arange(kv_heads, dtype="int64").reshape([-1, 1]).expand([kv_heads, tokens]).reshape([-1])
+    index = (heads, slots // block_size, slots % block_size)
+    paddle.index_put_(k_cache, index, key.transpose([1, 0, 2]).reshape([-1, dim]))
+    paddle.index_put_(v_cache, index, value.transpose([1, 0, 2]).reshape([-1, dim]))
+
+
+def _gathered(cache: paddle.Tensor, block_tables: paddle.Tensor) -> paddle.Tensor:
+    """The blocks of each row in order: [kv_h, B, W x block_size, d]."""
+    kv_heads, _, block_size, dim = cache.shape
+    batch, width = block_tables.shape
+    blocks = paddle.index_select(cache, block_tables.reshape([-1]), axis=1)  # [kv_h, B * W, bs, d]
+    return blocks.reshape([kv_heads, batch, width * block_size, dim])
+
+
+def _paged(
+    q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor, block_tables: paddle.Tensor,
+    visible: paddle.Tensor,
+) -> paddle.Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v for q [B, S, h, d] over each row's blocks, `visible` [B, S, W x bs] bool;
+    -> [B, S, h, d]."""
+    batch, length, heads, dim = q.shape
+    kv_heads = k_cache.shape[0]
+    groups = heads // kv_heads
+    k, v = _gathered(k_cache, block_tables), _gathered(v_cache, block_tables)
+    # The query heads of one kv head folded into its rows: [kv_h, B, g * S, d], so k and v are read once.
+    folded = q.reshape([batch, length, kv_heads, groups, dim]).transpose([2, 0, 3, 1, 4])
+    scores = paddle.matmul(folded.reshape([kv_heads, batch, groups * length, dim]), k, transpose_y=True)
+    scores = scores.astype("float32").reshape([kv_heads, batch, groups, length, -1]) * (1.0 / math.sqrt(dim))
+    scores = scores + (visible.astype("float32") - 1.0).unsqueeze(0).unsqueeze(2) * 1e30
+    probs = F.softmax(scores, axis=-1).astype(v.dtype).reshape([kv_heads, batch, groups * length, -1])
+    out = paddle.matmul(probs, v).reshape([kv_heads, batch, groups, length, dim])
+    return out.transpose([1, 3, 0, 2, 4]).reshape([batch, length, heads, dim]).astype(q.dtype)
+
+
+def paged_attention(
+    q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor, block_tables: paddle.Tensor,
+    context_lens: paddle.Tensor,
+) -> paddle.Tensor:
+    """Each row's one query [B, h, d] over positions [0, context_lens[b]) of its blocks -> [B, h, d]."""
+    span = block_tables.shape[1] * k_cache.shape[2]
+    visible = paddle.arange(span, dtype="int64").reshape([1, 1, -1]) < context_lens.reshape([-1, 1, 1])
+    return _paged(q.unsqueeze(1), k_cache, v_cache, block_tables, visible).squeeze(1)
+
+
+def paged_prefill_attention(
+    q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor, block_tables: paddle.Tensor,
+    prefix_lens: paddle.Tensor,
+) -> paddle.Tensor:
+    """New queries [B, S, h, d], row b's query i at position prefix_lens[b] + i, causally over its blocks."""
+    span = block_tables.shape[1] * k_cache.shape[2]
+    at = prefix_lens.reshape([-1, 1, 1]) + paddle.arange(q.shape[1], dtype="int64").reshape([1, -1, 1])
+    visible = paddle.arange(span, dtype="int64").reshape([1, 1, -1]) <= at
+    return _paged(q, k_cache, v_cache, block_tables, visible)
+
+
 def _host(logits: Any) -> np.ndarray:
     values = logits.astype("float32").numpy() if isinstance(logits, paddle.Tensor) else logits
     return np.asarray(values, dtype=np.float64)

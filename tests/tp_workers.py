@@ -33,6 +33,7 @@ def generate(backend: Any, arch_name: str, graph: str, image_seed: int = 0) -> d
     """Load the preset with seeded weights, take the decision, prefill logits and greedy tokens (through the engine)."""
     import numpy as np
 
+    from fd_core.kvcache import KVBatch
     from fd_core.runtime.engine.loop import Engine
     from fd_core.runtime.engine.runner import ModelRunner
     from fd_core.runtime.plan import model_config_for
@@ -46,8 +47,9 @@ def generate(backend: Any, arch_name: str, graph: str, image_seed: int = 0) -> d
     image = image_for(arch, image_seed)
     prompt = prompt_for(arch)
     ids = np.asarray([prompt], dtype="int64")
-    runner.prepare(1, runner.model.prefill_length(ids, image) + STEPS)
-    logits = runner.model.prefill(ids, image).numpy()
     tokens = Engine(runner).generate(Request.greedy([prompt], STEPS, [] if image is None else [image[0]]))[0].token_ids
+    # The prompt prefilled again into the engine's cache (nothing runs there now): its first-step logits.
+    width = -(-ids.shape[1] // runner.block_size)
+    logits = runner.model.prefill(ids, image, KVBatch.contiguous(1, 0, ids.shape[1], runner.block_size, width)).numpy()
     return {"logits": logits, "tokens": tokens, "graph": decision.allowed}
 

@@ -117,6 +117,10 @@ class Ops:
     rotary_embedding: Callable[..., Any]
     attention: Callable[..., Any]
     sample: Callable[..., Any]
+    allocate_kv_cache: Callable[..., Any]
+    write_kv_cache: Callable[..., Any]
+    paged_attention: Callable[..., Any]
+    paged_prefill_attention: Callable[..., Any]
 
     def __init__(self, table: KernelTable, native: Any) -> None:
         self.providers = table.providers()

@@ -17,7 +17,7 @@ from fd_core.runtime.engine.loop import Completion, jobs_of
 from fd_core.runtime.engine.sampling import SamplingParams
 from fd_core.runtime.engine.scheduler import Submission
 from fd_core.runtime.images import load_image
-from fd_core.runtime.memory import DEFAULT_MEMORY_FRACTION
+from fd_core.runtime.memory import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MEMORY_FRACTION
 from fd_core.runtime.plan import RunConfig, plan_run, plugin_env
 from fd_core.runtime.ranks.spawn import DEFAULT_STALL_S
 from fd_core.runtime.request import Request, build_request, messages_prompt
@@ -41,7 +41,9 @@ class LLM:
         self, checkpoint: str | Path | None = None, *, model: str | None = None, tp: int = 1,
         platform: str | None = None, dtype: str | None = None, graph: str = "auto", seed: int = 0, max_batch: int = 8,
         progress: bool = False, rank_timeout: float = 30.0, memory_fraction: float = DEFAULT_MEMORY_FRACTION,
-        stall_timeout: float = DEFAULT_STALL_S, threads: int | None = None,
+        stall_timeout: float = DEFAULT_STALL_S, threads: int | None = None, kv_block_size: int | None = None,
+        kv_cache_blocks: int | None = None, prefix_caching: bool = True,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
     ) -> None:
         quiet_paddle_logs()  # before paddle is imported: its C++ logs stay off the caller's terminal
         if graph not in ("auto", "off", "on"):
@@ -49,7 +51,8 @@ class LLM:
         self.checkpoint = None if checkpoint is None else str(checkpoint)
         run = RunConfig(model=model or "", tp=tp, checkpoint=self.checkpoint, dtype=dtype, graph=graph, seed=seed,
                         max_batch=max_batch, progress=progress, platform=platform, memory_fraction=memory_fraction,
-                        threads=threads)
+                        threads=threads, kv_block_size=kv_block_size, kv_cache_blocks=kv_cache_blocks,
+                        prefix_caching=bool(prefix_caching), max_prefill_tokens=max_prefill_tokens)
         self._plugins = load_plugins(plugin_env(platform))
         self._backend = Backend(self._plugins)
         # The plan's request is a placeholder: the plugins' fd_check_request is asked about each real one (_request).
@@ -93,6 +96,12 @@ class LLM:
         """The failure that stopped this LLM's ranks (every later call raises RankError); None while it can generate."""
         # The scheduler's when a step failed; the ranks' own when one died between requests (no step ran to see it).
         return self._session.error
+
+    @property
+    def kv_cache(self) -> dict[str, int]:
+        """The paged KV cache's counts on rank 0, as of the last sequence that ended: blocks_total, blocks_used,
+        block_size, prefix_cache_queried_tokens, prefix_cache_hit_tokens, preemptions."""
+        return dict(self._info.get("kv_cache") or {})
 
     @property
     def threads(self) -> int:

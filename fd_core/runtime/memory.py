@@ -1,5 +1,6 @@
 """What fits in memory, worked out once in the plan: one rank's share of the weights, whether it fits the device
-the platform reports, and how many tokens of KV cache (batch x context) the rest holds at --memory-fraction."""
+the platform reports, and how many blocks of paged KV cache the rest holds at --memory-fraction (less a step's
+scratch), capped by --kv-cache-blocks, the platform's KV budget and what the batch could ever use."""
 
 from __future__ import annotations
 
@@ -15,18 +16,13 @@ if TYPE_CHECKING:
     from fd_core.config import ModelConfig
     from fd_core.detection import Detection
 
-# Cache lengths are rounded up to this, so that requests of similar lengths reuse one captured graph.
-CACHE_STEP = 32
+# Prompt tokens one step prefills at most (--max-prefill-tokens): a long prompt arriving is prefilled in chunks of
+# this many beside the running decodes instead of stalling them.
+DEFAULT_MAX_PREFILL_TOKENS = 512
 __all__ = [
-    "CACHE_STEP", "DEFAULT_MEMORY_FRACTION", "MemoryPlan", "cache_length", "check_fraction", "local_ranks",
-    "plan_memory",
+    "DEFAULT_MAX_PREFILL_TOKENS", "DEFAULT_MEMORY_FRACTION", "MemoryPlan", "check_fraction", "local_ranks",
+    "plan_memory", "scratch_bytes",
 ]
-
-
-def cache_length(needed: int, limit: int) -> int:
-    """The cache length the engine allocates for `needed` positions: rounded up to CACHE_STEP, within the context
-    `limit`."""
-    return max(needed, min(-(-needed // CACHE_STEP) * CACHE_STEP, limit))
 
 
 def check_fraction(fraction: float) -> float:
@@ -71,56 +67,78 @@ class MemoryPlan:
     device_total: int | None = None
     device_free: int | None = None
     ranks_per_device: int = 1
-    # Tokens of KV cache (batch x context, summed over the sequences decoded together) the rest holds; None:
-    # the platform reports no memory, and nothing is sized or refused.
+    # Tokens of KV cache the room left after weights and scratch holds; None: the platform reports no memory.
     capacity_tokens: int | None = None
+    # The paged cache: positions a block holds, the blocks a rank allocates (the null block not counted), and why
+    # that many (the memory plan's room, --kv-cache-blocks, the platform's budget, or what the batch can use).
+    block_size: int = 16
+    blocks: int | None = None
+    blocks_from: str = ""
+    # What bounds the blocks: "memory" (the room left), "kv_cache_blocks" (the user's), "platform" (its KV budget) or
+    # "batch" (what max_batch sequences of the whole context could use).
+    blocks_bound: str = ""
+    # One step's activations a rank may need (an estimate: see scratch_bytes), kept out of the cache's room.
+    scratch_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def fits(self, tokens: int) -> bool:
-        """Whether `tokens` of cache (batch x cache length) fit the capacity."""
-        return self.capacity_tokens is None or tokens <= self.capacity_tokens
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes the cache's blocks take on a rank."""
+        return (self.blocks or 0) * self.block_size * self.cache_bytes_per_token
 
-    def batch_size(self, max_batch: int, length: int) -> int:
-        """The most sequences of cache length `length` that decode together: up to `max_batch`, as many as fit (at
-        least one)."""
-        if self.capacity_tokens is None:
-            return max_batch
-        return max(1, min(max_batch, self.capacity_tokens // max(1, length)))
+    def kv_cache(self) -> dict[str, Any]:
+        """The cache as blocks, for fd explain --json: block size, blocks, bytes and tokens per rank."""
+        blocks = self.blocks or 0
+        return {"block_size": self.block_size, "blocks": blocks, "bytes": self.cache_bytes,
+                "tokens": blocks * self.block_size, "from": self.blocks_from}
 
     def summary(self) -> str:
         """One line for fd explain and fd run."""
         weights = f"weights {gib(self.weights_per_rank)} per rank (tp={self.tp}, {self.dtype})"
-        if self.capacity_tokens is None:
-            return f"{weights}; KV cache not sized: the platform reports no device memory"
+        cache = (f"KV cache {self.blocks} blocks of {self.block_size} ({(self.blocks or 0) * self.block_size} tokens, "
+                 f"{gib(self.cache_bytes)}) per rank: {self.blocks_from}")
+        if self.device_free is None:
+            return f"{weights}; {cache}; the platform reports no device memory"
         shared = f", shared by {self.ranks_per_device} ranks" if self.ranks_per_device > 1 else ""
-        assert self.device_free is not None
-        return (
-            f"{weights}; KV cache for {self.capacity_tokens} tokens (batch x context); "
-            f"{setting('memory_fraction', self.fraction)} of {gib(self.device_free)} free on device "
-            f"{self.device}{shared}"
-        )
+        return (f"{weights}; {cache}; {setting('memory_fraction', self.fraction)} of {gib(self.device_free)} free on "
+                f"device {self.device}{shared}")
 
     def check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, context: int, arch: str) -> None:
-        """Refuse, in one line naming the numbers, a request whose longest sequence alone needs more cache than the
-        capacity."""
-        if self.capacity_tokens is None or not prompts:
+        """Refuse, in one line naming the numbers, a request whose longest sequence alone needs more blocks than the
+        cache has (it could never run; a request that fits only later waits, or preempts)."""
+        if self.blocks is None or not prompts:
             return
         longest = max(len(p) for p in prompts)
-        needed = cache_length(longest + max_new_tokens, context)
-        if needed <= self.capacity_tokens:
+        needed = -(-(longest + max_new_tokens) // self.block_size)
+        if needed <= self.blocks:
             return
-        assert self.device_free is not None
-        ranks = f" for each of its {self.ranks_per_device} ranks" if self.ranks_per_device > 1 else ""
         raise ConfigError(
-            f"this request needs a KV cache of {needed} tokens (its longest prompt, {longest} tokens, and "
-            f"{max_new_tokens} new, rounded up to a multiple of {CACHE_STEP}), and {arch} at tp={self.tp} has room for "
-            f"{self.capacity_tokens} ({setting('memory_fraction', self.fraction)} of {gib(self.device_free)} free on "
-            f"device {self.device}, less {gib(self.weights_per_rank)} of weights{ranks}; {self.cache_bytes_per_token} "
-            f"bytes a token per rank); ask for fewer tokens, or raise "
-            f"{setting('memory_fraction')}{'' if self.ranks_per_device > 1 else ' or ' + setting('tp')}"
+            f"this request needs {needed} KV-cache blocks of {self.block_size} positions (its longest prompt, "
+            f"{longest} "
+            f"tokens, and {max_new_tokens} new), and {arch} at tp={self.tp} has {self.blocks} ({self.blocks_from}; "
+            f"{self.block_size * self.cache_bytes_per_token} bytes a block per rank); ask for fewer tokens, or "
+            f"{self._more_blocks()}"
         )
+
+    def _more_blocks(self) -> str:
+        """How to get more blocks, by what bounds them now."""
+        if self.blocks_bound == "memory":
+            return f"raise {setting('memory_fraction')}" + ("" if self.ranks_per_device > 1 else f" or {setting('tp')}")
+        if self.blocks_bound == "batch":
+            return f"raise {setting('max_batch')}"
+        return f"raise {setting('kv_cache_blocks')} (up to what {setting('memory_fraction')} leaves)"
+
+
+def scratch_bytes(config: "ModelConfig", tp: int, max_prefill_tokens: int, max_batch: int) -> int:
+    """An estimate of one step's activations on a rank: a prefill chunk's residual stream, q/k/v, the MLP's
+    intermediate and attention scores (a few copies of each), and a batch's logits in float32."""
+    width = config.dtype_width
+    heads, kv, dim = config.num_attention_heads, config.num_key_value_heads, config.resolved_head_dim
+    per_token = (4 * config.hidden_size + 3 * config.intermediate_size // tp + 2 * (heads + 2 * kv) * dim // tp) * width
+    logits = max(max_batch, 1) * (config.vocab_size // tp) * 4
+    return max_prefill_tokens * per_token + logits
 
 
 def reported_devices(detection: "Detection") -> tuple[DeviceMemory, ...]:
@@ -135,49 +153,83 @@ def reported_devices(detection: "Detection") -> tuple[DeviceMemory, ...]:
 
 def plan_memory(
     config: "ModelConfig", tp: int, detection: "Detection", fraction: float, platform: str, arch: str,
-    ranks_here: int | None = None,
+    ranks_here: int | None = None, *, block_size: int | None = None, kv_cache_blocks: int | None = None,
+    max_batch: int = 8, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
 ) -> MemoryPlan:
-    """Weights per rank checked against the device, and the KV-cache capacity left; a ConfigError if the weights do not
-    fit.
+    """Weights per rank checked against the device, and the blocks of KV cache the rest holds; a ConfigError if the
+    weights do not fit, or if `kv_cache_blocks` asks for more than fits.
 
-    Rank r of this host uses device r % len(devices); ranks on one device share it. The plan is bound by
-    the used device with the least free memory: its budget is `fraction` of its free bytes, less the
-    weights of the ranks on it; what is left, divided by what a token costs those ranks, is the capacity.
+    Rank r of this host uses device r % len(devices); ranks on one device share it. The plan is bound by the used
+    device with the least free memory: its budget is `fraction` of its free bytes, less the weights and a step's
+    scratch of the ranks on it; what is left, divided by what a block costs those ranks, is the most blocks. The
+    pool is that, capped by `kv_cache_blocks` (the user's), the platform's `kv_cache_bytes` and what `max_batch`
+    sequences of the model's whole context could use. The block size is `block_size`, else the platform's, else
+    fd's default.
     """
+    from fd_core.detection import DEFAULT_KV_BLOCK_SIZE
+
     fraction = check_fraction(fraction)
+    size = _positive(block_size, "kv_block_size") or detection.kv_block_size or DEFAULT_KV_BLOCK_SIZE
+    wanted = _positive(kv_cache_blocks, "kv_cache_blocks")
+    max_prefill_tokens = _positive(max_prefill_tokens, "max_prefill_tokens") or DEFAULT_MAX_PREFILL_TOKENS
     weights = config.weight_bytes_per_rank(tp)
     per_token = config.cache_bytes_per_token(tp)
-    plan = MemoryPlan(fraction, config.dtype, tp, weights, per_token)
+    scratch = scratch_bytes(config, tp, max_prefill_tokens, max_batch)
+    per_block = per_token * size
+    caps = [(max_batch * -(-config.max_position_embeddings // size), "batch",
+             f"{max_batch} sequences of the model's whole context ({config.max_position_embeddings} tokens)")]
+    if detection.kv_cache_bytes is not None:
+        caps.append((max(1, detection.kv_cache_bytes // per_block), "platform",
+                     f"the platform's KV budget of {gib(detection.kv_cache_bytes)} a rank"))
     devices = reported_devices(detection)
-    if not devices:
-        return plan
-    here = ranks_here if ranks_here is not None else local_ranks(tp)
-    used = sorted({r % len(devices) for r in range(here)})
-    sharing = {d: sum(1 for r in range(here) if r % len(devices) == d) for d in used}
-    # The binding device: the least budget per rank on it.
-    index = min(used, key=lambda d: (devices[d].free * fraction / sharing[d], d))
-    device, ranks = devices[index], sharing[index]
-    budget = int(device.free * fraction)
-    room = budget - ranks * weights
-    what = f"{ranks} ranks of tp={tp} share it" if ranks > 1 else f"tp={tp}"
-    # Ranks that share one device hold more weights together at a larger tp, not less: no --tp advice then.
-    fraction_, tp_ = setting("memory_fraction"), setting("tp")
-    advice = (f"a higher {fraction_} or a smaller model (its ranks share the device, so a larger {tp_} does not help)"
-              if ranks > 1 else f"a larger {tp_}, a higher {fraction_} or a smaller model")
-    cache_advice = f"a higher {fraction_}" if ranks > 1 else f"a larger {tp_} or a higher {fraction_}"
-    if room <= 0:
-        raise ConfigError(
-            f"{arch} needs about {gib(weights)} of weights per rank ({config.dtype}, {what}), and device {index} of "
-            f"platform {platform!r} has {gib(device.free)} free of {gib(device.total)}, of which "
-            f"{setting('memory_fraction', fraction)} allows {gib(budget)}; use {advice}"
-        )
-    capacity = room // (ranks * per_token)
-    if capacity < 1:
-        raise ConfigError(
-            f"{arch}'s weights ({gib(weights)} per rank, {what}) leave no room for a KV cache in "
-            f"{setting('memory_fraction', fraction)} of {gib(device.free)} free on device {index} of platform "
-            f"{platform!r}; use {cache_advice}"
-        )
-    return MemoryPlan(
-        fraction, config.dtype, tp, weights, per_token, index, device.total, device.free, ranks, int(capacity)
-    )
+    plan = MemoryPlan(fraction, config.dtype, tp, weights, per_token, block_size=size, scratch_bytes=scratch)
+    if devices:
+        here = ranks_here if ranks_here is not None else local_ranks(tp)
+        used = sorted({r % len(devices) for r in range(here)})
+        sharing = {d: sum(1 for r in range(here) if r % len(devices) == d) for d in used}
+        # The binding device: the least budget per rank on it.
+        index = min(used, key=lambda d: (devices[d].free * fraction / sharing[d], d))
+        device, ranks = devices[index], sharing[index]
+        budget = int(device.free * fraction)
+        room = budget - ranks * (weights + scratch)
+        what = f"{ranks} ranks of tp={tp} share it" if ranks > 1 else f"tp={tp}"
+        # Ranks that share one device hold more weights together at a larger tp, not less: no --tp advice then.
+        fraction_, tp_ = setting("memory_fraction"), setting("tp")
+        advice = (f"a higher {fraction_} or a smaller model (its ranks share the device, so a larger {tp_} does not "
+                  f"help)" if ranks > 1 else f"a larger {tp_}, a higher {fraction_} or a smaller model")
+        cache_advice = f"a higher {fraction_}" if ranks > 1 else f"a larger {tp_} or a higher {fraction_}"
+        if budget - ranks * weights <= 0:
+            raise ConfigError(
+                f"{arch} needs about {gib(weights)} of weights per rank ({config.dtype}, {what}), and device {index} "
+                f"of platform {platform!r} has {gib(device.free)} free of {gib(device.total)}, of which "
+                f"{setting('memory_fraction', fraction)} allows {gib(budget)}; use {advice}"
+            )
+        capacity = max(0, room) // (ranks * per_token)
+        if capacity < size:
+            raise ConfigError(
+                f"{arch}'s weights ({gib(weights)} per rank, {what}) and a step's scratch ({gib(scratch)}) leave no "
+                f"room for a KV cache in {setting('memory_fraction', fraction)} of {gib(device.free)} free on device "
+                f"{index} of platform {platform!r}; use {cache_advice}"
+            )
+        by_memory = capacity // size
+        if wanted is not None and wanted > by_memory:
+            raise ConfigError(
+                f"{setting('kv_cache_blocks', wanted)} needs {gib(wanted * per_block * ranks)} on device {index}, and "
+                f"{setting('memory_fraction', fraction)} of its {gib(device.free)} free leaves room for {by_memory} "
+                f"blocks of {size} after the weights; ask for fewer"
+            )
+        caps.append((by_memory, "memory", f"what {setting('memory_fraction', fraction)} leaves after the weights"))
+        plan = MemoryPlan(fraction, config.dtype, tp, weights, per_token, index, device.total, device.free, ranks,
+                          int(capacity), block_size=size, scratch_bytes=scratch)
+    chosen = (wanted, "kv_cache_blocks", setting("kv_cache_blocks", wanted)) if wanted is not None else min(caps)
+    blocks, bound, why = chosen
+    return MemoryPlan(**{**plan.to_dict(), "blocks": int(blocks), "blocks_from": why, "blocks_bound": bound})
+
+
+def _positive(value: Any, name: str) -> int | None:
+    """`value` if None or a positive integer, else a one-line error naming the setting."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{setting(name)} must be a positive integer, got {value!r}")
+    return int(value)

@@ -19,7 +19,13 @@ from fd_core.models import Architecture
 from fd_core.runtime.checkpoint import Checkpoint
 from fd_core.runtime.engine.sampling import SamplingParams
 from fd_core.runtime.images import load_image
-from fd_core.runtime.memory import DEFAULT_MEMORY_FRACTION, MemoryPlan, local_ranks, plan_memory
+from fd_core.runtime.memory import (
+    DEFAULT_MAX_PREFILL_TOKENS,
+    DEFAULT_MEMORY_FRACTION,
+    MemoryPlan,
+    local_ranks,
+    plan_memory,
+)
 from fd_core.runtime.request import Request, build_request
 from fd_core.runtime.threads import Threads, decide_threads
 
@@ -71,6 +77,13 @@ class RunConfig:
     # Compute threads per rank (--threads); None: the cores this process may use, shared among the
     # host's ranks, unless the user's OMP_NUM_THREADS says otherwise (see decide_threads).
     threads: int | None = None
+    # The paged KV cache: positions a block holds (None: the platform's, else fd's default), the most blocks a rank
+    # allocates (None: what the memory plan gives), whether full blocks are shared by prefix, and the most prompt
+    # tokens one step prefills (a longer prompt is prefilled in chunks beside the running decodes).
+    kv_block_size: int | None = None
+    kv_cache_blocks: int | None = None
+    prefix_caching: bool = True
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
 
     def __post_init__(self) -> None:
         # Checked here, where `fd run` and the Python API both pass, in the API's words (the CLI's own
@@ -242,7 +255,9 @@ def plan_model(run: RunConfig, plugins: PluginSet, backend: Backend) -> ModelPla
     config = model_config_for(arch, checkpoint, compute_dtype(run.dtype, backend))
     check_tp(run.tp, config, arch, backend)
     # Weights per rank against the device, and the KV-cache capacity: before the request, which must fit it.
-    memory = plan_memory(config, run.tp, backend.detection, run.memory_fraction, backend.platform, arch.name)
+    memory = plan_memory(config, run.tp, backend.detection, run.memory_fraction, backend.platform, arch.name,
+                         block_size=run.kv_block_size, kv_cache_blocks=run.kv_cache_blocks, max_batch=run.max_batch,
+                         max_prefill_tokens=run.max_prefill_tokens)
     return ModelPlan(arch, config, checkpoint, memory, threads)
 
 

@@ -14,6 +14,27 @@ def kernel_line(providers: Mapping[str, str]) -> str:
     return ", ".join(f"{op}: {provider}" for op, provider in providers.items())
 
 
+NATIVE_KV_LAYOUT = "[kv_heads, num_blocks, block_size, head_dim] (native)"
+
+
+def kv_cache_report(memory: MemoryPlan, providers: Mapping[str, str], prefix_caching: bool, max_prefill_tokens: int
+                    ) -> dict[str, Any]:
+    """The paged KV cache as `fd explain --json` shows it: blocks, their size, bytes and tokens per rank, the layout
+    (the provider of allocate_kv_cache), prefix caching and the prefill chunk."""
+    provider = providers.get("allocate_kv_cache", "native")
+    layout = NATIVE_KV_LAYOUT if provider == "native" else f"plugin {provider!r}'s (its allocate_kv_cache)"
+    return {**memory.kv_cache(), "layout": layout, "prefix_caching": prefix_caching,
+            "max_prefill_tokens": max_prefill_tokens}
+
+
+def kv_cache_line(kv: Mapping[str, Any]) -> str:
+    """ "kv cache: 2048 blocks of 16 (32768 tokens, 16.00 MiB) per rank, layout ...; prefix caching on; ..." """
+    size = f"{kv['bytes'] / 2**20:.2f} MiB" if kv["bytes"] < 2**30 else f"{kv['bytes'] / 2**30:.2f} GiB"
+    return (f"kv cache: {kv['blocks']} blocks of {kv['block_size']} ({kv['tokens']} tokens, {size}) per rank, "
+            f"layout {kv['layout']}; prefix caching {'on' if kv['prefix_caching'] else 'off'}; prompts prefilled "
+            f"{kv['max_prefill_tokens']} tokens a step at most")
+
+
 def threads_line(threads: Mapping[str, Any]) -> str:
     """ "threads: 2 per rank (2 core(s) in the affinity mask, shared by 1 rank(s) on this host)"."""
     openmp = threads.get("openmp", threads["per_rank"])

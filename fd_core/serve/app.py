@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Mapping, Protocol, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -70,6 +70,9 @@ class Submitter(Protocol):
     @property
     def error(self) -> BaseException | None: ...
 
+    @property
+    def kv_cache(self) -> Mapping[str, int]: ...
+
 
 def log(message: str) -> None:
     """One line on stderr: the server's own log (uvicorn's access log is off)."""
@@ -99,7 +102,7 @@ class Server:
         self.draining: str | None = None  # why new requests are refused (shutting down, a rank failed)
         self.failure: BaseException | None = None
         self.stop: Callable[[], None] = lambda: None  # ends the HTTP server (set by run())
-        self.metrics = Metrics(lambda: self.admitted, engine.queued)
+        self.metrics = Metrics(lambda: self.admitted, engine.queued, lambda: engine.kv_cache)
         self.app = self.build()
 
     # -- the application ------------------------------------------------------------------

@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# The paged KV cache's counts (rank 0's, as of the last sequence that ended): metric, type, key, help.
+KV_METRICS = (
+    ("fd_kv_cache_blocks_total", "gauge", "blocks_total", "KV-cache blocks a rank holds for sequences."),
+    ("fd_kv_cache_blocks_used", "gauge", "blocks_used", "KV-cache blocks held by running sequences."),
+    ("fd_prefix_cache_hit_tokens_total", "counter", "prefix_cache_hit_tokens",
+     "Prompt tokens whose keys and values were found cached (shared full blocks)."),
+    ("fd_prefix_cache_queried_tokens_total", "counter", "prefix_cache_queried_tokens",
+     "Prompt tokens looked up in the prefix cache."),
+    ("fd_preemptions_total", "counter", "preemptions",
+     "Sequences preempted (their blocks freed, recomputed later) when the KV cache ran out."),
+)
 # Seconds: from a few milliseconds (a tiny model at low load) to a minute (a long prompt behind a full batch).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -40,7 +51,10 @@ class Histogram:
 class Metrics:
     """What the server has done: requests by endpoint and status, tokens, time to first token, decode rate."""
 
-    def __init__(self, queue_length: Callable[[], int], running: Callable[[], int]) -> None:
+    def __init__(
+        self, queue_length: Callable[[], int], running: Callable[[], int],
+        kv_cache: Callable[[], Mapping[str, int]] = dict,
+    ) -> None:
         self.lock = threading.Lock()  # the engine's pump threads report tokens while the event loop reports requests
         self.requests: dict[tuple[str, str], int] = {}
         self.prompt_tokens = 0
@@ -52,6 +66,7 @@ class Metrics:
         self.decode_s = 0.0
         self.queue_length = queue_length
         self.running = running
+        self.kv_cache = kv_cache
 
     def request(self, endpoint: str, status: int | str) -> None:
         """One request answered (status: the HTTP code, or "cancelled" for a client that went away)."""
@@ -105,6 +120,10 @@ class Metrics:
                  round(rate, 3)),
             ):
                 lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+            kv = self.kv_cache()
+            for name, kind, key, help_text in KV_METRICS:
+                if key in kv:
+                    lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {int(kv[key])}"]
             for name, help_text, hist in (
                 ("fd_time_to_first_token_seconds", "Seconds from admission to a generation's first token.", self.ttft),
                 ("fd_request_duration_seconds", "Seconds from admission to a generation's last token.", self.duration),

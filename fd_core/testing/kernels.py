@@ -5,6 +5,7 @@ check (suite.ModelTests)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import pytest
@@ -158,15 +159,180 @@ def compare(op: str, got: Any, want: Any, dtype: str, args: tuple[Any, ...], nat
     )
 
 
+# The ops that touch the paged KV cache: their layout is the platform's, so they are checked together (the platform's
+# allocate, write and attention against the native ones), never one against the other's layout.
+CACHE_OPS = ("allocate_kv_cache", "write_kv_cache", "paged_attention", "paged_prefill_attention")
+
+
+@dataclass(frozen=True)
+class CacheCase:
+    """One paged-cache scenario: sequences of `lengths` positions in blocks of `block_size` (their tables drawn at
+    random from a pool of `blocks`, rows `shared` sharing their first full blocks), then `new` tokens a row attending
+    through them (1: a decode step; more: a prefill chunk after the cached prefix)."""
+
+    name: str
+    lengths: tuple[int, ...]
+    new: int
+    block_size: int
+    blocks: int
+    shared: int = 0
+
+
+CACHE_CASES = (
+    CacheCase("decode, rows of different lengths, a partial last block", (7, 1, 20), 1, 4, 24),
+    CacheCase("decode, two rows sharing their first blocks", (12, 14), 1, 4, 16, shared=2),
+    CacheCase("prefill chunk after a cached prefix, rows of different lengths", (9, 3, 16), 5, 4, 32),
+    CacheCase("prefill from position 0 (no prefix), blocks of 16", (0, 0), 17, 16, 8),
+    CacheCase("decode, one block a row at block size 64", (63, 1), 1, 64, 6),
+)
+
+
+def cache_layout(case: CacheCase, seed: int) -> tuple[Any, Any, Any]:
+    """(block tables [B, W] with the null block 0 as padding, each row's positions' slots, context lengths) for
+    `case`: non-contiguous blocks drawn at random, a row's first `shared` full blocks the first row's."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    total = [n + case.new for n in case.lengths]
+    need = [-(-t // case.block_size) for t in total]
+    width = max(need)
+    free = list(rng.permutation(np.arange(1, case.blocks)))
+    tables = np.zeros((len(total), width), dtype=np.int64)
+    for row, count in enumerate(need):
+        for i in range(count):
+            tables[row, i] = tables[0, i] if row and i < case.shared else free.pop()
+    slots = [[int(tables[row, p // case.block_size]) * case.block_size + p % case.block_size for p in range(t)]
+             for row, t in enumerate(total)]
+    return tables, slots, np.asarray(total, dtype=np.int64)
+
+
+def run_cache_case(ops: Any, case: CacheCase, dtype: str, kv_heads: int, heads: int, dim: int, seed: int,
+                   graphs: Any = None) -> Any:
+    """The case through `ops` (allocate, write the prefix and the new tokens, attend); with `graphs`, the new tokens'
+    write and attention run inside a graph captured through it (and replayed). Returns the attention's result as float64
+    numpy."""
+    import numpy as np
+    import paddle
+
+    rng = np.random.default_rng(seed)
+    tables, slots, total = cache_layout(case, seed)
+    rows = len(total)
+    k_cache, v_cache = ops.allocate_kv_cache(case.blocks, case.block_size, kv_heads, dim, dtype)
+
+    def t(*shape: int) -> Any:
+        return paddle.to_tensor(rng.standard_normal(shape).astype("float32")).astype(dtype)  # type: ignore[arg-type]
+
+    keys = [t(int(n), kv_heads, dim) for n in total]
+    values = [t(int(n), kv_heads, dim) for n in total]
+    prefix = [int(n) - case.new for n in total]
+    # The cached prefix (a shared block written by every row that holds it, with the first row's values).
+    for row in range(rows):
+        if prefix[row]:
+            at = paddle.to_tensor(np.asarray(slots[row][: prefix[row]], dtype=np.int64))
+            key, value = keys[row][: prefix[row]], values[row][: prefix[row]]
+            if row and case.shared:
+                overlap = min(prefix[row], case.shared * case.block_size)
+                key = paddle.concat([keys[0][:overlap], key[overlap:]]) if overlap else key
+                value = paddle.concat([values[0][:overlap], value[overlap:]]) if overlap else value
+            ops.write_kv_cache(key, value, k_cache, v_cache, at)
+    new_keys = paddle.concat([keys[row][prefix[row]:] for row in range(rows)])
+    new_values = paddle.concat([values[row][prefix[row]:] for row in range(rows)])
+    new_slots = paddle.to_tensor(
+        np.asarray([s for row in range(rows) for s in slots[row][prefix[row]:]], dtype=np.int64)
+    )
+    table = paddle.to_tensor(tables)
+    if case.new == 1:
+        q = t(rows, heads, dim)
+        lens = paddle.to_tensor(total)
+
+        def step(q: Any, key: Any, value: Any, k: Any, v: Any, at: Any, table: Any, lens: Any) -> Any:
+            ops.write_kv_cache(key, value, k, v, at)
+            return ops.paged_attention(q, k, v, table, lens)
+
+        inputs = [q, new_keys, new_values, k_cache, v_cache, new_slots, table, lens]
+    else:
+        q = t(rows, case.new, heads, dim)
+        starts = paddle.to_tensor(np.asarray(prefix, dtype=np.int64))
+
+        def step(q: Any, key: Any, value: Any, k: Any, v: Any, at: Any, table: Any, lens: Any) -> Any:
+            ops.write_kv_cache(key, value, k, v, at)
+            return ops.paged_prefill_attention(q, k, v, table, lens)
+
+        inputs = [q, new_keys, new_values, k_cache, v_cache, new_slots, table, starts]
+    if graphs is None:
+        out = step(*inputs)
+    else:
+        from fd_core.graphs import capture_scope
+
+        with capture_scope():
+            graphs.capture(("fd-check", case.name), step, inputs)
+        out = graphs.replay(("fd-check", case.name), inputs)
+    return _numpy(out)
+
+
 class KernelTests:
     """Every kernel a plugin registered for fd's named ops, checked against the native op."""
+
+    def test_the_paged_kv_cache_ops_match_the_native_ones(self, plugins: PluginSet, hardware: Detection) -> None:
+        """The platform's (or an extension's) cache ops, in whatever layout its allocate_kv_cache makes, give the native
+        ops' attention on random block tables: non-contiguous and shared blocks, partial last blocks, rows of different
+        lengths, decode and prefill, every dtype it computes in, eagerly and inside a graph its backend captures."""
+        import numpy as np
+
+        from fd_core import native_ops
+        from fd_core.host.backend import Backend
+        from fd_core.host.kernel_table import KernelTable, Ops
+
+        backend = Backend(plugins)
+        ours = {op: backend.ops.providers[op] for op in CACHE_OPS if not backend.ops.native(op)}
+        if not ours:
+            pytest.skip(f"{plugins.platform}: the paged KV cache runs the native ops (no cache kernel registered)")
+        native = Ops(KernelTable(), native_ops)
+        who = ", ".join(f"{op} ({p})" for op, p in ours.items())
+        failures = []
+        graphs = None
+        if backend.graph_mode is not None and not any(backend.kernels.uncapturable().get(op) for op in CACHE_OPS):
+            graphs = backend.graph_backend()
+        for dtype in [d for d in hardware.dtypes if d in OPS["paged_attention"].dtypes]:
+            rtol, atol = OPS["paged_attention"].tolerances[dtype]
+            for index, case in enumerate(CACHE_CASES):
+                for kv_heads, heads, dim in ((2, 4, 16), (1, 3, 8)):
+                    want = run_cache_case(native, case, dtype, kv_heads, heads, dim, seed=index)
+                    for where, through in (("eagerly", None), ("in a captured graph", graphs)):
+                        if where != "eagerly" and through is None:
+                            continue
+                        try:
+                            got = run_cache_case(backend.ops, case, dtype, kv_heads, heads, dim, seed=index,
+                                                 graphs=through)
+                        except Exception as exc:  # noqa: BLE001 - the kernels' own error, reported with its case
+                            failures.append(f"{dtype} {case.name}, {heads} heads over {kv_heads}, {where}: raised "
+                                            f"{type(exc).__name__}: {exc}")
+                            continue
+                        bad = ~np.isclose(got, want, rtol=rtol, atol=atol) if got.shape == want.shape else None
+                        if bad is None:
+                            failures.append(f"{dtype} {case.name}, {where}: returned {list(got.shape)}, the native "
+                                            f"ops {list(want.shape)}")
+                        elif bad.any():
+                            error = float(np.nanmax(np.abs(got - want)))
+                            failures.append(f"{dtype} {case.name}, {heads} heads over {kv_heads}, {where}: largest "
+                                            f"error {error:.3g} (rtol {rtol:g}, atol {atol:g})")
+        if failures:
+            # Which op: decode cases read through paged_attention, prefill cases through paged_prefill_attention; both
+            # failing points at what they share, the cache's writes or layout.
+            kinds = {"decode" if " decode" in f else "prefill" for f in failures}
+            suspect = ("paged_attention" if kinds == {"decode"} else "paged_prefill_attention" if kinds == {"prefill"}
+                       else "write_kv_cache or allocate_kv_cache (every kind of case fails)")
+            raise AssertionError(
+                f"{suspect}: the paged KV cache ops {who} differ from the native ones: {failures[0]} "
+                f"({len(failures)} case(s) in all)\n" + "\n".join(failures[:20])
+            )
 
     def test_every_kernel_in_use_matches_the_native_op(self, plugins: PluginSet, hardware: Detection) -> None:
         from fd_core import native_ops
         from fd_core.host.backend import Backend
 
         backend = Backend(plugins)
-        ours = {op: p for op, p in backend.ops.providers.items() if not backend.ops.native(op)}
+        ours = {op: p for op, p in backend.ops.providers.items() if not backend.ops.native(op) and op not in CACHE_OPS}
         if not ours:
             pytest.skip(f"{plugins.platform}: every op runs the native implementation (no kernel registered)")
         failures, unchecked, checked = [], [], 0

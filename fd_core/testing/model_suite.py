@@ -256,9 +256,9 @@ class ModelSuite:
     def test_sequences_joining_a_running_batch_get_their_alone_tokens(
         self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]
     ) -> None:
-        """Continuous batching through the engine (graphs where allowed): prompts prefilled into free cache rows while
-        others decode (two of unequal lengths together), each row at its own position, one into a row another left,
-        the cache growing under them: each gives its tokens alone."""
+        """Continuous batching through the engine (graphs where allowed): prompts prefilled into their own blocks while
+        others decode (two of unequal lengths together), each at its own position, one into blocks another left:
+        each gives its tokens alone."""
         from fd_core.host.backend import Backend
         from fd_core.runtime.engine.loop import Engine, Job
         from fd_core.runtime.engine.runner import ModelRunner
@@ -290,9 +290,85 @@ class ModelSuite:
         for i, job in enumerate(jobs):
             assert got[i] == alone[i], (
                 f"{architecture.name}: prompt {list(job.prompt)} gives {got[i]} when it joins a running batch, "
-                f"{alone[i]} alone; a cache row is written or read at another row's positions (prefill's cache_rows, "
-                f"decode_step's per-row positions, or allocate_cache(keep=True))"
+                f"{alone[i]} alone; a row's keys and values are written or read through another row's blocks "
+                f"(prefill's or decode_step's block tables, slots or positions)"
             )
+
+    def test_shared_prefixes_chunks_and_preemption_keep_the_tokens(
+        self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]
+    ) -> None:
+        """The paged cache's ways of saving work compute what the plain path computes (graphs where allowed), compared
+        by every chosen token's logits, not only the tokens: prompts whose first blocks are found cached (a shared
+        prefix) against prefix caching off; prompts prefilled 5 tokens a step beside running decodes against unchunked;
+        sequences preempted when the pool runs out (and recomputed) against room for all."""
+        import numpy as np
+
+        from fd_core.host.backend import Backend
+        from fd_core.runtime.engine.loop import Engine
+        from fd_core.runtime.engine.runner import ModelRunner
+        from fd_core.runtime.engine.sampling import SamplingParams
+        from fd_core.runtime.memory import MemoryPlan
+        from fd_core.runtime.request import Request
+
+        if config_index:
+            pytest.skip("checked on the preset only: blocks and chunks do not depend on the sizes")
+        plan = self._plan(plugins, architecture, config_index, source, graph="auto")
+        runner = ModelRunner(Backend(plugins), architecture, plan.config, plan.run.checkpoint, graph="auto")
+        runner.load()
+        runner.decide()
+        vocab = int(plan.config.vocab_size)
+        # Tokens drawn at random: a prompt of a few repeated tokens would hold the same values at every period, and a
+        # sequence reading the wrong positions of it would go unnoticed.
+        draw = np.random.default_rng(0).integers(1, vocab, size=200).tolist()
+        sampling = SamplingParams(max_new_tokens=8, ignore_eos=True)
+
+        def run(request: Request, **options: Any) -> tuple[list[list[int]], dict[int, list[Any]], Engine]:
+            engine = Engine(runner, trace={}, **options)
+            tokens = [c.token_ids for c in engine.generate(request)]
+            assert engine.trace is not None
+            return tokens, engine.trace, engine
+
+        def differs(got: dict[int, list[Any]], want: dict[int, list[Any]]) -> str | None:
+            for key, rows in want.items():
+                for step, (a, b) in enumerate(zip(got[key], rows, strict=True)):
+                    scale = max(1.0, float(np.abs(b).max()))
+                    if float(np.abs(a - b).max()) > LOGIT_TOL * scale:
+                        return f"prompt {key + 1}, token {step + 1}: logits differ by {float(np.abs(a - b).max()):.2e}"
+            return None
+
+        # Three prompts over three blocks of 16 each, the last two sharing the first's first 32 tokens.
+        first = draw[:40]
+        shared = Request((tuple(first), tuple(first[:32] + draw[40:49]), tuple(first[:35] + draw[49:52])), sampling)
+        want_tokens, want, _ = run(shared, prefix_caching=False)
+        # One at a time, so that the later prompts find the first's blocks cached.
+        tokens, got, engine = run(shared, max_batch=1)
+        hits = engine.kv_stats()["prefix_cache_hit_tokens"]
+        assert hits == 64, (
+            f"{architecture.name}: two prompts sharing 2 full blocks with the first found {hits} tokens cached"
+        )
+        problem = differs(got, want) or (None if tokens == want_tokens else "the tokens differ")
+        assert problem is None, (
+            f"{architecture.name}: with their shared prefix found cached the prompts compute something else than whole "
+            f"({problem}); a sequence reads cached blocks at the wrong positions (block tables, prefix lengths)"
+        )
+        tokens, got, _ = run(shared, max_prefill_tokens=5, prefix_caching=False)
+        problem = differs(got, want) or (None if tokens == want_tokens else "the tokens differ")
+        assert problem is None, (
+            f"{architecture.name}: prefilled 5 tokens a step the prompts compute something else than unchunked "
+            f"({problem}); paged_prefill_attention does not see a chunk's cached prefix (prefix_lens, causal positions)"
+        )
+        # Three prompts of 30 tokens admitted into 2 blocks each of a pool of 6; at position 32 each needs a third: the
+        # latest admitted are preempted and recomputed.
+        short = Request(tuple(tuple(draw[60 + 30 * i: 90 + 30 * i]) for i in range(3)), sampling)
+        want_tokens, want, _ = run(short, prefix_caching=False)
+        tight = MemoryPlan(1.0, plan.config.dtype, 1, 0, 1, block_size=16, blocks=6, blocks_from="the suite")
+        tokens, got, engine = run(short, memory=tight, prefix_caching=False)
+        assert engine.preemptions > 0, f"{architecture.name}: a pool of 6 blocks preempted nothing"
+        problem = differs(got, want) or (None if tokens == want_tokens else "the tokens differ")
+        assert problem is None, (
+            f"{architecture.name}: with sequences preempted and recomputed the prompts compute something else than "
+            f"with room for all ({problem}); a recomputed sequence does not continue where it stopped"
+        )
 
     def test_reload_cycles_keep_the_tokens(
         self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]
@@ -382,12 +458,17 @@ class ModelSuite:
         with Session(plan, plugins) as session:  # what `fd run --tp 1` runs
             got = session.generate(plan.request)[0].token_ids
             assert session.worker is not None
-            model = session.worker.runner.model
+            model, block_size = session.worker.runner.model, session.worker.runner.block_size
         assert model is not None
         import numpy as np
 
+        from fd_core.kvcache import KVBatch
+
+        # The prompt prefilled again into the engine's cache (nothing runs there now), its logits compared.
+        batch = KVBatch.contiguous(1, 0, len(prompt), block_size, -(-len(prompt) // block_size))
         ours = np.asarray(
-            model.prefill(np.asarray([prompt], dtype="int64")).astype("float32").numpy()[0], dtype=np.float64
+            model.prefill(np.asarray([prompt], dtype="int64"), None, batch).astype("float32").numpy()[0],
+            dtype=np.float64,
         )
         scale = max(1.0, float(np.abs(first).max()))
         worst = float(np.abs(ours - first).max())

@@ -634,6 +634,7 @@ class ModelTests(_Base):
         import numpy as np
 
         from fd_core.host.backend import Backend
+        from fd_core.kvcache import KVBatch
         from fd_core.runtime.engine.loop import Engine
         from fd_core.runtime.engine.runner import ModelRunner
         from fd_core.runtime.plan import model_config_for
@@ -649,11 +650,14 @@ class ModelTests(_Base):
             model = runner.model
             assert model is not None
             assert len(got) == steps, f"{arch.name}: the engine gave {len(got)} tokens for max_new_tokens={steps}"
-            model.allocate_cache(1, len(prompt) + steps)
             ids = list(prompt)
             for step, token in enumerate(got):
+                # The whole sequence prefilled again into blocks of the engine's cache (nothing runs there now).
+                width = -(-(len(prompt) + steps) // runner.block_size)
+                batch = KVBatch.contiguous(1, 0, len(ids), runner.block_size, width)
                 logits = np.asarray(
-                    model.prefill(np.asarray([ids], dtype="int64")).astype("float32").numpy()[0], dtype=np.float64
+                    model.prefill(np.asarray([ids], dtype="int64"), None, batch).astype("float32").numpy()[0],
+                    dtype=np.float64,
                 )
                 top2 = np.sort(logits)[-2:]
                 # A near-tie may break either way between two correct computations; anything else is a wrong token.

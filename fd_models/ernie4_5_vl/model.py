@@ -9,13 +9,14 @@ the rotary positions follow the reference's `get_rope_index`; decode then contin
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import paddle
 from paddle import nn
 
 from fd_core.config import ModelConfig
+from fd_core.kvcache import KVBatch
 from fd_models.ernie4_5_vl.config import MoEConfig, VisionConfig, image_settings
 from fd_models.ernie4_5_vl.vision import Resampler, VisionTransformer
 from fd_models.layers.decoder import CausalLM, DecoderOptions
@@ -67,13 +68,12 @@ class Ernie4_5_VLMoeForConditionalGeneration(PictureTextModel):  # noqa: N801 - 
 
     def _prefill_pictures(
         self, host_ids: np.ndarray, embeds: paddle.Tensor, rows: list[list[paddle.Tensor]], slots: np.ndarray,
-        positions: Any, delta: Any,
-        cache_rows: Sequence[int] | None = None,
+        positions: Any, batch: KVBatch,
     ) -> paddle.Tensor:
         """The decoder over the spliced prompt: picture tokens and the image start/end tokens go to the
         vision experts."""
         vision_mask = np.isin(host_ids, self.vision_tokens)
-        return self.language_model.prefill_embeds(embeds, positions, (), delta, vision_mask, cache_rows=cache_rows)
+        return self.language_model.prefill_embeds(embeds, batch, positions, (), vision_mask)
 
     def _encode(self, picture: np.ndarray) -> tuple[tuple[int, int, int], list[paddle.Tensor]]:
         """One picture -> (its grid, [resampled embeddings])."""

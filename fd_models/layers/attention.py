@@ -1,25 +1,23 @@
-"""Grouped-query attention over a preallocated KV cache, with shapes fixed by the caller; rotary embedding and
-attention itself are the Backend's named ops (fd_core.kernels), resolved once per layer.
+"""Grouped-query attention over the paged KV cache; rotary embedding, the cache write and attention itself are the
+Backend's named ops (fd_core.kernels), resolved once per layer.
 
-The cache of one layer is [B, kv_h, max_len, d]: head-major, the layout attention reads, so a step
-attends over a slice of it (`cache[:, :, :L]`) and never transposes it. Writing the new keys and
-values is one in-place `index_put_` at (row, kv head, slot) triples that the decoder computes once
-per step for every layer (`cache_index`): a cost that does not grow with max_len, and an op a
-Paddle static graph captures. Queries attend over the first L positions only, where `slots` =
-arange(L) is an input: eagerly L is the positions in use; a captured graph takes L from the bucket
-it was traced for (its input shape), and the mask hides the positions past the query.
+The cache's layout is the platform's (its `allocate_kv_cache`): this layer never indexes it. A step writes its
+new keys and values with `write_kv_cache` at the slots the runtime chose, then attends with `paged_attention`
+(a decode step: one query a row) or `paged_prefill_attention` (new tokens, causally over their sequence's cached
+prefix and themselves), each row through its block table.
 
 Without biases q, k and v are one [hidden, (heads + 2 kv_heads) x d / tp] matrix and o is stored
 [heads x d / tp, hidden] (as the MLP's gate/up and down: one product instead of three, in the layout
 Paddle's CPU product reads fastest); the checkpoint names and layout are unchanged.
 
-A decode step (one token a row) reshapes between [B, 1, heads, d] and [B, heads, 1, d] instead of
-transposing: the same memory order. Paddle's CPU kernels copy a transposed view element by element
-(measured far slower than the product that reads it; docs/benchmarks.md has the figures).
+Queries stay token-major [B, S, heads, d], as the projection gives them and the paged ops take them; a decode
+step (one token a row) reshapes between that and the rotary op's [B, heads, 1, d], the same memory order.
+Paddle's CPU kernels copy a transposed view element by element (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import paddle
@@ -30,37 +28,36 @@ from fd_models.layers.norm import RMSNorm
 from fd_models.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from fd_models.layers.params import new_columns_param
 
-CacheIndex = tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]
 
+@dataclass
+class KVStep:
+    """One step's cache inputs as tensors, made once for every layer: where the new keys and values go
+    (slot_mapping [B x S]), each row's blocks (block_tables [B, W]), and for a decode step each row's context
+    (context_lens [B]) or for a prefill each row's cached prefix (prefix_lens [B])."""
 
-def cache_index(positions: paddle.Tensor, batch: int, kv_heads: int) -> CacheIndex:
-    """The (row, kv head, slot) index triples, each [B * kv_h * S] in (row, head, position) order, of writing
-    S new positions per row: `positions` [S] (every row at the same slots, a prefill) or [B, S] (row b at its own)."""
-    length = positions.shape[-1]
-    rows = paddle.arange(batch, dtype="int64").reshape([-1, 1, 1]).expand([batch, kv_heads, length]).reshape([-1])
-    heads = paddle.arange(kv_heads, dtype="int64").reshape([1, -1, 1]).expand([batch, kv_heads, length]).reshape([-1])
-    per_row = positions.reshape([-1, 1, length]) if len(positions.shape) == 2 else positions.reshape([1, 1, length])
-    slots = per_row.expand([batch, kv_heads, length]).reshape([-1])
-    return rows, heads, slots
-
-
-def write_cache(cache: paddle.Tensor, new: paddle.Tensor, index: CacheIndex) -> None:
-    """cache [B, kv_h, T, d] := new [B, kv_h, S, d] at `index` (see cache_index), in place."""
-    paddle.index_put_(cache, index, new.reshape([-1, new.shape[-1]]))
+    slot_mapping: paddle.Tensor
+    block_tables: paddle.Tensor
+    context_lens: paddle.Tensor | None = None
+    prefix_lens: paddle.Tensor | None = None
 
 
 def to_heads(x: paddle.Tensor, heads: int, head_dim: int) -> paddle.Tensor:
-    """[B, S, heads * head_dim] -> [B, heads, S, head_dim]; a reshape when S is 1 (the same memory order)."""
+    """[B, S, heads * head_dim] -> [B, S, heads, head_dim] (a reshape)."""
+    return x.reshape([0, 0, heads, head_dim])
+
+
+def for_rotary(x: paddle.Tensor) -> paddle.Tensor:
+    """[B, S, heads, d] as the rotary op takes it, [B, heads, S, d]: a reshape when S is 1, else a transposed view."""
     if x.shape[1] == 1:
-        return x.reshape([0, heads, 1, head_dim])
-    return x.reshape([0, 0, heads, head_dim]).transpose([0, 2, 1, 3])
+        return x.reshape([0, x.shape[2], 1, x.shape[3]])
+    return x.transpose([0, 2, 1, 3])
 
 
-def merge_heads(x: paddle.Tensor) -> paddle.Tensor:
-    """[B, heads, S, head_dim] -> [B, S, heads * head_dim]; a reshape when S is 1."""
+def from_rotary(x: paddle.Tensor) -> paddle.Tensor:
+    """[B, heads, S, d] back to [B, S, heads, d]."""
     if x.shape[2] == 1:
-        return x.reshape([0, 1, -1])
-    return x.transpose([0, 2, 1, 3]).reshape([0, 0, -1])
+        return x.reshape([0, 1, x.shape[1], x.shape[3]])
+    return x.transpose([0, 2, 1, 3])
 
 
 class Attention(nn.Layer):
@@ -93,7 +90,9 @@ class Attention(nn.Layer):
         # Qwen3 normalises each head's q and k before rope; the weights are per head_dim, replicated.
         self.q_norm = RMSNorm(head_dim, qk_norm_eps, ctx, dtype) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps, ctx, dtype) if qk_norm_eps is not None else None
-        self.rotary_embedding, self.attention, self.matmul = ctx.ops.rotary_embedding, ctx.ops.attention, ctx.ops.matmul
+        ops = ctx.ops
+        self.rotary_embedding, self.matmul, self.write_kv_cache = ops.rotary_embedding, ops.matmul, ops.write_kv_cache
+        self.paged_attention, self.paged_prefill_attention = ops.paged_attention, ops.paged_prefill_attention
 
     def project(self, x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
         """x [B, S, H] -> this rank's q, k and v, [B, S, heads x d] and [B, S, kv_heads x d] twice."""
@@ -109,23 +108,25 @@ class Attention(nn.Layer):
         return self.o_proj(x)
 
     def forward(
-        self, x: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor], index: CacheIndex,
-        mask: paddle.Tensor, cache_k: paddle.Tensor, cache_v: paddle.Tensor,
+        self, x: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor], step: KVStep, cache_k: paddle.Tensor,
+        cache_v: paddle.Tensor,
     ) -> paddle.Tensor:
-        """x [B, S, H] written into the caches at `index` (cache_index), attending over the first
-        mask.shape[-1] positions -> [B, S, H].
-
-        Writes this step's keys and values into cache_k / cache_v in place.
-        """
+        """x [B, S, H]: its keys and values written into the caches at step.slot_mapping, its queries attending
+        through each row's blocks -> [B, S, H]."""
+        batch, length = x.shape[0], x.shape[1]
         q, k, v = self.project(x)
         q, k, v = (to_heads(q, self.heads, self.head_dim), to_heads(k, self.kv_heads, self.head_dim),
                    to_heads(v, self.kv_heads, self.head_dim))
         if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm_eps)
             q, k = self.q_norm(q), self.k_norm(k)
-        q = self.rotary_embedding(q, *rope, self.rope_layout)
-        k = self.rotary_embedding(k, *rope, self.rope_layout)
-        write_cache(cache_k, k, index)
-        write_cache(cache_v, v, index)
-        length = mask.shape[-1]
-        out = self.attention(q, cache_k[:, :, :length], cache_v[:, :, :length], mask)
-        return self.output(merge_heads(out))
+        q = from_rotary(self.rotary_embedding(for_rotary(q), *rope, self.rope_layout))
+        k = from_rotary(self.rotary_embedding(for_rotary(k), *rope, self.rope_layout))
+        tokens = batch * length
+        self.write_kv_cache(k.reshape([tokens, self.kv_heads, self.head_dim]),
+                            v.reshape([tokens, self.kv_heads, self.head_dim]), cache_k, cache_v, step.slot_mapping)
+        if step.context_lens is not None:
+            out = self.paged_attention(q.reshape([batch, self.heads, self.head_dim]), cache_k, cache_v,
+                                       step.block_tables, step.context_lens)
+        else:
+            out = self.paged_prefill_attention(q, cache_k, cache_v, step.block_tables, step.prefix_lens)
+        return self.output(out.reshape([batch, length, self.heads * self.head_dim]))

@@ -1,4 +1,4 @@
-"""The one decoder every architecture reuses, and the causal LM around it (KV cache, graphs, weights).
+"""The one decoder every architecture reuses, and the causal LM around it (paged KV cache, graphs, weights).
 
 Options select per-architecture differences (per-head q/k RMSNorm for Qwen3); names of sublayers
 follow Hugging Face checkpoints (`model.layers.0.self_attn`, `model.norm.weight`, ...); a fused parameter
@@ -17,17 +17,14 @@ from paddle import nn
 
 from fd_core import WeightSpec
 from fd_core.config import ModelConfig
+from fd_core.kvcache import KVBatch
 from fd_core.models import GraphBackend
 from fd_models.layers import params
-from fd_models.layers.attention import Attention, CacheIndex, cache_index, write_cache
+from fd_models.layers.attention import Attention, KVStep
 from fd_models.layers.mlp import SwiGLUMLP
 from fd_models.layers.norm import RMSNorm
 from fd_models.layers.parallel import ParallelLMHead, VocabParallelEmbedding
 from fd_models.layers.rotary import rope_tables
-
-_MASKED = -1e9  # additive mask for keys after the query's position (float32 softmax gives them 0)
-# The shortest cache length a decode graph is captured for; each longer bucket doubles it (one trace each).
-BUCKET_MIN = 64
 
 
 @dataclass(frozen=True)
@@ -53,15 +50,6 @@ def _with_positional_signature(fn: Any, names: Sequence[str]) -> Any:
     decode_fn.__signature__ = inspect.Signature([inspect.Parameter(n, kind) for n in names])  # type: ignore[attr-defined]
     decode_fn.__doc__ = fn.__doc__
     return decode_fn
-
-
-def cache_buckets(max_len: int) -> list[int]:
-    """The cache lengths a decode graph is captured for: powers of two from BUCKET_MIN below max_len, then max_len."""
-    sizes, size = [], BUCKET_MIN
-    while size < max_len:
-        sizes.append(size)
-        size *= 2
-    return [*sizes, max_len]
 
 
 def as_int64(value: Any) -> paddle.Tensor:
@@ -91,11 +79,11 @@ class DecoderLayer(nn.Layer):
         self.mlp_takes_vision_mask = getattr(self.mlp, "takes_vision_mask", False)
 
     def forward(
-        self, x: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor], index: CacheIndex, mask: paddle.Tensor,
-        cache_k: paddle.Tensor, cache_v: paddle.Tensor, vision_mask: paddle.Tensor | None = None,
+        self, x: paddle.Tensor, rope: tuple[paddle.Tensor, paddle.Tensor], step: KVStep, cache_k: paddle.Tensor,
+        cache_v: paddle.Tensor, vision_mask: paddle.Tensor | None = None,
     ) -> paddle.Tensor:
         """x [B, S, H] through attention (see Attention.forward) and the feed-forward -> [B, S, H]."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, index, mask, cache_k, cache_v)
+        x = x + self.self_attn(self.input_layernorm(x), rope, step, cache_k, cache_v)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, vision_mask) if self.mlp_takes_vision_mask else self.mlp(h))
 
@@ -115,57 +103,36 @@ class TextModel(nn.Layer):
         self.mrope_section: list[int] | None = rope.get("mrope_section")
 
     def forward(
-        self, embeds: paddle.Tensor, positions: paddle.Tensor, caches: Sequence[paddle.Tensor],
-        rope_positions: paddle.Tensor | None = None, deepstack: Sequence[paddle.Tensor] = (),
-        vision_mask: paddle.Tensor | None = None, slots: paddle.Tensor | None = None,
-        start: paddle.Tensor | None = None,
+        self, embeds: paddle.Tensor, rope_positions: paddle.Tensor, step: KVStep, caches: Sequence[paddle.Tensor],
+        deepstack: Sequence[paddle.Tensor] = (), vision_mask: paddle.Tensor | None = None,
     ) -> paddle.Tensor:
-        """embeds [B, S, H] into cache slots `positions` [S] (or [B, S]: row b at its own) of
-        `caches` [k0, v0, k1, v1, ...] (written in place) -> hidden [B, S, H].
+        """embeds [B, S, H] at rotary positions `rope_positions` ([B, S]; [3, B, S]: M-RoPE's temporal, height and
+        width positions), their keys and values written into `caches` [k0, v0, k1, v1, ...] where `step` says ->
+        hidden [B, S, H].
 
-        Queries attend over the cache slots `slots` = arange(L) (default: up to the last position),
-        masked after each query's own position.
-
-        `rope_positions` are the rotary positions when they differ from the slots: [S] or [B, S] (text
-        after an image) or [3, S] (M-RoPE over an image). `deepstack[i]` [B, S, H] is added to the hidden
-        states after layer i (Qwen3-VL's DeepStack visual features, zero outside image tokens);
-        `vision_mask` [B, S] marks image tokens for mixture-of-experts layers that route by modality.
-        `start` [B] is each sequence's first cache slot (its left padding; None: 0): earlier slots are
-        masked and its rotary positions count from there, so a padded prompt computes what it would alone.
+        `deepstack[i]` [B, S, H] is added to the hidden states after layer i (Qwen3-VL's DeepStack visual features,
+        zero outside image tokens); `vision_mask` [B, S] marks image tokens for mixture-of-experts layers that route
+        by modality.
         """
-        if slots is None:
-            slots = paddle.arange(positions.shape[0], dtype="int64")  # prefill: slots [0, S)
-        if start is None:
-            start = paddle.zeros([embeds.shape[0]], dtype="int64")
-        # positions [S] (a prefill: every row at the same slots) or [B, S] (a decode step: each row at its own slot).
-        per_row = len(positions.shape) == 2
-        where = positions.unsqueeze(-1)
-        rope_at = positions if rope_positions is None else rope_positions
-        section = self.mrope_section if len(rope_at.shape) == 2 and not per_row else None
-        # Per sequence: mask [B, 1, 1, S, L] (broadcast over kv heads and their query groups) and
-        # rotary tables [B, 1, S, d/2] (broadcast over heads).
-        valid = paddle.logical_and(slots.unsqueeze(0) <= where, slots.reshape([1, 1, -1]) >= start.reshape([-1, 1, 1]))
-        mask = ((valid.astype("float32") - 1.0) * -_MASKED).unsqueeze(1).unsqueeze(1)
-        # [B, S] per row; [S] -> [B, S]; [3, S] -> [3, B, S]
-        rows = rope_at - start.reshape([-1, 1]) if per_row else rope_at.unsqueeze(-2) - start.reshape([-1, 1])
-        cos, sin = rope_tables(rows, self.config.resolved_head_dim, self.config.rope_theta, section, self.mrope_style)
+        section = self.mrope_section if len(rope_positions.shape) == 3 else None
+        # Rotary tables [B, 1, S, d/2] (broadcast over heads): each row at its own positions.
+        cos, sin = rope_tables(rope_positions, self.config.resolved_head_dim, self.config.rope_theta, section,
+                               self.mrope_style)
         rope = (cos.unsqueeze(1), sin.unsqueeze(1))
-        # Where every layer writes its keys and values: computed once for the step (caches [B, kv_h, T, d]).
-        index = cache_index(positions, embeds.shape[0], caches[0].shape[1])
         x = embeds
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, index, mask, caches[2 * i], caches[2 * i + 1], vision_mask)
+            x = layer(x, rope, step, caches[2 * i], caches[2 * i + 1], vision_mask)
             if i < len(deepstack):
                 x = x + deepstack[i]
         return self.norm(x)
 
 
 class CausalLM(nn.Layer):
-    """A decoder-only language model with a static-shape KV cache and an optional captured decode graph.
+    """A decoder-only language model over the paged KV cache, with an optional captured decode graph.
 
-    The model keeps only its caches and its graph backend; the caller passes every position. A
-    decode step writes the caches in place and attends over the positions in use: eagerly exactly
-    those, in a captured graph the smallest captured bucket of cache length that holds them.
+    The model keeps only its caches and its graph backend; the caller says where every token goes (a KVBatch:
+    block tables, positions, slots). A decode step writes the caches in place and attends through each row's
+    block table; captured, it is replayed for the batch size and block-table width it was captured for.
     """
 
     def __init__(self, config: ModelConfig, ctx: Any, options: DecoderOptions = DecoderOptions()) -> None:
@@ -177,18 +144,14 @@ class CausalLM(nn.Layer):
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, ctx, tied, config.dtype)
         self._caches: list[paddle.Tensor] | None = None
         self._graphs: GraphBackend | None = None
-        # Per cache row, set at its prefill: its first cache slot (its left padding in a batch of unequal
-        # prompts) and its rotary delta (rotary position minus cache slot during decode: nonzero after an
-        # M-RoPE image, whose tokens take fewer rotary positions than cache slots).
-        self._row_start: list[int] = []
-        self._row_delta: list[int] = []
+        self.block_size = 0
         cache_names = [f"cache_{i}_{kv}" for i in range(config.num_hidden_layers) for kv in "kv"]
-        # The step handed to graph backends: (token_ids, position, rope_position, slots, start, cache_0_k, cache_0_v,
-        # ...) -> logits; it writes the caches in place, so a backend must pass them through by reference.
+        # The step handed to graph backends: (token_ids, rope_position, slot_mapping, block_tables, context_lens,
+        # cache_0_k, cache_0_v, ...) -> logits; it writes the caches in place, so a backend must pass them through
+        # by reference.
         self.decode_fn = _with_positional_signature(
-            self._decode, ["token_ids", "position", "rope_position", "slots", "start", *cache_names]
+            self._decode, ["token_ids", "rope_position", "slot_mapping", "block_tables", "context_lens", *cache_names]
         )
-        self._slots: dict[int, paddle.Tensor] = {}  # arange(L) per captured bucket length L
 
     # -- weights -------------------------------------------------------------------------
     def weight_specs(self) -> dict[str, WeightSpec]:
@@ -208,182 +171,116 @@ class CausalLM(nn.Layer):
         params.release_weights(self)
 
     # -- cache and steps -----------------------------------------------------------------
-    def cache_shape(self, batch_size: int, max_len: int) -> list[int]:
-        """[B, local kv heads, max_len, head_dim]: the shape of every per-layer k and v cache
-        (head-major: see attention)."""
-        kv_heads = self.config.num_key_value_heads // self.ctx.parallel.tp_size
-        return [batch_size, kv_heads, max_len, self.config.resolved_head_dim]
+    @property
+    def kv_heads(self) -> int:
+        """This rank's kv heads."""
+        return self.config.num_key_value_heads // self.ctx.parallel.tp_size
 
-    def allocate_cache(self, batch_size: int, max_len: int, keep: bool = False) -> None:
-        """Preallocate k/v caches of `batch_size` rows (slots) for every layer with fixed shapes.
-
-        Zeroed (the same tensors again when the shape is unchanged); with `keep`, holding the current
-        cache's rows and positions that fit (a batch that grows while its sequences decode).
-        """
-        shape = self.cache_shape(batch_size, max_len)
-        old = self._caches
-        if old is not None and list(old[0].shape) == shape:
-            if not keep:
-                # A captured graph may hold these very tensors (see capture): keep them, zeroed.
-                for cache in old:
-                    cache.zero_()
-                self._row_start, self._row_delta = [0] * batch_size, [0] * batch_size
-            return
-        # The old cache goes a tensor at a time as the new one is made (its rows copied in first with `keep`),
-        # so the two are never held whole at once: growing 4x2048 to 8x4096 at 0.3B peaked 1160 MiB above
-        # the old cache for a 1152 MiB new one, 880 MiB this way.
-        previous: list[paddle.Tensor | None] = list(old) if keep and old is not None else []
-        self._caches = old = None
-        length, rows = ((min(max_len, previous[0].shape[2]), min(batch_size, previous[0].shape[0]))  # type: ignore[union-attr]
-                        if previous else (0, 0))
-        caches = []
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """The paged KV cache: `num_blocks` blocks of `block_size` positions for every layer's keys and values, in
+        the platform's layout (its allocate_kv_cache op); the old cache, if any, is dropped first."""
+        self._caches = None
+        allocate = self.ctx.ops.allocate_kv_cache
+        caches: list[paddle.Tensor] = []
         try:
-            for i in range(2 * self.config.num_hidden_layers):
-                # paddle's stubs take a dtype name only as a Literal; ModelConfig.dtype is a str, which
-                # ModelConfig.check keeps to COMPUTE_DTYPES.
-                cache = paddle.zeros(shape, dtype=self.config.dtype)  # type: ignore[arg-type]
-                if previous:
-                    cache[:rows, :, :length] = previous[i][:rows, :, :length]  # type: ignore[index]
-                    previous[i] = None
-                caches.append(cache)
+            for _ in range(self.config.num_hidden_layers):
+                caches += list(allocate(num_blocks, block_size, self.kv_heads, self.config.resolved_head_dim,
+                                        self.config.dtype))
         except (MemoryError, RuntimeError) as exc:
-            # Part of the old cache is gone: no row can go on, and none may pretend to.
-            self._row_start, self._row_delta = [], []
             raise MemoryError(
-                f"allocating the KV cache {shape} x {2 * self.config.num_hidden_layers} ({self.config.dtype}) "
-                f"failed after {len(caches)} tensors: {exc}; the sequences in its rows are lost; "
-                "lower --memory-fraction or the batch"
+                f"allocating the KV cache ({num_blocks} blocks of {block_size} positions x "
+                f"{2 * self.config.num_hidden_layers} tensors, {self.config.dtype}) failed after {len(caches)} "
+                f"tensors: "
+                f"{exc}; ask for fewer blocks (--kv-cache-blocks) or a lower --memory-fraction"
             ) from exc
-        self._caches = caches
-        if previous:
-            fill = [0] * max(0, batch_size - len(self._row_start))
-            self._row_start, self._row_delta = ((self._row_start + fill)[:batch_size],
-                                                (self._row_delta + fill)[:batch_size])
-        else:
-            self._row_start, self._row_delta = [0] * batch_size, [0] * batch_size
+        self._caches, self.block_size = caches, block_size
 
     def cache_bytes(self) -> int:
-        """Bytes the KV cache holds (0 before allocate_cache)."""
+        """Bytes the KV cache holds (0 before allocate_kv_cache)."""
         return sum(int(c.numel()) * c.element_size() for c in self._caches or [])
 
-    def _require_cache(
-        self, batch_size: int, length: int = 1, rows: Sequence[int] | None = None,
-    ) -> list[paddle.Tensor]:
+    def _require_cache(self) -> list[paddle.Tensor]:
         if self._caches is None:
-            raise RuntimeError("allocate_cache(batch_size, max_len) must be called before prefill/decode")
-        cached_batch, _, max_len, _ = self._caches[0].shape
-        fits = (all(0 <= r < cached_batch for r in rows) and len(set(rows)) == len(rows) == batch_size
-                if rows is not None else cached_batch == batch_size)
-        if not fits or length > max_len:
-            where = f" into rows {list(rows)}" if rows is not None else ""
-            raise ValueError(f"input batch {batch_size} x {length} tokens{where} does not fit the cache "
-                             f"[{cached_batch}, max_len={max_len}]")
+            raise RuntimeError("allocate_kv_cache(num_blocks, block_size) must be called before prefill or decode")
         return self._caches
 
     def _decode(
-        self, token_ids: paddle.Tensor, position: paddle.Tensor, rope_position: paddle.Tensor, slots: paddle.Tensor,
-        start: paddle.Tensor, *caches: paddle.Tensor,
+        self, token_ids: paddle.Tensor, rope_position: paddle.Tensor, slot_mapping: paddle.Tensor,
+        block_tables: paddle.Tensor, context_lens: paddle.Tensor, *caches: paddle.Tensor,
     ) -> paddle.Tensor:
-        """Decode step: (token_ids [B, 1], each row's cache slot [B, 1], its rotary position [B, 1], slots attended
-        arange(L), first slots [B], *caches) -> logits [B, vocab]."""
-        hidden = self.model(self.model.embed_tokens(token_ids), position, caches, rope_position, slots=slots,
-                            start=start)
+        """Decode step: (token_ids [B, 1], rotary positions [B, 1], slots [B], block tables [B, W], context lengths [B],
+        *caches) -> logits [B, vocab]."""
+        step = KVStep(slot_mapping, block_tables, context_lens=context_lens)
+        hidden = self.model(self.model.embed_tokens(token_ids), rope_position, step, caches)
         return self.lm_head(hidden[:, -1])
 
     def prefill_embeds(
-        self, embeds: paddle.Tensor, rope_positions: Any = None, deepstack: Sequence[paddle.Tensor] = (),
-        rope_delta: int = 0,
-        vision_mask: Any = None, pad: Sequence[int] | None = None, cache_rows: Sequence[int] | None = None,
+        self, embeds: paddle.Tensor, batch: KVBatch, rope_positions: Any = None,
+        deepstack: Sequence[paddle.Tensor] = (), vision_mask: Any = None,
     ) -> paddle.Tensor:
-        """Run embeds [B, S, H] causally into cache slots [0, S) of cache rows `cache_rows` (default 0..B-1); return
-        last-position logits [B, vocab]. The other rows of the cache are untouched.
+        """Run embeds [B, S, H] (row b's first batch.lengths[b] real, the rest padding) into the cache at the positions
+        and slots `batch` gives; return the logits of each row's last new token [B, vocab].
 
-        `rope_positions` [3, S], `deepstack` and `vision_mask` come with an image (see TextModel.forward);
-        `rope_delta` is what decode adds to each slot to get its rotary position. `pad[b]` leading
-        positions of sequence b are padding (prompts of unequal lengths, left-padded): masked, and its
-        rotary positions start after them, so each sequence computes what it would alone.
+        `rope_positions` [3, S] or [3, B, S] (M-RoPE over pictures), `deepstack` and `vision_mask` come with pictures
+        (see
+        TextModel.forward); otherwise row b's rotary positions are batch.starts[b] + i + batch.rope_deltas[b].
         """
-        batch, length = embeds.shape[0], embeds.shape[1]
-        rows = list(range(batch)) if cache_rows is None else [int(r) for r in cache_rows]
-        caches = self._require_cache(batch, length, rows)
-        pads = [0] * batch if pad is None else [int(p) for p in pad]
-        # The prompt runs against a cache of its own rows, then lands in theirs: rows decoding
-        # meanwhile keep their cache.
-        scratch = [paddle.zeros(self.cache_shape(batch, length), dtype=self.config.dtype) for _ in caches]  # type: ignore[arg-type]  # as in allocate_cache
-        positions = paddle.arange(length, dtype="int64")
-        rope = None if rope_positions is None else as_int64(rope_positions)
+        caches = self._require_cache()
+        rows, length = embeds.shape[0], embeds.shape[1]
+        starts = np.asarray(batch.starts, dtype=np.int64)
+        if rope_positions is None:
+            at = starts[:, None] + np.arange(length)[None, :] + np.asarray(batch.rope_deltas, dtype=np.int64)[:, None]
+            rope = as_int64(at)
+        else:
+            rope = as_int64(rope_positions)
+            if len(rope.shape) == 2:  # [3, S]: every row's pictures at the same places
+                rope = rope.unsqueeze(1).expand([3, rows, length])
+        step = KVStep(as_int64(np.asarray(batch.slot_mapping).reshape(-1)), as_int64(batch.block_tables),
+                      prefix_lens=as_int64(starts))
         mask = None if vision_mask is None else paddle.to_tensor(np.asarray(vision_mask, dtype=bool))
-        hidden = self.model(embeds, positions, scratch, rope, deepstack, mask, start=as_int64(pads))
-        # The scratch's rows 0..B-1 land in the cache's `rows`: the decoder's own write index, its rows renamed.
-        scratch_rows, heads, slots = cache_index(positions, batch, scratch[0].shape[1])
-        at = (paddle.gather(as_int64(rows), scratch_rows), heads, slots)
-        for cache, written in zip(caches, scratch, strict=True):
-            write_cache(cache, written, at)
-        for row, p in zip(rows, pads, strict=True):
-            self._row_start[row], self._row_delta[row] = p, int(rope_delta)
-        return self.lm_head(hidden[:, -1])
+        hidden = self.model(embeds, rope, step, caches, deepstack, mask)
+        last = as_int64(np.asarray(batch.lengths, dtype=np.int64) - 1 + np.arange(rows) * length)
+        return self.lm_head(paddle.gather(hidden.reshape([rows * length, -1]), last))
 
-    def prefill_length(self, input_ids: Any, image: Any = None) -> int:
-        """Cache positions `prefill` fills (the prompt length): the first decode position."""
-        return int(as_int64(input_ids).shape[1])
-
-    def prefill(
-        self, input_ids: Any, image: Any = None, pad: Sequence[int] | None = None,
-        cache_rows: Sequence[int] | None = None,
-    ) -> paddle.Tensor:
-        """Run the prompt [B, S] (text only: `image` must be None) into cache rows `cache_rows`, `pad[b]` of
-        row b's leading ids padding; last-position logits [B, vocab]."""
+    def prefill(self, input_ids: Any, image: Any = None, batch: KVBatch | None = None) -> paddle.Tensor:
+        """Run the new tokens [B, S] (text only: `image` must be None) into the cache where `batch` says; the logits of
+        each row's last new token [B, vocab]."""
         if image is not None:
             raise ValueError(f"{self.config.architecture} is a text-only model; it takes no image")
-        return self.prefill_embeds(self.model.embed_tokens(as_int64(input_ids)), pad=pad, cache_rows=cache_rows)
+        if batch is None:
+            raise ValueError(
+                "prefill needs a KVBatch saying where the tokens go (fd_models.layers.rows.Rows makes one)"
+            )
+        return self.prefill_embeds(self.model.embed_tokens(as_int64(input_ids)), batch)
 
-    def decode_step(self, token_ids: Any, position: int | Sequence[int]) -> paddle.Tensor:
-        """One token per cache row [B, 1], row b at cache slot `position[b]` (an int: every row at it); replays the
-        captured graph for this batch size if any."""
+    def decode_step(self, token_ids: Any, batch: KVBatch) -> paddle.Tensor:
+        """One token per row [B, 1] at position batch.starts[b] of its sequence; replays the graph captured for this
+        batch size and block-table width if there is one."""
         ids = as_int64(token_ids).reshape([-1, 1])
-        batch = ids.shape[0]
-        where = [int(position)] * batch if isinstance(position, (int, np.integer)) else [int(p) for p in position]
-        if len(where) != batch:
-            raise ValueError(f"decode_step got {len(where)} positions for {batch} rows")
-        caches = self._require_cache(batch, max(where) + 1)
-        slot = as_int64(np.asarray(where).reshape(-1, 1))
-        rope = as_int64((np.asarray(where) + np.asarray(self._row_delta)).reshape(-1, 1))
-        start = as_int64(self._row_start)
-        bucket = self._bucket(batch, max(where) + 1)
-        if bucket is not None:
-            inputs = [ids, slot, rope, self._slots[bucket], start, *caches]
-            return self._graphs.replay((batch, bucket), inputs)  # type: ignore[union-attr]
-        return self.decode_fn(ids, slot, rope, paddle.arange(max(where) + 1, dtype="int64"), start, *caches)
-
-    def _bucket(self, batch_size: int, length: int) -> int | None:
-        """The smallest captured cache length holding `length` positions for this batch size, None if none is."""
-        if self._graphs is None:
-            return None
-        return next((b for b in sorted(self._slots) if b >= length and self._graphs.has((batch_size, b))), None)
+        rows = ids.shape[0]
+        starts = np.asarray(batch.starts, dtype=np.int64)
+        if len(starts) != rows:
+            raise ValueError(f"decode_step got {len(starts)} rows of cache positions for {rows} tokens")
+        caches = self._require_cache()
+        tables = np.asarray(batch.block_tables, dtype=np.int64)
+        inputs = [ids, as_int64((starts + np.asarray(batch.rope_deltas, dtype=np.int64)).reshape(-1, 1)),
+                  as_int64(np.asarray(batch.slot_mapping).reshape(-1)), as_int64(tables), as_int64(starts + 1), *caches]
+        key = (rows, int(tables.shape[1]))
+        if self._graphs is not None and self._graphs.has(key):
+            return self._graphs.replay(key, inputs)
+        return self.decode_fn(*inputs)
 
     # -- graphs --------------------------------------------------------------------------
-    def capture(self, graph_backend: GraphBackend, batch_size: int) -> None:
-        """Capture decode_fn for `batch_size` through `graph_backend`, once per bucket of cache length
-        (keys (batch, L))."""
-        if self._caches is None:
-            raise RuntimeError("allocate_cache(batch_size, max_len) must be called before capture")
-        cached_batch, max_len = self._caches[0].shape[0], self._caches[0].shape[2]
-        # The live caches when the batch size is theirs: a backend may keep the tensors it captured
-        # with (a device graph's fixed addresses), and the step writes them in place. The trace
-        # writes slot 0 of every row, which is put back after (rows may hold sequences mid-decode).
-        live = cached_batch == batch_size
-        caches = self._caches if live else [
-            paddle.zeros(self.cache_shape(batch_size, max_len), dtype=self.config.dtype) for _ in self._caches  # type: ignore[arg-type]  # as in allocate_cache
-        ]
-        kept = [cache[:, :, :1].clone() for cache in caches] if live else []
-        position = paddle.zeros([batch_size, 1], dtype="int64")
-        start = paddle.zeros([batch_size], dtype="int64")
-        for length in cache_buckets(max_len):
-            slots = self._slots.setdefault(length, paddle.arange(length, dtype="int64"))
-            example = [paddle.zeros([batch_size, 1], dtype="int64"), position, position, slots, start, *caches]
-            graph_backend.capture((batch_size, length), self.decode_fn, example)
-        for cache, first in zip(caches, kept, strict=False):
-            cache[:, :, :1] = first
+    def capture(self, graph_backend: GraphBackend, batch_size: int, table_width: int) -> None:
+        """Capture decode_fn for `batch_size` rows and block tables `table_width` blocks wide through `graph_backend`
+        (key (batch_size, table_width)); later decode steps of that shape replay it."""
+        caches = self._require_cache()
+        # Every example row points at the null block (block 0): the trace's writes land where nothing is read.
+        zeros = paddle.zeros([batch_size, 1], dtype="int64")
+        example = [zeros, zeros, paddle.zeros([batch_size], dtype="int64"),
+                   paddle.zeros([batch_size, table_width], dtype="int64"), paddle.ones([batch_size], dtype="int64"),
+                   *caches]
+        graph_backend.capture((batch_size, table_width), self.decode_fn, example)
         self._graphs = graph_backend
 
     @property

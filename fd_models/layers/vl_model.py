@@ -3,13 +3,14 @@ pictures spliced in, and a language model that owns the cache, decode and captur
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 import paddle
 from paddle import nn
 
 from fd_core import WeightSpec
+from fd_core.kvcache import KVBatch
 from fd_core.models import GraphBackend
 from fd_models.layers import params
 from fd_models.layers.decoder import CausalLM, as_int64
@@ -49,35 +50,34 @@ class PictureTextModel(nn.Layer):
         params.release_weights(self)
 
     # -- prefill and decode --------------------------------------------------------------
-    def prefill_length(self, input_ids: Any, image: Any = None) -> int:
-        """The prompt length: image tokens are placeholders in the prompt, nothing is prepended."""
-        return int(np.asarray(input_ids).shape[1])
+    def prefill(self, input_ids: Any, image: Any = None, batch: KVBatch | None = None) -> paddle.Tensor:
+        """Run the new tokens [B, S] (with the picture(s) at their placeholders: see `batch_pictures`) into the cache
+        where `batch` says; the logits of each row's last new token [B, vocab].
 
-    def prefill(
-        self, input_ids: Any, image: Any = None, pad: Sequence[int] | None = None,
-        cache_rows: Sequence[int] | None = None,
-    ) -> paddle.Tensor:
-        """Run the prompt [B, S] with its image(s) at their placeholders (see `batch_pictures`) into cache rows
-        `cache_rows` (default 0..B-1); last-position logits [B, vocab].
-
-        `pad[b]` leading ids of row b are padding (text-only batches of unequal prompts).
-
-        Pictures are float [C, H, W] in [0, 1]; they are resized and normalised as the checkpoint's processor says.
+        A prompt with pictures is run whole (batch.starts all 0), every row's placeholders at the same places; its
+        row's rotary delta (what decode positions add) goes into batch.rope_deltas. Pictures are float [C, H, W] in
+        [0, 1]; they are resized and normalised as the checkpoint's processor says.
         """
+        if batch is None:
+            raise ValueError(
+                "prefill needs a KVBatch saying where the tokens go (fd_models.layers.rows.Rows makes one)"
+            )
         ids = as_int64(input_ids)
         embeds = self.language_model.model.embed_tokens(ids)
         if image is None:
-            return self.language_model.prefill_embeds(embeds, pad=pad, cache_rows=cache_rows)
-        if pad is not None and any(pad):
+            return self.language_model.prefill_embeds(embeds, batch)
+        if np.any(np.asarray(batch.starts)) or np.any(np.asarray(batch.lengths) != ids.shape[1]):
             raise ValueError(
-                "prompts with pictures are not padded: give a batch of them equal lengths, or run them one by one"
+                "a prompt with pictures is prefilled whole and unpadded: give a batch of them equal lengths from "
+                "position 0"
             )
         host_ids = ids.numpy()
         grids, rows = encode_batch(batch_pictures(image, host_ids.shape[0]), self._encode)
         positions, delta = batch_positions(host_ids, self.image_token_id, grids, self.vision_config.spatial_merge_size)
         slots = np.flatnonzero(host_ids[0] == self.image_token_id)
         embeds = scatter_rows(embeds, paddle.stack([row[0] for row in rows]), slots)
-        return self._prefill_pictures(host_ids, embeds, rows, slots, positions, delta, cache_rows)
+        batch.rope_deltas[:] = int(delta)
+        return self._prefill_pictures(host_ids, embeds, rows, slots, positions, batch)
 
     def _encode(self, picture: np.ndarray) -> tuple[tuple[int, int, int], list[paddle.Tensor]]:
         """One picture -> (its grid, [its embeddings at the placeholders, any further features])."""
@@ -85,25 +85,28 @@ class PictureTextModel(nn.Layer):
 
     def _prefill_pictures(
         self, host_ids: np.ndarray, embeds: paddle.Tensor, rows: list[list[paddle.Tensor]], slots: np.ndarray,
-        positions: Any, delta: Any,
-        cache_rows: Sequence[int] | None = None,
+        positions: Any, batch: KVBatch,
     ) -> paddle.Tensor:
-        """The decoder's run over `embeds` (pictures spliced in at `slots`) into cache rows `cache_rows`;
-        last-position logits [B, vocab]."""
+        """The decoder's run over `embeds` (pictures spliced in at `slots`, rotary `positions` [3, S]) into the cache
+        where `batch` says; the logits of each row's last token [B, vocab]."""
         raise NotImplementedError
 
-    def allocate_cache(self, batch_size: int, max_len: int, keep: bool = False) -> None:
-        self.language_model.allocate_cache(batch_size, max_len, keep)
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """The language model's paged KV cache (see CausalLM.allocate_kv_cache)."""
+        self.language_model.allocate_kv_cache(num_blocks, block_size)
+
+    @property
+    def block_size(self) -> int:
+        return self.language_model.block_size
 
     def cache_bytes(self) -> int:
         """Bytes the language model's KV cache holds."""
         return self.language_model.cache_bytes()
 
-    def decode_step(self, token_ids: Any, position: int | Sequence[int]) -> paddle.Tensor:
-        """One text token per cache row at cache slot `position[b]` (its rotary position
-        offset by its pictures' delta)."""
-        return self.language_model.decode_step(token_ids, position)
+    def decode_step(self, token_ids: Any, batch: KVBatch) -> paddle.Tensor:
+        """One text token per row (its rotary position offset by its pictures' delta, batch.rope_deltas)."""
+        return self.language_model.decode_step(token_ids, batch)
 
-    def capture(self, graph_backend: GraphBackend, batch_size: int) -> None:
+    def capture(self, graph_backend: GraphBackend, batch_size: int, table_width: int) -> None:
         """Capture the language model's decode step (graphs live on `self.language_model`)."""
-        self.language_model.capture(graph_backend, batch_size)
+        self.language_model.capture(graph_backend, batch_size, table_width)

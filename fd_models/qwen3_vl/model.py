@@ -8,12 +8,13 @@ positions follow the reference's `get_rope_index`; decode then continues at slot
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import paddle
 
 from fd_core.config import ModelConfig
+from fd_core.kvcache import KVBatch
 from fd_models.layers.decoder import CausalLM, DecoderOptions
 from fd_models.layers.images import preprocess
 from fd_models.layers.multimodal import scatter_rows
@@ -44,14 +45,13 @@ class Qwen3VLForConditionalGeneration(PictureTextModel):
 
     def _prefill_pictures(
         self, host_ids: np.ndarray, embeds: paddle.Tensor, rows: list[list[paddle.Tensor]], slots: np.ndarray,
-        positions: Any, delta: Any,
-        cache_rows: Sequence[int] | None = None,
+        positions: Any, batch: KVBatch,
     ) -> paddle.Tensor:
         """The decoder over the spliced prompt: the DeepStack features join after the first
         layers at the picture tokens."""
         zeros = paddle.zeros_like(embeds)
         deepstack = [scatter_rows(zeros, paddle.stack([row[i] for row in rows]), slots) for i in range(1, len(rows[0]))]
-        return self.language_model.prefill_embeds(embeds, positions, deepstack, delta, cache_rows=cache_rows)
+        return self.language_model.prefill_embeds(embeds, batch, positions, deepstack)
 
     def _encode(self, picture: np.ndarray) -> tuple[tuple[int, int, int], list[paddle.Tensor]]:
         """One picture -> (its grid, [merged embeddings, DeepStack features...])."""

@@ -67,7 +67,8 @@ def test_an_unknown_op_is_refused_at_load_naming_the_plugin_and_the_nearest_op(i
         load_plugins({})
     assert str(err.value) == (
         "plugin 'typo-kernels': fd_register_kernels registered an unknown op 'rms_nrom'; did you mean 'rms_norm'? "
-        "(fd's ops: rms_norm, silu_and_mul, rotary_embedding, attention, sample, matmul); fix the name in 'typo-kernels'"
+        "(fd's ops: rms_norm, silu_and_mul, rotary_embedding, attention, sample, allocate_kv_cache, write_kv_cache, "
+        "paged_attention, paged_prefill_attention, matmul); fix the name in 'typo-kernels'"
     )
 
 
@@ -186,22 +187,33 @@ def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged
     assert ours.returncode == 0, ours.stderr
     plain_json, ours_json = json.loads(plain.stdout), json.loads(ours.stdout)
     assert plain_json["kernels"]["rms_norm"] == "cpu" and plain_json["kernels"]["silu_and_mul"] == "native"
+    cache_ops = ("allocate_kv_cache", "write_kv_cache", "paged_attention", "paged_prefill_attention")
     assert ours_json["kernels"] == {**plain_json["kernels"], "rms_norm": "example-kernels",
-                                    "silu_and_mul": "example-kernels"}
+                                    "silu_and_mul": "example-kernels", **dict.fromkeys(cache_ops, "example-kernels")}
+    # Its own cache layout (token-major blocks), written and read by its own kernels on both ranks: the same tokens.
     assert ours_json["tokens"] == plain_json["tokens"]
-    for op in ("rms_norm", "silu_and_mul"):
+    for op in ("rms_norm", "silu_and_mul", *cache_ops):
         assert len({p.name for p in trace.glob(f"{op}.*")}) == 2, f"{op} was not called by both ranks: {sorted(p.name for p in trace.iterdir())}"
     listed = json.loads(run_fd(["plugins", "--json"], example_kernels).stdout)
     assert (next(p for p in listed["plugins"] if p["name"] == "example-kernels")["kernels"]
-            == ["rms_norm", "silu_and_mul"])
+            == sorted(["rms_norm", "silu_and_mul", *cache_ops]))
     explained = run_fd(["explain", "--tp", "1"], example_kernels)
     assert "rms_norm: example-kernels, silu_and_mul: example-kernels, rotary_embedding: cpu" in " ".join(explained.stdout.split())
 
 
 def test_the_suite_passes_the_example_kernels(example_kernels: Path) -> None:
-    done = run_fd(["check", "cpu", "-k", "kernel or native_path"], example_kernels, timeout=300)
-    assert done.returncode == 0 and "2 passed, 0 failed" in done.stdout, done.stdout + done.stderr
+    done = run_fd(["check", "cpu", "-k", "kernel or native_path or paged"], example_kernels, timeout=300)
+    assert done.returncode == 0 and "3 passed, 0 failed" in done.stdout, done.stdout + done.stderr
     assert "passed   test_the_platform_generates_what_the_native_path_does" in done.stdout
+    assert "passed   test_the_paged_kv_cache_ops_match_the_native_ones" in done.stdout
+
+
+def test_the_suite_fails_an_off_by_one_paged_attention_by_its_name(example_kernels: Path) -> None:
+    """The example's decode attention made to skip each row's newest position (FD_EXAMPLE_KERNELS_BREAK)."""
+    done = run_fd(["check", "cpu", "-k", "paged"], example_kernels, {"FD_EXAMPLE_KERNELS_BREAK": "paged_attention"},
+                  timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "failed   test_the_paged_kv_cache_ops_match_the_native_ones  AssertionError: paged_attention: " in done.stdout
 
 
 WRONG_KERNELS = """
@@ -303,7 +315,8 @@ def test_fd_run_refuses_a_misspelled_op_in_one_line(tmp_path: Path) -> None:
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip().splitlines() == [
         "fd: error: plugin 'typo-kernels': fd_register_kernels registered an unknown op 'rms_nrom'; did you mean 'rms_norm'? "
-        "(fd's ops: rms_norm, silu_and_mul, rotary_embedding, attention, sample, matmul); fix the name in 'typo-kernels'"
+        "(fd's ops: rms_norm, silu_and_mul, rotary_embedding, attention, sample, allocate_kv_cache, write_kv_cache, "
+        "paged_attention, paged_prefill_attention, matmul); fix the name in 'typo-kernels'"
     ]
 
 

@@ -11,9 +11,8 @@ import pytest
 from fakedist import run_fd
 from fd_core import Detection, DeviceMemory, ModelConfig
 from fd_core.errors import SETTINGS_STYLE_ENV, ConfigError
-from fd_core.runtime.memory import MemoryPlan, cache_length, plan_memory
+from fd_core.runtime.memory import DEFAULT_MAX_PREFILL_TOKENS, MemoryPlan, plan_memory, scratch_bytes
 from fd_plugins.cpu.memory import cgroup_limit, host_memory
-from plugin_sources import TINY_DEVICE
 
 GiB = 2**30
 
@@ -37,8 +36,12 @@ def test_each_rank_is_checked_for_its_share_of_the_weights_not_the_whole_model()
                        r"'chip' has 15\.00 GiB free of 16\.00 GiB, of which --memory-fraction 0\.9 allows 13\.50 GiB; use a larger --tp"):
         plan_memory(BIG, 1, devices(15, 15), 0.9, "chip", "big", ranks_here=1)
     plan = plan_memory(BIG, 2, devices(15, 15), 0.9, "chip", "big", ranks_here=2)
-    room = int(15 * GiB * 0.9) - BIG.weight_bytes_per_rank(2)
+    scratch = scratch_bytes(BIG, 2, DEFAULT_MAX_PREFILL_TOKENS, 8)
+    room = int(15 * GiB * 0.9) - BIG.weight_bytes_per_rank(2) - scratch
     assert plan.capacity_tokens == room // BIG.cache_bytes_per_token(2) and plan.ranks_per_device == 1
+    # The pool: what the room holds in blocks of 16 (less than 8 sequences of the 32768-token context would use).
+    assert plan.scratch_bytes == scratch and 0 < scratch < 2 * GiB
+    assert (plan.block_size, plan.blocks, plan.blocks_bound) == (16, plan.capacity_tokens // 16, "memory")
     # A token's cache on one rank: keys and values of every layer for its share of the kv heads.
     assert BIG.cache_bytes_per_token(2) == 2 * 28 * (4 // 2) * 128 * 2
 
@@ -51,13 +54,15 @@ def test_the_device_with_least_free_memory_binds_and_ranks_on_one_device_share_i
     # A host platform's one device, shared by both ranks: twice the weights, twice the cost of a token.
     shared = plan_memory(BIG, 2, devices(20, total=20), 1.0, "chip", "big", ranks_here=2)
     assert shared.ranks_per_device == 2
-    assert shared.capacity_tokens == (20 * GiB - 2 * BIG.weight_bytes_per_rank(2)) // (2 * BIG.cache_bytes_per_token(2))
+    scratch = scratch_bytes(BIG, 2, DEFAULT_MAX_PREFILL_TOKENS, 8)
+    assert shared.capacity_tokens == (20 * GiB - 2 * (BIG.weight_bytes_per_rank(2) + scratch)) // (2 * BIG.cache_bytes_per_token(2))
     # The older host-wide memory_bytes is read as such a shared device; no report sizes nothing and refuses nothing.
     old = plan_memory(BIG, 2, Detection(detected=True, memory_bytes=20 * GiB), 1.0, "chip", "big", ranks_here=2)
     assert old.capacity_tokens == shared.capacity_tokens
     unknown = plan_memory(BIG, 1, Detection(detected=True), 0.9, "chip", "big")
-    assert unknown.capacity_tokens is None and unknown.fits(10**12) and unknown.batch_size(8, 10**9) == 8
-    assert "KV cache not sized: the platform reports no device memory" in unknown.summary()
+    # No report: the pool is what 8 sequences of the whole context could use, and nothing is refused for memory.
+    assert unknown.capacity_tokens is None and unknown.blocks == 8 * 32768 // 16 and unknown.blocks_bound == "batch"
+    assert unknown.summary().endswith("the platform reports no device memory")
 
 
 @pytest.fixture(autouse=True)
@@ -82,13 +87,30 @@ def test_the_fraction_scales_the_capacity_and_is_checked() -> None:
             plan_memory(BIG, 2, devices(15, 15), bad, "chip", "big")
 
 
-def test_batches_are_as_large_as_the_capacity_holds() -> None:
-    plan = MemoryPlan(0.9, "float32", 1, 0, 256, 0, 10, 10, 1, capacity_tokens=100)
-    assert [plan.batch_size(8, length) for length in (32, 50, 64, 128)] == [3, 2, 1, 1]
-    assert cache_length(20, 256) == 32 and cache_length(250, 256) == 256 and cache_length(300, 256) == 300
-    with pytest.raises(ConfigError, match=r"^this request needs a KV cache of 128 tokens \(its longest prompt, 10 tokens, and 100 new"):
+def test_a_request_that_could_never_fit_the_pool_is_refused_naming_what_bounds_it() -> None:
+    plan = MemoryPlan(0.9, "float32", 1, 0, 256, 0, 10, 10, 1, capacity_tokens=100, block_size=16, blocks=6,
+                      blocks_from="what --memory-fraction 0.9 leaves after the weights", blocks_bound="memory")
+    with pytest.raises(ConfigError, match=r"^this request needs 7 KV-cache blocks of 16 positions \(its longest prompt, 10 tokens, and 100 new\), and m at tp=1 has 6 \(what --memory-fraction 0\.9 leaves after the weights; 4096 bytes a block per rank\); ask for fewer tokens, or raise --memory-fraction or --tp$"):
         plan.check_request([(1,) * 10], 100, 4096, "m")
-    plan.check_request([(1,) * 10], 60, 4096, "m")  # 96 tokens fit
+    plan.check_request([(1,) * 10], 86, 4096, "m")  # 96 positions: 6 blocks
+    capped = MemoryPlan(**{**plan.to_dict(), "blocks_bound": "kv_cache_blocks"})
+    with pytest.raises(ConfigError, match=r"raise --kv-cache-blocks \(up to what --memory-fraction leaves\)$"):
+        capped.check_request([(1,) * 10], 100, 4096, "m")
+
+
+def test_the_pool_is_capped_by_the_user_the_platform_and_the_batch() -> None:
+    free = devices(15, 15)
+    assert plan_memory(BIG, 2, free, 0.9, "chip", "big", ranks_here=2, kv_cache_blocks=100).blocks == 100
+    budget = Detection(detected=True, device_memory=free.device_memory, kv_cache_bytes=64 * 2**20)
+    platform = plan_memory(BIG, 2, budget, 0.9, "chip", "big", ranks_here=2)
+    assert (platform.blocks, platform.blocks_bound) == (64 * 2**20 // (16 * BIG.cache_bytes_per_token(2)), "platform")
+    small = ModelConfig(**{**BIG.to_dict(), "max_position_embeddings": 64})
+    batch = plan_memory(small, 2, free, 0.9, "chip", "big", ranks_here=2, max_batch=3, block_size=32)
+    assert (batch.blocks, batch.block_size, batch.blocks_bound) == (6, 32, "batch")
+    with pytest.raises(ConfigError, match=r"^--kv-cache-blocks 10000000 needs .* GiB on device 0, and --memory-fraction 0\.9 of its 15\.00 GiB free leaves room for \d+ blocks of 16 after the weights; ask for fewer$"):
+        plan_memory(BIG, 2, free, 0.9, "chip", "big", ranks_here=2, kv_cache_blocks=10_000_000)
+    with pytest.raises(ConfigError, match=r"^--kv-block-size must be a positive integer, got 0$"):
+        plan_memory(BIG, 2, free, 0.9, "chip", "big", ranks_here=2, block_size=0)
 
 
 def test_a_detection_with_a_malformed_memory_report_is_the_plugins_problem() -> None:
@@ -145,33 +167,28 @@ def test_fd_run_json_has_the_dtype_and_the_memory_plan_whose_weights_are_each_ra
     assert result["weight_bytes_by_rank"] == [memory["weights_per_rank"]] * 2
     # Its cost of a token is what each rank's cache holds per position and sequence.
     assert all(kv % memory["cache_bytes_per_token"] == 0 and kv > 0 for kv in result["kv_cache_bytes_by_rank"])
-    assert memory["capacity_tokens"] > 0
+    assert memory["capacity_tokens"] > 0 and memory["blocks"] > 0
+    # Each rank's pool: the plan's blocks and the null block, every layer's keys and values.
+    assert result["kv_cache_bytes_by_rank"] == [(memory["blocks"] + 1) * memory["block_size"] * memory["cache_bytes_per_token"]] * 2
     text = run_fd(["explain", "--memory-fraction", "0.5"])
     assert text.returncode == 0, text.stderr
     joined = " ".join(text.stdout.split())
     assert "dtype: float32" in joined
-    assert "memory: weights 0.20 MiB per rank (tp=2, float32); KV cache for " in joined
-    assert "tokens (batch x context); --memory-fraction 0.5 of " in joined and "free on device 0, shared by 2 ranks" in joined
+    assert "memory: weights 0.20 MiB per rank (tp=2, float32); KV cache " in joined
+    assert "--memory-fraction 0.5 of " in joined and "free on device 0, shared by 2 ranks" in joined
 
 
-def test_the_engine_decodes_in_batches_the_capacity_holds_with_unchanged_tokens(
-    install_plugin, monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_pool_too_small_for_the_batch_gives_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four prompts that each need 2 blocks, in a pool of 4: two run at a time (the others wait, or are preempted and
+    recomputed), and every prompt gets the tokens it gets with room for all."""
     from fd_core.runtime import LLM, SamplingParams
 
-    install_plugin("fd-tiny", {"tiny_device": TINY_DEVICE}, {"fd.platforms": {"tiny": "tiny_device"}})
     prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12]]
-    params = SamplingParams(max_new_tokens=8)
+    params = SamplingParams(max_new_tokens=20)  # 22 to 24 positions: 2 blocks of 16 each
     with LLM(model="ernie4_5", tp=1, graph="off") as free:
         expected = [c.token_ids for c in free.generate(prompts, params)]
-    # ernie4_5's preset at tp=1: 427264 bytes of weights, 512 bytes a token; room for 70 tokens: two sequences of 32.
-    monkeypatch.setenv("FDTEST_TINY_FREE", str(427264 + 512 * 70))
-    with LLM(model="ernie4_5", tp=1, graph="off", platform="tiny", memory_fraction=1.0) as tight:
-        assert tight.platform == "tiny" and tight._plan.memory.capacity_tokens == 70
-        runner = tight._session.worker.runner
-        shapes: list = []
-        real = runner.prepare
-        monkeypatch.setattr(runner, "prepare", lambda batch, max_len: shapes.append((batch, max_len))
-                            or real(batch, max_len))
+    with LLM(model="ernie4_5", tp=1, graph="off", kv_cache_blocks=4) as tight:
         got = [c.token_ids for c in tight.generate(prompts, params)]
-    assert shapes == [(2, 32), (2, 32)] and got == expected
+        counts = tight.kv_cache
+    assert got == expected
+    assert counts["blocks_total"] == 4 and counts["blocks_used"] == 0

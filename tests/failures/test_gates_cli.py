@@ -73,23 +73,32 @@ def test_weights_that_do_not_fit_one_rank_are_refused_by_run_and_explain_alike(t
     assert_no_rank_started(done)
     explained = run_fd(["explain", "--tp", "1", "--memory-fraction", "1"], path=tiny, env=env)
     assert_one_line_error(explained, message)
-    # At tp=2 each rank holds half, on a device of its own: it fits, and the rest is KV cache.
-    fits = run_fd(["explain", "--tp", "2", "--memory-fraction", "1", "--json"], path=tiny, env=env)
+    # At tp=2 each rank holds half, on a device of its own: it fits, with a small step's scratch, and the rest is KV
+    # cache.
+    fits = run_fd(["explain", "--tp", "2", "--memory-fraction", "1", "--max-prefill-tokens", "16", "--json"], path=tiny,
+                  env=env)
     assert fits.returncode == 0, fits.stderr
     memory = json.loads(fits.stdout)["memory"]
-    assert memory["weights_per_rank"] == 214272 and memory["ranks_per_device"] == 1
-    assert memory["capacity_tokens"] == (300000 - 214272) // 256
+    assert memory["weights_per_rank"] == 214272 and memory["ranks_per_device"] == 1 and memory["scratch_bytes"] > 0
+    assert memory["capacity_tokens"] == (300000 - 214272 - memory["scratch_bytes"]) // 256
+    assert memory["blocks"] == memory["capacity_tokens"] // 16
 
 
 def test_a_request_needing_more_cache_than_the_capacity_is_refused_with_the_numbers(tiny) -> None:
-    # 214272 bytes of weights a rank, 256 bytes of cache a token: room for 100 tokens.
-    env = {"FD_PLATFORM": "tiny", "FDTEST_TINY_FREE": str(214272 + 256 * 100)}
-    done = run_fd(["run", "--tp", "2", "--memory-fraction", "1", "--steps", "120"], path=tiny, env=env, traced=True)
+    # 214272 bytes of weights a rank, a step's scratch, 256 bytes of cache a token: room for 100 tokens, 6 blocks.
+    from fd_core.runtime.memory import scratch_bytes
+    from fd_core.runtime.plan import model_config_for
+    from fd_models.ernie4_5.plugin import ARCHITECTURE
+
+    scratch = scratch_bytes(model_config_for(ARCHITECTURE, None), 2, 16, 8)
+    env = {"FD_PLATFORM": "tiny", "FDTEST_TINY_FREE": str(214272 + scratch + 256 * 100)}
+    done = run_fd(["run", "--tp", "2", "--memory-fraction", "1", "--steps", "120", "--max-prefill-tokens", "16"],
+                  path=tiny, env=env, traced=True)
     assert_one_line_error(
         done,
-        "this request needs a KV cache of 128 tokens (its longest prompt, 4 tokens, and 120 new, rounded up to a multiple of 32), "
-        "and ernie4_5 at tp=2 has room for 100 (--memory-fraction 1 of 0.23 MiB free on device 0, less 0.20 MiB of weights; "
-        "256 bytes a token per rank); ask for fewer tokens, or raise --memory-fraction or --tp",
+        "this request needs 8 KV-cache blocks of 16 positions (its longest prompt, 4 tokens, and 120 new), and ernie4_5 at "
+        "tp=2 has 6 (what --memory-fraction 1 leaves after the weights; 4096 bytes a block per rank); ask for fewer tokens, "
+        "or raise --memory-fraction or --tp",
     )
     assert_no_rank_started(done)
 

@@ -82,14 +82,15 @@ def greedy(
     model: Any, ids: np.ndarray, image: np.ndarray | None, steps: int = STEPS,
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """Prefill then greedy-decode `steps` tokens; every step's logits and the generated tokens [B, steps]."""
-    model.allocate_cache(ids.shape[0], MAX_LEN)
-    logits = model.prefill(ids, image)
-    position = model.prefill_length(ids, image)
+    from fd_models.layers.rows import Rows
+
+    rows = Rows(model, ids.shape[0], MAX_LEN)
+    logits = rows.prefill(ids, image)
     history, tokens = [logits.numpy()], []
-    for step in range(steps):
+    for _ in range(steps):
         token = logits.argmax(-1, keepdim=True)
         tokens.append(token.numpy())
-        logits = model.decode_step(token, position + step)
+        logits = rows.decode(token)
         history.append(logits.numpy())
     return history, np.concatenate(tokens, axis=1)
 
@@ -182,6 +183,6 @@ def vl_arch(request: pytest.FixtureRequest) -> Architecture:
 def kit() -> types.SimpleNamespace:
     """The helpers above, for test modules (importing conftest by name is fragile across test dirs)."""
     return types.SimpleNamespace(
-        build_loaded=build_loaded, make_ctx=make_ctx, prompt=prompt, greedy=greedy, image_tokens=image_tokens,
+        build_loaded=build_loaded, make_ctx=make_ctx, prompt=prompt, greedy=greedy, image_tokens=image_tokens, max_len=MAX_LEN,
         run_ranks=run_ranks, ToStaticGraphs=ToStaticGraphs, architectures=architectures, seed=SEED,
     )

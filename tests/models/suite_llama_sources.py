@@ -22,7 +22,7 @@ DEFAULTS = {
     "max_position_embeddings": 2048, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
     "hidden_act": "silu",
 }
-VARIANTS = ("good", "bad_rope", "no_reduce", "graph_drift", "clear_noop", "reload_drift", "one_position")
+VARIANTS = ("good", "bad_rope", "no_reduce", "graph_drift", "clear_noop", "reload_drift", "one_position", "prefix_blind")
 
 
 def _build(variant):
@@ -52,6 +52,8 @@ def fd_register_models(register):
 
 MODEL = '''
 from types import SimpleNamespace
+
+import numpy as np
 
 from fd_models.layers.decoder import CausalLM, DecoderOptions
 
@@ -83,13 +85,26 @@ class SuiteLlama(CausalLM):
         layout = "interleaved" if variant == "bad_rope" else "half"  # Llama's is "half"
         super().__init__(config, ctx, DecoderOptions(qk_norm=False, rope_layout=layout))
 
-    def capture(self, graph_backend, batch_size):
-        super().capture(_Negated(graph_backend) if self.variant == "graph_drift" else graph_backend, batch_size)
+    def capture(self, graph_backend, batch_size, table_width):
+        super().capture(_Negated(graph_backend) if self.variant == "graph_drift" else graph_backend, batch_size,
+                        table_width)
 
-    def decode_step(self, token_ids, position):
-        if self.variant == "one_position" and not isinstance(position, int):  # written for static batches: every row at one position
-            position = max(position)
-        return super().decode_step(token_ids, position)
+    def decode_step(self, token_ids, batch):
+        if self.variant == "one_position":  # written for static batches: every row at one position and table
+            batch.starts = np.full_like(batch.starts, batch.starts.max())
+            batch.block_tables = np.repeat(batch.block_tables[:1], len(batch.starts), axis=0)
+            batch.slot_mapping = np.repeat(batch.slot_mapping[:1], len(batch.starts), axis=0)
+        return super().decode_step(token_ids, batch)
+
+    def prefill(self, input_ids, image=None, batch=None):
+        if self.variant == "prefix_blind" and batch is not None:  # written for whole prompts: attends from position 0
+            import dataclasses
+
+            inner = dataclasses.replace(batch, starts=np.zeros_like(batch.starts))
+            inner.slot_mapping = batch.slot_mapping  # the writes still land where the runtime said
+            logits = super().prefill(input_ids, image, inner)
+            return logits
+        return super().prefill(input_ids, image, batch)
 
     def load_weights(self, shards):
         super().load_weights(shards)

@@ -109,3 +109,11 @@ def test_without_transformers_the_reference_is_not_verified_never_passed(package
     allowed = run_fd(["check", "--model", "suite_llama", "-k", "reference", "--allow-unverified", "--json"], Path(path),
                      timeout=300)
     assert allowed.returncode == 0 and json.loads(allowed.stdout)["counts"]["passed"] == 0
+
+
+def test_a_prefill_blind_to_its_cached_prefix_fails_the_paged_cache_check(suite: Any) -> None:
+    plugins, checks = suite
+    checks.test_shared_prefixes_chunks_and_preemption_keep_the_tokens(*_args(plugins, "suite_llama"))
+    with pytest.raises(AssertionError, match=r"suite_llama_prefix_blind: with their shared prefix found cached the prompts compute something else"):
+        checks.test_shared_prefixes_chunks_and_preemption_keep_the_tokens(*_args(plugins, "suite_llama_prefix_blind"))
+

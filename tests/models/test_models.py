@@ -5,16 +5,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fd_core.kvcache import KVBatch
+from fd_models.layers.rows import Rows
+
 TOL = 1e-4
 
 
 def _captured(arch, kit, batch_size: int | None = None, ctx=None):
-    """A loaded model with a cache and a to_static capture for `batch_size` (default: the prompt's)."""
+    """A loaded model with a cache and a to_static capture for `batch_size` (default: the prompt's) rows of the
+    kit's width."""
     model = kit.build_loaded(arch, ctx)
     ids, image = kit.prompt(arch)
     graphs = kit.ToStaticGraphs()
-    model.allocate_cache(ids.shape[0], 40)
-    model.capture(graphs, batch_size or ids.shape[0])
+    rows = Rows(model, ids.shape[0], kit.max_len)
+    model.capture(graphs, batch_size or ids.shape[0], rows.width)
     return model, ids, image, graphs
 
 
@@ -105,7 +109,7 @@ def test_clear_graphs_hook_drops_graphs_and_recapture_works(arch, kit) -> None:
     eager, _ = kit.greedy(model, ids, image, steps=2)
     assert graphs.replays == 1  # ran eagerly
 
-    model.capture(graphs, ids.shape[0])
+    model.capture(graphs, ids.shape[0], Rows(model, ids.shape[0], kit.max_len).width)
     replayed, _ = kit.greedy(model, ids, image, steps=2)
     assert graphs.replays == 3
     for got, want in zip(replayed, eager, strict=True):
@@ -130,54 +134,61 @@ def test_decode_without_capture_for_this_batch_runs_eager(arch, kit) -> None:
 def test_prefill_requires_a_cache(arch, kit) -> None:
     model = kit.build_loaded(arch)
     ids, image = kit.prompt(arch)
-    with pytest.raises(RuntimeError, match="allocate_cache"):
-        model.prefill(ids, image)
+    with pytest.raises(RuntimeError, match="allocate_kv_cache"):
+        model.prefill(ids, image, KVBatch.contiguous(ids.shape[0], 0, ids.shape[1], 16, 3))
 
 
-def test_captured_buckets_of_cache_length_match_eager(kit) -> None:
-    """A cache longer than the smallest bucket is captured once per bucket; decode crosses from one to the next."""
-    from fd_models.layers.decoder import BUCKET_MIN, cache_buckets
-
+def test_a_capture_per_table_width_matches_eager(kit) -> None:
+    """Block tables of two widths are two captures; decode crosses from the narrower bucket to the wider one (a row
+    table padded with the null block) and gives the eager logits."""
     arch = kit.architectures()[0]
-    max_len = BUCKET_MIN + 8
-    assert cache_buckets(max_len) == [BUCKET_MIN, max_len]
-    ids = np.arange(1, BUCKET_MIN - 2, dtype=np.int64).reshape(1, -1)  # decode passes position BUCKET_MIN
+    ids = np.arange(1, 30, dtype=np.int64).reshape(1, -1)  # two blocks of 16, then a third as it decodes
 
-    def decode(model) -> list[np.ndarray]:
-        model.allocate_cache(1, max_len)
-        logits, out = model.prefill(ids), []
+    def decode(model, graphs=None) -> list[np.ndarray]:
+        model.allocate_kv_cache(8, 16)
+        logits = model.prefill(ids, None, KVBatch.contiguous(1, 0, ids.shape[1], 16, 2))
+        out = []
         for step in range(6):
+            position = ids.shape[1] + step
+            width = 2 if position < 32 else 4  # the narrow bucket, then the wide one
             token = logits.argmax(-1, keepdim=True)
-            logits = model.decode_step(token, ids.shape[1] + step)
+            batch = KVBatch.contiguous(1, position, 1, 16, 3)
+            if width == 4:
+                batch.block_tables = np.concatenate([batch.block_tables, np.zeros((1, 1), dtype=np.int64)], axis=1)
+            else:
+                batch.block_tables = batch.block_tables[:, :2]
+            if graphs is not None and len(graphs.graphs) < 2:
+                model.capture(graphs, 1, width)
+            logits = model.decode_step(token, batch)
             out.append(logits.numpy())
         return out
 
     eager = decode(kit.build_loaded(arch))
-    model = kit.build_loaded(arch)
     graphs = kit.ToStaticGraphs()
-    model.allocate_cache(1, max_len)
-    model.capture(graphs, 1)
-    assert sorted(graphs.graphs) == [(1, BUCKET_MIN), (1, max_len)]
-    captured = decode(model)
+    captured = decode(kit.build_loaded(arch), graphs)
+    assert sorted(graphs.graphs) == [(1, 2), (1, 4)]
     assert graphs.replays == 6
     for got, want in zip(captured, eager, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
-def test_decode_writes_the_cache_in_place(kit) -> None:
-    """The step writes its keys and values into the same cache tensors, at its position only."""
+def test_decode_writes_the_cache_in_place_at_its_slot_only(kit) -> None:
+    """The step writes its keys and values into the same cache tensors, at each row's slot only (native layout
+    [kv_heads, blocks, block_size, d])."""
     arch = kit.architectures()[0]
     model = kit.build_loaded(arch)
     ids, _ = kit.prompt(arch)
-    model.allocate_cache(ids.shape[0], 40)
-    model.prefill(ids)
+    rows = Rows(model, ids.shape[0], kit.max_len)
+    rows.prefill(ids)
     caches = list(model._caches)
     before = caches[0].numpy().copy()
-    model.decode_step(np.zeros((ids.shape[0], 1), dtype=np.int64), ids.shape[1])
+    rows.decode(np.zeros((ids.shape[0], 1), dtype=np.int64))
     assert all(a is b for a, b in zip(model._caches, caches, strict=True))
     after = caches[0].numpy()
-    changed = np.flatnonzero(np.any(after != before, axis=(0, 1, 3)))  # caches [B, kv_heads, T, d]
-    assert changed.tolist() == [ids.shape[1]]
+    changed = sorted(map(tuple, np.argwhere(np.any(after != before, axis=(0, 3)))))  # (block, offset)
+    position = ids.shape[1]
+    want = [(1 + r * rows.width + position // 16, position % 16) for r in range(ids.shape[0])]
+    assert changed == want
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -215,27 +226,22 @@ def test_checkpoint_pieces_fill_the_parameters_exactly(kit, tmp_path, monkeypatc
     assert arch.name not in ("ernie4_5", "qwen3_vl") or checked_columns, "no fused parameter was checked"
 
 
-def test_a_cache_that_fails_to_grow_says_so_and_keeps_no_half_cache(kit, monkeypatch) -> None:
-    """Growing frees the old cache a tensor at a time; a failed allocation midway is one MemoryError, and the model
-    holds no cache after it (a decode step asks for allocate_cache again instead of reading freed rows)."""
-    from fd_models.layers import decoder
-
+def test_a_cache_that_fails_to_allocate_says_so_and_keeps_no_half_cache(kit, monkeypatch) -> None:
+    """A failed allocation midway is one MemoryError naming the fix, and the model holds no cache after it (a step
+    asks for allocate_kv_cache instead of reading a half cache)."""
     arch = kit.architectures()[0]
     model = kit.build_loaded(arch)
     ids, _ = kit.prompt(arch)
-    model.allocate_cache(ids.shape[0], 16)
-    model.prefill(ids)
-    zeros, made = decoder.paddle.zeros, []
+    allocate, made = model.ctx.ops.allocate_kv_cache, []
 
     def failing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        if len(made) == 3:
+        if len(made) == 1:
             raise MemoryError("(test) out of memory")
         made.append(args)
-        return zeros(*args, **kwargs)
+        return allocate(*args, **kwargs)
 
-    monkeypatch.setattr(decoder.paddle, "zeros", failing)
-    with pytest.raises(MemoryError, match=r"^allocating the KV cache .* failed after 3 tensors: \(test\) out of memory; the sequences in its rows are lost"):
-        model.allocate_cache(ids.shape[0], 64, keep=True)
-    monkeypatch.setattr(decoder.paddle, "zeros", zeros)
-    with pytest.raises(RuntimeError, match="allocate_cache"):
-        model.decode_step(np.zeros((ids.shape[0], 1), dtype=np.int64), ids.shape[1])
+    monkeypatch.setattr(model.ctx.ops, "allocate_kv_cache", failing)
+    with pytest.raises(MemoryError, match=r"^allocating the KV cache \(64 blocks of 16 positions x \d+ tensors, float32\) failed after 2 tensors: \(test\) out of memory; ask for fewer blocks"):
+        model.allocate_kv_cache(64, 16)
+    with pytest.raises(RuntimeError, match="allocate_kv_cache"):
+        model.decode_step(np.zeros((ids.shape[0], 1), dtype=np.int64), KVBatch.contiguous(ids.shape[0], 6, 1, 16, 3))

@@ -229,6 +229,7 @@ def _fd_rank_result(case: Case, graph: str) -> tuple[list[int], np.ndarray, bool
     """What `fd run --tp 1` computes, through its plan, rank worker and engine in this process: tokens,
     first-step logits (the model's prefill on the planned pictures), whether a graph was captured."""
     from fd_core.host.loading import load_plugins
+    from fd_core.kvcache import KVBatch
     from fd_core.runtime.plan import RunConfig, plan_run
     from fd_core.runtime.session import Session
 
@@ -238,10 +239,13 @@ def _fd_rank_result(case: Case, graph: str) -> tuple[list[int], np.ndarray, bool
     plan = plan_run(run, plugins)
     with Session(plan, plugins) as session:  # what `fd run --tp 1` runs
         assert session.worker is not None
-        model, decision = session.worker.runner.model, session.worker.runner.decision
+        runner = session.worker.runner
+        model, decision = runner.model, runner.decision
         assert model is not None and decision is not None
         tokens = session.generate(plan.request)[0].token_ids
-        logits = model.prefill(np.asarray([case.prompt]), list(plan.request.images) or None).numpy()[0]
+        # The prompt prefilled again into the engine's cache (nothing runs there now): its first-step logits.
+        at = KVBatch.contiguous(1, 0, len(case.prompt), runner.block_size, -(-len(case.prompt) // runner.block_size))
+        logits = model.prefill(np.asarray([case.prompt]), list(plan.request.images) or None, at).numpy()[0]
     return tokens, logits, decision.allowed
 
 

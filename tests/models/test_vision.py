@@ -8,14 +8,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fd_models.layers.rows import Rows
+
 
 def test_output_depends_on_the_image(vl_arch, kit) -> None:
     model = kit.build_loaded(vl_arch)
     ids, image = kit.prompt(vl_arch)
-    model.allocate_cache(ids.shape[0], 40)
-    first = model.prefill(ids, image).numpy()
-    second = model.prefill(ids, image * 0.5 + 0.25).numpy()
-    text_only = model.prefill(ids, None).numpy()
+    rows = Rows(model, ids.shape[0], 40)
+    first = rows.prefill(ids, image).numpy()
+    second = rows.prefill(ids, image * 0.5 + 0.25).numpy()
+    text_only = rows.prefill(ids, None).numpy()
     assert np.abs(first - second).max() > 1e-4
     assert np.abs(first - text_only).max() > 1e-4
 
@@ -23,36 +25,35 @@ def test_output_depends_on_the_image(vl_arch, kit) -> None:
 def test_an_image_without_placeholders_is_refused(vl_arch, kit) -> None:
     model = kit.build_loaded(vl_arch)
     ids, image = kit.prompt(vl_arch, with_placeholders=False)
-    assert model.prefill_length(ids, image) == ids.shape[1]  # nothing is prepended
-    model.allocate_cache(ids.shape[0], 40)
+    rows = Rows(model, ids.shape[0], 40)
     with pytest.raises(ValueError, match=rf"needs 1 run\(s\) of image placeholder tokens \(\d+\) of {kit.image_tokens(vl_arch)} token"):
-        model.prefill(ids, image)
+        rows.prefill(ids, image)
 
 
 def test_a_wrong_number_of_placeholders_is_refused(vl_arch, kit) -> None:
     model = kit.build_loaded(vl_arch)
     ids, image = kit.prompt(vl_arch)
     ids[:, 2] = 1  # one placeholder short
-    model.allocate_cache(ids.shape[0], 40)
+    rows = Rows(model, ids.shape[0], 40)
     with pytest.raises(ValueError, match="placeholder"):
-        model.prefill(ids, image)
+        rows.prefill(ids, image)
 
 
 def test_prompts_of_a_batch_must_place_the_image_alike(vl_arch, kit) -> None:
     model = kit.build_loaded(vl_arch)
     ids, image = kit.prompt(vl_arch)
     ids[1] = np.roll(ids[1], 1)  # the second prompt's image starts one token later
-    model.allocate_cache(ids.shape[0], 40)
+    rows = Rows(model, ids.shape[0], 40)
     with pytest.raises(ValueError, match="same positions"):
-        model.prefill(ids, image)
+        rows.prefill(ids, image)
 
 
 def test_one_image_serves_the_whole_batch(vl_arch, kit) -> None:
     model = kit.build_loaded(vl_arch)
     ids, image = kit.prompt(vl_arch)
     ids[1] = ids[0]
-    model.allocate_cache(ids.shape[0], 40)
-    logits = model.prefill(ids, image[:1]).numpy()
+    rows = Rows(model, ids.shape[0], 40)
+    logits = rows.prefill(ids, image[:1]).numpy()
     np.testing.assert_allclose(logits[0], logits[1], atol=1e-6)
 
 
@@ -60,8 +61,8 @@ def test_each_prompt_sees_its_own_image(vl_arch, kit) -> None:
     model = kit.build_loaded(vl_arch)
     ids, image = kit.prompt(vl_arch)
     ids[1] = ids[0]
-    model.allocate_cache(ids.shape[0], 40)
-    logits = model.prefill(ids, image).numpy()  # two different pictures
+    rows = Rows(model, ids.shape[0], 40)
+    logits = rows.prefill(ids, image).numpy()  # two different pictures
     assert np.abs(logits[0] - logits[1]).max() > 1e-4
 
 

@@ -18,6 +18,7 @@ from fd_core.errors import ConfigError
 from fd_core.host.loading import PluginSet, load_plugins
 from fd_core.runtime import LLM, SamplingParams
 from fd_core.runtime.engine.loop import Completion, Engine, Job
+from fd_core.runtime.memory import MemoryPlan
 from fd_core.runtime.request import Request
 from kit import text_checkpoint
 
@@ -41,7 +42,9 @@ def _engine(plugins: PluginSet, model: str, graph: str, max_batch: int) -> Engin
     runner = ModelRunner(Backend(plugins), arch, model_config_for(arch, None), graph=graph)
     runner.load()
     runner.decide()
-    return Engine(runner, max_batch=max_batch)
+    # A pool of 12 blocks of 16: enough for the tests' batches, small enough that freed blocks are reused.
+    memory = MemoryPlan(1.0, runner.config.dtype, 1, 0, 1, block_size=16, blocks=12, blocks_from="the test")
+    return Engine(runner, max_batch=max_batch, memory=memory)
 
 
 def _job(i: int) -> Job:
@@ -50,12 +53,13 @@ def _job(i: int) -> Job:
 
 
 def _step(engine: Engine, done: dict[int, Completion], held: dict[int, set[int]]) -> None:
-    """One step; what ended, and which keys each cache slot has held."""
+    """One step; what ended, and which keys each KV-cache block has held."""
     for event in engine.step():
         if event.done is not None:
             done[event.key] = event.done
-    for slot, key in engine.running.items():
-        held.setdefault(slot, set()).add(key)
+    for key, blocks in engine.block_tables().items():
+        for block in blocks:
+            held.setdefault(block, set()).add(key)
 
 
 @pytest.mark.parametrize(("model", "graph"), [("ernie4_5", "off"), ("ernie4_5", "on"), ("qwen3_vl", "off")])
@@ -66,8 +70,8 @@ def test_sequences_joining_a_running_batch_get_their_alone_tokens(plugins: Plugi
     ]
     done: dict[int, Completion] = {}
     held: dict[int, set[int]] = {}
-    # Two at once (a padded prefill into a fresh cache), one more a step later (the cache grows while they decode),
-    # two together into free slots, then two that wait for slots to free up.
+    # Two at once (one padded prefill), one more a step later (prefilled while they decode), two together, then two
+    # that wait for the batch (and blocks) to free up.
     most = 0
     for arrivals in ([0, 1], [2], [], [3, 4], [5, 6], *[[]] * 40):
         for i in arrivals:
@@ -76,7 +80,7 @@ def test_sequences_joining_a_running_batch_get_their_alone_tokens(plugins: Plugi
         most = max(most, len(engine.running))
     assert {k: c.token_ids for k, c in done.items()} == dict(enumerate(alone))
     assert most == 4 and engine.pending == 0, "the sequences were not decoding together"
-    assert any(len(keys) > 1 for keys in held.values()), "no slot was reused after its sequence ended"
+    assert any(len(keys) > 1 for keys in held.values()), "no block was reused after its sequence ended"
     assert all(c.finish_reason == "length" for c in done.values())
 
 
@@ -91,14 +95,13 @@ def test_a_cancelled_sequence_frees_its_slot_and_the_others_go_on(plugins: Plugi
     engine.add(other)
     for _ in range(3):
         _step(engine, done, held)
-    slot = next(s for s, k in engine.running.items() if k == long.key)
     engine.cancel(long.key)
-    engine.add(later)  # waits for a slot: both are taken until the cancel retires one
+    engine.add(later)  # waits for the batch (max 2): both places are taken until the cancel retires one
     _step(engine, done, held)
     cut = done[long.key]
     assert (cut.finish_reason == "cancelled" and 0 < len(cut.token_ids) < 30
             and cut.token_ids == alone[long.key][: len(cut.token_ids)])
-    assert engine.running[slot] == later.key, "the cancelled sequence's slot did not take the waiting one"
+    assert engine.running == [other.key, later.key], "the cancelled sequence's place did not go to the waiting one"
     while engine.pending:
         _step(engine, done, held)
     assert done[other.key].token_ids == alone[other.key] and done[later.key].token_ids == alone[later.key]

@@ -19,15 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 BREAK_THE_ENGINE = '''
 from fd_core.runtime.engine.loop import Engine
 
-_real = Engine._choose
+_real = Engine._push
 
 
-def _broken(self, logits, rows, at=None):
-    tokens = _real(self, logits, rows, at)
-    return [t ^ 1 for t in tokens] if at is not None else tokens
+def _broken(self, seq, token, events):
+    return _real(self, seq, token ^ 1 if seq.tokens else token, events)  # every token after a sequence's first
 
 
-Engine._choose = _broken
+Engine._push = _broken
 '''
 
 

@@ -43,9 +43,9 @@ def test_one_row_decodes_on_one_thread_and_prefill_and_two_rows_on_the_plans() -
         seen.append(("prefill", mkl_threads(), compute_threads()))
         return prefill(*args, **kwargs)
 
-    def timed_decode(tokens: Any, positions: Any) -> Any:
-        seen.append(("decode", len(positions), mkl_threads(), compute_threads()))
-        return decode(tokens, positions)
+    def timed_decode(tokens: Any, batch: Any) -> Any:
+        seen.append(("decode", batch.rows, mkl_threads(), compute_threads()))
+        return decode(tokens, batch)
 
     model.prefill, model.decode_step = timed_prefill, timed_decode
     try:

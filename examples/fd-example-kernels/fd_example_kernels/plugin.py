@@ -1,11 +1,14 @@
-"""fd_register_kernels: rms_norm and silu_and_mul, each computed another way than fd's native ops."""
+"""fd_register_kernels: rms_norm and silu_and_mul, each computed another way than fd's native ops, and the paged KV
+cache in a layout of its own (paged.py)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any, Callable
 
 from fd_core import hookimpl
+from fd_example_kernels import paged
 
 _seen: set[str] = set()
 
@@ -43,3 +46,20 @@ def silu_and_mul(gate: Any, up: Any) -> Any:
 def fd_register_kernels(register: Callable[..., None]) -> None:
     register("rms_norm", rms_norm)
     register("silu_and_mul", silu_and_mul)
+    # The cache's layout is this package's: the four ops that make, write and read it come together.
+    for op in ("allocate_kv_cache", "write_kv_cache", "paged_attention", "paged_prefill_attention"):
+        register(op, _traced(op, getattr(paged, op)))
+
+
+def _traced(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, noting its first call (as the two kernels above do); the same arguments by name."""
+
+    def kernel(*args: Any) -> Any:
+        if op not in _seen:
+            _note(op)
+        return fn(*args)
+
+    kernel.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
+    kernel.__name__ = kernel.__qualname__ = op
+    kernel.__doc__ = fn.__doc__
+    return kernel

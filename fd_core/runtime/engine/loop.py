@@ -1,19 +1,23 @@
-"""The one generation loop on one rank: sequences admitted into the slots of a fixed-shape KV cache at step
-boundaries and retired when they end (continuous batching), sampling, and per-sequence stopping at
-end-of-sequence ids, stop strings or the token limit."""
+"""The one generation loop on one rank: sequences in the blocks of the paged KV cache, admitted at step
+boundaries and retired when they end (continuous batching); prompts prefilled in chunks beside the running
+decodes, full blocks shared by prefix, the latest sequence preempted (and later recomputed) when blocks run out;
+sampling, and per-sequence stopping at end-of-sequence ids, stop strings or the token limit."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import count
 from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
 
-from fd_core.errors import NumericsError
+from fd_core.errors import FdError, NumericsError
+from fd_core.kvcache import KVBatch
 from fd_core.runtime import progress
+from fd_core.runtime.engine.blocks import NULL_BLOCK, BlockPool, block_hash
 from fd_core.runtime.engine.runner import ModelRunner
 from fd_core.runtime.engine.sampling import Sampler, SamplingParams
-from fd_core.runtime.memory import MemoryPlan, cache_length
+from fd_core.runtime.memory import DEFAULT_MAX_PREFILL_TOKENS, MemoryPlan
 from fd_core.runtime.request import Request
 from fd_core.runtime.text.streaming import StreamDecoder, TextState
 from fd_core.runtime.threads import Threads, apply_phase
@@ -22,6 +26,8 @@ if TYPE_CHECKING:
     from fd_core.runtime.text.tokenizer import Tokenizer
 
 # What fills a shorter prompt's left padding and a free slot's decode input (masked; any id in the vocabulary would do).
+# The shortest span (in positions) a decode step is captured for; wider block tables take the next power of two.
+MIN_CAPTURED_POSITIONS = 64
 PAD_ID = 0
 
 
@@ -99,17 +105,49 @@ def check_finite(logits: Any, step: int, live: Sequence[bool]) -> None:
 
 
 @dataclass
-class _Row:
-    """A sequence in a cache slot: what it generated, its text, and where its next token goes."""
+class _Seq:
+    """One sequence: its ids so far (prompt, then what it generated), the blocks holding them, how many are
+    computed (their keys and values in the cache), its sampler, text and stop state."""
 
     job: Job
-    slot: int
     sampler: Sampler
     text: TextState | None
     eos: frozenset[int]
-    position: int = 0  # the cache slot the next decode step writes for it
-    tokens: list[int] = field(default_factory=list)
+    ids: list[int]
+    order: int  # admission order: the latest admitted is preempted first
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0
+    hashes: list[bytes] = field(default_factory=list)  # the chain over its published full blocks
+    rope_delta: int = 0
     reason: str | None = None
+    admitted: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.ids[len(self.job.prompt):]
+
+    @property
+    def pending(self) -> int:
+        return len(self.ids) - self.computed
+
+    @property
+    def cacheable(self) -> bool:
+        """Whether its blocks are shared by prefix: prompts with pictures are not (their tokens do not say the
+        pictures' content)."""
+        return not self.job.images
+
+
+@dataclass
+class _Chunk:
+    """What one sequence computes in a step: `count` pending tokens from position seq.computed."""
+
+    seq: _Seq
+    count: int
+
+
+def _bucket(value: int, limit: int) -> int:
+    """The power of two at or above `value`, at most `limit` (at least `value`)."""
+    return max(value, min(limit, 1 << max(0, value - 1).bit_length()))
 
 
 @dataclass
@@ -117,15 +155,24 @@ class Engine:
     """The one generation loop: every caller (fd run, LLM, fd serve, fd check, the reference tests, the
     benchmarks) generates through it, with a loaded and decided ModelRunner.
 
-    `add` queues a sequence and `cancel` ends one; each `step` retires cancelled sequences, admits
-    waiting ones into free cache slots (prefilled together, then decoding with the others) and runs one
-    decode step for every sequence in a slot. Every decision depends only on what was added and
-    cancelled before the step, so ranks given the same calls in the same order decide the same.
+    `add` queues a sequence and `cancel` ends one; each `step` retires cancelled sequences, gives every running
+    sequence the blocks its next tokens need (preempting the latest admitted when the pool runs out), admits
+    waiting sequences in order while the batch, the prefill budget and the blocks allow, then runs the step's
+    prompt chunks (at most `max_prefill_tokens` prompt tokens) and one decode token for every sequence whose
+    prompt is done. Every decision depends only on what was added and cancelled before the step, so ranks given
+    the same calls in the same order decide the same.
     """
 
     runner: ModelRunner
     tokenizer: "Tokenizer | None" = None
     max_batch: int = 8
+    # The plan's memory: how many blocks the pool has and their size (None: a pool for max_batch sequences of
+    # the model's whole context, in blocks of 16).
+    memory: MemoryPlan | None = None
+    # The plan's compute threads: each phase sets what it computes on (apply_phase), on the calling thread.
+    threads: Threads | None = None
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+    prefix_caching: bool = True
     decoded_tokens: int = 0
     decode_s: float = 0.0
     # Core time this rank got while decoding (below decode_s: the machine was shared), and when the
@@ -136,16 +183,32 @@ class Engine:
     # breakdown).
     choose_s: float = 0.0
     choose_calls: int = 0
-    # The plan's KV-cache capacity: the cache (slots x length) is kept within it (None: up to max_batch slots).
-    memory: MemoryPlan | None = None
-    # The plan's compute threads: each phase sets what it computes on (phase_threads), on the calling thread.
-    threads: Threads | None = None
     steps: int = 0
-    _waiting: deque[Job] = field(default_factory=deque)
-    _rows: dict[int, _Row] = field(default_factory=dict)  # by cache slot
+    preemptions: int = 0
+    # When a dict: every sequence's logits of each token it chose (float64 numpy rows by key), for checks that compare
+    # the ways of computing a sequence (prefix hits, chunks, preemption) more closely than their tokens.
+    trace: dict[int, list[Any]] | None = None
+    _waiting: deque[_Seq] = field(default_factory=deque)
+    _running: list[_Seq] = field(default_factory=list)  # in admission order
     _cancelled: set[int] = field(default_factory=set)
-    _shape: tuple[int, int] | None = None  # the cache's (slots, length)
-    _prefilled: list[tuple[Any, list[_Row]]] = field(default_factory=list)  # this step's prefill logits and their rows
+    _order: Any = field(default_factory=count)
+
+    def __post_init__(self) -> None:
+        context = self.runner.config.max_position_embeddings
+        if self.memory is not None and self.memory.blocks is not None:
+            blocks, block_size = self.memory.blocks, self.memory.block_size
+        else:
+            block_size = self.memory.block_size if self.memory is not None else 16
+            blocks = self.max_batch * -(-context // block_size)
+        # One block more than the plan's: block 0 is the null block padding writes to and tables are padded with. The
+        # model's cache is allocated at the first step (the model may not be loaded yet).
+        self.pool = BlockPool(blocks + 1, block_size, caching=self.prefix_caching)
+        self.allocated = False
+        self.block_size = block_size
+        # The widest block table a sequence can need (the model's context), and the narrowest a decode step is captured
+        # for (64 positions), for graph buckets: a power of two of blocks in between.
+        self.max_table = -(-context // block_size)
+        self.min_table = min(self.max_table, max(1, MIN_CAPTURED_POSITIONS // block_size))
 
     @property
     def tokens_per_s(self) -> float:
@@ -184,17 +247,23 @@ class Engine:
     # -- sequences as they arrive (the LLM's scheduler, the ranks of fd serve) --------------
     @property
     def pending(self) -> int:
-        """Sequences waiting or in a slot."""
-        return len(self._waiting) + len(self._rows)
+        """Sequences waiting or running."""
+        return len(self._waiting) + len(self._running)
 
     @property
-    def running(self) -> dict[int, int]:
-        """The key of the sequence in each occupied cache slot, by slot."""
-        return {slot: row.job.key for slot, row in sorted(self._rows.items())}
+    def running(self) -> list[int]:
+        """The keys of the running sequences, in admission order."""
+        return [seq.job.key for seq in self._running]
+
+    def block_tables(self) -> dict[int, list[int]]:
+        """The blocks each running sequence holds, in position order, by key."""
+        return {seq.job.key: list(seq.blocks) for seq in self._running}
 
     def add(self, job: Job) -> None:
         """Queue a sequence; a later step admits it."""
-        self._waiting.append(job)
+        text = TextState(StreamDecoder(self.tokenizer), job.sampling.stop) if self.tokenizer else None
+        eos = frozenset() if job.sampling.ignore_eos else frozenset(job.eos_ids)
+        self._waiting.append(_Seq(job, Sampler(job.sampling, [job.index]), text, eos, list(job.prompt), order=0))
 
     def cancel(self, key: int) -> None:
         """End a sequence at the next step (its completion's finish_reason is "cancelled"); an unknown key is
@@ -202,219 +271,317 @@ class Engine:
         self._cancelled.add(key)
 
     def reset(self) -> None:
-        """Drop every sequence (after a failed step: their state is unknown)."""
+        """Drop every sequence and its blocks (after a failed step: their state is unknown)."""
+        for seq in self._running:
+            self.pool.free(seq.blocks)
         self._waiting.clear()
-        self._rows.clear()
+        self._running.clear()
         self._cancelled.clear()
-        self._prefilled.clear()
+
+    def forget_prefixes(self) -> None:
+        """Forget every cached prefix (after a weight reload their keys and values are stale)."""
+        self.pool.forget_all()
+
+    def kv_stats(self) -> dict[str, int]:
+        """The pool and the scheduler's counts: blocks, blocks held, prefix tokens queried and found, preemptions."""
+        stats = self.pool.stats
+        return {"blocks_total": self.pool.usable, "blocks_used": self.pool.used, "block_size": self.block_size,
+                "prefix_cache_queried_tokens": stats.prefix_queried_tokens,
+                "prefix_cache_hit_tokens": stats.prefix_hit_tokens, "preemptions": self.preemptions}
 
     def step(self) -> list[Event]:
-        """Retire the cancelled, admit the waiting that fit, decode one token for each sequence in a slot."""
+        """Retire the cancelled, schedule (blocks, preemption, admission, chunks), then run the step's prefill chunks
+        and its decode tokens."""
         events: list[Event] = []
+        if not self.allocated:
+            self.runner.allocate_cache(self.pool.num_blocks, self.block_size)
+            self.allocated = True
         try:
             self._retire(events)
-            self._admit()
-            self._decode(events)
+            prefills, decodes = self._schedule()
+            if prefills:
+                self._prefill(prefills, events)
+            if decodes:
+                self._decode(decodes, events)
         except BaseException:
             self.reset()
             raise
         self.steps += 1
         return events
 
-    # -- the parts of a step ---------------------------------------------------------------
+    # -- scheduling --------------------------------------------------------------------------
     def _retire(self, events: list[Event]) -> None:
         if not self._cancelled:
             return
         cancelled, self._cancelled = self._cancelled, set()
-        for job in [j for j in self._waiting if j.key in cancelled]:
-            self._waiting.remove(job)
-            events.append(
-                Event(job.key, done=Completion(list(job.prompt), [], "" if self.tokenizer else None, "cancelled"))
-            )
-        for row in [r for r in self._rows.values() if r.job.key in cancelled]:
-            row.reason = "cancelled"
-            events.append(self._finish(row, final=False))
+        for seq in [s for s in self._waiting if s.job.key in cancelled]:
+            self._waiting.remove(seq)
+            self.pool.free(seq.blocks)
+            seq.reason = "cancelled"
+            events.append(self._finish(seq, final=False))
+        for seq in [s for s in self._running if s.job.key in cancelled]:
+            seq.reason = "cancelled"
+            events.append(self._finish(seq, final=False))
 
-    def _cache_len(self, needed: int) -> int:
-        return cache_length(needed, self.runner.config.max_position_embeddings)
+    def _blocks_for(self, seq: _Seq, upto: int) -> int:
+        """Blocks `seq` lacks to hold positions [0, upto)."""
+        return max(0, -(-upto // self.block_size) - len(seq.blocks))
 
-    def _need(self, job: Job) -> int:
-        return self._cache_len(len(job.prompt) + job.sampling.max_new_tokens)
+    def _preempt(self, seq: _Seq) -> None:
+        """Take `seq` off the running batch, freeing its blocks; it waits first in line and is recomputed from its
+        ids (its prompt and what it generated) when admitted again."""
+        self._running.remove(seq)
+        self.pool.free(seq.blocks)
+        seq.blocks, seq.computed, seq.hashes, seq.admitted = [], 0, [], False
+        self._waiting.appendleft(seq)
+        self.preemptions += 1
 
-    def _fits(self, slots: int, length: int) -> bool:
-        return self.memory is None or self.memory.fits(slots * length)
-
-    def _admit(self) -> None:
-        """Waiting sequences into the cache, in order: a fresh cache for a group when nothing runs, else free slots
-        (the cache grows, keeping its rows, when the next needs more slots or a longer cache and the memory holds
-        it)."""
-        if not self._waiting:
-            return
-        if not self._rows:
-            group = self._group()
-            slots, length = len(group), max(self._need(j) for j in group)
-            self.runner.prepare(slots, length)
-            self._shape = (slots, length)
-            self._prefill(group, list(range(slots)))
-            return
-        assert self._shape is not None
-        jobs: list[Job] = []
-        while self._waiting and len(self._rows) + len(jobs) < self.max_batch:
-            job = self._waiting[0]
-            if job.images and jobs:
-                break  # a prompt with pictures is prefilled alone (its rotary positions are not padded)
-            rows, need = len(self._rows) + len(jobs) + 1, self._need(job)
-            if (rows > self._shape[0] or need > self._shape[1]) and not self._grow(rows, need):
-                break  # it waits for a slot, in order: nothing overtakes it
-            jobs.append(self._waiting.popleft())
-            if job.images:
+    def _schedule(self) -> tuple[list[_Chunk], list[_Seq]]:
+        """This step's prefill chunks and decode sequences, their blocks allocated."""
+        budget = self.max_prefill_tokens
+        prefills: list[_Chunk] = []
+        decodes: list[_Seq] = []
+        pictures = False
+        # Running sequences first, in admission order; the latest admitted gives its blocks up when they run out.
+        index = 0
+        while index < len(self._running):
+            seq = self._running[index]
+            if seq.pending == 1:
+                take = 1
+            elif seq.job.images:
+                if prefills:
+                    index += 1
+                    continue  # a prompt with pictures is prefilled alone, whole
+                take = seq.pending
+            else:
+                take = min(seq.pending, budget)
+                if take == 0:
+                    index += 1
+                    continue
+            need = self._blocks_for(seq, seq.computed + take)
+            while need > self.pool.available and self._running[-1] is not seq:
+                self._preempt(self._running[-1])
+            if need > self.pool.available:
+                if len(self._running) == 1:
+                    raise FdError(
+                        f"a sequence of {len(seq.ids)} tokens needs more KV-cache blocks than the pool's "
+                        f"{self.pool.usable}; raise --kv-cache-blocks or --memory-fraction"
+                    )
+                self._preempt(seq)
+                continue
+            seq.blocks += self.pool.allocate(need)
+            if take == 1 and seq.pending == 1:
+                decodes.append(seq)
+            else:
+                prefills.append(_Chunk(seq, take))
+                pictures = pictures or bool(seq.job.images)
+                budget -= min(budget, take)
+            index += 1
+        # Then the waiting, in order, while the batch, the budget and the blocks allow: nothing overtakes.
+        while self._waiting and len(self._running) < self.max_batch and not pictures:
+            seq = self._waiting[0]
+            if seq.job.images and prefills:
                 break
-        if jobs:
-            free = [slot for slot in range(self._shape[0]) if slot not in self._rows]
-            self._prefill(jobs, free[: len(jobs)])
-
-    def _grow(self, rows: int, length: int) -> bool:
-        """Make the cache hold `rows` sequences of `length` positions, keeping what its rows hold; False if it
-        cannot."""
-        assert self._shape is not None
-        slots, have = self._shape
-        if rows > self.max_batch:
-            return False
-        # Powers of two, so that a batch growing one sequence at a time captures few shapes.
-        wanted = (min(self.max_batch, 1 << (rows - 1).bit_length()) if rows > slots else slots,
-                  min(self.runner.config.max_position_embeddings, max(have, 1 << (length - 1).bit_length()))
-                  if length > have else have)
-        for size in (wanted, (max(rows, slots), max(have, length))):
-            if self._fits(*size):
-                self.runner.prepare(*size, keep=True)
-                self._shape = size
-                return True
-        return False
-
-    def _group(self) -> list[Job]:
-        """The waiting sequences that start together in a fresh cache: pictures alone; text, in order, as many as
-        fit."""
-        first = self._waiting[0]
-        if first.images:
-            return [self._waiting.popleft()]
-        group: list[Job] = []
-        length = 0
-        while self._waiting and len(group) < self.max_batch and not self._waiting[0].images:
-            grown = max(length, self._need(self._waiting[0]))
-            if group and not self._fits(len(group) + 1, grown):
+            if not seq.job.images and budget <= 0:
                 break
-            group.append(self._waiting.popleft())
-            length = grown
-        return group
+            hits = self._lookup(seq)
+            take = seq.pending if seq.job.images else min(seq.pending, budget)
+            need = self._blocks_for(seq, seq.computed + take)
+            if need > self.pool.available:
+                self.pool.free(hits)
+                seq.blocks, seq.computed, seq.hashes = [], 0, []
+                break
+            seq.blocks += self.pool.allocate(need)
+            self._waiting.popleft()
+            seq.admitted, seq.order = True, next(self._order)
+            self._running.append(seq)
+            if seq.pending == 1:  # all but its last token found cached: that one's step is a decode step
+                decodes.append(seq)
+            else:
+                prefills.append(_Chunk(seq, take))
+                budget -= min(budget, take)
+                pictures = bool(seq.job.images)
+        return prefills, decodes
+
+    def _lookup(self, seq: _Seq) -> list[int]:
+        """Its prompt's leading full blocks found cached (held now), set as its first blocks and computed; a sequence
+        always computes at least its last token, so the last block of a whole-block prompt is computed again."""
+        if not (self.prefix_caching and seq.cacheable):
+            return []
+        full = (len(seq.ids) - 1) // self.block_size
+        hashes: list[bytes] = []
+        previous: bytes | None = None
+        for i in range(full):
+            previous = block_hash(previous, seq.ids[i * self.block_size:(i + 1) * self.block_size])
+            hashes.append(previous)
+        hits = self.pool.lookup(hashes)
+        if not seq.tokens:  # a new prompt (a preempted sequence's recompute is not a query)
+            self.pool.stats.prefix_queried_tokens += len(seq.ids)
+            self.pool.stats.prefix_hit_tokens += len(hits) * self.block_size
+        seq.blocks, seq.computed, seq.hashes = list(hits), len(hits) * self.block_size, hashes[: len(hits)]
+        return hits
+
+    def _publish(self, seq: _Seq) -> None:
+        """Make its newly computed full blocks findable by their prefix hash."""
+        if not (self.prefix_caching and seq.cacheable):
+            return
+        full = seq.computed // self.block_size
+        previous = seq.hashes[-1] if seq.hashes else None
+        for i in range(len(seq.hashes), full):
+            previous = block_hash(previous, seq.ids[i * self.block_size:(i + 1) * self.block_size])
+            seq.hashes.append(previous)
+            self.pool.publish(seq.blocks[i], previous)
+
+    # -- running a step ------------------------------------------------------------------------
+    def _tables(self, seqs: Sequence[_Seq], width: int) -> Any:
+        import numpy as np
+
+        tables = np.full((len(seqs), width), NULL_BLOCK, dtype=np.int64)
+        for row, seq in enumerate(seqs):
+            tables[row, : len(seq.blocks)] = seq.blocks
+        return tables
+
+    def _slot(self, seq: _Seq, position: int) -> int:
+        return seq.blocks[position // self.block_size] * self.block_size + position % self.block_size
 
     def _use_threads(self, rows: int | None) -> None:
-        """Compute the coming prefill (`rows` None) or decode step of `rows` cache rows on its phase's threads."""
+        """Compute the coming prefill (`rows` None) or decode step of `rows` rows on its phase's threads."""
         if self.threads is not None:
-            # Every phase, not only on a change: MKL's count is the process's, which another engine may have set (cheap:
-            # docs/benchmarks.md).
+            # Every phase, not only on a change: MKL's count is the process's, which another engine may have set
+            # (cheap: docs/benchmarks.md).
             apply_phase(self.threads, rows)
 
-    def _prefill(self, jobs: Sequence[Job], slots: Sequence[int]) -> None:
-        """Prefill `jobs` together (left-padded) into cache `slots`; their first tokens come from the step's choice."""
+    def _prefill(self, chunks: Sequence[_Chunk], events: list[Event]) -> None:
+        """The step's prompt chunks, right-padded into one batch (a prompt with pictures alone, whole); a chunk that
+        finishes its sequence's pending tokens gives it its next token."""
         import numpy as np
 
         model = self.runner.model
         assert model is not None
-        width = max(len(j.prompt) for j in jobs)
-        pads = [width - len(j.prompt) for j in jobs]
-        ids = np.asarray([[PAD_ID] * pad + list(j.prompt) for pad, j in zip(pads, jobs, strict=True)], dtype="int64")
-        image = list(jobs[0].images) if jobs[0].images else None
-        position = model.prefill_length(ids, image)
+        seqs = [c.seq for c in chunks]
+        width = max(c.count for c in chunks)
+        ids = np.full((len(chunks), width), PAD_ID, dtype=np.int64)
+        slots = np.full((len(chunks), width), NULL_BLOCK * self.block_size, dtype=np.int64)
+        for row, chunk in enumerate(chunks):
+            seq, start = chunk.seq, chunk.seq.computed
+            ids[row, : chunk.count] = seq.ids[start : start + chunk.count]
+            slots[row, : chunk.count] = [self._slot(seq, p) for p in range(start, start + chunk.count)]
+        batch = KVBatch(self._tables(seqs, max(len(s.blocks) for s in seqs)),
+                        np.asarray([s.computed for s in seqs], dtype=np.int64),
+                        np.asarray([c.count for c in chunks], dtype=np.int64), slots,
+                        np.asarray([s.rope_delta for s in seqs], dtype=np.int64))
+        image = list(seqs[0].job.images) if seqs[0].job.images else None
         self._use_threads(None)
-        start = time.perf_counter()
+        start_time = time.perf_counter()
         progress.report("prefill")
-        logits = model.prefill(ids, image, pad=pads if any(pads) else None, cache_rows=list(slots))
-        self.runner.add_time("prefill", time.perf_counter() - start)
-        for job, slot in zip(jobs, slots, strict=True):
-            text = TextState(StreamDecoder(self.tokenizer), job.sampling.stop) if self.tokenizer else None
-            eos = frozenset() if job.sampling.ignore_eos else frozenset(job.eos_ids)
-            self._rows[slot] = _Row(job, slot, Sampler(job.sampling, [job.index]), text, eos, position)
-        self._prefilled.append((logits, [self._rows[s] for s in slots]))
+        logits = model.prefill(ids, image, batch)
+        self.runner.add_time("prefill", time.perf_counter() - start_time)
+        done = []
+        for row, chunk in enumerate(chunks):
+            seq = chunk.seq
+            seq.computed += chunk.count
+            seq.rope_delta = int(batch.rope_deltas[row])
+            self._publish(seq)
+            if seq.pending == 0:
+                done.append(row)
+        if done:
+            finished = [seqs[row] for row in done]
+            picked = self._choose(logits, finished, done)
+            for seq, token in zip(finished, picked, strict=True):
+                self._push(seq, token, events)
 
-    def _decode(self, events: list[Event]) -> None:
-        """The first tokens of what was prefilled, then one decode step over every cache row (a free row rides along,
-        masked, in its own row); each live row's token pushed."""
+    def _decode(self, seqs: Sequence[_Seq], events: list[Event]) -> None:
+        """One token for every sequence whose prompt is done: the captured step of its (batch, table width) bucket
+        when graphs are on (free rows ride along on the null block), else eagerly at exactly these sizes."""
         import numpy as np
 
-        prefilled, self._prefilled = self._prefilled, []
-        for logits, rows in prefilled:
-            for row, token in zip(rows, self._choose(logits, rows), strict=True):
-                self._push(row, token, events)
-        if not self._rows:
-            return
         model = self.runner.model
-        assert model is not None and self._shape is not None
-        slots = self._shape[0]
-        rows = sorted(self._rows.values(), key=lambda r: r.slot)
-        tokens = np.full([slots, 1], PAD_ID, dtype="int64")
-        positions = [0] * slots  # a free row writes its own position 0, which the next prefill of it overwrites
-        for row in rows:
-            tokens[row.slot, 0] = row.tokens[-1]
-            positions[row.slot] = row.position
-        self._use_threads(slots)
+        assert model is not None
+        rows, width = len(seqs), max(len(s.blocks) for s in seqs)
+        if self.runner.graphs_allowed:
+            rows, width = _bucket(rows, self.max_batch), _bucket(max(width, self.min_table), self.max_table)
+            self.runner.ensure_captured(rows, width)
+        tokens = np.full([rows, 1], PAD_ID, dtype=np.int64)
+        starts = np.zeros(rows, dtype=np.int64)
+        slots = np.zeros([rows, 1], dtype=np.int64)  # a free row writes the null block's first slot
+        deltas = np.zeros(rows, dtype=np.int64)
+        for row, seq in enumerate(seqs):
+            tokens[row, 0], starts[row] = seq.ids[-1], seq.computed
+            slots[row, 0], deltas[row] = self._slot(seq, seq.computed), seq.rope_delta
+        tables = self._tables(seqs, width)
+        if rows > len(seqs):
+            tables = np.concatenate([tables, np.zeros((rows - len(seqs), width), dtype=np.int64)])
+        batch = KVBatch(tables, starts, np.ones(rows, dtype=np.int64), slots, deltas)
+        self._use_threads(rows)
         start, core_start = time.perf_counter(), time.process_time()
         progress.report("decode")
-        logits = model.decode_step(tokens, positions)
-        picked = self._choose(logits, rows, [row.slot for row in rows])
-        for row, token in zip(rows, picked, strict=True):
-            row.position += 1
-            self._push(row, token, events)
+        logits = model.decode_step(tokens, batch)
+        for seq in seqs:
+            seq.computed += 1
+            self._publish(seq)
+        picked = self._choose(logits, seqs, list(range(len(seqs))))
+        for seq, token in zip(seqs, picked, strict=True):
+            self._push(seq, token, events)
         elapsed = time.perf_counter() - start
         self.runner.add_time("decode", elapsed)
         self.decode_s += elapsed
         self.decode_core_s += time.process_time() - core_start
-        self.decoded_tokens += len(rows)
+        self.decoded_tokens += len(seqs)
 
-    def _choose(self, logits: Any, rows: Sequence[_Row], at: Sequence[int] | None = None) -> list[int]:
-        """Each row's next token from logits [B, vocab] (row i at logits row at[i]) through the Backend's sample op,
-        once its live rows' logits are known to be finite."""
+    def _choose(self, logits: Any, seqs: Sequence[_Seq], at: Sequence[int]) -> list[int]:
+        """Each sequence's next token from logits [B, vocab] (sequence i at row at[i]) through the Backend's sample op,
+        once its rows' logits are known to be finite."""
         start = time.perf_counter()
-        at = list(range(len(rows))) if at is None else list(at)
         live = [False] * int(logits.shape[0])
         for i in at:
             live[i] = True
         check_finite(logits, self.steps, live)
+        if self.trace is not None:
+            import numpy as np
+
+            host = logits.astype("float32").numpy() if hasattr(logits, "numpy") else logits
+            rows = np.asarray(host, dtype=np.float64)
+            for seq, i in zip(seqs, at, strict=True):
+                self.trace.setdefault(seq.job.key, []).append(rows[i])
         sample = self.runner.backend.ops.sample
-        if all(row.job.sampling.greedy for row in rows):
+        if all(seq.job.sampling.greedy for seq in seqs):
             # One call for the whole batch: greedy draws nothing, so the rows need no sampler of their own.
             every = sample(logits, 0.0, 0, 1.0, [0.0] * len(live))
             chosen = [int(every[i]) for i in at]
         else:
-            chosen = [row.sampler.choose(logits[i : i + 1], sample)[0] for row, i in zip(rows, at, strict=True)]
+            chosen = [seq.sampler.choose(logits[i : i + 1], sample)[0] for seq, i in zip(seqs, at, strict=True)]
         self.choose_s += time.perf_counter() - start
         self.choose_calls += 1
         return chosen
 
-    def _push(self, row: _Row, token: int, events: list[Event]) -> None:
-        """A row's new token: its text, and whether it ends the sequence (then the slot is free)."""
+    def _push(self, seq: _Seq, token: int, events: list[Event]) -> None:
+        """A sequence's new token: its text, and whether it ends the sequence (then its blocks are freed)."""
         if self.first_token_at is None:
             self.first_token_at = time.time()
-        row.tokens.append(token)
+        seq.ids.append(token)
         shown = ""
-        if token in row.eos:
-            row.reason = "eos"
-        elif row.text is not None:
-            shown = row.text.push(token)
-            if row.text.stopped:
-                row.reason = "stop"
-        if row.reason is None and len(row.tokens) >= row.job.sampling.max_new_tokens:
-            row.reason = "length"
-        if row.reason is None:
-            events.append(Event(row.job.key, token, shown))
+        if token in seq.eos:
+            seq.reason = "eos"
+        elif seq.text is not None:
+            shown = seq.text.push(token)
+            if seq.text.stopped:
+                seq.reason = "stop"
+        if seq.reason is None and len(seq.tokens) >= seq.job.sampling.max_new_tokens:
+            seq.reason = "length"
+        if seq.reason is None:
+            events.append(Event(seq.job.key, token, shown))
             return
-        end = self._finish(row, final=True)
-        events.append(Event(row.job.key, token, shown + end.text, end.done))
+        end = self._finish(seq, final=True)
+        events.append(Event(seq.job.key, token, shown + end.text, end.done))
 
-    def _finish(self, row: _Row, final: bool) -> Event:
-        """Free the row's slot; its completion, with the rest of its text when it ended by itself."""
-        del self._rows[row.slot]
-        state = row.text
+    def _finish(self, seq: _Seq, final: bool) -> Event:
+        """Free its blocks; its completion, with the rest of its text when it ended by itself."""
+        if seq in self._running:
+            self._running.remove(seq)
+            self.pool.free(seq.blocks)
+        seq.blocks = []
+        state = seq.text
         rest = state.finish() if state is not None and final else ""
         text = None if state is None else (state.text if final else state.text[: state.shown])
-        assert row.reason is not None
-        return Event(row.job.key, None, rest, Completion(list(row.job.prompt), row.tokens, text, row.reason))
+        assert seq.reason is not None
+        return Event(seq.job.key, None, rest, Completion(list(seq.job.prompt), seq.tokens, text, seq.reason))

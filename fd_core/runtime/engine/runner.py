@@ -51,8 +51,8 @@ def init_std(config: ModelConfig) -> float | None:
 class ModelRunner:
     """Drives one model through the lifecycle on this rank; the order of steps lives here, not in models.
 
-    Generating is the Engine's (fd_core.runtime.engine.loop): it asks `prepare` for a cache and a captured
-    decode step before each batch.
+    Generating is the Engine's (fd_core.runtime.engine.loop): it has the paged cache allocated once and asks for a
+    captured decode step per (rows, block-table width) bucket as it needs one.
     """
 
     backend: Backend
@@ -67,12 +67,12 @@ class ModelRunner:
     model: CausalModel | None = None
     decision: GraphDecision | None = None
     timings: dict[str, float] = field(default_factory=dict)
-    # Batch size -> the cache length its decode step was captured for (cleared with the graphs).
-    captured: dict[int, int] = field(default_factory=dict)
+    # The (rows, block-table width) buckets the decode step is captured for (cleared with the graphs).
+    captured: set[tuple[int, int]] = field(default_factory=set)
     # The platform's graph backend, one per model: every batch size's captures live in it (keys (batch, length)).
     graphs: GraphBackend | None = None
-    # The cache's (rows, length) since the last prepare.
-    shape: tuple[int, int] | None = None
+    # Positions a KV-cache block holds (set by allocate_cache).
+    block_size: int = 0
     # Checkpoint tensors present and not loaded (reported once, on the first load).
     unused_tensors: list[str] = field(default_factory=list)
 
@@ -138,24 +138,33 @@ class ModelRunner:
         self.decision = self.backend.graph_decision(self.config, requested=self.graph)
         return self.decision
 
-    def prepare(self, batch: int, max_len: int, keep: bool = False) -> None:
-        """A cache of `batch` rows (zeroed, or with `keep` holding what its rows hold); the decode step captured for
-        its size (again if the cache length changed, or the cache tensors did)."""
-        model, decision = self.model, self.decision
-        assert model is not None and decision is not None, "load() and decide() come before prepare()"
-        reshaped = self.shape != (batch, max_len)
-        model.allocate_cache(batch, max_len, keep=keep)
-        self.shape = (batch, max_len)
-        # A new shape means new cache tensors, which a device graph captured with the old ones would not write.
-        if decision.allowed and (self.captured.get(batch) != max_len or reshaped):
-            self.log(f"capturing the decode step for batch size {batch} ({decision.mode})")
-            progress.report("capturing")
-            if self.graphs is None:
-                self.graphs = self.backend.graph_backend()
-            graphs = self.graphs
-            with capture_scope():
-                self._timed("capture", lambda: model.capture(graphs, batch))
-            self.captured[batch] = max_len
+    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
+        """The paged KV cache, once per run: `num_blocks` blocks of `block_size` positions (block 0 the null block)."""
+        assert self.model is not None, "load() comes before allocate_cache()"
+        self.model.allocate_kv_cache(num_blocks, block_size)
+        self.block_size = block_size
+        # New cache tensors: a device graph captured with the old ones would not write these.
+        self.captured.clear()
+
+    @property
+    def graphs_allowed(self) -> bool:
+        """Whether decode steps are captured (the decision allows it)."""
+        return self.decision is not None and self.decision.allowed
+
+    def ensure_captured(self, rows: int, width: int) -> None:
+        """The decode step captured for `rows` rows and block tables `width` blocks wide, once (until a reload)."""
+        model = self.model
+        assert model is not None and self.decision is not None, "load() and decide() come before capture"
+        if not self.decision.allowed or (rows, width) in self.captured:
+            return
+        self.log(f"capturing the decode step for batch size {rows}, block tables of {width} ({self.decision.mode})")
+        progress.report("capturing")
+        if self.graphs is None:
+            self.graphs = self.backend.graph_backend()
+        graphs = self.graphs
+        with capture_scope():
+            self._timed("capture", lambda: model.capture(graphs, rows, width))
+        self.captured.add((rows, width))
 
     def reload(self) -> None:
         """A weight update: clear graphs, release weights, clean, load, clean (capture again on next use)."""
@@ -163,7 +172,6 @@ class ModelRunner:
         # Graphs first: a captured graph still points at the weights (releasing first hung FastDeploy).
         self._timed("clear", lambda: self.backend.clear_graphs(self.model))
         self.captured.clear()
-        self.shape = None
         self._timed("release", self.model.release_weights)
         self._timed("cleanup", lambda: self.backend.clean_memory_fragments(None))
         self.load()

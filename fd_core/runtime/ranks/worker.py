@@ -112,12 +112,15 @@ class RankWorker:
         log(f"loaded {arch.name} on {backend.platform} (tp={tp}) in {runner.timings['load']:.2f}s")
         runner.decide()
         tokenizer = plan.checkpoint.tokenizer_if_any() if plan.checkpoint is not None else None
-        engine = Engine(runner, tokenizer, run.max_batch, memory=plan.memory, threads=plan.threads)
+        engine = Engine(runner, tokenizer, run.max_batch, memory=plan.memory, threads=plan.threads,
+                        max_prefill_tokens=run.max_prefill_tokens, prefix_caching=run.prefix_caching)
         return cls(rank, tp, plan, backend, runner, engine, log, started, entry_rss)
 
     def reload(self) -> None:
-        """A weight update on this rank: graphs cleared, weights released, cleaned, loaded again."""
+        """A weight update on this rank: graphs cleared, weights released, cleaned, loaded again; cached prefixes
+        forgotten (their keys and values came from the old weights)."""
         self.runner.reload()
+        self.engine.forget_prefixes()
 
     def describe(self) -> dict[str, Any]:
         """What a caller reads back: platform, model, graph decision, all-reduce binding and timings so far."""
@@ -134,6 +137,7 @@ class RankWorker:
             "dtype": self.plan.config.dtype,
             "threads": self.plan.threads.to_dict() if self.plan.threads is not None else None,
             "memory": self.plan.memory.to_dict() if self.plan.memory is not None else None,
+            "kv_cache": self.engine.kv_stats(),
         }
 
     def report(self) -> dict[str, Any]:
