@@ -262,3 +262,25 @@ def test_explain_plans_a_checkpoint_from_its_config_as_run_does(tmp_path: Path) 
     assert wrong.stderr.strip() == (
         "fd: error: --model qwen3_vl does not match the checkpoint's architecture Ernie4_5ForCausalLM; drop --model or pick the right checkpoint"
     )
+
+
+def test_explain_and_run_take_the_paged_cache_options() -> None:
+    """--kv-block-size and --kv-cache-blocks size the pool fd explain shows (and fd run allocates); chunked prefill
+    and no prefix caching give the same tokens; a request that could never fit the pool is refused before a rank."""
+    explained = run_fd(["explain", "--tp", "1", "--kv-block-size", "32", "--kv-cache-blocks", "5", "--json"])
+    assert explained.returncode == 0, explained.stderr
+    kv = json.loads(explained.stdout)["kv_cache"]
+    assert (kv["block_size"], kv["blocks"], kv["tokens"], kv["from"], kv["prefix_caching"]) == (32, 5, 160,
+                                                                                                "--kv-cache-blocks 5", True)
+    assert kv["layout"] == "[kv_heads, num_blocks, block_size, head_dim] (native)"
+    base = ["run", "--tp", "1", "--max-new-tokens", "6", "--prompt-ids", "5,6,7,8,9,10,11,12,13,14,15,16,17", "--json"]
+    plain = json.loads(run_fd(base).stdout)
+    tuned = run_fd([*base, "--max-prefill-tokens", "3", "--no-prefix-caching", "--kv-cache-blocks", "8"])
+    assert tuned.returncode == 0, tuned.stderr
+    assert json.loads(tuned.stdout)["tokens"] == plain["tokens"]
+    refused = run_fd(["run", "--tp", "1", "--kv-cache-blocks", "1", "--max-new-tokens", "20"])
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "fd: error: this request needs 2 KV-cache blocks of 16 positions (its longest prompt, 4 tokens, and 20 new), "
+        "and ernie4_5 at tp=1 has 1 (--kv-cache-blocks 1; 8192 bytes a block per rank); ask for fewer tokens, or raise "
+        "--kv-cache-blocks (up to what --memory-fraction leaves)"
+    ]

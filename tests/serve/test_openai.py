@@ -77,6 +77,17 @@ def test_models_health_and_metrics_answer(server: Served, client: openai.OpenAI)
     assert metric(after, "fd_decode_tokens_total") - metric(before, "fd_decode_tokens_total") == 8
     assert metric(after, "fd_decode_tokens_per_second") > 0
     assert 'fd_requests_total{endpoint="/v1/completions",status="200"}' in after
+    # The paged KV cache: its blocks, none held between requests, and the prefix tokens looked up.
+    assert metric(after, "fd_kv_cache_blocks_total") > 0 and metric(after, "fd_kv_cache_blocks_used") == 0
+    assert (metric(after, "fd_prefix_cache_queried_tokens_total")
+            - metric(before, "fd_prefix_cache_queried_tokens_total") == reply.usage.prompt_tokens)
+    assert metric(after, "fd_preemptions_total") == 0
+    # The same system prompt again, a whole block long: its first block is found cached.
+    shared = "word " * 40
+    for question in ("one?", "two?"):
+        client.completions.create(model="tiny", prompt=shared + question, max_tokens=2)
+    hits = metric(httpx.get(f"{server.url}/metrics").text, "fd_prefix_cache_hit_tokens_total")
+    assert hits >= 16, f"a repeated prefix of 40 words found {hits} tokens cached"
 
 
 def test_completions_equal_the_engine_alone(client: openai.OpenAI, oracle: Any) -> None:
