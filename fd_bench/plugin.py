@@ -6,6 +6,9 @@ from typing import Callable
 
 from fd_core import hookimpl
 
+# The version of fd's plugin contract this plugin was written for (fd_core.contract).
+FD_CONTRACT = "1.0"
+
 
 def _run(args: list[str]) -> int:
     from fd_bench import main

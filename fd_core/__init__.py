@@ -1,9 +1,11 @@
-"""fd-backends core: the hook contract, plugin selection and the Backend (no paddle import here)."""
+"""fd-backends core: the plugin contract (what a plugin may use: `__all__`), versioned as CONTRACT_VERSION; and,
+loaded on first use, the plugin host's Backend and load_backend. No paddle import here."""
 
 from typing import TYPE_CHECKING, Any
 
 from fd_core.capabilities import Capabilities
 from fd_core.config import ModelConfig, ParallelConfig
+from fd_core.contract import CONTRACT_VERSION
 from fd_core.detection import Detection, DeviceMemory
 from fd_core.errors import CheckpointError, ConfigError, FdError, PlatformError, PluginError, RankError, RequestRefused
 from fd_core.graphs import GraphBackend, GraphDecision, GraphVote
@@ -25,6 +27,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'fd_core' has no attribute {name!r}")
 
 __all__ = [
+    "CONTRACT_VERSION",
     "Architecture",
     "Backend",
     "Capabilities",

@@ -28,6 +28,8 @@ DECODER_KEYS = (
     "num_key_value_heads", "head_dim", "rope_theta", "rms_norm_eps", "max_position_embeddings",
     "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act",
 )
+# Of those, the switches of optional features the shared layers have (projection biases): absent means off.
+FEATURE_KEYS = ("attention_bias", "mlp_bias")
 # Layer types the decoders implement (a config's `layer_types`).
 _LAYER_TYPES = ("full_attention",)
 _POSITIVE_INTS = (
@@ -87,7 +89,10 @@ class ModelConfig:
         if absent:
             where = "text_config" if text is not None else "config.json"
             raise ConfigError(f"{source}: {where} does not set {', '.join(absent)}; a model config must give its sizes")
-        missing = [k for k in DECODER_KEYS if k not in settings and not _given_otherwise(k, settings)]
+        # A layer's optional feature (a bias) the config and the package do not mention is one its architecture does not
+        # have: off. Values (a norm's epsilon, rope's theta, the context) are never filled in.
+        missing = [k for k in DECODER_KEYS
+                   if k not in settings and k not in FEATURE_KEYS and not _given_otherwise(k, settings)]
         if missing:
             where = "text_config" if text is not None else "config.json"
             raise ConfigError(

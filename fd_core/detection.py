@@ -6,6 +6,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from fd_core.contract import deprecated
+
 
 @dataclass(frozen=True)
 class DeviceMemory:
@@ -48,7 +50,8 @@ class Detection:
     # The dtypes its kernels run models in, preferred first (the default of `fd run --dtype`).
     dtypes: tuple[str, ...] = ("float32",)
     # Bytes the ranks it serves on this host may use together for weights and caches; None: unknown.
-    # The older, coarser report: used (as one device all ranks share) only when device_memory is empty.
+    # Deprecated in contract 1.0 (removed in 2.0) for device_memory: used, as one device all ranks share, only when
+    # device_memory is empty.
     memory_bytes: int | None = None
     # Each device's total and free bytes, in local rank order: rank r of this host uses device
     # r % len(device_memory), and ranks on one device share it. Empty: not reported.
@@ -62,6 +65,12 @@ class Detection:
     # The most KV-cache bytes a rank allocates when the user caps nothing (`--kv-cache-blocks`): a host platform
     # keeps the cache from taking most of the machine's memory up front; None: what the memory plan leaves.
     kv_cache_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes is not None:
+            # Warned where the platform builds its answer: __post_init__, then the dataclass's __init__, then it.
+            deprecated("Detection.memory_bytes", "device_memory=(DeviceMemory(total=..., free=...), ...), one a device",
+                       "2.0", stacklevel=3)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

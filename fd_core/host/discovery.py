@@ -9,6 +9,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Iterable, Mapping
 
 from fd_core.errors import PluginError
+from fd_core.host.paddle_logs import quiet_paddle_logs
 from fd_core.host.records import GROUPS, Kind, PluginRecord, normalise
 
 
@@ -70,6 +71,7 @@ def discover(
     """Find and import every plugin; a plugin that fails to import is recorded and warned about, not skipped."""
     env = os.environ if env is None else env
     allow = _allow_list(env)
+    quiet_paddle_logs()  # a plugin may import paddle when imported
     records: list[PluginRecord] = []
     for kind, ep in _entry_points():
         dist = ep.dist

@@ -4,12 +4,14 @@ PluginSet)."""
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Iterable, Mapping
 
 import pluggy
 
 from fd_core import hookspecs
+from fd_core.contract import contract_problem, contract_warning, declared_contract
 from fd_core.detection import Detection
 from fd_core.errors import PluginError
 from fd_core.host.discovery import clashes, discover
@@ -20,6 +22,9 @@ from fd_core.host.registration import register_commands, register_kernels, regis
 from fd_core.host.selection import detect, hook_timeout, select_platform
 from fd_core.host.validation import validate_module
 from fd_core.markers import PROJECT
+
+# The newer-minor warnings already printed by this process.
+_warned: set[str] = set()
 
 
 @dataclass
@@ -92,7 +97,20 @@ def load_plugins(
     records = discover(env, extra)
     problems = clashes(records)
     for record in records:
-        if record.module is not None and record.error is None:
+        if record.module is None:
+            continue
+        # The contract it was written for: another major is refused, a newer minor warned about, before anything else.
+        record.contract, record.contract_declared = declared_contract(record.module)
+        problem = contract_problem(record.name, record.contract) if record.error is None else None
+        if problem is not None:
+            record.error = problem
+            problems.append(problem)
+            continue
+        warning = contract_warning(record.name, record.contract)
+        if warning is not None and warning not in _warned:  # once a process, however often plugins load
+            _warned.add(warning)
+            print(f"fd: warning: {warning}", file=sys.stderr)
+        if record.error is None:
             try:
                 validate_module(record.name, record.module)
             except PluginError as exc:

@@ -48,6 +48,10 @@ class ModelRegistry:
             for key in [k for k, v in self._aliases.items() if v == name]:
                 del self._aliases[key]
 
+    def builtin(self, name: str) -> bool:
+        """Whether architecture `name` comes with fd-backends itself (not a third party's model package)."""
+        return self._builtin.get(self.get(name).name, False)
+
     def get(self, name: str) -> Architecture:
         key = self._aliases.get(name)
         if key is None:

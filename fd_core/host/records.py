@@ -37,6 +37,9 @@ class PluginRecord:
     error: str | None = None
     active: bool = False
     status: str = ""
+    # The contract version the plugin was written for (its FD_CONTRACT), and whether it said so.
+    contract: str = ""
+    contract_declared: bool = False
 
     @property
     def builtin(self) -> bool:
@@ -62,6 +65,8 @@ class PluginRecord:
             "error": self.load_error or self.error or self.detect_error,
             "active": self.active,
             "status": self.status,
+            "contract": self.contract or None,
+            "contract_declared": self.contract_declared,
         }
 
 

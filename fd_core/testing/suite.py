@@ -17,6 +17,7 @@ from fd_core.detection import Detection
 from fd_core.host.loading import PluginSet, load_plugins, new_plugin_manager
 from fd_core.host.records import impl_function
 from fd_core.host.validation import validate_module
+from fd_core.models import Architecture
 from fd_core.testing.kernels import KernelTests
 
 ALL_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64")
@@ -500,7 +501,7 @@ class EligibilityTests(_Base):
         from fd_core.host.backend import Backend
 
         backend = Backend(plugins)
-        configs = [ModelConfig(architecture=PROBE)] + [a.preset_config() for a in plugins.registry]
+        configs = [ModelConfig(architecture=PROBE)] + [a.preset_config() for a in platform_architectures(plugins)]
         for config in configs:
             for tp in (1, 2):
                 # A vote of the wrong type, a veto without a reason or a vote that never returns raises here, naming
@@ -563,8 +564,60 @@ def check_graph_backend(graphs: Any, name: str) -> None:
     assert graphs.has(3), f"{name}: capture after clear() did not capture again"
 
 
+# The checks that run third-party packages on the platform rather than the platform's own hooks (fd check's verdict
+# says when only these failed).
+THIRD_PARTY_CHECKS = ("test_installed_model_packages_run_on_this_platform",)
+
+
+def platform_architectures(plugins: PluginSet) -> list[Architecture]:
+    """The architectures a platform is checked with: fd-backends' own (a third party's model package is checked on
+    the platform by a check of its own, so that its break is its own)."""
+    return [a for a in plugins.registry if plugins.registry.builtin(a.name)]
+
+
 class ModelTests(_Base):
     """Every graph-capable architecture installed has a graph-clear hook that handles its models."""
+
+    def test_installed_model_packages_run_on_this_platform(self, plugins: PluginSet) -> None:
+        """Each third-party model package's architectures build from their presets and give the native path's tokens
+        on this platform. Apart from the platform's own checks (which run fd-backends' architectures): a failure here
+        names the package, and says the platform's checks do not depend on it."""
+        from fd_core.errors import FdError
+        from fd_core.host.backend import Backend
+        from fd_core.host.kernel_table import KernelTable
+        from fd_core.runtime.engine.loop import Engine
+        from fd_core.runtime.engine.runner import ModelRunner
+        from fd_core.runtime.plan import model_config_for
+        from fd_core.runtime.request import Request
+
+        theirs = [a for a in plugins.registry if not plugins.registry.builtin(a.name)]
+        if not theirs:
+            pytest.skip("no third-party model package is installed")
+        backend = Backend(plugins)
+        native = Backend(plugins, kernels=KernelTable())
+        native.clean_memory_fragments = lambda state_dict=None, after_each=None: None  # type: ignore[method-assign]
+        request = Request.greedy([[5, 1, 4, 2, 3]], 6)
+        failures = []
+
+        def tokens(arch: Architecture, on: Backend, graph: str) -> list[list[int]]:
+            runner = ModelRunner(on, arch, model_config_for(arch, None), graph=graph)
+            runner.load()
+            runner.decide()
+            return [c.token_ids for c in Engine(runner).generate(request)]
+
+        for arch in theirs:
+            where = f"model package {arch.package!r} (architecture {arch.name!r})"
+            try:
+                got, want = tokens(arch, backend, "auto"), tokens(arch, native, "off")
+            except (FdError, AssertionError, ValueError, RuntimeError) as exc:
+                failures.append(f"{where}: {type(exc).__name__}: {exc}")
+                continue
+            if got != want:
+                failures.append(f"{where}: greedy tokens {got} on {backend.platform}, {want} on the native path")
+        assert not failures, (
+            f"{failures[0]}; the platform's own checks do not depend on it: fix or uninstall that package"
+            + (f" ({len(failures)} package architecture(s) in all)" if len(failures) > 1 else "")
+        )
 
     def test_every_graph_capable_architecture_has_a_clear_hook(self, plugins: PluginSet) -> None:
         for arch in plugins.registry:
@@ -597,7 +650,7 @@ class ModelTests(_Base):
         backend.graph_backend = recording  # type: ignore[method-assign]
         request = Request.greedy([[1, 2, 3]], 4)
         eager: dict[str, str] = {}
-        for arch in plugins.registry:
+        for arch in platform_architectures(plugins):
             # The engine `fd run` generates through: what is checked here is what runs.
             runner = ModelRunner(backend, arch, model_config_for(arch, None))
             runner.load()
@@ -619,7 +672,7 @@ class ModelTests(_Base):
             after = engine.generate(request)[0].token_ids
             assert spy.replays == replays, f"{arch.name}: decode still replayed a graph after fd_clear_graphs"
             assert after == before, f"{arch.name}: decoding after fd_clear_graphs gives {after}, with graphs {before}"
-        if eager and len(eager) == len(plugins.registry):
+        if eager and len(eager) == len(platform_architectures(plugins)):
             pytest.skip(
                 f"no architecture captures graphs here, so no clear hook was exercised: "
                 f"{'; '.join(f'{a}: {w}' for a, w in eager.items())}"
@@ -642,7 +695,7 @@ class ModelTests(_Base):
 
         backend = Backend(plugins)
         prompt, steps = [1, 2, 3], 4
-        for arch in plugins.registry:
+        for arch in platform_architectures(plugins):
             runner = ModelRunner(backend, arch, model_config_for(arch, None))
             runner.load()
             runner.decide()
@@ -687,7 +740,7 @@ class ModelTests(_Base):
         native = Backend(plugins, kernels=KernelTable())
         native.clean_memory_fragments = lambda state_dict=None, after_each=None: None  # type: ignore[method-assign]
         together, alone = Request.greedy([[5, 1, 4, 2, 3], [7, 7, 2]], 6), Request.greedy([[5, 1, 4, 2, 3]], 6)
-        for arch in plugins.registry:
+        for arch in platform_architectures(plugins):
             config = model_config_for(arch, None)
             runner = ModelRunner(backend, arch, config)
             eager = ModelRunner(backend, arch, config, graph="off")

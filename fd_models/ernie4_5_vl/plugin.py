@@ -14,6 +14,9 @@ from fd_models.ernie4_5_vl.config import (
 )
 from fd_models.presets import TINY_ERNIE_VL, TINY_ERNIE_VL_PREPROCESSOR
 
+# The version of fd's plugin contract this plugin was written for (fd_core.contract).
+FD_CONTRACT = "1.0"
+
 _MODULE = "fd_models.ernie4_5_vl.model"
 TINY_PRESET: dict[str, Any] = TINY_ERNIE_VL
 # transformers' Ernie4_5_VLMoeTextConfig / Ernie4_5_VLMoeConfig defaults, for keys a config.json may omit.

@@ -9,6 +9,9 @@ from fd_models._plugin import clear_graphs, lazy_build
 from fd_models.presets import TINY_QWEN3_VL, TINY_QWEN3_VL_PREPROCESSOR
 from fd_models.qwen3_vl.config import check_config, check_prompt, image_tokens
 
+# The version of fd's plugin contract this plugin was written for (fd_core.contract).
+FD_CONTRACT = "1.0"
+
 _MODULE = "fd_models.qwen3_vl.model"
 # Untied LM head (its own vocab-parallel `lm_head.weight`) in the tiny preset, unlike ERNIE.
 TINY_PRESET: dict[str, Any] = TINY_QWEN3_VL

@@ -9,6 +9,9 @@ from typing import Any
 from fd_core import Capabilities, Detection, GraphVote, ModelConfig, ParallelConfig, hookimpl
 from fd_plugins.cpu.memory import host_memory
 
+# The version of fd's plugin contract this plugin was written for (fd_core.contract).
+FD_CONTRACT = "1.0"
+
 # What the conformance suite checks; float16 is summed in float32 (see fd_all_reduce).
 FD_CAPABILITIES = Capabilities(
     world_sizes=(1, 2),

@@ -7,6 +7,9 @@ from typing import Any
 from fd_core import Detection, GraphVote, ModelConfig, ParallelConfig, hookimpl
 from fd_plugins.cuda.build import CPU_DISTRIBUTION, INSTALL_DOC, installed, paddle_build
 
+# The version of fd's plugin contract this plugin was written for (fd_core.contract).
+FD_CONTRACT = "1.0"
+
 GPU_DISTRIBUTION = "paddlepaddle-gpu"
 # Public PyPI stops at paddlepaddle-gpu 2.6.2; the 3.x builds come from Paddle's index, one per CUDA version.
 INSTALL_ADVICE = f"install {GPU_DISTRIBUTION} for your CUDA version, see {INSTALL_DOC}"

@@ -5,6 +5,7 @@ hardware it is "not verified" (exit 3) unless --allow-unverified.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -87,3 +88,43 @@ def test_a_stop_signal_during_a_check_waits_for_the_check_to_end(distribution, t
     assert "verdict: interrupted: only the checks listed ran; nothing is verified" in err
     assert "Traceback" not in err and "Fatal Python error" not in err
     assert left_over(marker) == []
+
+
+BROKEN_MODEL = """
+from fd_core import Architecture, hookimpl
+
+PRESET = {"architectures": ["BrokenForCausalLM"], "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+          "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64, "vocab_size": 128,
+          "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
+          "hidden_act": "silu"}
+
+
+def build(config, ctx):
+    raise RuntimeError("a bug of the package's own")
+
+
+@hookimpl
+def fd_register_models(register):
+    register(Architecture(name="broken", aliases=("BrokenForCausalLM",), build=build, preset=PRESET,
+                          graph_capable=False, reference=""))
+"""
+
+
+def test_a_broken_model_package_fails_its_own_check_not_the_platforms(distribution) -> None:
+    """The platform suite runs a third-party package's architectures in a check of their own: its failure names the
+    package, and the verdict says the platform's own checks passed."""
+    site = distribution("fd-broken-model", {"broken_model": BROKEN_MODEL}, {"fd.models": {"broken": "broken_model"}})
+    done = run_fd(["check", "cpu", "-k", "installed_model_packages or kernel_in_use or votes", "--json"], site,
+                  timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    rows = {c["check"]: c for c in report["checks"]}
+    failed = rows.pop("test_installed_model_packages_run_on_this_platform")
+    assert failed["outcome"] == "failed" and failed["third_party"]
+    assert "model package 'broken' (architecture 'broken')" in failed["detail"]
+    assert "a bug of the package's own" in failed["detail"]
+    assert rows and all(r["outcome"] == "passed" and not r["third_party"] for r in rows.values()), rows
+    assert report["verdict"] == (
+        "failed (1 check(s)): only the checks of third-party model packages failed "
+        "(test_installed_model_packages_run_on_this_platform); the platform's own checks passed"
+    )

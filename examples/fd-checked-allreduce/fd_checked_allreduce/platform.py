@@ -18,6 +18,9 @@ from typing import Any
 from fd_core import Capabilities, Detection, GraphVote, ModelConfig, ParallelConfig, hookimpl
 from fd_plugins.cpu import platform as _cpu
 
+# The version of fd's plugin contract this plugin was written for (fd_core.contract).
+FD_CONTRACT = "1.0"
+
 # What the conformance suite (`fd check cpu_checked`) checks: the cpu platform's dtypes. Graphs:
 # the cpu static-graph backend, vetoed at tp > 1 (see fd_graph_eligibility).
 FD_CAPABILITIES = Capabilities(world_sizes=(1, 2), dtypes=_cpu.FD_CAPABILITIES.dtypes, graphs=True, in_place=True)

@@ -1,0 +1,114 @@
+"""Packages written against each released contract, installed with pip and certified with `fd check` as a vendor would.
+
+Each folder here is one release's frozen copies (README.md says which and why). A change that fails a check here breaks
+plugins in the field: it needs a new contract major, or a deprecation that keeps the old form working.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from importlib.metadata import Distribution, distributions
+from pathlib import Path
+
+import pytest
+
+from fakedist import run_fd
+from fd_core import CONTRACT_VERSION
+
+HERE = Path(__file__).parent
+RELEASES = sorted(p.name for p in HERE.iterdir() if p.is_dir() and any(p.glob("*/pyproject.toml")))
+
+
+def test_every_release_since_the_first_is_here() -> None:
+    """The previous release (no declared contract) and this contract version each have their copies."""
+    assert "previous-release" in RELEASES and f"contract-{CONTRACT_VERSION}" in RELEASES, RELEASES
+
+
+@pytest.fixture(scope="module", params=RELEASES)
+def release(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """One release's packages, pip-installed (from a copy: a build writes beside its sources) into one directory."""
+    name = request.param
+    sources, target = tmp_path_factory.mktemp(f"{name}-src"), tmp_path_factory.mktemp(name)
+    packages = []
+    for package in sorted((HERE / name).glob("*/pyproject.toml")):
+        copy = sources / package.parent.name
+        shutil.copytree(package.parent, copy, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+        packages.append(str(copy))
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--quiet",
+                           "--target", str(target), *packages], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return name, target
+
+
+def _installed(target: Path) -> list[Distribution]:
+    return sorted(distributions(path=[str(target)]), key=lambda d: d.metadata["Name"])
+
+
+def _entry_points(target: Path, group: str) -> list[str]:
+    return sorted(ep.name for dist in _installed(target) for ep in dist.entry_points if ep.group == group)
+
+
+def _check(args: list[str], target: Path) -> dict:
+    """`fd check ... --json` with the release installed; the report, after asserting it passed with exit code 0."""
+    done = run_fd(["check", *args, "--json"], target, timeout=600)
+    assert done.stdout, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    failed = [f"{c['check']}: {c['detail']}" for c in report["checks"] if c["outcome"] == "failed"]
+    assert (done.returncode, report["verdict"]) == (0, "passed"), (report["verdict"], failed, done.stderr[-2000:])
+    return report
+
+
+def test_fd_plugins_lists_each_package_with_the_contract_it_was_written_for(release: tuple[str, Path]) -> None:
+    name, target = release
+    done = run_fd(["plugins", "--json"], target)
+    assert done.returncode == 0, done.stderr
+    listed = json.loads(done.stdout)
+    assert listed["contract_version"] == CONTRACT_VERSION and not listed["problems"]
+    ours = {d.metadata["Name"] for d in _installed(target)}
+    records = [p for p in listed["plugins"] if p["distribution"] in ours]
+    assert {p["distribution"] for p in records} == ours
+    declared = name != "previous-release"  # before contract versions, no package could say one
+    for record in records:
+        assert record["error"] is None, record
+        assert (record["contract"], record["contract_declared"]) == (CONTRACT_VERSION, declared), record
+    text = run_fd(["plugins"], target).stdout
+    assert text.startswith(f"fd's plugin contract: {CONTRACT_VERSION}\n")
+    assert (f", contract {CONTRACT_VERSION} (not declared)" in text) == (not declared)
+
+
+def test_the_cpu_platform_conforms_with_the_release_installed(release: tuple[str, Path]) -> None:
+    """Its kernels are checked against the native ops and its model packages run on the platform, apart from the
+    platform's own checks."""
+    _, target = release
+    report = _check(["cpu"], target)
+    outcome = {c["check"]: c["outcome"] for c in report["checks"]}
+    assert outcome["test_every_kernel_in_use_matches_the_native_op"] == "passed"
+    assert outcome["test_installed_model_packages_run_on_this_platform"] == "passed"  # not skipped: a package is here
+    listed = json.loads(run_fd(["plugins", "--json"], target).stdout)
+    assert any(p["kernels"] for p in listed["plugins"] if p["name"] in _entry_points(target, "fd.plugins"))
+
+
+def test_each_platform_package_passes_the_platform_suite(release: tuple[str, Path]) -> None:
+    _, target = release
+    platforms = _entry_points(target, "fd.platforms")
+    assert platforms
+    for platform in platforms:
+        report = _check([platform], target)
+        assert report["platform"] == platform and report["counts"]["passed"] > 30
+
+
+def test_each_model_package_passes_the_model_suite(release: tuple[str, Path]) -> None:
+    """With the transformers reference: the tokens are the published implementation's."""
+    pytest.importorskip("transformers", reason="the reference comes with the test extra (pip install -e '.[test]')")
+    _, target = release
+    packages = _entry_points(target, "fd.models")
+    listed = json.loads(run_fd(["plugins", "--json"], target).stdout)
+    architectures = [a["name"] for a in listed["architectures"] if a["package"] in packages]
+    assert architectures
+    for architecture in architectures:
+        report = _check(["--model", architecture], target)
+        outcome = {c["check"]: c["outcome"] for c in report["checks"]}
+        assert outcome["test_reference_greedy_tokens[preset]"] == "passed"
