@@ -124,8 +124,7 @@ def _fit(lines: Sequence[str]) -> str:
 
 def _plugin_listing(plugins: Any) -> list[str]:
     """`fd plugins` as text: each plugin's name and origin, then its status, error and hooks beneath it."""
-    lines = [f"fd's plugin contract: {CONTRACT_VERSION}"]
-    lines += _wrapped(f"platform: {plugins.platform} ({plugins.selection})", 0, 2)
+    lines = _wrapped(f"platform: {plugins.platform} ({plugins.selection})", 0, 2)
     # Capped: one long third-party name must not push every status towards the right margin.
     width = min(max((len(r.name) for r in plugins.records), default=0), 20) + 2
     for kind in ("platform", "model", "extension"):
@@ -155,7 +154,8 @@ def _plugin_listing(plugins: Any) -> list[str]:
             lines += _wrapped(f"{a.name:<{width}}{aliases}from plugin {a.package}", 2, width)
             if a.description:
                 lines += _wrapped(a.description, 2 + width)
-    return lines
+    # Last, beside the contract each plugin declares above: what this fd implements.
+    return [*lines, "", f"fd's plugin contract: {CONTRACT_VERSION}"]
 
 
 def cmd_explain(args: argparse.Namespace) -> int:

@@ -75,7 +75,7 @@ def test_fd_plugins_lists_each_package_with_the_contract_it_was_written_for(rele
         assert record["error"] is None, record
         assert (record["contract"], record["contract_declared"]) == (CONTRACT_VERSION, declared), record
     text = run_fd(["plugins"], target).stdout
-    assert text.startswith(f"fd's plugin contract: {CONTRACT_VERSION}\n")
+    assert text.endswith(f"\nfd's plugin contract: {CONTRACT_VERSION}\n")
     assert (f", contract {CONTRACT_VERSION} (not declared)" in text) == (not declared)
 
 
