@@ -7,7 +7,7 @@ from typing import Callable
 from fd_core import hookimpl
 
 # The version of fd's plugin contract this plugin was written for (fd_core.contract).
-FD_CONTRACT = "1.0"
+FD_CONTRACT = "1.1"
 
 
 def _run(args: list[str]) -> int:

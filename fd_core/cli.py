@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence, TextIO
 from fd_core.config import COMPUTE_DTYPES
 from fd_core.contract import CONTRACT_VERSION
 from fd_core.errors import SETTINGS_STYLE_ENV, ConfigError, FdError
+from fd_core.quantization import SCHEMES
 
 # When fd's entry point was imported: a run's clock starts here if the process was created long
 # before, for something else, and exec'd fd (see procstats.process_start_time).
@@ -168,7 +169,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     plugins = load_plugins()
     backend = load_backend(ParallelConfig(tp_size=args.tp), plugins=plugins)
-    run = RunConfig(model=args.model, tp=args.tp, checkpoint=args.checkpoint, dtype=args.dtype, graph=args.graph,
+    run = RunConfig(model=args.model, tp=args.tp, checkpoint=args.checkpoint, dtype=args.dtype,
+                    quantization=args.quantization, graph=args.graph,
                     memory_fraction=args.memory_fraction, threads=args.threads, kv_block_size=args.kv_block_size,
                     kv_cache_blocks=args.kv_cache_blocks, prefix_caching=args.prefix_caching,
                     max_prefill_tokens=args.max_prefill_tokens)
@@ -302,6 +304,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         images=tuple(args.image or ()),
         checkpoint=args.checkpoint,
         dtype=args.dtype,
+        quantization=args.quantization,
         graph=args.graph,
         reload_cycles=args.reload_cycles,
         seed=args.seed,
@@ -383,7 +386,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  graph=args.graph, seed=args.seed, max_batch=args.max_batch, rank_timeout=args.rank_timeout,
                  stall_timeout=args.stall_timeout, memory_fraction=args.memory_fraction, threads=args.threads,
                  kv_block_size=args.kv_block_size, kv_cache_blocks=args.kv_cache_blocks,
-                 prefix_caching=args.prefix_caching, max_prefill_tokens=args.max_prefill_tokens)
+                 prefix_caching=args.prefix_caching, max_prefill_tokens=args.max_prefill_tokens,
+                 quantization=args.quantization)
 
 
 def cmd_save_random(args: argparse.Namespace) -> int:
@@ -601,6 +605,9 @@ def build_parser(
 
     memory_help = (f"the share of each device's free memory for weights and KV cache, in (0, 1]; the cache's capacity "
                    f"(batch x context) is what the weights leave (default: {DEFAULT_MEMORY_FRACTION})")
+    quantization_help = ("weight-only quantization of the linear layers at load, per output channel: wint8 (int8 "
+                         "weights) or wint4 (4-bit); embeddings, norms, routers and vision towers stay in the compute "
+                         "dtype (default: none)")
     threads_help = ("compute threads per rank (default: the user's OMP_NUM_THREADS, else the cores this process may "
                     "use (affinity mask, cgroup quota) shared among the ranks on this host)")
 
@@ -624,6 +631,7 @@ def build_parser(
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
                    help="compute dtype, as fd run takes it (default: the platform's preferred one)")
+    p.add_argument("--quantization", default=None, choices=tuple(SCHEMES), help=quantization_help)
     p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION, metavar="F", help=memory_help)
     p.add_argument("--threads", type=_positive, default=None, metavar="N", help=threads_help)
     _cache_options(p)
@@ -664,6 +672,7 @@ def build_parser(
                         "(default: seeded random weights)")
     p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
                    help="compute dtype (default: the platform's preferred one, the first it lists; see fd plugins)")
+    p.add_argument("--quantization", default=None, choices=tuple(SCHEMES), help=quantization_help)
     p.add_argument("--graph", choices=("auto", "on", "off"), default="auto", help=graph_help)
     p.add_argument("--reload-cycles", type=_non_negative, default=0, metavar="N",
                    help="weight-update cycles after the first run (default: 0)")
@@ -714,6 +723,7 @@ def build_parser(
                    help="most requests decoded together (default: 8)")
     p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
                    help="compute dtype (default: the platform's preferred one, the first it lists; see fd plugins)")
+    p.add_argument("--quantization", default=None, choices=tuple(SCHEMES), help=quantization_help)
     p.add_argument("--graph", choices=("auto", "on", "off"), default="auto", help=graph_help)
     p.add_argument("--seed", type=_non_negative, default=0, metavar="N",
                    help="seeds the tiny preset's random weights (default: 0)")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fd_core.errors import ConfigError, setting
+from fd_core.quantization import SCHEMES
 
 # Floating-point dtypes a model may compute in (the platform says which of them it can).
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -64,6 +65,9 @@ class ModelConfig:
     mlp_bias: bool = False
     hidden_act: str = "silu"
     dtype: str = "float32"
+    # Weight-only quantization of the decoder's linear layers at load (fd_core.quantization.SCHEMES; contract 1.1):
+    # set by the runner from --quantization, never read from config.json.
+    quantization: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -101,7 +105,7 @@ class ModelConfig:
                 f"config.json (or to the architecture's config_defaults, as the reference config class defines them)"
             )
         _refuse_unimplemented(settings, source)
-        known = {f.name for f in fields(cls)} - {"architecture", "extra", "dtype"}
+        known = {f.name for f in fields(cls)} - {"architecture", "extra", "dtype", "quantization"}
         kwargs = {k: v for k, v in settings.items() if k in known}
         kwargs["rope_theta"] = _rope_theta(settings, source)
         if "use_bias" in settings:
@@ -153,6 +157,11 @@ class ModelConfig:
             )
         if self.dtype not in COMPUTE_DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not a compute dtype; choose one of {', '.join(COMPUTE_DTYPES)}")
+        if self.quantization is not None and self.quantization not in SCHEMES:
+            raise ConfigError(
+                f"{setting('quantization')} {self.quantization!r} is not a quantization fd has; choose one of "
+                f"{', '.join(SCHEMES)} (or none)"
+            )
 
     def estimated_bytes(self, batch_size: int, max_len: int) -> int:
         """Weights (the decoder's dense parts; experts and vision towers not counted) and the KV cache, all ranks
@@ -169,10 +178,17 @@ class ModelConfig:
         the tensor-parallel layers split them, norms replicated; experts and vision towers not counted)."""
         head_dim = self.resolved_head_dim
         attention = self.hidden_size * head_dim * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
-        sharded = self.num_hidden_layers * (attention + 3 * self.hidden_size * self.intermediate_size)
-        sharded += self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        linear = self.num_hidden_layers * (attention + 3 * self.hidden_size * self.intermediate_size)
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         replicated = (2 * self.num_hidden_layers + 1) * self.hidden_size  # each layer's two norms and the final one
-        return (-(-sharded // tp) + replicated) * self.dtype_width
+        if self.quantization is None:
+            return (-(-(linear + embeddings) // tp) + replicated) * self.dtype_width
+        # Quantized linear weights: a byte a value (half that at 4 bits) and a float32 scale per output row (about
+        # one per hidden_size values); embeddings and norms stay in the compute dtype.
+        bits = SCHEMES[self.quantization]
+        values = -(-linear // tp)
+        quantized = values * bits // 8 + 4 * values // self.hidden_size
+        return quantized + (-(-embeddings // tp) + replicated) * self.dtype_width
 
     def cache_bytes_per_token(self, tp: int) -> int:
         """KV-cache bytes one rank holds for one token of one sequence at `tp` (keys and values of every layer)."""

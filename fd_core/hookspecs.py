@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
     # register(name, help, run): `fd NAME ARGS...` calls run(ARGS) and exits with what it returns.
     CommandRegistrar = Callable[[str, str, Callable[[list[str]], int]], None]
-    # register(op, fn, capturable=True): `fn` serves fd's named op `op` (fd_core.kernels.OPS).
+    # register(op, fn, capturable=True, prepare=None): `fn` serves fd's named op `op` (fd_core.kernels.OPS);
+    # `prepare`, for an op with prepared arguments, transforms a weight once when it loads (contract 1.1).
     KernelRegistrar = Callable[..., None]
 
 
@@ -69,4 +70,4 @@ def fd_check_request(
 
 @hookspec
 def fd_register_kernels(register: KernelRegistrar) -> None:
-    """Provide kernels for fd's named ops by calling `register(op, fn, capturable=True)` for each."""
+    """Provide kernels for fd's named ops by calling `register(op, fn, capturable=True, prepare=None)` for each."""

@@ -31,6 +31,9 @@ class Op:
     tolerances: Mapping[str, tuple[float, float]] = field(
         default_factory=lambda: {"float32": (1e-5, 1e-5), "float16": (2e-3, 2e-3), "bfloat16": (2e-2, 2e-2)}
     )
+    # The arguments a kernel's preparation function may transform once, when a weight loads (contract 1.1): it takes
+    # every argument after the first and returns new values for these (one value, or a tuple when several).
+    prepared: tuple[str, ...] = ()
 
 
 OPS: dict[str, Op] = {op.name: op for op in (
@@ -90,7 +93,17 @@ OPS: dict[str, Op] = {op.name: op for op in (
        "case a split across compute threads serves",
        # Looser than the elementwise ops' in float32: a kernel that orders the K-term sum differently rounds
        # differently.
-       tolerances={"float32": (1e-4, 1e-4), "float16": (2e-3, 2e-3), "bfloat16": (2e-2, 2e-2)}),
+       tolerances={"float32": (1e-4, 1e-4), "float16": (2e-3, 2e-3), "bfloat16": (2e-2, 2e-2)},
+       prepared=("weight",)),
+    Op("quant_matmul", ("x", "weight", "scales", "bits"),
+       "x [..., K] times the transpose of the weight-only quantized matrix [N, K] (fd_core.quantization): row n of "
+       "the matrix is the int8 values of weight's row n (bits 8: weight [N, K], values in [-127, 127]; bits 4: "
+       "weight [N, ceil(K / 2)], two values in [-7, 7] a byte, column 2j in the low four bits of byte j and 2j + 1 in "
+       "the high four, two's complement) times scales[n] (float32 [N]); [..., N] in x's dtype, summed in float32 or "
+       "wider; the linear layers' product under --quantization wint8 or wint4",
+       # Looser than matmul's: a kernel may apply the scales after the sum, or dequantize in the compute dtype.
+       tolerances={"float32": (1e-4, 1e-4), "float16": (4e-3, 4e-3), "bfloat16": (3e-2, 3e-2)},
+       prepared=("weight", "scales")),
 )}
 
 

@@ -16,6 +16,14 @@ def matmul(x: paddle.Tensor, weight: paddle.Tensor, transpose_weight: bool) -> p
     return paddle.matmul(x, weight, transpose_y=transpose_weight)
 
 
+def quant_matmul(x: paddle.Tensor, weight: paddle.Tensor, scales: paddle.Tensor, bits: int) -> paddle.Tensor:
+    """x @ W^T for the weight fd's quantized form stands for, dequantized whole in float32 (the reference)."""
+    from fd_core.quantization import dequantize
+
+    w = dequantize(weight, scales, bits, x.shape[-1])
+    return paddle.matmul(x.astype("float32"), w, transpose_y=True).astype(x.dtype)
+
+
 def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
     """weight * (x / rms(x)): the statistics in float32, cast back to x's dtype before the weight, as the references
     do."""

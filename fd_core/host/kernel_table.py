@@ -20,6 +20,8 @@ class Kernel:
     fn: Callable[..., Any]
     plugin: str
     capturable: bool = True
+    # Transforms a weight once, when it loads, into what `fn` receives (fd_core.kernels.Op.prepared); None: as is.
+    prepare: Callable[..., Any] | None = None
 
 
 def nearest_op(name: str) -> str:
@@ -28,8 +30,23 @@ def nearest_op(name: str) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def check_kernel(plugin: str, op: str, fn: Any, capturable: Any) -> Kernel:
-    """A registration checked: a known op, a callable taking the op's arguments by their names, a bool flag."""
+def _signature_problem(fn: Any, want: tuple[str, ...]) -> str | None:
+    """How `fn`'s parameters differ from `want` (taken by those names, in order; more only with defaults), or None."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: taken on trust, the suite checks its results
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = tuple(p.name for p in positional[: len(want)])
+    extra = [p for p in positional[len(want):] if p.default is p.empty] + [
+        p for p in params if p.kind == p.KEYWORD_ONLY and p.default is p.empty
+    ]
+    return ", ".join(p.name for p in params) if names != want or extra else None
+
+
+def check_kernel(plugin: str, op: str, fn: Any, capturable: Any, prepare: Any = None) -> Kernel:
+    """A registration checked: a known op, a callable taking the op's arguments by their names, a bool flag, and a
+    preparation function only for an op that has prepared arguments, taking the op's arguments after the first."""
     if not isinstance(op, str) or op not in OPS:
         raise PluginError(
             f"plugin {plugin!r}: fd_register_kernels registered an unknown op {op!r}{nearest_op(str(op))} "
@@ -43,22 +60,31 @@ def check_kernel(plugin: str, op: str, fn: Any, capturable: Any) -> Kernel:
             f"pass True or False"
         )
     want = OPS[op].args
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # a builtin without a signature: taken on trust, the suite checks its results
-        return Kernel(op, fn, plugin, capturable)
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    names = tuple(p.name for p in positional[: len(want)])
-    extra = [p for p in positional[len(want):] if p.default is p.empty] + [
-        p for p in params if p.kind == p.KEYWORD_ONLY and p.default is p.empty
-    ]
-    if names != want or extra:
-        got = ", ".join(p.name for p in params)
+    got = _signature_problem(fn, want)
+    if got is not None:
         raise PluginError(
             f"plugin {plugin!r}: its kernel for {op!r} takes ({got}), but {op} is called as {op}({', '.join(want)}); "
             f"give it exactly those arguments (more only with defaults)"
         )
-    return Kernel(op, fn, plugin, capturable)
+    if prepare is not None:
+        if not OPS[op].prepared:
+            with_prepare = ", ".join(name for name, o in OPS.items() if o.prepared)
+            raise PluginError(
+                f"plugin {plugin!r}: fd_register_kernels registered a prepare function for {op!r}, whose arguments "
+                f"are never prepared (ops with prepared weights: {with_prepare}); register {op!r} without prepare="
+            )
+        if not callable(prepare):
+            raise PluginError(
+                f"plugin {plugin!r}: fd_register_kernels registered prepare={prepare!r} for {op!r}, which is not "
+                f"callable"
+            )
+        got = _signature_problem(prepare, want[1:])
+        if got is not None:
+            raise PluginError(
+                f"plugin {plugin!r}: its prepare function for {op!r} takes ({got}), but it is called as "
+                f"prepare({', '.join(want[1:])}) (the op's arguments after {want[0]}); give it exactly those arguments"
+            )
+    return Kernel(op, fn, plugin, capturable, prepare)
 
 
 @dataclass
@@ -121,13 +147,61 @@ class Ops:
     write_kv_cache: Callable[..., Any]
     paged_attention: Callable[..., Any]
     paged_prefill_attention: Callable[..., Any]
+    quant_matmul: Callable[..., Any]
 
     def __init__(self, table: KernelTable, native: Any) -> None:
         self.providers = table.providers()
+        self._kernels: dict[str, Callable[..., Any]] = {}
+        self._prepares: dict[str, Callable[..., Any]] = {}
         for name in OPS:
             kernel = table.chosen(name)
-            setattr(self, name, getattr(native, name) if kernel is None else kernel.fn)
+            fn = getattr(native, name) if kernel is None else kernel.fn
+            self._kernels[name] = fn
+            if kernel is not None and kernel.prepare is not None:
+                self._prepares[name] = kernel.prepare
+                # Called with weights as they loaded (a model that does not prepare them): prepared on every call.
+                fn = _preparing(name, fn, kernel.prepare)
+            setattr(self, name, fn)
 
     def native(self, name: str) -> bool:
         """Whether `name` runs the native implementation."""
         return self.providers[name] == NATIVE
+
+    def prepares(self, name: str) -> bool:
+        """Whether the kernel in use for `name` transforms its weights when they load."""
+        return name in self._prepares
+
+    def prepare(self, name: str, *args: Any) -> tuple[Any, ...]:
+        """The op's arguments after the first, as the kernel in use receives them: its preparation applied to the
+        op's prepared ones (fd_core.kernels.Op.prepared), the rest as given. Call it once per weight load."""
+        prepare = self._prepares.get(name)
+        if prepare is None:
+            return tuple(args)
+        return _placed(name, args, prepare(*args))
+
+    def prepared(self, name: str) -> Callable[..., Any]:
+        """The kernel in use for `name`, called with the first argument and what `prepare` returned."""
+        return self._kernels[name]
+
+
+def _placed(name: str, args: tuple[Any, ...], result: Any) -> tuple[Any, ...]:
+    """`args` with the op's prepared arguments replaced by what a preparation function returned."""
+    names = OPS[name].args[1:]
+    prepared = OPS[name].prepared
+    values = (result,) if len(prepared) == 1 else tuple(result)
+    if len(values) != len(prepared):
+        raise PluginError(
+            f"the prepare function for {name!r} returned {len(values)} value(s) for {', '.join(prepared)}; "
+            f"return one value for each"
+        )
+    given = dict(zip(names, args, strict=True))
+    given.update(zip(prepared, values, strict=True))
+    return tuple(given[n] for n in names)
+
+
+def _preparing(name: str, fn: Callable[..., Any], prepare: Callable[..., Any]) -> Callable[..., Any]:
+    def call(first: Any, *args: Any) -> Any:
+        return fn(first, *_placed(name, args, prepare(*args)))
+
+    call.__name__ = getattr(fn, "__name__", name)
+    return call

@@ -114,13 +114,15 @@ def register_kernels(pm: pluggy.PluginManager, records: list[PluginRecord]) -> t
     def register_for(owner: str) -> Callable[..., None]:
         kind = kinds.get(owner, "extension")
 
-        def register(op: str, fn: Callable[..., Any], capturable: bool = True) -> None:
+        def register(
+            op: str, fn: Callable[..., Any], capturable: bool = True, prepare: Callable[..., Any] | None = None,
+        ) -> None:
             if kind == "model":
                 raise PluginError(
                     f"plugin {owner!r}: a model package may not register kernels; "
                     "put them in a platform or an fd.plugins extension"
                 )
-            table.add(check_kernel(owner, op, fn, capturable), from_platform=kind == "platform")
+            table.add(check_kernel(owner, op, fn, capturable, prepare), from_platform=kind == "platform")
 
         return register
 

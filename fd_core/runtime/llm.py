@@ -43,7 +43,7 @@ class LLM:
         progress: bool = False, rank_timeout: float = 30.0, memory_fraction: float = DEFAULT_MEMORY_FRACTION,
         stall_timeout: float = DEFAULT_STALL_S, threads: int | None = None, kv_block_size: int | None = None,
         kv_cache_blocks: int | None = None, prefix_caching: bool = True,
-        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, quantization: str | None = None,
     ) -> None:
         quiet_paddle_logs()  # before paddle is imported: its C++ logs stay off the caller's terminal
         if graph not in ("auto", "off", "on"):
@@ -52,7 +52,8 @@ class LLM:
         run = RunConfig(model=model or "", tp=tp, checkpoint=self.checkpoint, dtype=dtype, graph=graph, seed=seed,
                         max_batch=max_batch, progress=progress, platform=platform, memory_fraction=memory_fraction,
                         threads=threads, kv_block_size=kv_block_size, kv_cache_blocks=kv_cache_blocks,
-                        prefix_caching=bool(prefix_caching), max_prefill_tokens=max_prefill_tokens)
+                        prefix_caching=bool(prefix_caching), max_prefill_tokens=max_prefill_tokens,
+                        quantization=quantization)
         self._plugins = load_plugins(plugin_env(platform))
         self._backend = Backend(self._plugins)
         # The plan's request is a placeholder: the plugins' fd_check_request is asked about each real one (_request).

@@ -46,6 +46,8 @@ class RunConfig:
     checkpoint: str | None = None
     # Compute dtype; None means the platform's preferred one (the first of its Detection.dtypes).
     dtype: str | None = None
+    # Weight-only quantization of the linear layers at load: "wint8", "wint4" or None (fd_core.quantization).
+    quantization: str | None = None
     graph: str = "auto"
     reload_cycles: int = 0
     # Seeds a preset's random weights and the sampler.
@@ -253,6 +255,9 @@ def plan_model(run: RunConfig, plugins: PluginSet, backend: Backend) -> ModelPla
     threads = run_threads(run, backend.detection)
     arch, checkpoint = model_and_checkpoint(run.model, run.checkpoint, plugins)
     config = model_config_for(arch, checkpoint, compute_dtype(run.dtype, backend))
+    if run.quantization is not None:
+        config = config.with_overrides(quantization=run.quantization)
+        config.check(f"{setting('quantization')}")
     check_tp(run.tp, config, arch, backend)
     # Weights per rank against the device, and the KV-cache capacity: before the request, which must fit it.
     memory = plan_memory(config, run.tp, backend.detection, run.memory_fraction, backend.platform, arch.name,

@@ -9,7 +9,7 @@ from fd_models._plugin import clear_graphs, lazy_build
 from fd_models.presets import TINY_TEXT
 
 # The version of fd's plugin contract this plugin was written for (fd_core.contract).
-FD_CONTRACT = "1.0"
+FD_CONTRACT = "1.1"
 
 _MODULE = "fd_models.ernie4_5.model"
 TINY_PRESET: dict[str, Any] = dict(TINY_TEXT)

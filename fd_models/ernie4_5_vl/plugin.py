@@ -15,7 +15,7 @@ from fd_models.ernie4_5_vl.config import (
 from fd_models.presets import TINY_ERNIE_VL, TINY_ERNIE_VL_PREPROCESSOR
 
 # The version of fd's plugin contract this plugin was written for (fd_core.contract).
-FD_CONTRACT = "1.0"
+FD_CONTRACT = "1.1"
 
 _MODULE = "fd_models.ernie4_5_vl.model"
 TINY_PRESET: dict[str, Any] = TINY_ERNIE_VL

@@ -27,6 +27,7 @@ from fd_core import WeightSpec
 from fd_models.layers.norm import RMSNorm
 from fd_models.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from fd_models.layers.params import new_columns_param
+from fd_models.layers.products import Product
 
 
 @dataclass
@@ -81,6 +82,7 @@ class Attention(nn.Layer):
             new_columns_param(self, parts, tp, attr="qkv")
             new_columns_param(self, [("o_proj.weight", WeightSpec((hidden_size, heads * head_dim), 1, dtype))],
                               tp, attr="o")
+            self.qkv_product, self.o_product = Product(self, "qkv", False, ctx), Product(self, "o", False, ctx)
             self.widths = [self.heads * head_dim, self.kv_heads * head_dim, self.kv_heads * head_dim]
         else:
             self.q_proj = ColumnParallelLinear(hidden_size, heads * head_dim, ctx, bias, dtype)
@@ -91,20 +93,20 @@ class Attention(nn.Layer):
         self.q_norm = RMSNorm(head_dim, qk_norm_eps, ctx, dtype) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps, ctx, dtype) if qk_norm_eps is not None else None
         ops = ctx.ops
-        self.rotary_embedding, self.matmul, self.write_kv_cache = ops.rotary_embedding, ops.matmul, ops.write_kv_cache
+        self.rotary_embedding, self.write_kv_cache = ops.rotary_embedding, ops.write_kv_cache
         self.paged_attention, self.paged_prefill_attention = ops.paged_attention, ops.paged_prefill_attention
 
     def project(self, x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
         """x [B, S, H] -> this rank's q, k and v, [B, S, heads x d] and [B, S, kv_heads x d] twice."""
         if self.fused:
-            q, k, v = paddle.split(self.matmul(x, self.qkv, False), self.widths, axis=-1)
+            q, k, v = paddle.split(self.qkv_product(x), self.widths, axis=-1)
             return q, k, v
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def output(self, x: paddle.Tensor) -> paddle.Tensor:
         """The attention's merged heads [B, S, heads x d] -> [B, S, H], summed over the ranks."""
         if self.fused:
-            return self.ctx.all_reduce(self.matmul(x, self.o, False))
+            return self.ctx.all_reduce(self.o_product(x))
         return self.o_proj(x)
 
     def forward(

@@ -24,6 +24,7 @@ from fd_models.layers.attention import Attention, KVStep
 from fd_models.layers.mlp import SwiGLUMLP
 from fd_models.layers.norm import RMSNorm
 from fd_models.layers.parallel import ParallelLMHead, VocabParallelEmbedding
+from fd_models.layers.products import prepare_after_load
 from fd_models.layers.rotary import rope_tables
 
 
@@ -163,8 +164,9 @@ class CausalLM(nn.Layer):
         return {"lm_head.weight"} if self.config.tie_word_embeddings else set()
 
     def load_weights(self, shards: Mapping[str, np.ndarray]) -> None:
-        """Assign this rank's shards to the parameters (restoring released storage)."""
-        params.load_weights(self, shards)
+        """Assign this rank's shards to the parameters (restoring released storage), each linear weight prepared for
+        its kernel (and quantized, under config.quantization) as it loads."""
+        params.load_weights(self, shards, after=prepare_after_load(self.config.quantization))
 
     def release_weights(self) -> None:
         """Free parameter storage; load_weights restores it."""

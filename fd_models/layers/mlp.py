@@ -17,6 +17,7 @@ from paddle import nn
 from fd_core import WeightSpec
 from fd_models.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from fd_models.layers.params import new_columns_param
+from fd_models.layers.products import Product
 
 
 class SwiGLUMLP(nn.Layer):
@@ -35,14 +36,16 @@ class SwiGLUMLP(nn.Layer):
             new_columns_param(self, [("gate_proj.weight", gate), ("up_proj.weight", up)], tp, attr="gate_up")
             new_columns_param(self, [("down_proj.weight", WeightSpec((hidden_size, intermediate_size), 1, dtype))], tp,
                               attr="down")
+            self.gate_up_product = Product(self, "gate_up", False, ctx)
+            self.down_product = Product(self, "down", False, ctx)
         else:
             self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, ctx, bias, dtype)
             self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, ctx, bias, dtype)
             self.down_proj = RowParallelLinear(intermediate_size, hidden_size, ctx, bias, dtype)
-        self.silu_and_mul, self.matmul = ctx.ops.silu_and_mul, ctx.ops.matmul
+        self.silu_and_mul = ctx.ops.silu_and_mul
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if not self.fused:
             return self.down_proj(self.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
-        gate, up = paddle.split(self.matmul(x, self.gate_up, False), 2, axis=-1)
-        return self.ctx.all_reduce(self.matmul(self.silu_and_mul(gate, up), self.down, False))
+        gate, up = paddle.split(self.gate_up_product(x), 2, axis=-1)
+        return self.ctx.all_reduce(self.down_product(self.silu_and_mul(gate, up)))

@@ -23,6 +23,7 @@ from paddle import nn
 
 from fd_core import WeightSpec
 from fd_models.layers.params import new_param, new_stacked_param
+from fd_models.layers.products import Product
 
 
 class _Experts:
@@ -79,6 +80,7 @@ class MoEBlock(nn.Layer):
                 projection.bias = None
                 if shared_bias:  # `use_bias` configs: the down bias is whole and added once, after the sum
                     new_param(projection, WeightSpec((spec.shape[0],), bias_axis, dtype, init="zeros"), tp, attr="bias")
+                projection.product = Product(projection, "weight", True, ctx)
                 self.shared_experts.add_sublayer(name, projection)
 
     def _route(
@@ -151,12 +153,12 @@ class MoEBlock(nn.Layer):
         if self.shared:
             s = self.shared_experts
             inner = self.silu_and_mul(self._project(flat, s.gate_proj), self._project(flat, s.up_proj))
-            out = out + self.matmul(inner, s.down_proj.weight, True)
+            out = out + s.down_proj.product(inner)
         out = self.ctx.all_reduce(out)
         if self.shared and self.shared_experts.down_proj.bias is not None:
             out = out + self.shared_experts.down_proj.bias
         return out.reshape([batch, length, hidden])
 
     def _project(self, x: paddle.Tensor, layer: nn.Layer) -> paddle.Tensor:
-        out = self.matmul(x, layer.weight, True)
+        out = layer.product(x)
         return out if layer.bias is None else out + layer.bias

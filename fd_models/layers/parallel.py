@@ -15,12 +15,15 @@ from paddle import nn
 
 from fd_core import WeightSpec
 from fd_models.layers.params import new_columns_param, new_param
+from fd_models.layers.products import Product
 
 
 class _Linear(nn.Layer):
     """y = x W^T (+ b) with W [out, in] as PyTorch and published checkpoints store it, sharded on `split_axis`."""
 
     split_axis: int | None = None
+    # Whether --quantization quantizes this layer's weight (products.Product).
+    quantizable = True
 
     def __init__(
         self, in_features: int, out_features: int, ctx: Any, bias: bool = False, dtype: str = "float32",
@@ -33,15 +36,17 @@ class _Linear(nn.Layer):
         bias_axis = 0 if self.split_axis == 0 else None
         self.bias = (new_param(self, WeightSpec((out_features,), bias_axis, dtype, init="zeros"), tp, attr="bias")
                      if bias else None)
-        self.matmul = ctx.ops.matmul
+        self.product = Product(self, "weight", True, ctx, self.quantizable)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        out = self.matmul(x, self.weight, True)
+        out = self.product(x)
         return out if self.bias is None else out + self.bias
 
 
 class ReplicatedLinear(_Linear):
-    """A linear layer every rank holds whole (vision towers, projectors)."""
+    """A linear layer every rank holds whole (vision towers, projectors: never quantized)."""
+
+    quantizable = False
 
 
 class ColumnParallelLinear(_Linear):
@@ -56,7 +61,7 @@ class RowParallelLinear(_Linear):
     split_axis = 1
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        out = self.ctx.all_reduce(self.matmul(x, self.weight, True))
+        out = self.ctx.all_reduce(self.product(x))
         return out if self.bias is None else out + self.bias
 
 

@@ -10,7 +10,7 @@ and the o and down projections stored transposed, in the layout Paddle's CPU pro
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import paddle
@@ -145,8 +145,14 @@ def _load_columns(
         column += rows
 
 
-def load_weights(layer: nn.Layer, shards: Mapping[str, Any], renames: Renames = ()) -> None:
+def load_weights(
+    layer: nn.Layer, shards: Mapping[str, Any], renames: Renames = (),
+    after: Callable[[paddle.Tensor], None] | None = None,
+) -> None:
     """Assign this rank's shards (numpy arrays or paddle tensors) to the parameters; every parameter must be present.
+
+    `after(param)` runs as each parameter is filled (products.prepare_after_load: a weight prepared or quantized
+    before the next is read, so the float weights are never all held at once).
 
     Each shard is fetched, converted to its parameter's dtype and assigned in turn, so a lazy
     mapping (a checkpoint read on access) holds one parameter's tensors at a time; a mapping with
@@ -159,12 +165,19 @@ def load_weights(layer: nn.Layer, shards: Mapping[str, Any], renames: Renames = 
         raise KeyError(f"load_weights: no shard for {missing[0]!r} ({len(missing)} missing)")
     chunks = getattr(shards, "chunks", None)
     for param, parts in entries:
-        if hasattr(param, "fd_columns"):
-            _load_columns(param, parts, shards, param.fd_tp)
-            continue
-        if chunks is not None and hasattr(param, "fd_spec") and len(param.shape) > 0:
-            _load_in_pieces(param, parts[0][0], chunks(parts[0][0]))
-            continue
+        _load_one(param, parts, shards, chunks)
+        if after is not None:
+            after(param)
+
+
+def _load_one(
+    param: paddle.Tensor, parts: list[tuple[str, WeightSpec]], shards: Mapping[str, Any], chunks: Any,
+) -> None:
+    if hasattr(param, "fd_columns"):
+        _load_columns(param, parts, shards, param.fd_tp)
+    elif chunks is not None and hasattr(param, "fd_spec") and len(param.shape) > 0:
+        _load_in_pieces(param, parts[0][0], chunks(parts[0][0]))
+    else:
         values = [_tensor(shards[name], param.dtype) for name, _ in parts]
         value = values[0] if hasattr(param, "fd_spec") else paddle.stack(values)
         if tuple(value.shape) != tuple(param.shape):

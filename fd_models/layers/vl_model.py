@@ -20,6 +20,7 @@ from fd_models.layers.multimodal import (
     encode_batch,
     scatter_rows,
 )
+from fd_models.layers.products import prepare_after_load
 
 
 class PictureTextModel(nn.Layer):
@@ -44,7 +45,9 @@ class PictureTextModel(nn.Layer):
         return self.language_model.ignored_tensors()
 
     def load_weights(self, shards: Mapping[str, Any]) -> None:
-        params.load_weights(self, shards, self.renames)
+        """As the text model's: each linear weight prepared (and quantized, under config.quantization) as it loads."""
+        params.load_weights(self, shards, self.renames,
+                            after=prepare_after_load(self.language_model.config.quantization))
 
     def release_weights(self) -> None:
         params.release_weights(self)

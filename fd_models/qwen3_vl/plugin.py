@@ -10,7 +10,7 @@ from fd_models.presets import TINY_QWEN3_VL, TINY_QWEN3_VL_PREPROCESSOR
 from fd_models.qwen3_vl.config import check_config, check_prompt, image_tokens
 
 # The version of fd's plugin contract this plugin was written for (fd_core.contract).
-FD_CONTRACT = "1.0"
+FD_CONTRACT = "1.1"
 
 _MODULE = "fd_models.qwen3_vl.model"
 # Untied LM head (its own vocab-parallel `lm_head.weight`) in the tiny preset, unlike ERNIE.

@@ -10,7 +10,7 @@ from fd_core import Capabilities, Detection, GraphVote, ModelConfig, ParallelCon
 from fd_plugins.cpu.memory import host_memory
 
 # The version of fd's plugin contract this plugin was written for (fd_core.contract).
-FD_CONTRACT = "1.0"
+FD_CONTRACT = "1.1"
 
 # What the conformance suite checks; float16 is summed in float32 (see fd_all_reduce).
 FD_CAPABILITIES = Capabilities(

@@ -13,7 +13,7 @@ from fd_plugins.cuda.memory import custom_device_memory, empty_custom_device_cac
 from fd_plugins.cuda.platform import fd_graph_backend
 
 # The version of fd's plugin contract this plugin was written for (fd_core.contract).
-FD_CONTRACT = "1.0"
+FD_CONTRACT = "1.1"
 
 __all__ = ["fd_all_reduce", "fd_clean_memory_fragments", "fd_graph_backend", "fd_graph_eligibility",
            "fd_platform_detect"]

@@ -11,7 +11,7 @@ from fd_core import hookimpl
 from fd_example_kernels import paged
 
 # The version of fd's plugin contract this plugin was written for (fd_core.contract).
-FD_CONTRACT = "1.0"
+FD_CONTRACT = "1.1"
 
 _seen: set[str] = set()
 

@@ -147,10 +147,9 @@ class RankWorker:
         first_token_s = (engine.first_token_at or time.time()) - self.started
         return {
             **self.describe(),
-            # What the memory target compares the peak with: this rank's parameters and KV cache.
-            "weight_bytes": sum(
-                p.numel().item() * p.element_size() for p in model.parameters()  # type: ignore[attr-defined]
-            ),
+            # What the memory target compares the peak with: this rank's weights (as held: prepared or quantized ones
+            # in buffers, their parameters released) and KV cache.
+            "weight_bytes": _held_bytes(model),
             "kv_cache_bytes": getattr(model, "cache_bytes", lambda: 0)(),
             "entry_rss_bytes": self.entry_rss,
             "tokens_per_s": round(engine.tokens_per_s, 2),
@@ -161,6 +160,12 @@ class RankWorker:
             "rss_bytes": resident_bytes(),
             "peak_rss_bytes": peak_resident_bytes(),
         }
+
+
+def _held_bytes(model: Any) -> int:
+    """Bytes of the model's parameters and buffers that hold storage."""
+    tensors = [*model.parameters(), *getattr(model, "buffers", lambda: [])()]
+    return sum(t.numel().item() * t.element_size() for t in tensors if t._is_initialized())
 
 
 def _step_breakdown(engine: Engine) -> dict[str, float] | None:

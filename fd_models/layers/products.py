@@ -1,0 +1,87 @@
+"""The products of the linear layers: each weight the matmul op consumes, prepared once when it loads.
+
+A `Product` holds one parameter (the tensor a checkpoint loads into) and calls the kernel in use on what that
+kernel asked to receive: after each load (and so after each reload) the parameter is quantized when the run asks
+for weight-only quantization (`ModelConfig.quantization`: fd's quantized form, then the `quant_matmul` kernel's
+preparation), or else handed to the `matmul` kernel's preparation, if it has one. What a preparation returns is
+held as buffers of the layer, written in place on a reload, so a captured graph reads the new values and a replay
+runs no preparation; the parameter's own storage is then released (load_weights re-creates it for the next load).
+With the native kernels and no quantization nothing is prepared, copied or released.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import paddle
+from paddle import nn
+
+from fd_core.quantization import bits_of, quantize
+
+
+class Product:
+    """x times one weight of `layer` (its parameter `attr`, [N, K] used transposed, or [K, N] as is)."""
+
+    def __init__(self, layer: nn.Layer, attr: str, transpose_weight: bool, ctx: Any, quantizable: bool = True) -> None:
+        self.layer, self.attr, self.transpose_weight = layer, attr, transpose_weight
+        self.ops = ctx.ops
+        # Vision towers and projectors run once per picture: quantizing them saves little and costs their accuracy.
+        self.quantizable = quantizable
+        param = getattr(layer, attr)
+        # How the loader finds this product after filling the parameter (params.load_weights' `after`).
+        param.fd_product = self
+        self.kernel = self.ops.matmul
+        self.args: tuple[Any, ...] = (param, transpose_weight)
+
+    def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self.kernel(x, *self.args)
+
+    @property
+    def quantized(self) -> bool:
+        return self.kernel is self.ops.prepared("quant_matmul")
+
+    def prepare(self, quantization: str | None) -> None:
+        """After the parameter is loaded: quantize and / or prepare it for the kernel in use, once."""
+        param = getattr(self.layer, self.attr)
+        if quantization is not None and self.quantizable:
+            bits = bits_of(quantization)
+            values, scales = quantize(param, bits, self.transpose_weight)
+            args = self.ops.prepare("quant_matmul", values, scales, bits)
+            kernel = self.ops.prepared("quant_matmul")
+        elif self.ops.prepares("matmul"):
+            args = self.ops.prepare("matmul", param, self.transpose_weight)
+            kernel = self.ops.prepared("matmul")
+        else:
+            return
+        self.kernel, self.args = kernel, self._hold(args)
+        if not any(a is param for a in self.args):
+            param._clear_data()  # the kernel reads only what was prepared from it
+
+    def _hold(self, values: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Tensors among `values` as buffers of the layer: the same objects load after load (a traced program
+        holds them), their storage replaced."""
+        held = []
+        for i, value in enumerate(values):
+            name = f"{self.attr}_prepared_{i}"
+            if not isinstance(value, paddle.Tensor) or value is getattr(self.layer, self.attr):
+                held.append(value)
+                continue
+            old = self.layer._buffers.get(name)
+            if old is not None and old is not value and old.shape == value.shape and old.dtype == value.dtype:
+                value._share_buffer_to(old)
+                value = old
+            else:
+                self.layer.register_buffer(name, value, persistable=False)
+            held.append(value)
+        return tuple(held)
+
+
+def prepare_after_load(quantization: str | None) -> Any:
+    """The `after` function params.load_weights calls with each parameter it filled: prepares its product, if any."""
+
+    def after(param: paddle.Tensor) -> None:
+        product = getattr(param, "fd_product", None)
+        if product is not None:
+            product.prepare(quantization)
+
+    return after
