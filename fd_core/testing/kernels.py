@@ -13,6 +13,7 @@ import pytest
 from fd_core.detection import Detection
 from fd_core.host.loading import PluginSet
 from fd_core.kernels import OPS, compute_threads, set_compute_threads
+from fd_core.quantization import quantize
 
 ODD = 13  # a size no vector unit divides
 # Compute threads each case runs at (fd_core.kernels.compute_threads): one, and counts a kernel that splits its
@@ -98,6 +99,12 @@ def cases(op: str, plugins: PluginSet, dtype: str, seed: int = 0) -> Iterator[tu
             yield f"x[1, {h}] @ w[{h}, {inter}]", (t(1, h), t(h, inter), False)
             yield f"x[1, {h}] @ w[{inter}, {h}]^T", (t(1, h), t(inter, h), True)
             yield f"x[3, 1, {inter}] @ w[{h}, {inter}]^T", (t(3, 1, inter), t(h, inter), True)
+        elif op == "quant_matmul":
+            inter = s["inter"]
+            for bits in (8, 4):
+                for count, (n, k) in ((1, (inter, h)), (5, (h, inter)), (2, (ODD, ODD))):
+                    values, scales = quantize(t(n, k, kind="float32"), bits)
+                    yield f"x[{count}, {k}] @ wint{bits}[{n}, {k}]^T", (t(count, k), values, scales, bits)
         elif op == "sample":
             vocab = 50 + s["hidden"]
             for temperature, top_k, top_p in (
@@ -113,6 +120,10 @@ def cases(op: str, plugins: PluginSet, dtype: str, seed: int = 0) -> Iterator[tu
                (t(1, 1, 4 * LARGE + ODD), t(4 * LARGE + ODD, LARGE), False))
         yield f"x[1, {LARGE}] @ w[{LARGE}, {4 * LARGE + ODD}]", (t(1, LARGE), t(LARGE, 4 * LARGE + ODD), False)
         yield f"x[1, {LARGE}] @ w[{4 * LARGE + ODD}, {LARGE}]^T", (t(1, LARGE), t(4 * LARGE + ODD, LARGE), True)
+    if op == "quant_matmul":
+        for bits in (8, 4):
+            values, scales = quantize(t(4 * LARGE + ODD, LARGE, kind="float32"), bits)
+            yield f"x[1, 1, {LARGE}] @ wint{bits}[{4 * LARGE + ODD}, {LARGE}]^T", (t(1, 1, LARGE), values, scales, bits)
 
 
 def _numpy(value: Any) -> Any:
@@ -366,6 +377,60 @@ class KernelTests:
                 f"{plugins.platform}: no kernel case could be checked: the ops define no tolerance for "
                 f"{', '.join(unchecked)}"
             )
+
+
+    def test_prepared_weights_give_the_native_results_and_follow_a_reload(
+        self, plugins: PluginSet, hardware: Detection
+    ) -> None:
+        """A kernel with a prepare function, called as the shared layers call it (its weights prepared once), against
+        the native op; then the same weight tensors refilled in place with new values (a reload) and prepared
+        again: the result must follow the new values (a preparation cached by the tensor's identity does not)."""
+        from fd_core import native_ops
+        from fd_core.host.backend import Backend
+
+        backend = Backend(plugins)
+        ops = backend.ops
+        ours = {op: p for op, p in ops.providers.items() if ops.prepares(op)}
+        if not ours:
+            pytest.skip(f"{plugins.platform}: no kernel in use prepares its weights")
+        failures = []
+        for op, provider in ours.items():
+            for dtype in [d for d in hardware.dtypes if d in OPS[op].dtypes]:
+                for what, args in cases(op, plugins, dtype):
+                    for when in ("prepared at load", "after a reload (the same tensors refilled, prepared again)"):
+                        if when.startswith("after"):
+                            _reload(op, args)
+                        try:
+                            got = ops.prepared(op)(args[0], *ops.prepare(op, *args[1:]))
+                        except Exception as exc:  # noqa: BLE001 - the kernel's own error, reported with its case
+                            failures.append(f"{op} ({provider}) {dtype} {what}, {when}: raised "
+                                            f"{type(exc).__name__}: {exc}")
+                            break
+                        want = getattr(native_ops, op)(*_copies(args))
+                        problem = compare(op, got, want, dtype, args, native_ops)
+                        if problem:
+                            failures.append(f"{op} ({provider}) {dtype} {what}, {when}: {problem}")
+                            break
+        assert not failures, failures[0] + f" ({len(failures)} case(s) in all)\n" + "\n".join(failures[:40])
+
+
+def _reload(op: str, args: tuple[Any, ...]) -> None:
+    """Refill the op's prepared tensors among `args` in place with other values, as a weight reload does: the same
+    tensor objects, new contents."""
+    import numpy as np
+    import paddle
+
+    given = dict(zip(OPS[op].args, args, strict=True))
+    if op == "quant_matmul":
+        weight, scales = given["weight"], given["scales"]
+        fresh = np.random.default_rng(7).standard_normal((weight.shape[0], args[0].shape[-1])).astype("float32")
+        values, new_scales = quantize(paddle.to_tensor(fresh), given["bits"])
+        paddle.assign(values, output=weight)
+        paddle.assign(new_scales, output=scales)
+        return
+    for name in OPS[op].prepared:
+        tensor = given[name]
+        paddle.assign((-2.0 * tensor.astype("float32") + 0.5).astype(tensor.dtype), output=tensor)
 
 
 def _on_threads(threads: int, kernel: Any, args: tuple[Any, ...]) -> Any:

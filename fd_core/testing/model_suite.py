@@ -37,6 +37,13 @@ STEPS = 12
 LOGIT_TOL = 2e-4
 MIN_MARGIN = 20 * LOGIT_TOL
 REFERENCE_SEEDS = range(8)
+# Weight-only quantization against the float32 reference: logits compared at each of QUALITY_STEPS steps along the
+# reference's greedy tokens; per scheme, the least cosine similarity at any step, the least mean over the steps and the
+# least share of steps whose argmax agrees. Set for the suite's tiny reference models (hidden sizes of 64: a 4-bit
+# channel of 64 values is coarse, and their top logits lie close), measured in docs/quantization.md; a quantizer whose
+# scales are off by 2x or taken along the wrong axis fails them (tests/models/test_quantization.py).
+QUALITY_STEPS = 32
+QUALITY_BOUNDS = {"wint8": (0.995, 0.999, 0.85), "wint4": (0.5, 0.8, 0.25)}
 # Marks a skip `fd check` reports as unverified (exit 3 unless --allow-unverified), never as a pass.
 NOT_VERIFIED = "not verified:"
 
@@ -410,11 +417,10 @@ class ModelSuite:
             f"{want}; a tensor is saved under a name, shape or layout that loads differently (or is ignored on load)"
         )
 
-    def test_reference_greedy_tokens(
-        self, plugins: PluginSet, architecture: Architecture, config_index: int, tmp_path: Path
-    ) -> None:
-        """A tiny random model built and saved by transformers gives the reference's first-step logits (to rounding) and
-        greedy tokens through `fd run`'s path."""
+    def _reference(self, architecture: Architecture, config_index: int) -> dict[str, Any]:
+        """A tiny random model built by transformers and saved as it saves one: its greedy tokens and every step's
+        logits (each step running the whole sequence, no cache), once per session; skips when no reference is
+        here."""
         try:
             import torch
             import transformers
@@ -432,44 +438,71 @@ class ModelSuite:
         model_cls = getattr(transformers, name, None)
         if model_cls is None:
             pytest.skip(f"{NOT_VERIFIED} transformers {transformers.__version__} has no {name}")
-        data = dict(_config_data(architecture, config_index))
-        prompt = list(_prompt(architecture, config_index))
-        torch.set_num_threads(1)
-        best = None
-        for seed in REFERENCE_SEEDS:
-            model = _reference_model(torch, model_cls, data, seed)
-            tokens, first, margin = _reference_greedy(torch, model, prompt)
-            best = max(best or 0.0, margin)
-            if margin > MIN_MARGIN:
-                break
-        else:
-            pytest.fail(f"{architecture.name}: no seed of {list(REFERENCE_SEEDS)} keeps the reference's top-2 logits "
-                        f"{MIN_MARGIN:g} apart (best {best:.2e}); widen initializer_range in the preset", pytrace=False)
-        directory = tmp_path / "reference"
-        model.save_pretrained(str(directory))
-        for file_name, content in architecture.preset_files.items():
-            (directory / file_name).write_text(json.dumps(dict(content)))
-        _names(directory, architecture)
+
+        def build() -> dict[str, Any]:
+            data = dict(_config_data(architecture, config_index))
+            prompt = list(_prompt(architecture, config_index))
+            torch.set_num_threads(1)
+            best = 0.0
+            for seed in REFERENCE_SEEDS:
+                model = _reference_model(torch, model_cls, data, seed)
+                tokens, logits, margin = _reference_greedy(torch, model, prompt)
+                best = max(best, margin)
+                if margin > MIN_MARGIN:
+                    break
+            else:
+                raise AssertionError(
+                    f"no seed of {list(REFERENCE_SEEDS)} keeps the reference's top-2 logits {MIN_MARGIN:g} apart "
+                    f"(best {best:.2e}); widen initializer_range in the preset"
+                )
+            directory = Path(tempfile.mkdtemp(prefix=f"fd-reference-{architecture.name}-")) / "reference"
+            model.save_pretrained(str(directory))
+            for file_name, content in architecture.preset_files.items():
+                (directory / file_name).write_text(json.dumps(dict(content)))
+            _names(directory, architecture)
+            return {"name": name, "seed": seed, "directory": directory, "prompt": prompt, "tokens": tokens,
+                    "logits": logits}
+
+        return dict(_cached((architecture.name, config_index, "building the transformers reference"), build))
+
+    def _logits_along(
+        self, plugins: PluginSet, architecture: Architecture, config_index: int, reference: Mapping[str, Any],
+        steps: int, **settings: Any,
+    ) -> tuple[list[int], list[Any]]:
+        """`fd run --tp 1`'s greedy tokens on the reference checkpoint, then its logits at each of `steps` steps along
+        the reference's own tokens (each prefix prefilled again into the engine's cache once the run is done)."""
+        import numpy as np
+
+        from fd_core.kvcache import KVBatch
         from fd_core.runtime.session import Session
 
-        plan = self._plan(
-            plugins, architecture, config_index, {"model": None, "checkpoint": str(directory)}, graph="auto"
-        )
+        source = {"model": None, "checkpoint": str(reference["directory"])}
+        plan = self._plan(plugins, architecture, config_index, source, graph="auto", **settings)
         with Session(plan, plugins) as session:  # what `fd run --tp 1` runs
             got = session.generate(plan.request)[0].token_ids
             assert session.worker is not None
             model, block_size = session.worker.runner.model, session.worker.runner.block_size
         assert model is not None
+        sequence = [*reference["prompt"], *reference["tokens"]]
+        logits = []
+        for step in range(steps):
+            ids = sequence[: len(reference["prompt"]) + step]
+            batch = KVBatch.contiguous(1, 0, len(ids), block_size, -(-len(ids) // block_size))
+            out = model.prefill(np.asarray([ids], dtype="int64"), None, batch).astype("float32").numpy()[0]
+            logits.append(np.asarray(out, dtype=np.float64))
+        return got, logits
+
+    def test_reference_greedy_tokens(
+        self, plugins: PluginSet, architecture: Architecture, config_index: int
+    ) -> None:
+        """A tiny random model built and saved by transformers gives the reference's first-step logits (to rounding) and
+        greedy tokens through `fd run`'s path."""
         import numpy as np
 
-        from fd_core.kvcache import KVBatch
-
-        # The prompt prefilled again into the engine's cache (nothing runs there now), its logits compared.
-        batch = KVBatch.contiguous(1, 0, len(prompt), block_size, -(-len(prompt) // block_size))
-        ours = np.asarray(
-            model.prefill(np.asarray([prompt], dtype="int64"), None, batch).astype("float32").numpy()[0],
-            dtype=np.float64,
-        )
+        reference = self._reference(architecture, config_index)
+        name, seed, tokens = reference["name"], reference["seed"], reference["tokens"][:STEPS]
+        got, [ours] = self._logits_along(plugins, architecture, config_index, reference, 1)
+        first = reference["logits"][0]
         scale = max(1.0, float(np.abs(first).max()))
         worst = float(np.abs(ours - first).max())
         assert worst <= LOGIT_TOL * scale, (
@@ -481,6 +514,35 @@ class ModelSuite:
             f"{architecture.name}: on a checkpoint saved by transformers' {name} (seed {seed}) fd gives {got}, the "
             f"reference {tokens}; the model computes something else than the reference (rotary layout, norms, biases, "
             f"a weight's layout)"
+        )
+
+    @pytest.mark.parametrize("scheme", list(QUALITY_BOUNDS))
+    def test_quantized_logits_stay_near_the_reference(
+        self, plugins: PluginSet, architecture: Architecture, config_index: int, scheme: str,
+        record_property: Any,
+    ) -> None:
+        """Weight-only quantization on the reference checkpoint, against transformers' float32 logits: at each of
+        QUALITY_STEPS steps along the reference's greedy tokens, the cosine similarity of the two logit vectors and
+        whether their argmax agrees; the worst cosine and the share agreeing must stay within QUALITY_BOUNDS (the
+        figures are `fd check --model`'s detail for this check)."""
+        import numpy as np
+
+        reference = self._reference(architecture, config_index)
+        _, ours = self._logits_along(plugins, architecture, config_index, reference, QUALITY_STEPS,
+                                     quantization=scheme)
+        theirs = reference["logits"]
+        cosines = [float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))) for a, b in zip(ours, theirs, strict=True)]
+        agree = sum(int(a.argmax()) == int(b.argmax()) for a, b in zip(ours, theirs, strict=True)) / len(ours)
+        least, least_mean, least_agree = QUALITY_BOUNDS[scheme]
+        mean = float(np.mean(cosines))
+        figures = (f"{scheme}: logits cosine min {min(cosines):.5f}, mean {mean:.5f}; greedy agreement {agree:.0%} "
+                   f"over {len(ours)} steps")
+        record_property("figures", figures)
+        assert min(cosines) >= least and mean >= least_mean and agree >= least_agree, (
+            f"{architecture.name} under --quantization {scheme}: {figures}, against transformers' float32 reference "
+            f"({reference['name']}, seed {reference['seed']}); the bounds are cosine min >= {least}, mean >= "
+            f"{least_mean} and agreement >= {least_agree:.0%}: the quantizer or the quant_matmul kernel loses more "
+            f"than weight-only quantization should"
         )
 
 
@@ -505,18 +567,19 @@ def _reference_model(torch: Any, model_cls: Any, data: Mapping[str, Any], seed: 
     return model
 
 
-def _reference_greedy(torch: Any, model: Any, prompt: list[int]) -> tuple[list[int], Any, float]:
-    """Greedy tokens, each step running the whole sequence (no cache: nothing shared with fd's path), the first
-    step's logits, and the smallest top-2 margin."""
-    ids, margin, first = list(prompt), float("inf"), None
+def _reference_greedy(torch: Any, model: Any, prompt: list[int]) -> tuple[list[int], list[Any], float]:
+    """QUALITY_STEPS greedy tokens, each step running the whole sequence (no cache: nothing shared with fd's path),
+    every step's logits, and the smallest top-2 margin over the first STEPS (the steps the greedy check compares)."""
+    ids, margin, every = list(prompt), float("inf"), []
     with torch.no_grad():
-        for _ in range(STEPS):
+        for step in range(max(STEPS, QUALITY_STEPS)):
             logits = model(torch.tensor([ids])).logits[0, -1].float()
-            first = logits.numpy().astype("float64") if first is None else first
-            top2 = torch.topk(logits, 2).values
-            margin = min(margin, float(top2[0] - top2[1]))
+            every.append(logits.numpy().astype("float64"))
+            if step < STEPS:
+                top2 = torch.topk(logits, 2).values
+                margin = min(margin, float(top2[0] - top2[1]))
             ids.append(int(logits.argmax()))
-    return ids[len(prompt):], first, margin
+    return ids[len(prompt):], every, margin
 
 
 class RecordingGraphs:

@@ -52,7 +52,8 @@ class ResultTable:
             elif report.failed:
                 self.rows.append(Row(name, "failed", _first_line(report)))
             else:
-                self.rows.append(Row(name, "passed"))
+                # A check may report what it measured (record_property("figures", ...)): shown beside its pass.
+                self.rows.append(Row(name, "passed", str(dict(report.user_properties).get("figures", ""))))
 
     @pytest.hookimpl
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:

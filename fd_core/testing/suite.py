@@ -766,6 +766,43 @@ class ModelTests(_Base):
                 )
 
 
+    def test_quantized_models_generate_what_the_native_path_does(
+        self, plugins: PluginSet, hardware: Detection
+    ) -> None:
+        """Under each weight-only quantization (fd_core.quantization.SCHEMES): greedy tokens on the platform (its
+        quant_matmul and the weight preparation of its kernels, graphs as decided), and again after a weight reload,
+        equal the native path's (fd's quantizer, the native quant_matmul, eager, no platform hook)."""
+        from fd_core.host.backend import Backend
+        from fd_core.host.kernel_table import KernelTable
+        from fd_core.quantization import SCHEMES
+        from fd_core.runtime.engine.loop import Engine
+        from fd_core.runtime.engine.runner import ModelRunner
+        from fd_core.runtime.plan import model_config_for
+        from fd_core.runtime.request import Request
+
+        backend = Backend(plugins)
+        native = Backend(plugins, kernels=KernelTable())
+        native.clean_memory_fragments = lambda state_dict=None, after_each=None: None  # type: ignore[method-assign]
+        request = Request.greedy([[5, 1, 4, 2, 3], [7, 7, 2]], 6)
+        for arch in platform_architectures(plugins):
+            for scheme in SCHEMES:
+                config = model_config_for(arch, None).with_overrides(quantization=scheme)
+                runner, reference = ModelRunner(backend, arch, config), ModelRunner(native, arch, config, graph="off")
+                for each in (runner, reference):
+                    each.load()
+                    each.decide()
+                want = [c.token_ids for c in Engine(reference).generate(request)]
+                got = [c.token_ids for c in Engine(runner).generate(request)]
+                runner.reload()
+                again = [c.token_ids for c in Engine(runner).generate(request)]
+                assert got == want and again == want, (
+                    f"{arch.name} under --quantization {scheme} on {backend.platform}: greedy tokens {got}, after a "
+                    f"reload {again} (kernels {backend.kernels.providers()}), but the native path (fd's quantizer, "
+                    f"the native quant_matmul, eager) gives {want}; the platform's quant_matmul or weight "
+                    f"preparation changes what the model computes"
+                )
+
+
 class _RecordingGraphs:
     """The platform's graph backend, with its calls counted."""
 

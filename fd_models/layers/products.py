@@ -31,10 +31,12 @@ class Product:
         # How the loader finds this product after filling the parameter (params.load_weights' `after`).
         param.fd_product = self
         self.kernel = self.ops.matmul
-        self.args: tuple[Any, ...] = (param, transpose_weight)
+        # The kernel's arguments after x: a tensor of the layer by its attribute name (looked up at each call, so that
+        # a graph capture traces the layer's own parameter or buffer), or a value passed as is.
+        self.args: tuple[tuple[str | None, Any], ...] = ((attr, None), (None, transpose_weight))
 
     def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
-        return self.kernel(x, *self.args)
+        return self.kernel(x, *[value if name is None else getattr(self.layer, name) for name, value in self.args])
 
     @property
     def quantized(self) -> bool:
@@ -54,25 +56,27 @@ class Product:
         else:
             return
         self.kernel, self.args = kernel, self._hold(args)
-        if not any(a is param for a in self.args):
+        if all(name != self.attr for name, _ in self.args):
             param._clear_data()  # the kernel reads only what was prepared from it
 
-    def _hold(self, values: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Tensors among `values` as buffers of the layer: the same objects load after load (a traced program
+    def _hold(self, values: tuple[Any, ...]) -> tuple[tuple[str | None, Any], ...]:
+        """Tensors among `values` as buffers of the layer, named: the same objects load after load (a traced program
         holds them), their storage replaced."""
-        held = []
+        held: list[tuple[str | None, Any]] = []
         for i, value in enumerate(values):
             name = f"{self.attr}_prepared_{i}"
-            if not isinstance(value, paddle.Tensor) or value is getattr(self.layer, self.attr):
-                held.append(value)
+            if value is getattr(self.layer, self.attr):
+                held.append((self.attr, None))
+                continue
+            if not isinstance(value, paddle.Tensor):
+                held.append((None, value))
                 continue
             old = self.layer._buffers.get(name)
             if old is not None and old is not value and old.shape == value.shape and old.dtype == value.dtype:
                 value._share_buffer_to(old)
-                value = old
-            else:
+            elif old is not value:
                 self.layer.register_buffer(name, value, persistable=False)
-            held.append(value)
+            held.append((name, None))
         return tuple(held)
 
 

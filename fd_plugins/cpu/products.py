@@ -101,15 +101,16 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool)
 
 
-def split_count(x: Any, weight: Any) -> int:
-    """How many threads `x @ weight` is split across: 1 unless eager, one row, a large weight and more than
-    one compute thread."""
+def split_count(x: Any, weight: Any, element_bytes: int | None = None) -> int:
+    """How many threads `x @ weight` is split across: 1 unless eager, one row, a large weight (counted at
+    `element_bytes` an element, by default its own) and more than one compute thread."""
     import paddle
 
     threads = compute_threads()
     if threads < 2 or not paddle.in_dynamic_mode() or capturing() or not isinstance(x, paddle.Tensor):
         return 1
-    if math.prod(x.shape[:-1]) != 1 or math.prod(weight.shape) * weight.element_size() < SPLIT_MIN_BYTES:
+    size = math.prod(weight.shape) * (element_bytes or weight.element_size())
+    if math.prod(x.shape[:-1]) != 1 or size < SPLIT_MIN_BYTES:
         return 1
     # A count the user chose may exceed the cores: more parts than cores only add hand-offs.
     return min(threads, _cores(), weight.shape[0])
@@ -140,3 +141,41 @@ def matmul(x: Any, weight: Any, transpose_weight: bool) -> Any:
     wide = x.dtype in (paddle.float16, paddle.bfloat16)  # the op adds a split sum's parts in float32 or wider
     total = paddle.add_n([s.astype("float32") for s in sums] if wide else sums)
     return (total.astype(x.dtype) if wide else total).reshape([*x.shape[:-1], weight.shape[1]])
+
+
+# Output rows a quantized product dequantizes at once: a float32 block of them (256 x 4 KiB at K = 1024) stays in the
+# cache for the product that reads it, and Paddle's per-op cost is paid once per block, not per row.
+QUANT_BLOCK_ROWS = 256
+
+
+def _quant_rows(x32: Any, weight: Any, columns: int, bits: int, start: int, stop: int) -> Any:
+    """x32 [..., K] times rows [start, stop) of fd's quantized values, unscaled: float32 [..., stop - start]."""
+    import paddle
+
+    from fd_core.quantization import unpack_int4
+
+    parts = []
+    for a in range(start, stop, QUANT_BLOCK_ROWS):
+        rows = weight[a : min(stop, a + QUANT_BLOCK_ROWS)]
+        if bits == 4:
+            rows = unpack_int4(rows, columns)
+        parts.append(paddle.matmul(x32, rows.astype("float32"), transpose_y=True))
+    return parts[0] if len(parts) == 1 else paddle.concat(parts, axis=-1)
+
+
+def quant_matmul(x: Any, weight: Any, scales: Any, bits: int) -> Any:
+    """x [..., K] times fd's quantized weight [N, K] transposed, a block of output rows at a time: each block's
+    values are widened to float32 and multiplied, the scales applied once to the result (never the whole weight
+    dequantized); a one-row product's blocks are shared among the compute threads, as matmul's are."""
+    import paddle
+
+    x32 = x if x.dtype == paddle.float32 else x.astype("float32")
+    columns, rows = x.shape[-1], weight.shape[0]
+    parts = min(split_count(x, weight, element_bytes=4), rows)
+    if parts < 2:
+        out = _quant_rows(x32, weight, columns, bits, 0, rows)
+    else:
+        spans = list(itertools.pairwise([rows * i // parts for i in range(parts + 1)]))
+        out = paddle.concat(_POOL.run([(_quant_rows, (x32, weight, columns, bits, a, b)) for a, b in spans]), axis=-1)
+    out = out * scales
+    return out if out.dtype == x.dtype else out.astype(x.dtype)

@@ -95,3 +95,11 @@ def fd_graph_backend(parallel_config: ParallelConfig) -> Any:
     from fd_plugins.cuda.graphs import CudaGraphBackend
 
     return CudaGraphBackend()
+
+
+@hookimpl
+def fd_register_kernels(register: Any) -> None:
+    """Weight-only quantized products through Paddle's weight_only_linear, weights repacked once at load."""
+    from fd_plugins.cuda.quantized import prepare, quant_matmul
+
+    register("quant_matmul", quant_matmul, prepare=prepare)

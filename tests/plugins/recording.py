@@ -24,7 +24,7 @@ class Recorder:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.signature.bind(*args, **kwargs)  # TypeError, as the real function would raise
         self.log.append((self.name, args, kwargs))
-        if self.result == "first-arg":
+        if isinstance(self.result, str) and self.result == "first-arg":
             return args[0] if args else None
         return self.result
 

@@ -1,5 +1,5 @@
-"""fd_register_kernels: rms_norm and silu_and_mul, each computed another way than fd's native ops, and the paged KV
-cache in a layout of its own (paged.py)."""
+"""fd_register_kernels: rms_norm and silu_and_mul, each computed another way than fd's native ops, the paged KV
+cache in a layout of its own (paged.py), and matmul and quant_matmul on weights prepared once at load (weights.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 from typing import Any, Callable
 
 from fd_core import hookimpl
-from fd_example_kernels import paged
+from fd_example_kernels import paged, weights
 
 # The version of fd's plugin contract this plugin was written for (fd_core.contract).
 FD_CONTRACT = "1.1"
@@ -52,6 +52,9 @@ def fd_register_kernels(register: Callable[..., None]) -> None:
     # The cache's layout is this package's: the four ops that make, write and read it come together.
     for op in ("allocate_kv_cache", "write_kv_cache", "paged_attention", "paged_prefill_attention"):
         register(op, _traced(op, getattr(paged, op)))
+    # Each weight prepared once when it loads (and again after a reload): the kernels read only the prepared form.
+    register("matmul", _traced("matmul", weights.matmul), prepare=weights.prepare_matmul)
+    register("quant_matmul", _traced("quant_matmul", weights.quant_matmul), prepare=weights.prepare_quant)
 
 
 def _traced(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -208,3 +208,62 @@ def test_a_wrong_keyword_to_paddle_fails_the_recorded_test(monkeypatch: pytest.M
 
     with pytest.raises(TypeError, match="use_calc_stream"):
         mutated(paddle.ones([2]), None)
+
+
+def _quantized(rows: int, columns: int, bits: int) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+    from fd_core.quantization import quantize
+
+    weight = paddle.to_tensor(np.random.default_rng(3).standard_normal((rows, columns)).astype("float32"))
+    values, scales = quantize(weight, bits)
+    return weight, values, scales
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_weights_are_repacked_by_paddles_weight_quantize_then_served_by_weight_only_linear(
+    monkeypatch: pytest.MonkeyPatch, bits: int
+) -> None:
+    """The device's compute capability and weight_only_linear are substituted (recorded, checked against the
+    installed Paddle's signatures); weight_quantize runs for real (Paddle's CPU build has it). Not on a GPU."""
+    from fd_core.quantization import dequantize
+    from fd_plugins.cuda import quantized
+
+    quantized.device_arch.cache_clear()
+    monkeypatch.setattr(paddle.device.cuda, "get_device_capability", lambda device=None: (8, 0))
+    _, values, scales = _quantized(32, 128, bits)
+    packed, packed_scales = quantized.prepare(values, scales, bits)
+    # Paddle's own layout for arch 80: int8, [N, K] at 8 bits and [N / 2, K] at 4; one float16 scale per output.
+    assert packed.dtype == paddle.int8 and packed_scales.dtype == paddle.float16
+    assert list(packed.shape) == ([32, 128] if bits == 8 else [16, 128]) and list(packed_scales.shape) == [32]
+    # Requantizing fd's dequantized weight keeps fd's scales (the same largest value per output channel).
+    np.testing.assert_allclose(packed_scales.astype("float32").numpy(), scales.numpy(), rtol=1e-3)
+    log: list = []
+    out = paddle.zeros([2, 32], dtype="float16")
+    substitute(monkeypatch, paddle.nn.quant, "weight_only_linear", log, result=out)
+    x = paddle.ones([2, 128], dtype="float32")
+    got = quantized.quant_matmul(x, packed, packed_scales, bits)
+    assert got.dtype == paddle.float32 and list(got.shape) == [2, 32]  # a float32 run's dtype, back from float16
+    [(name, args, kwargs)] = log
+    assert name == "weight_only_linear" and args[1] is packed and args[0].dtype == paddle.float16
+    assert kwargs["weight_dtype"] == ("int8" if bits == 8 else "int4") and kwargs["arch"] == 80
+    assert kwargs["weight_scale"].dtype == paddle.float16
+    # A shape the weight-only kernels do not tile stays in fd's form and is served by the native product.
+    _, odd, odd_scales = _quantized(24, 100, bits)
+    kept = quantized.prepare(odd, odd_scales, bits)
+    assert kept[0] is odd and kept[1] is odd_scales
+    x = paddle.ones([1, 100])
+    want = paddle.matmul(x, dequantize(odd, odd_scales, bits, 100), transpose_y=True)
+    np.testing.assert_allclose(quantized.quant_matmul(x, odd, odd_scales, bits).numpy(), want.numpy(), rtol=1e-5)
+    assert len(log) == 1  # weight_only_linear was not called for it
+    quantized.device_arch.cache_clear()
+
+
+def test_an_architecture_without_weight_only_kernels_keeps_fds_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compute capability is substituted (6.1: no weight-only kernel in Paddle). Not on a GPU."""
+    from fd_plugins.cuda import quantized
+
+    quantized.device_arch.cache_clear()
+    monkeypatch.setattr(paddle.device.cuda, "get_device_capability", lambda device=None: (6, 1))
+    _, values, scales = _quantized(32, 128, 8)
+    kept = quantized.prepare(values, scales, 8)
+    assert kept[0] is values and kept[1] is scales
+    quantized.device_arch.cache_clear()
