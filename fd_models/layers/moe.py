@@ -62,6 +62,9 @@ class MoEBlock(nn.Layer):
         self.gate = nn.Layer()
         new_param(self.gate, WeightSpec((hidden, experts), None, "float32"), 1)
         new_param(self.gate, WeightSpec((hidden, experts), None, "float32"), 1, attr="weight_1")
+        # The routers' products, never quantized (a router's small errors change which experts run).
+        self.routers = (Product(self.gate, "weight", False, ctx, quantizable=False),
+                        Product(self.gate, "weight_1", False, ctx, quantizable=False))
         self.moe_statics = nn.Layer()
         new_param(self.moe_statics, WeightSpec((2, experts), None, "float32", init="zeros"), 1,
                   attr="e_score_correction_bias")
@@ -84,10 +87,10 @@ class MoEBlock(nn.Layer):
                 self.shared_experts.add_sublayer(name, projection)
 
     def _route(
-        self, x: paddle.Tensor, router: paddle.Tensor, bias: paddle.Tensor,
+        self, x: paddle.Tensor, router: Product, bias: paddle.Tensor,
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
         """(chosen experts [T, k] int64, their weights [T, k]) for tokens x [T, H]."""
-        probs = F.softmax(self.matmul(x.astype("float32"), router, False), axis=-1)
+        probs = F.softmax(router(x.astype("float32")), axis=-1)
         _, chosen = paddle.topk(probs + bias, self.top_k, axis=-1)
         weights = paddle.take_along_axis(probs, chosen, axis=-1)
         weights = weights / paddle.clip(paddle.sum(weights, axis=-1, keepdim=True), min=self.norm_min)
@@ -128,7 +131,7 @@ class MoEBlock(nn.Layer):
         return out
 
     def _experts(
-        self, x: paddle.Tensor, experts: _Experts, router: paddle.Tensor, bias: paddle.Tensor, one_step: bool,
+        self, x: paddle.Tensor, experts: _Experts, router: Product, bias: paddle.Tensor, one_step: bool,
         only: paddle.Tensor | None = None
     ) -> paddle.Tensor:
         chosen, weights = self._route(x, router, bias)
@@ -143,12 +146,12 @@ class MoEBlock(nn.Layer):
         one_step = length == 1  # a decode step: fixed shapes, capturable
         bias = self.moe_statics.e_score_correction_bias
         if vision_mask is None:
-            out = self._experts(flat, self.text, self.gate.weight, bias[0], one_step)
+            out = self._experts(flat, self.text, self.routers[0], bias[0], one_step)
         else:
             # Each set of experts computes only its own tokens (the other set's rows are taken from it below).
             is_vision = vision_mask.reshape([-1])
-            out = self._experts(flat, self.text, self.gate.weight, bias[0], one_step, ~is_vision)
-            vision = self._experts(flat, self.vision, self.gate.weight_1, bias[1], one_step, is_vision)
+            out = self._experts(flat, self.text, self.routers[0], bias[0], one_step, ~is_vision)
+            vision = self._experts(flat, self.vision, self.routers[1], bias[1], one_step, is_vision)
             out = paddle.where(is_vision.reshape([-1, 1]), vision, out)
         if self.shared:
             s = self.shared_experts

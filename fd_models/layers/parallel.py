@@ -116,12 +116,13 @@ class ParallelLMHead(nn.Layer):
         if tied is None:
             # Held [hidden, vocab / tp] as the embedding is (see VocabParallelEmbedding): x @ W, the faster product.
             new_columns_param(self, [("weight", WeightSpec((vocab_size, hidden_size), 0, dtype))], ctx.parallel.tp_size)
-        self.matmul = ctx.ops.matmul
+        # Not quantized (--quantization keeps the head in the compute dtype); a tied table stays for the embedding.
+        self.product = (Product(self, "weight", False, ctx, quantizable=False) if tied is None
+                        else Product(tied, "weight", False, ctx, quantizable=False, release=False))
 
     def forward(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """hidden [B, H] -> float32 logits [B, vocab] on every rank."""
-        weight = self.weight if self.tied[0] is None else self.tied[0].weight
-        local = self.matmul(hidden, weight, False).astype("float32")
+        local = self.product(hidden).astype("float32")
         tp = self.ctx.parallel.tp_size
         if tp == 1:
             return local

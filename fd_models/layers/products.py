@@ -22,11 +22,17 @@ from fd_core.quantization import bits_of, quantize
 class Product:
     """x times one weight of `layer` (its parameter `attr`, [N, K] used transposed, or [K, N] as is)."""
 
-    def __init__(self, layer: nn.Layer, attr: str, transpose_weight: bool, ctx: Any, quantizable: bool = True) -> None:
+    def __init__(
+        self, layer: nn.Layer, attr: str, transpose_weight: bool, ctx: Any, quantizable: bool = True,
+        release: bool = True,
+    ) -> None:
         self.layer, self.attr, self.transpose_weight = layer, attr, transpose_weight
         self.ops = ctx.ops
-        # Vision towers and projectors run once per picture: quantizing them saves little and costs their accuracy.
+        # Vision towers, projectors, routers and the LM head are never quantized (--quantization's scope).
         self.quantizable = quantizable
+        # Whether the parameter's storage is released once prepared: not when another layer reads it too (a tied LM
+        # head's weight is the embedding's table).
+        self.release = release
         param = getattr(layer, attr)
         # How the loader finds this product after filling the parameter (params.load_weights' `after`).
         param.fd_product = self
@@ -56,7 +62,7 @@ class Product:
         else:
             return
         self.kernel, self.args = kernel, self._hold(args)
-        if all(name != self.attr for name, _ in self.args):
+        if self.release and all(name != self.attr for name, _ in self.args):
             param._clear_data()  # the kernel reads only what was prepared from it
 
     def _hold(self, values: tuple[Any, ...]) -> tuple[tuple[str | None, Any], ...]:

@@ -68,7 +68,7 @@ def test_an_unknown_op_is_refused_at_load_naming_the_plugin_and_the_nearest_op(i
     assert str(err.value) == (
         "plugin 'typo-kernels': fd_register_kernels registered an unknown op 'rms_nrom'; did you mean 'rms_norm'? "
         "(fd's ops: rms_norm, silu_and_mul, rotary_embedding, attention, sample, allocate_kv_cache, write_kv_cache, "
-        "paged_attention, paged_prefill_attention, matmul); fix the name in 'typo-kernels'"
+        "paged_attention, paged_prefill_attention, matmul, quant_matmul); fix the name in 'typo-kernels'"
     )
 
 
@@ -77,6 +77,28 @@ def test_a_kernel_whose_signature_does_not_fit_the_op_is_refused(install_plugin)
     with pytest.raises(PluginError, match=r"^plugin 'odd-kernels': its kernel for 'silu_and_mul' takes \(a, b\), but silu_and_mul is called as "
                                           r"silu_and_mul\(gate, up\); give it exactly those arguments \(more only with defaults\)$"):
         load_plugins({})
+
+
+PREPARE_ON_NORM = _kernels("register('rms_norm', lambda x, weight, eps: x, prepare=lambda weight, eps: weight)")
+PREPARE_MISNAMED = _kernels("register('matmul', lambda x, weight, transpose_weight: x, prepare=lambda w, t: w)")
+PREPARE_NOT_CALLABLE = _kernels("register('matmul', lambda x, weight, transpose_weight: x, prepare='pack')")
+
+
+@pytest.mark.parametrize("source, message", [
+    (PREPARE_ON_NORM, "plugin 'prep': fd_register_kernels registered a prepare function for 'rms_norm', whose "
+                      "arguments are never prepared (ops with prepared weights: matmul, quant_matmul); register "
+                      "'rms_norm' without prepare="),
+    (PREPARE_MISNAMED, "plugin 'prep': its prepare function for 'matmul' takes (w, t), but it is called as "
+                       "prepare(weight, transpose_weight) (the op's arguments after x); give it exactly those "
+                       "arguments"),
+    (PREPARE_NOT_CALLABLE, "plugin 'prep': fd_register_kernels registered prepare='pack' for 'matmul', which is not "
+                           "callable"),
+])
+def test_a_prepare_function_is_checked_at_load(install_plugin, source: str, message: str) -> None:
+    install_plugin(*_extension("prep", source))
+    with pytest.raises(PluginError) as err:
+        load_plugins({})
+    assert str(err.value) == message
 
 
 def test_capturable_must_be_a_bool(install_plugin) -> None:
@@ -119,7 +141,7 @@ def test_an_extension_takes_precedence_over_the_platform_and_layers_call_it_dire
 
     assert RMSNorm(8, 1e-6, backend).rms_norm is kernel  # resolved once: the layer's call is the kernel's own
     assert (plugins.kernels.by_plugin("first-kernels") == ["rms_norm"]
-            and plugins.kernels.by_plugin("cpu") == ["matmul", "rms_norm", "rotary_embedding"])
+            and plugins.kernels.by_plugin("cpu") == ["matmul", "quant_matmul", "rms_norm", "rotary_embedding"])
 
 
 def test_no_model_layer_computes_an_op_itself() -> None:
@@ -202,10 +224,27 @@ def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged
 
 
 def test_the_suite_passes_the_example_kernels(example_kernels: Path) -> None:
-    done = run_fd(["check", "cpu", "-k", "kernel or native_path or paged"], example_kernels, timeout=300)
-    assert done.returncode == 0 and "3 passed, 0 failed" in done.stdout, done.stdout + done.stderr
+    done = run_fd(["check", "cpu", "-k", "kernel or native_path or paged or prepared"], example_kernels, timeout=300)
+    assert done.returncode == 0 and "5 passed, 0 failed" in done.stdout, done.stdout + done.stderr
     assert "passed   test_the_platform_generates_what_the_native_path_does" in done.stdout
     assert "passed   test_the_paged_kv_cache_ops_match_the_native_ones" in done.stdout
+    assert "passed   test_prepared_weights_give_the_native_results_and_follow_a_reload" in done.stdout
+    assert "passed   test_quantized_models_generate_what_the_native_path_does" in done.stdout
+
+
+@pytest.mark.parametrize("broken, op", [("prepare", "matmul"), ("quant_matmul", "quant_matmul")])
+def test_the_suite_fails_a_stale_preparation_or_a_wrong_unpacking_by_its_op(
+    example_kernels: Path, broken: str, op: str
+) -> None:
+    """FD_EXAMPLE_KERNELS_BREAK=prepare: the matmul preparation cached by the weight's id() (stale after an in-place
+    reload); =quant_matmul: the two 4-bit values of a byte swapped."""
+    done = run_fd(["check", "cpu", "-k", "prepared"], example_kernels, {"FD_EXAMPLE_KERNELS_BREAK": broken},
+                  timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    line = next(x for x in done.stdout.splitlines() if "test_prepared_weights" in x)
+    assert line.split()[0] == "failed" and f"AssertionError: {op} (example-kernels)" in line, done.stdout
+    if broken == "prepare":  # right at load, wrong only once the same tensor is refilled
+        assert "after a reload (the same tensors refilled, prepared again)" in line, line
 
 
 def test_the_suite_fails_an_off_by_one_paged_attention_by_its_name(example_kernels: Path) -> None:
@@ -316,7 +355,7 @@ def test_fd_run_refuses_a_misspelled_op_in_one_line(tmp_path: Path) -> None:
     assert done.stderr.strip().splitlines() == [
         "fd: error: plugin 'typo-kernels': fd_register_kernels registered an unknown op 'rms_nrom'; did you mean 'rms_norm'? "
         "(fd's ops: rms_norm, silu_and_mul, rotary_embedding, attention, sample, allocate_kv_cache, write_kv_cache, "
-        "paged_attention, paged_prefill_attention, matmul); fix the name in 'typo-kernels'"
+        "paged_attention, paged_prefill_attention, matmul, quant_matmul); fix the name in 'typo-kernels'"
     ]
 
 
