@@ -43,6 +43,8 @@ ROWS: dict[str, str] = {
                  "before"),
     "chunked": "the largest gap of a running stream while a 4,096-token prompt arrives: chunked prefill vs whole",
     "decode_paged": "decode tok/s at batch 1 and 8: the paged KV cache vs the fixed-slot code before it (its commit)",
+    "quant": ("ERNIE-4.5-0.3B batch 1 decode: --quantization wint8 (and wint4) vs float32 at fd's faster layout, vs "
+              "transformers; peak RSS per rank vs float32's weights + cache"),
 }
 DEFAULT_JSON = Path("benchmarks/results/latest.json")
 # A smoke run (CI) must not overwrite the recorded full run.
@@ -127,6 +129,10 @@ def _runners(selected: list[str], smoke: bool) -> list[tuple[tuple[str, ...], Ca
         jobs.append((sized, real))
     if "kvwrite" in chosen:
         jobs.append((("kvwrite",), lambda: kvwrite.kvwrite_rows(smoke)))
+    if "quant" in chosen:
+        from fd_bench import quant
+
+        jobs.append((("quant",), lambda: quant.quant_rows(smoke)))
     if "kernels" in chosen:
         jobs.append((("kernels",), lambda: kernels.kernel_rows(smoke)))
     if "serve" in chosen:

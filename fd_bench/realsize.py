@@ -35,7 +35,7 @@ HF_BF16 = "transformers 2 threads bfloat16"
 BUSY_SIDE = "fd tp=2, one busy thread beside it"
 
 
-def _run(args: list[str], timeout: float = 900) -> dict[str, Any]:
+def run_side(args: list[str], timeout: float = 900) -> dict[str, Any]:
     # as a user starts it
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env)
@@ -48,13 +48,13 @@ def _busy_run(args: list[str]) -> dict[str, Any]:
     """`args` run while one other process spins a core (a competing single-thread load)."""
     busy = subprocess.Popen([sys.executable, "-c", BUSY])
     try:
-        return _run(args)
+        return run_side(args)
     finally:
         busy.kill()
         busy.wait()
 
 
-def _idle_paddle_rss() -> int:
+def idle_paddle_rss() -> int:
     """Peak RSS of a process that imported paddle (and paddle.distributed, as a rank does) and did nothing else."""
     code = ("import resource, paddle, paddle.distributed; "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
@@ -62,7 +62,7 @@ def _idle_paddle_rss() -> int:
                               check=True).stdout.split()[-1])
 
 
-def _has_transformers() -> bool:
+def has_transformers() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("torch") is not None
@@ -82,7 +82,7 @@ def measure(smoke: bool) -> dict[str, Any]:
           "--prompt-ids", prompt, "--json"]
     sides: dict[str, list[str]] = {"fd tp=1": [*fd, "--tp", "1"], "fd tp=2": [*fd, "--tp", "2"],
                                    BUSY_SIDE: [*fd, "--tp", "2"]}
-    hf = _has_transformers()
+    hf = has_transformers()
     if hf:
         base = ["-m", "fd_bench.hf_decode", str(checkpoint), prompt, str(steps)]
         sides.update({HF_SIDES[0]: [*base, "1"], HF_SIDES[1]: [*base, "2"], HF_BF16: [*base, "2", "bfloat16"]})
@@ -105,14 +105,15 @@ def measure(smoke: bool) -> dict[str, Any]:
         for r in range(rounds):
             order = list(sides) if r % 2 == 0 else list(sides)[::-1]
             for name in order:
-                results[name].append(_busy_run(sides[name]) if name == BUSY_SIDE else _run(sides[name]))
+                results[name].append(_busy_run(sides[name]) if name == BUSY_SIDE else run_side(sides[name]))
             for name, args in ceilings.items():
-                matvec[name].append(_run(args))
+                matvec[name].append(run_side(args))
             # tp=2's bound: the 2-process ceiling's products with a tp=2 step's all-reduces between them, nothing else.
-            insync.append(_run(["-m", "fd_bench.insync", config_path, "3" if smoke else "10"]))
-            idle.append(_idle_paddle_rss())
+            insync.append(run_side(["-m", "fd_bench.insync", config_path, "3" if smoke else "10"]))
+            idle.append(idle_paddle_rss())
             load.append(os.getloadavg()[0])
-        step = {tp: _run(["-m", "fd_bench.step", str(checkpoint), str(tp), str(steps), prompt, "off"]) for tp in (1, 2)}
+        step = {tp: run_side(["-m", "fd_bench.step", str(checkpoint), str(tp), str(steps), prompt, "off"])
+                for tp in (1, 2)}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return {"results": results, "matvec": matvec, "insync": insync, "idle_rss": statistics.median(idle), "steps": steps,

@@ -194,7 +194,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     kv = kv_cache_report(memory, backend.kernels.providers(), args.prefix_caching, args.max_prefill_tokens)
     if args.json:
         _print_json({**backend.describe(), "model": config.architecture, "graph": decision.to_dict(),
-                     "dtype": config.dtype, "memory": memory.to_dict(), "threads": threads.to_dict(), "kv_cache": kv})
+                     "dtype": config.dtype, "quantization": config.quantization, "memory": memory.to_dict(),
+                     "threads": threads.to_dict(), "kv_cache": kv})
         return 0
     det = backend.detection
     lines = [
@@ -205,7 +206,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
     lines += [f"model: {model_line}, tp={args.tp}", f"all-reduce: {backend.all_reduce_binding}",
               f"kernels: {kernel_line(backend.kernels.providers())}", f"graph: {decision.summary()}"]
     lines += [f"  {vote.line()}" for vote in decision.votes]
-    lines += [f"dtype: {config.dtype}", threads_line(threads.to_dict()), f"memory: {memory.summary()}",
+    quantized = (f"; linear layers {config.quantization} (quant_matmul, weights quantized at load)"
+                 if config.quantization else "")
+    lines += [f"dtype: {config.dtype}{quantized}", threads_line(threads.to_dict()), f"memory: {memory.summary()}",
               kv_cache_line(kv)]
     print(_fit(lines), file=_stdout())
     return 0

@@ -159,7 +159,7 @@ class ModelConfig:
             raise ConfigError(f"dtype {self.dtype!r} is not a compute dtype; choose one of {', '.join(COMPUTE_DTYPES)}")
         if self.quantization is not None and self.quantization not in SCHEMES:
             raise ConfigError(
-                f"{setting('quantization')} {self.quantization!r} is not a quantization fd has; choose one of "
+                f"{setting('quantization', self.quantization)} is not a quantization fd has; choose one of "
                 f"{', '.join(SCHEMES)} (or none)"
             )
 

@@ -257,7 +257,7 @@ def plan_model(run: RunConfig, plugins: PluginSet, backend: Backend) -> ModelPla
     config = model_config_for(arch, checkpoint, compute_dtype(run.dtype, backend))
     if run.quantization is not None:
         config = config.with_overrides(quantization=run.quantization)
-        config.check(f"{setting('quantization')}")
+        config.check()
     check_tp(run.tp, config, arch, backend)
     # Weights per rank against the device, and the KV-cache capacity: before the request, which must fit it.
     memory = plan_memory(config, run.tp, backend.detection, run.memory_fraction, backend.platform, arch.name,

@@ -209,3 +209,27 @@ def test_tp2_quantized_next_tokens_agree_with_the_reference(architecture: str) -
         shares[tp] = sum(c.token_ids[0] == t for c, t in zip(done, tokens, strict=True)) / QUALITY_STEPS
     least = QUALITY_BOUNDS["wint8"][2]
     assert min(shares.values()) >= least, (architecture, shares)
+
+
+def test_an_unknown_quantization_is_refused_in_one_line_before_any_rank_starts() -> None:
+    from fd_core.errors import ConfigError
+    from fd_core.runtime.llm import LLM
+
+    with pytest.raises(ConfigError) as err:
+        LLM(quantization="int8")
+    assert str(err.value) == "LLM(quantization='int8') is not a quantization fd has; choose one of wint8, wint4 (or none)"
+
+
+def test_fd_run_and_explain_say_the_linear_layers_are_quantized() -> None:
+    import json
+
+    from fakedist import run_fd
+
+    done = run_fd(["run", "--tp", "1", "--steps", "4", "--quantization", "wint4", "--json"])
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["quantization"] == "wint4" and report["kernels"]["quant_matmul"] == "cpu"
+    explained = run_fd(["explain", "--tp", "1", "--quantization", "wint8"])
+    assert "dtype: float32; linear layers wint8 (quant_matmul, weights quantized at load)" in explained.stdout
+    refused = run_fd(["run", "--quantization", "int8"])
+    assert refused.returncode == 2 and "--quantization: invalid choice: 'int8'" in refused.stderr

@@ -135,6 +135,7 @@ class RankWorker:
             "kernels": self.backend.kernels.providers(),
             "timings_s": {k: round(v, 4) for k, v in self.runner.timings.items()},
             "dtype": self.plan.config.dtype,
+            "quantization": self.plan.config.quantization,
             "threads": self.plan.threads.to_dict() if self.plan.threads is not None else None,
             "memory": self.plan.memory.to_dict() if self.plan.memory is not None else None,
             "kv_cache": self.engine.kv_stats(),
