@@ -160,7 +160,7 @@ class Ops:
             if kernel is not None and kernel.prepare is not None:
                 self._prepares[name] = kernel.prepare
                 # Called with weights as they loaded (a model that does not prepare them): prepared on every call.
-                fn = _preparing(name, fn, kernel.prepare)
+                fn = _preparing(name, fn, kernel.prepare, kernel.plugin)
             setattr(self, name, fn)
 
     def native(self, name: str) -> bool:
@@ -177,31 +177,31 @@ class Ops:
         prepare = self._prepares.get(name)
         if prepare is None:
             return tuple(args)
-        return _placed(name, args, prepare(*args))
+        return _placed(name, args, prepare(*args), self.providers[name])
 
     def prepared(self, name: str) -> Callable[..., Any]:
         """The kernel in use for `name`, called with the first argument and what `prepare` returned."""
         return self._kernels[name]
 
 
-def _placed(name: str, args: tuple[Any, ...], result: Any) -> tuple[Any, ...]:
-    """`args` with the op's prepared arguments replaced by what a preparation function returned."""
+def _placed(name: str, args: tuple[Any, ...], result: Any, plugin: str) -> tuple[Any, ...]:
+    """`args` with the op's prepared arguments replaced by what `plugin`'s preparation function returned."""
     names = OPS[name].args[1:]
     prepared = OPS[name].prepared
-    values = (result,) if len(prepared) == 1 else tuple(result)
+    values = (result,) if len(prepared) == 1 else tuple(result) if isinstance(result, (tuple, list)) else (result,)
     if len(values) != len(prepared):
         raise PluginError(
-            f"the prepare function for {name!r} returned {len(values)} value(s) for {', '.join(prepared)}; "
-            f"return one value for each"
+            f"plugin {plugin!r}: its prepare function for {name!r} returned {len(values)} value(s) for "
+            f"{', '.join(prepared)}; return a tuple of one value for each, in that order"
         )
     given = dict(zip(names, args, strict=True))
     given.update(zip(prepared, values, strict=True))
     return tuple(given[n] for n in names)
 
 
-def _preparing(name: str, fn: Callable[..., Any], prepare: Callable[..., Any]) -> Callable[..., Any]:
+def _preparing(name: str, fn: Callable[..., Any], prepare: Callable[..., Any], plugin: str) -> Callable[..., Any]:
     def call(first: Any, *args: Any) -> Any:
-        return fn(first, *_placed(name, args, prepare(*args)))
+        return fn(first, *_placed(name, args, prepare(*args), plugin))
 
     call.__name__ = getattr(fn, "__name__", name)
     return call

@@ -23,18 +23,20 @@ Renames = Sequence[tuple[str, str]]
 
 
 def _create(layer: nn.Layer, shape: Sequence[int], dtype: str, attr: str) -> paddle.Tensor:
-    # Zeros, not a random init: the runner always loads weights after build, so a random draw is waste.
     # paddle's stubs take a dtype name only as a Literal; ours is a str (ModelConfig.dtype, which
     # ModelConfig.check keeps to COMPUTE_DTYPES).
     param = layer.create_parameter(list(shape), dtype=dtype,  # type: ignore[arg-type]
                                    default_initializer=nn.initializer.Constant(0.0))
+    # No storage until load_weights fills it (the runner always loads after build): a model whose weights are
+    # quantized or prepared as they load never holds all of its float weights at once.
+    param._clear_data()
     param.stop_gradient = True  # inference only: no autograd bookkeeping, even outside no_grad
     setattr(layer, attr, param)
     return param
 
 
 def new_param(layer: nn.Layer, spec: WeightSpec, tp_size: int, *, attr: str = "weight") -> paddle.Tensor:
-    """Create this rank's shard of `spec` on `layer` as `attr`, zero-filled (load_weights fills it)."""
+    """Create this rank's shard of `spec` on `layer` as `attr`, without storage (load_weights fills it)."""
     param = _create(layer, spec.shard_shape(tp_size), spec.dtype, attr)
     param.fd_spec = spec
     return param
