@@ -148,34 +148,54 @@ def matmul(x: Any, weight: Any, transpose_weight: bool) -> Any:
 QUANT_BLOCK_ROWS = 256
 
 
-def _quant_rows(x32: Any, weight: Any, columns: int, bits: int, start: int, stop: int) -> Any:
-    """x32 [..., K] times rows [start, stop) of fd's quantized values, unscaled: float32 [..., stop - start]."""
+def prepare_quant(weight: Any, scales: Any, bits: int) -> tuple[Any, Any]:
+    """fd's quantized form in this kernel's layout: wint8 as it is; wint4 repacked so that byte j of a row holds
+    columns j (low four bits) and j + ceil(K / 2) (high four), so a block unpacks into two halves of the row with two
+    shifts each and no interleaving."""
+    if bits == 8:
+        return weight, scales
     import paddle
 
-    from fd_core.quantization import unpack_int4
+    from fd_core.quantization import pack_int4, unpack_int4
 
+    half = weight.shape[1]
+    values = unpack_int4(weight, 2 * half)  # [N, 2 * half]: an odd K's padding column is zero
+    halves = paddle.stack([values[:, :half], values[:, half:]], axis=-1).reshape([weight.shape[0], -1])
+    return pack_int4(halves), scales
+
+
+def _quant_rows(x32: Any, weight: Any, bits: int, start: int, stop: int) -> Any:
+    """x32 [..., K] times rows [start, stop) of the prepared values, unscaled: float32 [..., stop - start]."""
+    import paddle
+
+    four: Any = paddle.to_tensor(4, dtype="int8") if bits == 4 else None
+    half = weight.shape[1]
     parts = []
     for a in range(start, stop, QUANT_BLOCK_ROWS):
         rows = weight[a : min(stop, a + QUANT_BLOCK_ROWS)]
-        if bits == 4:
-            rows = unpack_int4(rows, columns)
-        parts.append(paddle.matmul(x32, rows.astype("float32"), transpose_y=True))
+        if bits == 8:
+            parts.append(paddle.matmul(x32, rows.astype("float32"), transpose_y=True))
+            continue
+        low = paddle.bitwise_right_shift(paddle.bitwise_left_shift(rows, four), four)
+        high = paddle.bitwise_right_shift(rows, four)[:, : x32.shape[-1] - half]
+        parts.append(paddle.matmul(x32[..., :half], low.astype("float32"), transpose_y=True)
+                     + paddle.matmul(x32[..., half:], high.astype("float32"), transpose_y=True))
     return parts[0] if len(parts) == 1 else paddle.concat(parts, axis=-1)
 
 
 def quant_matmul(x: Any, weight: Any, scales: Any, bits: int) -> Any:
-    """x [..., K] times fd's quantized weight [N, K] transposed, a block of output rows at a time: each block's
-    values are widened to float32 and multiplied, the scales applied once to the result (never the whole weight
-    dequantized); a one-row product's blocks are shared among the compute threads, as matmul's are."""
+    """x [..., K] times the prepared quantized weight [N, K] transposed, a block of output rows at a time: each
+    block's values are widened to float32 and multiplied, the scales applied once to the result (never the whole
+    weight dequantized); a one-row product's blocks are shared among the compute threads, as matmul's are."""
     import paddle
 
     x32 = x if x.dtype == paddle.float32 else x.astype("float32")
-    columns, rows = x.shape[-1], weight.shape[0]
+    rows = weight.shape[0]
     parts = min(split_count(x, weight, element_bytes=4), rows)
     if parts < 2:
-        out = _quant_rows(x32, weight, columns, bits, 0, rows)
+        out = _quant_rows(x32, weight, bits, 0, rows)
     else:
         spans = list(itertools.pairwise([rows * i // parts for i in range(parts + 1)]))
-        out = paddle.concat(_POOL.run([(_quant_rows, (x32, weight, columns, bits, a, b)) for a, b in spans]), axis=-1)
+        out = paddle.concat(_POOL.run([(_quant_rows, (x32, weight, bits, a, b)) for a, b in spans]), axis=-1)
     out = out * scales
     return out if out.dtype == x.dtype else out.astype(x.dtype)
