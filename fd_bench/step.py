@@ -94,13 +94,15 @@ def instrument(worker: Any, timer: StepTimer) -> Callable[[], float]:
             timer.wrap(layer, "write_kv_cache", "kv_write")
             timer.wrap(layer, "rotary_embedding", "rotary")
             if layer.fused:  # its projections are its own matrices, not linear layers
-                timer.wrap(layer, "matmul", "linear")
+                timer.wrap(layer, "qkv_product", "linear")
+                timer.wrap(layer, "o_product", "linear")
         elif isinstance(layer, RMSNorm):
             timer.wrap(layer, "rms_norm", "norm")
         elif isinstance(layer, SwiGLUMLP):
             timer.wrap(layer, "silu_and_mul", "silu_mul")
             if layer.fused:  # its projections are its own matrices, not linear layers
-                timer.wrap(layer, "matmul", "linear")
+                timer.wrap(layer, "gate_up_product", "linear")
+                timer.wrap(layer, "down_product", "linear")
     timer.wrap(worker.backend, "all_reduce", "all_reduce")
     timer.wrap(engine, "check_finite", "sample")
     timer.wrap(worker.backend.ops, "sample", "sample")

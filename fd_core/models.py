@@ -103,13 +103,17 @@ class Architecture:
     # A second config the model suite checks besides the preset (odd sizes, the other head tying, biases), as a
     # config.json mapping.
     odd_preset: Mapping[str, Any] | None = None
+    # Whether the model quantizes its linear layers under ModelConfig.quantization (contract 1.1): fd's shared layers
+    # do, so a package built on them sets True; --quantization is refused for an architecture that does not.
+    quantizable: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """What `fd plugins --json` lists; `reference` unresolved (the first alias unless set: transformers is not
         imported)."""
         reference = self.reference if self.reference is not None else (self.aliases[0] if self.aliases else None)
         return {"name": self.name, "aliases": list(self.aliases), "package": self.package,
-                "graph_capable": self.graph_capable, "multimodal": self.multimodal, "reference": reference or None,
+                "graph_capable": self.graph_capable, "multimodal": self.multimodal, "quantizable": self.quantizable,
+                "reference": reference or None,
                 "description": self.description}
 
     def preset_config(self) -> "ModelConfig":

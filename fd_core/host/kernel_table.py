@@ -76,7 +76,7 @@ def check_kernel(plugin: str, op: str, fn: Any, capturable: Any, prepare: Any = 
         if not callable(prepare):
             raise PluginError(
                 f"plugin {plugin!r}: fd_register_kernels registered prepare={prepare!r} for {op!r}, which is not "
-                f"callable"
+                f"callable; pass a function taking ({', '.join(want[1:])})"
             )
         got = _signature_problem(prepare, want[1:])
         if got is not None:
@@ -177,7 +177,7 @@ class Ops:
         prepare = self._prepares.get(name)
         if prepare is None:
             return tuple(args)
-        return _placed(name, args, prepare(*args), self.providers[name])
+        return _placed(name, args, _run_prepare(prepare, name, args, self.providers[name]), self.providers[name])
 
     def prepared(self, name: str) -> Callable[..., Any]:
         """The kernel in use for `name`, called with the first argument and what `prepare` returned."""
@@ -188,6 +188,8 @@ def _placed(name: str, args: tuple[Any, ...], result: Any, plugin: str) -> tuple
     """`args` with the op's prepared arguments replaced by what `plugin`'s preparation function returned."""
     names = OPS[name].args[1:]
     prepared = OPS[name].prepared
+    if len(prepared) == 1 and isinstance(result, (tuple, list)) and len(result) == 1:
+        result = result[0]  # one value, returned as a 1-tuple
     values = (result,) if len(prepared) == 1 else tuple(result) if isinstance(result, (tuple, list)) else (result,)
     if len(values) != len(prepared):
         raise PluginError(
@@ -199,9 +201,20 @@ def _placed(name: str, args: tuple[Any, ...], result: Any, plugin: str) -> tuple
     return tuple(given[n] for n in names)
 
 
+def _run_prepare(prepare: Callable[..., Any], name: str, args: tuple[Any, ...], plugin: str) -> Any:
+    """`prepare(*args)`, an exception from it named for its plugin and op."""
+    try:
+        return prepare(*args)
+    except Exception as exc:  # noqa: BLE001 - the plugin's own error, named for it
+        raise PluginError(
+            f"plugin {plugin!r}: its prepare function for {name!r} raised {type(exc).__name__}: {exc}; fix the "
+            f"plugin, or uninstall it"
+        ) from exc
+
+
 def _preparing(name: str, fn: Callable[..., Any], prepare: Callable[..., Any], plugin: str) -> Callable[..., Any]:
     def call(first: Any, *args: Any) -> Any:
-        return fn(first, *_placed(name, args, prepare(*args), plugin))
+        return fn(first, *_placed(name, args, _run_prepare(prepare, name, args, plugin), plugin))
 
     call.__name__ = getattr(fn, "__name__", name)
     return call

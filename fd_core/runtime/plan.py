@@ -258,6 +258,11 @@ def plan_model(run: RunConfig, plugins: PluginSet, backend: Backend) -> ModelPla
     if run.quantization is not None:
         config = config.with_overrides(quantization=run.quantization)
         config.check()
+        if not arch.quantizable:
+            raise ConfigError(
+                f"{arch.name} (from plugin {arch.package!r}) does not quantize its weights (its Architecture is not "
+                f"quantizable=True); run it without {setting('quantization')}"
+            )
     check_tp(run.tp, config, arch, backend)
     # Weights per rank against the device, and the KV-cache capacity: before the request, which must fit it.
     memory = plan_memory(config, run.tp, backend.detection, run.memory_fraction, backend.platform, arch.name,

@@ -29,7 +29,8 @@ def fd_clear_graphs(model: Any) -> bool | None:
 
 ARCHITECTURE = Architecture(
     name="ernie4_5", aliases=("Ernie4_5ForCausalLM",),
-    build=build, preset=TINY_PRESET, graph_capable=True, multimodal=False, config_defaults=CONFIG_DEFAULTS,
+    build=build, preset=TINY_PRESET, graph_capable=True, quantizable=True, multimodal=False,
+    config_defaults=CONFIG_DEFAULTS,
     description="ERNIE-4.5 dense decoder as published (ERNIE-4.5-0.3B): interleaved rope, GQA, SwiGLU, tied embeddings")
 
 

@@ -36,7 +36,7 @@ def fd_clear_graphs(model: Any) -> bool | None:
 
 ARCHITECTURE = Architecture(
     name="ernie4_5_vl", aliases=("Ernie4_5_VLMoeForConditionalGeneration",),
-    build=build, preset=TINY_PRESET, graph_capable=True, multimodal=True,
+    build=build, preset=TINY_PRESET, graph_capable=True, quantizable=True, multimodal=True,
     config_defaults=CONFIG_DEFAULTS,
     preset_files={"preprocessor_config.json": TINY_ERNIE_VL_PREPROCESSOR},
     check_config=check_config, check_prompt=check_prompt, image_tokens=image_tokens, sharded_sizes=sharded_sizes,

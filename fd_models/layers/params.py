@@ -191,6 +191,10 @@ def _load_one(
 
 
 def release_weights(layer: nn.Layer) -> None:
-    """Free every parameter's storage (before an in-place update); load_weights restores it."""
+    """Free every parameter's storage and every weight prepared from one (before an in-place update); load_weights
+    restores them."""
     for param in layer.parameters():
         param._clear_data()
+    for name, buffer in layer.named_buffers():
+        if "_prepared_" in name.rsplit(".", 1)[-1]:
+            buffer._clear_data()

@@ -77,7 +77,7 @@ class Product:
             if not isinstance(value, paddle.Tensor):
                 held.append((None, value))
                 continue
-            old = self.layer._buffers.get(name)
+            old = getattr(self.layer, name, None)
             if old is not None and old is not value and old.shape == value.shape and old.dtype == value.dtype:
                 value._share_buffer_to(old)
             elif old is not value:

@@ -32,7 +32,7 @@ def fd_clear_graphs(model: Any) -> bool | None:
 
 ARCHITECTURE = Architecture(
     name="qwen3_vl", aliases=("Qwen3VLForConditionalGeneration",),
-    build=build, preset=TINY_PRESET, graph_capable=True, multimodal=True,
+    build=build, preset=TINY_PRESET, graph_capable=True, quantizable=True, multimodal=True,
     config_defaults=CONFIG_DEFAULTS,
     preset_files={"preprocessor_config.json": TINY_QWEN3_VL_PREPROCESSOR},
     check_config=check_config, check_prompt=check_prompt, image_tokens=image_tokens,

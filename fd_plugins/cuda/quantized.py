@@ -1,6 +1,8 @@
 """Weight-only quantized products on NVIDIA GPUs: Paddle's weight_quantize repacks fd's quantized form once, when a
 weight loads, into the layout weight_only_linear reads on this device's architecture; each product is then one
-weight_only_linear call (float16 or bfloat16 activations; a float32 run's are cast to float16 for it)."""
+weight_only_linear call. Its activations and result are float16 or bfloat16: a float32 run's are cast to float16
+for it, so its products are float16-close, not float32-close (not verified on a GPU here; docs/quantization.md).
+A 4-bit weight of odd K carries fd's zero padding column, and the activations get a zero column to match."""
 
 from __future__ import annotations
 
@@ -48,6 +50,8 @@ def quant_matmul(x: Any, weight: Any, scales: Any, bits: int) -> Any:
 
         return native(x, weight, scales, bits)
     half = x if x.dtype in (paddle.float16, paddle.bfloat16) else x.astype("float16")
+    if bits == 4 and half.shape[-1] % 2:  # the weight's K is padded to even (fd's 4-bit form): pad x to match
+        half = paddle.concat([half, paddle.zeros([*half.shape[:-1], 1], dtype=half.dtype)], axis=-1)
     out = paddle.nn.quant.weight_only_linear(
         half, weight, weight_scale=scales.astype(half.dtype), weight_dtype=WEIGHT_DTYPES[bits],  # type: ignore[arg-type]
         arch=device_arch(),

@@ -51,3 +51,56 @@ def test_an_unknown_quantization_is_refused_before_anything_starts() -> None:
     done = run_fd(["run", "--quantization", "int4"], traced=True)
     assert done.returncode == 2 and "argument --quantization: invalid choice: 'int4' (choose from" in done.stderr
     assert done.paddle_imported is False
+
+
+RAISING = """
+from fd_core import hookimpl, native_ops
+
+
+def pack(weight, transpose_weight):
+    raise ValueError("tile size 128 does not divide 27")
+
+
+@hookimpl
+def fd_register_kernels(register):
+    register("matmul", native_ops.matmul, prepare=pack)
+"""
+
+UNQUANTIZABLE = """
+from fd_core import Architecture, hookimpl
+from fd_models.ernie4_5.plugin import ARCHITECTURE
+from dataclasses import replace
+
+
+@hookimpl
+def fd_register_models(register):
+    register(replace(ARCHITECTURE, name="plain_ernie", aliases=(), quantizable=False))
+
+
+@hookimpl
+def fd_clear_graphs(model):
+    return None
+"""
+
+
+def test_a_prepare_function_that_raises_is_named(distribution) -> None:
+    site = distribution("raising-prepare", {"raising_prepare": RAISING},
+                        {"fd.plugins": {"raising-prepare": "raising_prepare"}})
+    done = run_fd(["run", "--tp", "1", "--steps", "1"], path=site)
+    assert_one_line_error(
+        done,
+        "plugin 'raising-prepare': its prepare function for 'matmul' raised ValueError: tile size 128 does not divide "
+        "27; fix the plugin, or uninstall it",
+    )
+
+
+def test_quantization_is_refused_for_an_architecture_that_does_not_quantize(distribution) -> None:
+    site = distribution("plain-ernie", {"plain_ernie": UNQUANTIZABLE}, {"fd.models": {"plain-ernie": "plain_ernie"}})
+    done = run_fd(["run", "--model", "plain_ernie", "--quantization", "wint8", "--steps", "1"], path=site,
+                  traced=True)
+    assert_one_line_error(
+        done,
+        "plain_ernie (from plugin 'plain-ernie') does not quantize its weights (its Architecture is not "
+        "quantizable=True); run it without --quantization",
+    )
+    assert done.paddle_imported is False

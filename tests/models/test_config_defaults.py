@@ -111,7 +111,7 @@ def test_fd_plugins_json_lists_the_architectures() -> None:
     archs = {a["name"]: a for a in json.loads(done.stdout)["architectures"]}
     assert archs["qwen3_vl"] == {
         "name": "qwen3_vl", "aliases": ["Qwen3VLForConditionalGeneration"], "package": "qwen3_vl",
-        "graph_capable": True,
+        "graph_capable": True, "quantizable": True,
         "multimodal": True, "reference": "Qwen3VLForConditionalGeneration",
         "description": archs["qwen3_vl"]["description"],
     }

@@ -44,7 +44,7 @@ def _args(plugins: Any, name: str) -> tuple[Any, ...]:
 
 def test_the_good_package_passes_what_the_broken_ones_fail(suite: Any, tmp_path: Path) -> None:
     plugins, checks = suite
-    checks.test_reference_greedy_tokens(plugins, plugins.registry.get("suite_llama"), 0)
+    checks.test_reference_greedy_tokens(plugins, plugins.registry.get("suite_llama"), 0, tmp_path)
     checks.test_graph_on_equals_graph_off(*_args(plugins, "suite_llama"))
     checks.test_graph_clear_really_clears(*_args(plugins, "suite_llama"))
     checks.test_reload_cycles_keep_the_tokens(*_args(plugins, "suite_llama"))
@@ -54,7 +54,7 @@ def test_the_good_package_passes_what_the_broken_ones_fail(suite: Any, tmp_path:
 def test_a_wrong_rotary_layout_fails_the_reference_check(suite: Any, tmp_path: Path) -> None:
     plugins, checks = suite
     with pytest.raises(AssertionError, match=r"suite_llama_bad_rope: on a checkpoint saved by transformers. LlamaForCausalLM .* first-step logits differ"):
-        checks.test_reference_greedy_tokens(plugins, plugins.registry.get("suite_llama_bad_rope"), 0)
+        checks.test_reference_greedy_tokens(plugins, plugins.registry.get("suite_llama_bad_rope"), 0, tmp_path)
 
 
 def test_a_missing_all_reduce_fails_the_tp_check(suite: Any) -> None:

@@ -17,10 +17,10 @@ from fd_core.runtime.weights import CheckpointShards, load_checkpoint, random_st
 
 
 def _sample(model: Any) -> dict[str, Any]:
-    """A few values of every parameter (at most 64, evenly spaced): cheap at any model size, and a hook that
-    rewrites a parameter (zeroes, rounds or frees it) changes them."""
+    """A few values of every parameter and buffer (the weights prepared from parameters) (at most 64, evenly
+    spaced): cheap at any model size, and a hook that rewrites a weight (zeroes, rounds or frees it) changes them."""
     out: dict[str, Any] = {}
-    for name, param in model.named_parameters():
+    for name, param in [*model.named_parameters(), *model.named_buffers()]:
         if not param._is_initialized():
             out[name] = None
             continue

@@ -257,6 +257,26 @@ def test_quantized_weights_are_repacked_by_paddles_weight_quantize_then_served_b
     quantized.device_arch.cache_clear()
 
 
+def test_an_odd_k_at_four_bits_is_repacked_with_its_padding_and_the_activations_padded_to_match(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """K = 127: fd's 4-bit form pads it to 128, which weight_quantize tiles. The capability and weight_only_linear
+    are substituted and recorded; does not run on a GPU."""
+    from fd_plugins.cuda import quantized
+
+    quantized.device_arch.cache_clear()
+    monkeypatch.setattr(paddle.device.cuda, "get_device_capability", lambda device=None: (8, 0))
+    _, values, scales = _quantized(32, 127, 4)
+    packed, packed_scales = quantized.prepare(values, scales, 4)
+    assert list(packed.shape) == [16, 128] and packed_scales.dtype == paddle.float16
+    log: list = []
+    substitute(monkeypatch, paddle.nn.quant, "weight_only_linear", log, result=paddle.zeros([3, 32], dtype="float16"))
+    quantized.quant_matmul(paddle.ones([3, 127], dtype="float16"), packed, packed_scales, 4)
+    [(_, args, _)] = log
+    assert list(args[0].shape) == [3, 128] and not args[0].astype("float32")[:, 127].numpy().any()
+    quantized.device_arch.cache_clear()
+
+
 def test_an_architecture_without_weight_only_kernels_keeps_fds_form(monkeypatch: pytest.MonkeyPatch) -> None:
     """The compute capability is substituted (6.1: no weight-only kernel in Paddle). Not on a GPU."""
     from fd_plugins.cuda import quantized
