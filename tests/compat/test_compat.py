@@ -87,7 +87,9 @@ def test_the_cpu_platform_conforms_with_the_release_installed(release: tuple[str
     report = _check(["cpu"], target)
     outcome = {c["check"]: c["outcome"] for c in report["checks"]}
     assert outcome["test_every_kernel_in_use_matches_the_native_op"] == "passed"
-    assert outcome["test_installed_model_packages_run_on_this_platform"] == "passed"  # not skipped: a package is here
+    # Not skipped where the release has a model package: it runs on the platform.
+    models_here = bool(_entry_points(target, "fd.models"))
+    assert outcome["test_installed_model_packages_run_on_this_platform"] == ("passed" if models_here else "skipped")
     listed = json.loads(run_fd(["plugins", "--json"], target).stdout)
     assert any(p["kernels"] for p in listed["plugins"] if p["name"] in _entry_points(target, "fd.plugins"))
 
@@ -95,7 +97,8 @@ def test_the_cpu_platform_conforms_with_the_release_installed(release: tuple[str
 def test_each_platform_package_passes_the_platform_suite(release: tuple[str, Path]) -> None:
     _, target = release
     platforms = _entry_points(target, "fd.platforms")
-    assert platforms
+    if not platforms:
+        pytest.skip("this release's folder holds no platform package")
     for platform in platforms:
         report = _check([platform], target)
         assert report["platform"] == platform and report["counts"]["passed"] > 30
@@ -106,6 +109,8 @@ def test_each_model_package_passes_the_model_suite(release: tuple[str, Path]) ->
     pytest.importorskip("transformers", reason="the reference comes with the test extra (pip install -e '.[test]')")
     _, target = release
     packages = _entry_points(target, "fd.models")
+    if not packages:
+        pytest.skip("this release's folder holds no model package")
     listed = json.loads(run_fd(["plugins", "--json"], target).stdout)
     architectures = [a["name"] for a in listed["architectures"] if a["package"] in packages]
     assert architectures
