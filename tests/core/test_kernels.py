@@ -92,7 +92,7 @@ PREPARE_NOT_CALLABLE = _kernels("register('matmul', lambda x, weight, transpose_
                        "prepare(weight, transpose_weight) (the op's arguments after x); give it exactly those "
                        "arguments"),
     (PREPARE_NOT_CALLABLE, "plugin 'prep': fd_register_kernels registered prepare='pack' for 'matmul', which is not "
-                           "callable"),
+                           "callable; pass a function taking (weight, transpose_weight)"),
 ])
 def test_a_prepare_function_is_checked_at_load(install_plugin, source: str, message: str) -> None:
     install_plugin(*_extension("prep", source))
@@ -210,15 +210,18 @@ def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged
     plain_json, ours_json = json.loads(plain.stdout), json.loads(ours.stdout)
     assert plain_json["kernels"]["rms_norm"] == "cpu" and plain_json["kernels"]["silu_and_mul"] == "native"
     cache_ops = ("allocate_kv_cache", "write_kv_cache", "paged_attention", "paged_prefill_attention")
+    products = ("matmul", "quant_matmul")  # on weights it prepares at load
     assert ours_json["kernels"] == {**plain_json["kernels"], "rms_norm": "example-kernels",
-                                    "silu_and_mul": "example-kernels", **dict.fromkeys(cache_ops, "example-kernels")}
-    # Its own cache layout (token-major blocks), written and read by its own kernels on both ranks: the same tokens.
+                                    "silu_and_mul": "example-kernels",
+                                    **dict.fromkeys((*cache_ops, *products), "example-kernels")}
+    # Its own cache layout (token-major blocks), written and read by its own kernels on both ranks, and its own
+    # prepared weights: the same tokens.
     assert ours_json["tokens"] == plain_json["tokens"]
-    for op in ("rms_norm", "silu_and_mul", *cache_ops):
+    for op in ("rms_norm", "silu_and_mul", *cache_ops, "matmul"):
         assert len({p.name for p in trace.glob(f"{op}.*")}) == 2, f"{op} was not called by both ranks: {sorted(p.name for p in trace.iterdir())}"
     listed = json.loads(run_fd(["plugins", "--json"], example_kernels).stdout)
     assert (next(p for p in listed["plugins"] if p["name"] == "example-kernels")["kernels"]
-            == sorted(["rms_norm", "silu_and_mul", *cache_ops]))
+            == sorted(["rms_norm", "silu_and_mul", *cache_ops, *products]))
     explained = run_fd(["explain", "--tp", "1"], example_kernels)
     assert "rms_norm: example-kernels, silu_and_mul: example-kernels, rotary_embedding: cpu" in " ".join(explained.stdout.split())
 
