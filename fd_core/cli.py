@@ -370,7 +370,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import importlib.util
 
-    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
         raise ConfigError(f"fd serve needs the serve extra ({' and '.join(missing)} not installed): "
                           f"pip install 'fd-backends[serve]' (in a checkout: pip install '.[serve]')")

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 
 from fd_core.errors import CheckpointError, ConfigError, FdError, RankError, RequestRefused
 from fd_core.runtime.engine.scheduler import SchedulerClosed
-from fd_core.serve.metrics import CONTENT_TYPE, Metrics
+from fd_core.serve.metrics import CONTENT_TYPE, UNMATCHED, Metrics
 from fd_core.serve.protocol import (
     FINISH_REASONS,
     ApiError,
@@ -175,8 +175,9 @@ class Server:
 
     def answer(self, request: Request, error: ApiError) -> Response:
         """An error response in the OpenAI format, logged in one line and counted."""
-        log(f"{error.status} {request.method} {request.url.path}: {error.message}")
-        self.metrics.request(request.url.path, error.status)
+        log(f"{error.status} {request.method} {request.url.path!r}: {error.message}")
+        # The route's template, never the client's path: a fixed set of labels (UNMATCHED for any unknown path).
+        self.metrics.request(getattr(request.scope.get("route"), "path", None) or UNMATCHED, error.status)
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     def check_model(self, model: str | None) -> None:

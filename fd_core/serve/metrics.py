@@ -1,12 +1,16 @@
-"""The server's counters, gauges and histograms, written in Prometheus' text exposition format (version 0.0.4)."""
+"""The server's counters, gauges and histograms, exposed through prometheus_client (its collector interface and
+text exposition, which escapes label values). Labels come from fixed sets only: the route a request matched (one
+label for every path no route matches) and its HTTP status, so no client can add a series or break the page."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# The endpoint label of a request no route matched (a 404, or a 401 before routing): never the raw path.
+UNMATCHED = "unmatched"
 # The paged KV cache's counts (rank 0's, as of the last sequence that ended): metric, type, key, help.
 KV_METRICS = (
     ("fd_kv_cache_blocks_total", "gauge", "blocks_total", "KV-cache blocks a rank holds for sequences."),
@@ -40,12 +44,6 @@ class Histogram:
                 self.counts[i] += 1
         self.total += value
         self.count += 1
-
-    def lines(self, name: str) -> list[str]:
-        out = [f'{name}_bucket{{le="{bound}"}} {n}' for bound, n in zip(self.buckets, self.counts, strict=True)]
-        return out + [
-            f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.total:.6f}", f"{name}_count {self.count}"
-        ]
 
 
 class Metrics:
@@ -92,15 +90,23 @@ class Metrics:
                     self.decode_s += done_at - first_token_at
 
     def text(self) -> str:
-        """Every metric in Prometheus' text format."""
+        """Every metric in Prometheus' text format, written by prometheus_client."""
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Collector(self))
+        return generate_latest(registry).decode()
+
+    def families(self) -> list[Any]:
+        """The metric families as they stand (prometheus_client's), read under the lock."""
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
         with self.lock:
-            lines = [
-                "# HELP fd_requests_total HTTP requests answered, by endpoint and status.",
-                "# TYPE fd_requests_total counter",
-            ]
-            lines += [
-                f'fd_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())
-            ]
+            requests = CounterMetricFamily("fd_requests", "HTTP requests answered, by endpoint and status.",
+                                           labels=["endpoint", "status"])
+            for (endpoint, status), n in sorted(self.requests.items()):
+                requests.add_metric([endpoint, status], n)
+            out: list[Any] = [requests]
             rate = self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
             for name, kind, help_text, value in (
                 ("fd_prompt_tokens_total", "counter", "Prompt tokens of finished generations.", self.prompt_tokens),
@@ -119,14 +125,31 @@ class Metrics:
                  "Mean decode rate of one generation: fd_decode_tokens_total / fd_decode_seconds_total.",
                  round(rate, 3)),
             ):
-                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+                out.append(_family(name, kind, help_text, value))
             kv = self.kv_cache()
-            for name, kind, key, help_text in KV_METRICS:
-                if key in kv:
-                    lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {int(kv[key])}"]
+            out += [_family(name, kind, help_text, int(kv[key])) for name, kind, key, help_text in KV_METRICS
+                    if key in kv]
             for name, help_text, hist in (
                 ("fd_time_to_first_token_seconds", "Seconds from admission to a generation's first token.", self.ttft),
                 ("fd_request_duration_seconds", "Seconds from admission to a generation's last token.", self.duration),
             ):
-                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram", *hist.lines(name)]
-            return "\n".join(lines) + "\n"
+                buckets = [(str(bound), n) for bound, n in zip(hist.buckets, hist.counts, strict=True)]
+                out.append(HistogramMetricFamily(name, help_text, buckets=[*buckets, ("+Inf", hist.count)],
+                                                 sum_value=hist.total))
+            return out
+
+
+def _family(name: str, kind: str, help_text: str, value: float) -> Any:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    return (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, help_text, value=value)
+
+
+class _Collector:
+    """prometheus_client's collector interface over a Metrics."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Any]:
+        yield from self.metrics.families()

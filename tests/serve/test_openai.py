@@ -253,3 +253,20 @@ def test_errors_come_in_the_openai_format_with_one_log_line_each(
     assert not [line for line in server.lines if "Traceback" in line], server.stderr
     # The server is still serving.
     assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+def test_unknown_paths_add_no_series_and_the_page_parses(server: Served) -> None:
+    """Round 4's hostile /metrics: a quote in an unknown path used to be written unescaped into a label (breaking
+    Prometheus' parser for the whole page), and each distinct unknown path added a series for good."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for i in range(40):
+        assert httpx.get(f"{server.url}/x{i}%22%7D%201%2Cstatus=%22404%22%7D").status_code == 404
+    text = httpx.get(f"{server.url}/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}  # raises on a malformed page
+    endpoints = {s.labels["endpoint"] for s in families["fd_requests"].samples}
+    assert "unmatched" in endpoints and all(e == "unmatched" or e.startswith("/v1/") or e == "/health"
+                                            for e in endpoints), endpoints
+    unmatched = [s for s in families["fd_requests"].samples
+                 if s.labels["endpoint"] == "unmatched" and s.labels["status"] == "404"]
+    assert len(unmatched) == 1 and unmatched[0].value >= 40
