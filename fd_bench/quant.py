@@ -12,13 +12,18 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from fd_bench.realsize import CONFIG, PROMPT, SMOKE_PROMPT, has_transformers, idle_paddle_rss, run_side
+from fd_bench.realsize import (
+    PROMPT,
+    SMOKE_PROMPT,
+    has_transformers,
+    idle_paddle_rss,
+    random_checkpoint,
+    run_side,
+)
 from fd_bench.report import Line
 
 FLOAT_SIDES = ("fd float32 tp=1", "fd float32 tp=2")
@@ -32,10 +37,7 @@ KV_BLOCKS = "64"
 def measure(smoke: bool) -> dict[str, Any]:
     """Every side's `fd run --json` (or hf_decode) result per round, and the load, from one run."""
     workdir = Path(tempfile.mkdtemp(prefix="fd-bench-quant-"))
-    checkpoint = workdir / "checkpoint"
-    save = ["-m", "fd_core.cli", "save-random", "--dtype", "bfloat16", str(checkpoint)]
-    save[3:3] = ["--model", "ernie4_5"] if smoke else ["--config", str(CONFIG)]
-    subprocess.run([sys.executable, *save], capture_output=True, text=True, check=True, timeout=900)
+    checkpoint = random_checkpoint(workdir / "checkpoint", smoke)
     prompt, steps, rounds = (SMOKE_PROMPT, 8, 1) if smoke else (PROMPT, 32, 3)
     fd = ["-m", "fd_core.cli", "run", "--checkpoint", str(checkpoint), "--steps", str(steps), "--prompt-ids", prompt,
           "--kv-cache-blocks", KV_BLOCKS, "--json"]

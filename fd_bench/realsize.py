@@ -68,14 +68,20 @@ def has_transformers() -> bool:
     return importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("torch") is not None
 
 
+def random_checkpoint(checkpoint: Path, smoke: bool) -> Path:
+    """ERNIE-4.5-0.3B's config (the tiny preset under `smoke`) with random bfloat16 weights, saved by `fd save-random`
+    as transformers saves a checkpoint."""
+    save = ["-m", "fd_core.cli", "save-random", "--dtype", "bfloat16", str(checkpoint)]
+    save[3:3] = ["--model", "ernie4_5"] if smoke else ["--config", str(CONFIG)]
+    subprocess.run([sys.executable, *save], capture_output=True, text=True, check=True, timeout=900)
+    return checkpoint
+
+
 def measure(smoke: bool) -> dict[str, Any]:
     """Every side's results per round, the matrix-vector ceilings, the idle RSS,
     the step breakdowns and the load, from one run."""
     workdir = Path(tempfile.mkdtemp(prefix="fd-bench-realsize-"))
-    checkpoint = workdir / "checkpoint"
-    save = ["-m", "fd_core.cli", "save-random", "--dtype", "bfloat16", str(checkpoint)]
-    save[3:3] = ["--model", "ernie4_5"] if smoke else ["--config", str(CONFIG)]
-    subprocess.run([sys.executable, *save], capture_output=True, text=True, check=True, timeout=900)
+    checkpoint = random_checkpoint(workdir / "checkpoint", smoke)
     prompt, steps, rounds = (SMOKE_PROMPT, 8, 1) if smoke else (PROMPT, 32, 3)
     config_path = str(checkpoint / "config.json")
     fd = ["-m", "fd_core.cli", "run", "--checkpoint", str(checkpoint), "--steps", str(steps),
