@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import sys
 from typing import Iterator, TextIO
 
@@ -32,8 +33,47 @@ def plugin_prints_to_stderr() -> Iterator[TextIO]:
     if _redirected:  # already in effect (a rank forked from a command)
         yield fd_stdout()
         return
-    _fd_stdout, sys.stdout, _redirected = sys.stdout, sys.stderr, True
+    lines = _WholeLines(sys.stderr)
+    _fd_stdout, sys.stdout, _redirected = sys.stdout, lines, True
     try:
         yield fd_stdout()
     finally:
+        lines.flush()
         sys.stdout, _fd_stdout, _redirected = _fd_stdout, None, False
+
+
+class _WholeLines(io.TextIOBase):
+    """Text for `stream` passed on a whole line at a time, in one write: the ranks of a run share stderr, and under
+    PYTHONUNBUFFERED (write-through) print's text and its newline are two writes, between which another rank's
+    line could land."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__()
+        self.stream, self.pending = stream, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        if "\n" in self.pending:
+            done, _, self.pending = self.pending.rpartition("\n")
+            self.stream.write(done + "\n")
+            self.stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.stream.write(self.pending)
+            self.pending = ""
+        self.stream.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return str(getattr(self.stream, "encoding", "utf-8"))

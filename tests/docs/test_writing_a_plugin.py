@@ -58,6 +58,6 @@ def _walk(tmp_path: Path, env: dict[str, str]) -> None:
                 if "fd explain" in command and "grep kernels" in command:
                     assert "rms_norm: mychip, silu_and_mul: native" in done.stdout, done.stdout
                 if command == 'fd check mychip -k "kernel or native_path"':  # the doc's mychip has no cache kernels
-                    assert "2 passed, 0 failed, 0 skipped" in done.stdout, done.stdout
+                    assert "3 passed, 0 failed, 0 skipped" in done.stdout, done.stdout
                     assert re.search(r"passed\s+test_every_kernel_in_use_matches_the_native_op", done.stdout)
     assert ran["files"] == 5 and ran["commands"] >= 14
