@@ -122,8 +122,10 @@ class Server:
         @app.exception_handler(HTTPException)
         async def http_error(request: Request, exc: HTTPException) -> Response:
             kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+            # Starlette's own headers kept: a 405 says which methods the route takes (Allow).
             return self.answer(
-                request, ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind=kind)
+                request, ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind=kind,
+                                  headers=dict(exc.headers or {}))
             )
 
         @app.exception_handler(Exception)
@@ -134,7 +136,7 @@ class Server:
                 ApiError(500, f"internal error ({type(exc).__name__}: {exc})".replace("\n", " "), kind="server_error"),
             )
 
-        @app.get("/health")
+        @app.api_route("/health", methods=["GET", "HEAD"])
         async def health() -> Response:
             if self.failure is not None:
                 return JSONResponse({"status": "failed", "error": str(self.failure)}, status_code=503)
@@ -142,11 +144,11 @@ class Server:
                 return JSONResponse({"status": "draining", "reason": self.draining}, status_code=503)
             return JSONResponse({"status": "ok", "model": self.name, "queued": self.engine.queued()})
 
-        @app.get("/metrics")
+        @app.api_route("/metrics", methods=["GET", "HEAD"])
         async def metrics() -> Response:
             return Response(self.metrics.text(), media_type=CONTENT_TYPE)
 
-        @app.get("/v1/models")
+        @app.api_route("/v1/models", methods=["GET", "HEAD"])
         async def models(request: Request) -> Response:
             self.metrics.request("/v1/models", 200)
             return JSONResponse(
@@ -463,7 +465,8 @@ class RequireKey:
                 response = self.server.answer(
                     request,
                     ApiError(401, "a valid API key is needed: send the header Authorization: Bearer KEY",
-                             kind="authentication_error", code="invalid_api_key"),
+                             kind="authentication_error", code="invalid_api_key",
+                             headers={"WWW-Authenticate": 'Bearer realm="fd serve"'}),
                 )
                 await response(scope, receive, send)
                 return

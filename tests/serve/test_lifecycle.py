@@ -60,6 +60,7 @@ def test_the_readme_command_serves_the_tiny_model_behind_its_key(server: Served)
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
         refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi"}, headers=headers)
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert refused.headers["www-authenticate"] == 'Bearer realm="fd serve"'  # the scheme it wants (RFC 9110)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(f"{server.url}/health").status_code == 200  # probes need no key

@@ -270,3 +270,13 @@ def test_unknown_paths_add_no_series_and_the_page_parses(server: Served) -> None
     unmatched = [s for s in families["fd_requests"].samples
                  if s.labels["endpoint"] == "unmatched" and s.labels["status"] == "404"]
     assert len(unmatched) == 1 and unmatched[0].value >= 40
+
+
+def test_head_where_get_works_and_405_says_which_methods(server: Served) -> None:
+    """Round 4's weak cases: HEAD /health was 405, and a 405 came without Allow."""
+    for path in ("/health", "/metrics", "/v1/models"):
+        head = httpx.head(f"{server.url}{path}")
+        assert head.status_code == 200 and head.content == b"", path
+    wrong = httpx.post(f"{server.url}/health")
+    assert wrong.status_code == 405 and set(wrong.headers["allow"].replace(" ", "").split(",")) == {"GET", "HEAD"}
+    assert wrong.json()["error"]["type"] == "invalid_request_error"
