@@ -75,6 +75,11 @@ def _serve_ttft(checkpoint: Path, caching: bool, prompts: list[list[int]]) -> li
 
 
 def prefix_rows(smoke: bool) -> list[Line]:
+    from fd_bench.serving import missing_serve_extra, not_measured
+
+    why = missing_serve_extra()
+    if why is not None:
+        return [not_measured("prefix", "8 requests sharing a system prompt", "ms", ">= 4", why)]
     checkpoint = _checkpoint(smoke)
     vocab = json.loads((checkpoint / "config.json").read_text()).get("vocab_size", 512)
     system = _ids(64 if smoke else 1024, 0, vocab)

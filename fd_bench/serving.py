@@ -91,7 +91,27 @@ def _load(url: str, clients: int, requests: int, tokens: int) -> dict[str, Any]:
             "ttft_p50_ms": statistics.median(ttft) * 1000, "ttft_max_ms": max(ttft) * 1000}
 
 
+def missing_serve_extra() -> str | None:
+    """Why a row that runs `fd serve` cannot here (the serve extra or httpx, its client, not installed), or None."""
+    import importlib.util
+
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client", "httpx") if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return (f"not measured: {', '.join(missing)} not installed (the row runs fd serve: pip install '.[serve]' httpx "
+            f"in a checkout)")
+
+
+def not_measured(row: str, case: str, unit: str, target: str, why: str) -> Line:
+    """A row that could not run here, saying why (no figure, no verdict)."""
+    return Line(row=row, case=case, a="-", b="-", a_value=None, b_value=None, unit=unit, ratio=None, ratio_label="-",
+                target=target, met=None, note=why)
+
+
 def serve_rows(smoke: bool) -> list[Line]:
+    why = missing_serve_extra()
+    if why is not None:
+        return [not_measured("serve", "fd serve against LLM one request at a time", "req/s", "reported", why)]
     import logging
 
     from fd_core.runtime import LLM, SamplingParams

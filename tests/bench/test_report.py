@@ -48,3 +48,18 @@ def test_a_row_with_an_impossible_value_is_an_error_not_met(
     assert doc["summary"]["met"] == [] and doc["summary"]["errors"] == ["tp1"]
     assert doc["lines"][0]["met"] is None
     assert "ERROR" in capsys.readouterr().out
+
+
+def test_rows_that_run_fd_serve_say_not_measured_without_the_serve_extra(monkeypatch) -> None:
+    """Issue 37: `fd bench --smoke` exited 1 (a RuntimeError from its serve row) where the serve extra was missing."""
+    import importlib.util
+
+    from fd_bench import main, paged, serving
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "fastapi" else real(name, *a))
+    for lines in (serving.serve_rows(True), paged.prefix_rows(True)):
+        [line] = lines
+        assert line.met is None and line.a_value is None
+        assert line.note.startswith("not measured: fastapi not installed (the row runs fd serve: pip install")
+    assert main(["--smoke", "--rows", "serve,prefix", "--json", "-"]) == 0
