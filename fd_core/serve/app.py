@@ -160,7 +160,7 @@ class Server:
             self.check_model(body.model)
             body.refuse_unsupported()
             prompts = body.prompts()
-            sampling = body.sampling(body.max_tokens)
+            sampling = body.sampling(body.limit())
             return await self.respond(request, "/v1/completions", [(p, False, ()) for p in prompts], sampling,
                                       body.stream, body.include_usage, chat=False)
 

@@ -58,9 +58,21 @@ class Sampling(BaseModel):
     stream_options: dict[str, Any] | None = None
     n: int = 1
     logprobs: Any = None
+    top_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # Fields of OpenAI's APIs fd does not serve: refused by refuse_unsupported when they ask for something, never
+    # silently ignored (docs/serving.md has the table of every field).
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
 
     def refuse_unsupported(self) -> None:
         """What fd does not do is refused, never silently ignored."""
@@ -75,6 +87,30 @@ class Sampling(BaseModel):
                 raise ApiError(400, f"{name} is not supported by fd serve; drop it or send 0", param=name)
         if self.logit_bias:
             raise ApiError(400, "logit_bias is not supported by fd serve; drop the field", param="logit_bias")
+        if self.top_logprobs is not None:
+            raise ApiError(400, "top_logprobs is not supported by fd serve (nor logprobs); drop the field",
+                           param="top_logprobs")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ApiError(400, f"response_format {kind!r} is not supported by fd serve (no structured output): the "
+                                f"text would not be checked against it; drop the field or send {{\"type\": \"text\"}}",
+                           param="response_format")
+        if self.tools or self.functions or self.tool_choice not in (None, "none") or self.function_call not in (
+            None, "none"
+        ):
+            name = "tools" if self.tools else "functions" if self.functions else (
+                "tool_choice" if self.tool_choice not in (None, "none") else "function_call")
+            raise ApiError(400, f"{name}: fd serve does not call tools; drop the tool fields", param=name)
+        if self.modalities not in (None, ["text"]) or self.audio is not None:
+            name = "audio" if self.audio is not None else "modalities"
+            raise ApiError(400, f"{name}: fd serve answers in text only; drop the field", param=name)
+        if self.prediction is not None:
+            raise ApiError(400, "prediction (predicted outputs) is not supported by fd serve; drop the field",
+                           param="prediction")
+
+    def limit(self) -> int | None:
+        """The most tokens to generate: max_completion_tokens (the chat API's newer name) or max_tokens."""
+        return self.max_completion_tokens or self.max_tokens
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -151,10 +187,6 @@ class ChatRequest(Sampling):
     """POST /v1/chat/completions: a conversation, answered through the checkpoint's chat template."""
 
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-
-    def limit(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
 
 
 def message_parts(message: Message, index: int) -> tuple[str, list[str]]:

@@ -280,3 +280,53 @@ def test_head_where_get_works_and_405_says_which_methods(server: Served) -> None
     wrong = httpx.post(f"{server.url}/health")
     assert wrong.status_code == 405 and set(wrong.headers["allow"].replace(" ", "").split(",")) == {"GET", "HEAD"}
     assert wrong.json()["error"]["type"] == "invalid_request_error"
+
+
+REFUSED = [
+    ("/v1/completions", {"n": 2}, "n"),
+    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"suffix": "end"}, "suffix"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     "response_format"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+     "tools"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+    ("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("/v1/chat/completions", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+]
+
+
+@pytest.mark.parametrize("endpoint, fields, param", REFUSED, ids=[f"{e.rsplit('/', 1)[-1]}-{p}" for e, _, p in REFUSED])
+def test_a_field_fd_does_not_serve_is_refused_never_ignored(
+    server: Served, endpoint: str, fields: dict[str, Any], param: str
+) -> None:
+    """Issue 37: response_format, tools and top_logprobs were silently ignored (200 with text that ignores them)."""
+    base = {"prompt": "Hi"} if endpoint.endswith("/completions") and "chat" not in endpoint else {
+        "messages": [{"role": "user", "content": "Hi"}]}
+    error = openai_error(httpx.post(f"{server.url}{endpoint}", json={**base, "max_tokens": 2, **fields}), 400)
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def test_max_completion_tokens_is_honoured_on_both_endpoints(client: openai.OpenAI) -> None:
+    """Issue 37: /v1/completions ignored it (16 tokens generated)."""
+    done = client.completions.create(model="tiny", prompt="Hello", extra_body={"max_completion_tokens": 3,
+                                                                                "ignore_eos": True})
+    assert done.usage.completion_tokens == 3
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}],
+                                          max_completion_tokens=3, extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 3
+    # The defaults a client may send are served: response_format text, tool_choice none, text modality.
+    plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=2,
+                                           response_format={"type": "text"}, tool_choice="none", modalities=["text"])
+    assert plain.choices[0].message.content is not None
