@@ -160,7 +160,7 @@ class Ops:
             if kernel is not None and kernel.prepare is not None:
                 self._prepares[name] = kernel.prepare
                 # Called with weights as they loaded (a model that does not prepare them): prepared on every call.
-                fn = _preparing(name, fn, kernel.prepare, kernel.plugin)
+                fn = self._preparing(name, fn)
             setattr(self, name, fn)
 
     def native(self, name: str) -> bool:
@@ -183,14 +183,23 @@ class Ops:
         """The kernel in use for `name`, called with the first argument and what `prepare` returned."""
         return self._kernels[name]
 
+    def _preparing(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn` taking weights as they loaded: each call prepares them first."""
+
+        def call(first: Any, *args: Any) -> Any:
+            return fn(first, *self.prepare(name, *args))
+
+        call.__name__ = getattr(fn, "__name__", name)
+        return call
+
 
 def _placed(name: str, args: tuple[Any, ...], result: Any, plugin: str) -> tuple[Any, ...]:
     """`args` with the op's prepared arguments replaced by what `plugin`'s preparation function returned."""
     names = OPS[name].args[1:]
     prepared = OPS[name].prepared
-    if len(prepared) == 1 and isinstance(result, (tuple, list)) and len(result) == 1:
-        result = result[0]  # one value, returned as a 1-tuple
-    values = (result,) if len(prepared) == 1 else tuple(result) if isinstance(result, (tuple, list)) else (result,)
+    # A tuple holds one value each (one value may come alone, or as a 1-tuple).
+    several = isinstance(result, (tuple, list)) and (len(prepared) > 1 or len(result) == 1)
+    values = tuple(result) if several else (result,)
     if len(values) != len(prepared):
         raise PluginError(
             f"plugin {plugin!r}: its prepare function for {name!r} returned {len(values)} value(s) for "
@@ -211,10 +220,3 @@ def _run_prepare(prepare: Callable[..., Any], name: str, args: tuple[Any, ...], 
             f"plugin, or uninstall it"
         ) from exc
 
-
-def _preparing(name: str, fn: Callable[..., Any], prepare: Callable[..., Any], plugin: str) -> Callable[..., Any]:
-    def call(first: Any, *args: Any) -> Any:
-        return fn(first, *_placed(name, args, _run_prepare(prepare, name, args, plugin), plugin))
-
-    call.__name__ = getattr(fn, "__name__", name)
-    return call

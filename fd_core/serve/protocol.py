@@ -95,15 +95,18 @@ class Sampling(BaseModel):
             raise ApiError(400, f"response_format {kind!r} is not supported by fd serve (no structured output): the "
                                 f"text would not be checked against it; drop the field or send {{\"type\": \"text\"}}",
                            param="response_format")
-        if self.tools or self.functions or self.tool_choice not in (None, "none") or self.function_call not in (
-            None, "none"
+        tools = "fd serve does not call tools; drop the tool fields"
+        text = "fd serve answers in text only; drop the field"
+        for name, asked, why in (
+            ("tools", bool(self.tools), tools),
+            ("functions", bool(self.functions), tools),
+            ("tool_choice", self.tool_choice not in (None, "none"), tools),
+            ("function_call", self.function_call not in (None, "none"), tools),
+            ("audio", self.audio is not None, text),
+            ("modalities", self.modalities not in (None, ["text"]), text),
         ):
-            name = "tools" if self.tools else "functions" if self.functions else (
-                "tool_choice" if self.tool_choice not in (None, "none") else "function_call")
-            raise ApiError(400, f"{name}: fd serve does not call tools; drop the tool fields", param=name)
-        if self.modalities not in (None, ["text"]) or self.audio is not None:
-            name = "audio" if self.audio is not None else "modalities"
-            raise ApiError(400, f"{name}: fd serve answers in text only; drop the field", param=name)
+            if asked:
+                raise ApiError(400, f"{name}: {why}", param=name)
         if self.prediction is not None:
             raise ApiError(400, "prediction (predicted outputs) is not supported by fd serve; drop the field",
                            param="prediction")

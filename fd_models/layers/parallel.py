@@ -112,11 +112,11 @@ class ParallelLMHead(nn.Layer):
         super().__init__()
         self.ctx = ctx
         self.vocab_size = vocab_size
-        self.tied = [tied]  # a list, so the embedding is not registered (and named) twice
         if tied is None:
             # Held [hidden, vocab / tp] as the embedding is (see VocabParallelEmbedding): x @ W, the faster product.
             new_columns_param(self, [("weight", WeightSpec((vocab_size, hidden_size), 0, dtype))], ctx.parallel.tp_size)
-        # Not quantized (--quantization keeps the head in the compute dtype); a tied table stays for the embedding.
+        # Not quantized (--quantization keeps the head in the compute dtype); a tied table stays for the embedding. (A
+        # Product is no layer: the tied embedding is not registered, and named, a second time here.)
         self.product = (Product(self, "weight", False, ctx, quantizable=False) if tied is None
                         else Product(tied, "weight", False, ctx, quantizable=False, release=False))
 

@@ -17,6 +17,7 @@ import paddle
 from paddle import nn
 
 from fd_core import WeightSpec
+from fd_models.layers.products import PREPARED
 
 # (internal prefix, checkpoint prefix) pairs; the first matching pair renames a parameter.
 Renames = Sequence[tuple[str, str]]
@@ -196,5 +197,5 @@ def release_weights(layer: nn.Layer) -> None:
     for param in layer.parameters():
         param._clear_data()
     for name, buffer in layer.named_buffers():
-        if "_prepared_" in name.rsplit(".", 1)[-1]:
+        if PREPARED in name.rsplit(".", 1)[-1]:
             buffer._clear_data()

@@ -18,6 +18,10 @@ from paddle import nn
 
 from fd_core.quantization import bits_of, quantize
 
+# What a prepared weight's buffer is named after its parameter: `{attr}_prepared_{i}` (params.release_weights frees
+# them with the parameters).
+PREPARED = "_prepared_"
+
 
 class Product:
     """x times one weight of `layer` (its parameter `attr`, [N, K] used transposed, or [K, N] as is)."""
@@ -44,10 +48,6 @@ class Product:
     def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
         return self.kernel(x, *[value if name is None else getattr(self.layer, name) for name, value in self.args])
 
-    @property
-    def quantized(self) -> bool:
-        return self.kernel is self.ops.prepared("quant_matmul")
-
     def prepare(self, quantization: str | None) -> None:
         """After the parameter is loaded: quantize and / or prepare it for the kernel in use, once."""
         param = getattr(self.layer, self.attr)
@@ -70,7 +70,7 @@ class Product:
         holds them), their storage replaced."""
         held: list[tuple[str | None, Any]] = []
         for i, value in enumerate(values):
-            name = f"{self.attr}_prepared_{i}"
+            name = f"{self.attr}{PREPARED}{i}"
             if value is getattr(self.layer, self.attr):
                 held.append((self.attr, None))
                 continue
