@@ -10,6 +10,7 @@ from fd_core.detection import Detection, DeviceMemory
 from fd_core.errors import CheckpointError, ConfigError, FdError, PlatformError, PluginError, RankError, RequestRefused
 from fd_core.graphs import GraphBackend, GraphDecision, GraphVote
 from fd_core.kvcache import KVBatch
+from fd_core.lifecycle import RankContext
 from fd_core.markers import hookimpl
 from fd_core.models import Architecture, CausalModel, WeightSpec
 
@@ -45,6 +46,7 @@ __all__ = [
     "ParallelConfig",
     "PlatformError",
     "PluginError",
+    "RankContext",
     "RankError",
     "RequestRefused",
     "WeightSpec",

@@ -165,7 +165,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from fd_core.host.loading import load_plugins
     from fd_core.runtime.memory import plan_memory
     from fd_core.runtime.plan import DEFAULT_MODEL, RunConfig, compute_dtype, plan_model, run_threads
-    from fd_core.runtime.report import kernel_line, kv_cache_line, kv_cache_report, threads_line
+    from fd_core.runtime.report import (
+        capture_line,
+        capture_report,
+        kernel_line,
+        kv_cache_line,
+        kv_cache_report,
+        threads_line,
+    )
 
     plugins = load_plugins()
     backend = load_backend(ParallelConfig(tp_size=args.tp), plugins=plugins)
@@ -192,10 +199,11 @@ def cmd_explain(args: argparse.Namespace) -> int:
         threads = run_threads(run, backend.detection)
     decision = backend.graph_decision(config, requested=args.graph)
     kv = kv_cache_report(memory, backend.kernels.providers(), args.prefix_caching, args.max_prefill_tokens)
+    capture = capture_report(backend.detection.capture_sizes, run.max_batch)
     if args.json:
         _print_json({**backend.describe(), "model": config.architecture, "graph": decision.to_dict(),
-                     "dtype": config.dtype, "quantization": config.quantization, "memory": memory.to_dict(),
-                     "threads": threads.to_dict(), "kv_cache": kv})
+                     "capture": capture, "dtype": config.dtype, "quantization": config.quantization,
+                     "memory": memory.to_dict(), "threads": threads.to_dict(), "kv_cache": kv})
         return 0
     det = backend.detection
     lines = [
@@ -206,6 +214,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     lines += [f"model: {model_line}, tp={args.tp}", f"all-reduce: {backend.all_reduce_binding}",
               f"kernels: {kernel_line(backend.kernels.providers())}", f"graph: {decision.summary()}"]
     lines += [f"  {vote.line()}" for vote in decision.votes]
+    if decision.allowed:
+        lines.append(capture_line(capture))
     quantized = (f"; linear layers {config.quantization} (quant_matmul, weights quantized at load)"
                  if config.quantization else "")
     lines += [f"dtype: {config.dtype}{quantized}", threads_line(threads.to_dict()), f"memory: {memory.summary()}",
@@ -611,8 +621,9 @@ def build_parser(
     quantization_help = ("weight-only quantization of the linear layers at load, per output channel: wint8 (int8 "
                          "weights) or wint4 (4-bit); embeddings, norms, routers and vision towers stay in the compute "
                          "dtype (default: none)")
-    threads_help = ("compute threads per rank (default: the user's OMP_NUM_THREADS, else the cores this process may "
-                    "use (affinity mask, cgroup quota) shared among the ranks on this host)")
+    threads_help = ("compute threads per rank (default: the platform's threads variable if set (the "
+                    "cpu platform's OMP_NUM_THREADS), else the cores this process may use (affinity mask, cgroup "
+                    "quota) shared among the ranks on this host)")
 
     p = sub.add_parser("help", help="show help for fd or for one command")
     p.add_argument("topic", nargs="?", default=None, metavar="COMMAND", help="a command (default: fd itself)")

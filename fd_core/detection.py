@@ -65,6 +65,13 @@ class Detection:
     # The most KV-cache bytes a rank allocates when the user caps nothing (`--kv-cache-blocks`): a host platform
     # keeps the cache from taking most of the machine's memory up front; None: what the memory plan leaves.
     kv_cache_bytes: int | None = None
+    # The environment variable this platform's users set compute threads per rank with (the
+    # cpu platform's OMP_NUM_THREADS, when the user set it): the plan reads it when --threads is not given (contract
+    # 1.2). None: none.
+    threads_env: str | None = None
+    # The decode batch sizes its graph backend captures (contract 1.2): a decode step is padded up to the next one and
+    # runs eagerly above the largest. Empty: fd's, powers of two up to the run's max batch.
+    capture_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.memory_bytes is not None:
@@ -93,6 +100,12 @@ class Detection:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 return f"{name}={value!r}, expected None or a positive integer"
+        if not isinstance(self.capture_sizes, (tuple, list)) or any(
+            isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.capture_sizes
+        ):
+            return f"capture_sizes={self.capture_sizes!r}, expected a tuple of positive integers (batch sizes)"
+        if self.threads_env is not None and (not isinstance(self.threads_env, str) or not self.threads_env):
+            return f"threads_env={self.threads_env!r}, expected None or an environment variable's name"
         if self.host_cores is not None and (
             isinstance(self.host_cores, bool) or not isinstance(self.host_cores, int) or self.host_cores < 1
         ):

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from fd_core.config import ModelConfig, ParallelConfig
     from fd_core.detection import Detection
     from fd_core.graphs import GraphBackend, GraphVote
+    from fd_core.lifecycle import RankContext
     from fd_core.models import Architecture
 
     # register(name, help, run): `fd NAME ARGS...` calls run(ARGS) and exits with what it returns.
@@ -71,3 +72,18 @@ def fd_check_request(
 @hookspec
 def fd_register_kernels(register: KernelRegistrar) -> None:
     """Provide kernels for fd's named ops by calling `register(op, fn, capturable=True, prepare=None)` for each."""
+
+
+@hookspec
+def fd_rank_start(rank: RankContext) -> None:
+    """Prepare this process for `rank` (bind its device, start the vendor runtime) before fd creates a tensor on it."""
+
+
+@hookspec
+def fd_before_step(rank: RankContext, rows: int | None) -> None:
+    """Set per-phase state before a prefill (`rows` None) or a decode step of `rows` sequences, on its thread."""
+
+
+@hookspec
+def fd_rank_end(rank: RankContext, reason: str) -> None:
+    """Release what fd_rank_start took; `reason` is "normal", "error" or "signal", and fd waits a bounded time."""

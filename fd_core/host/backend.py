@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 import types
 from typing import Any, Callable, Iterator, Mapping
 
@@ -16,6 +17,7 @@ from fd_core.host.kernel_table import KernelTable, Ops
 from fd_core.host.loading import PluginSet, load_plugins
 from fd_core.host.registration import caller_for
 from fd_core.host.selection import call_bounded, hook_timeout
+from fd_core.lifecycle import RANK_END_TIMEOUT_S, EndReason, RankContext
 
 AllReduce = Callable[[Any], Any]
 
@@ -109,6 +111,7 @@ class Backend:
         self.all_reduce, self.all_reduce_binding = self._bind_all_reduce()
         self.kernels: KernelTable = plugins.kernels if kernels is None else kernels
         self._ops: Ops | None = None
+        self._step_callers: list[tuple[str, Any]] | None = None
 
     @property
     def ops(self) -> Ops:
@@ -169,6 +172,57 @@ class Backend:
                 ) from exc
             if after_each is not None:
                 after_each(impl.plugin_name)
+
+    # -- a rank's lifecycle (contract 1.2) ----------------------------------------------------
+    def rank_start(self, rank: RankContext) -> None:
+        """Every plugin's fd_rank_start, on the calling thread (a device binding may be the thread's own); one that
+        raises stops the rank, named."""
+        for name, caller in self._callers("fd_rank_start"):
+            try:
+                caller(rank=rank)
+            except Exception as exc:  # noqa: BLE001 - a third party's error, named for whoever must fix it
+                raise PluginError(
+                    f"plugin {name!r}: fd_rank_start raised {type(exc).__name__}: {exc} on rank {rank.rank}; fix or "
+                    f"uninstall the plugin"
+                ) from exc
+        # Bound once: before_step runs before every prefill and decode step.
+        self._step_callers = self._callers("fd_before_step")
+
+    def before_step(self, rank: RankContext, rows: int | None) -> None:
+        """Every plugin's fd_before_step for the coming prefill (`rows` None) or decode step, on the computing
+        thread."""
+        callers = self._step_callers
+        if callers is None:
+            callers = self._step_callers = self._callers("fd_before_step")
+        for name, caller in callers:
+            try:
+                caller(rank=rank, rows=rows)
+            except Exception as exc:  # noqa: BLE001 - named, as rank_start
+                raise PluginError(
+                    f"plugin {name!r}: fd_before_step raised {type(exc).__name__}: {exc}; fix or uninstall the plugin"
+                ) from exc
+
+    def rank_end(self, rank: RankContext, reason: EndReason, timeout: float = RANK_END_TIMEOUT_S) -> list[str]:
+        """Every plugin's fd_rank_end, each bounded by `timeout` seconds: the rank ends whatever they do. What went
+        wrong (a plugin that raised or did not return) comes back as one line each, and is printed to stderr."""
+        problems = []
+        for name, caller in self._callers("fd_rank_end"):
+            try:
+                call_bounded(functools.partial(caller, rank=rank, reason=reason), timeout,
+                             f"plugin {name!r}: fd_rank_end")
+            except PluginError as exc:
+                problems.append(str(exc))
+            except Exception as exc:  # noqa: BLE001 - reported; the rank ends either way
+                problems.append(f"plugin {name!r}: fd_rank_end raised {type(exc).__name__}: {exc}; fix the plugin")
+        for problem in problems:
+            print(f"fd: warning: rank {rank.rank}: {problem}", file=sys.stderr, flush=True)
+        return problems
+
+    def _callers(self, hook: str) -> list[tuple[str, Any]]:
+        """(plugin, a caller of its implementation of `hook` with every wrapper around it), in pluggy's call order."""
+        return [(impl.plugin_name, caller_for(self.plugins.pm, hook, impl.plugin_name))
+                for impl in reversed(getattr(self.hook, hook).get_hookimpls())
+                if not (impl.wrapper or impl.hookwrapper)]
 
     def check_collective(self) -> None:
         """At tp > 1, all-reduce tensors whose exact sums are known and compare, before any weight is loaded.

@@ -106,8 +106,8 @@ class LLM:
 
     @property
     def threads(self) -> int:
-        """Compute threads each rank runs (LLM(threads=), else OMP_NUM_THREADS, else the host's usable cores shared
-        among its ranks)."""
+        """Compute threads each rank runs (LLM(threads=), else the platform's threads variable (the
+        cpu platform's OMP_NUM_THREADS), else the host's usable cores shared among its ranks)."""
         return int(self._info["threads"]["per_rank"])
 
     @property
@@ -231,6 +231,6 @@ class LLM:
         if error is not None:
             self._closed = True
             self._finalizer.detach()
-            self._session.abort()  # the ranks may be mid-step: stop them rather than wait (the step then fails)
+            self._session.abort(error)  # the ranks may be mid-step: stop them rather than wait (the step then fails)
             return
         self.close()

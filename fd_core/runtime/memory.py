@@ -46,6 +46,16 @@ def local_ranks(tp: int, env: Mapping[str, str] | None = None) -> int:
     return tp
 
 
+def local_rank(rank: int, tp: int, env: Mapping[str, str] | None = None) -> int:
+    """Rank `rank`'s index among the ranks on its host: paddle.distributed.launch's PADDLE_LOCAL_RANK under it, else
+    `rank` (fd spawns every rank on this host)."""
+    env = os.environ if env is None else env
+    try:
+        return int(env.get("PADDLE_LOCAL_RANK", rank)) % max(1, local_ranks(tp, env))
+    except ValueError:
+        return rank
+
+
 def gib(count: int) -> str:
     """Bytes in a short human unit (GiB, or MiB below one GiB)."""
     return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.2f} MiB"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numbers
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -77,7 +76,7 @@ class RunConfig:
     # The share of each device's free memory fd plans weights and KV cache in (--memory-fraction).
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
     # Compute threads per rank (--threads); None: the cores this process may use, shared among the
-    # host's ranks, unless the user's OMP_NUM_THREADS says otherwise (see decide_threads).
+    # host's ranks, unless the platform's threads variable says otherwise (see decide_threads).
     threads: int | None = None
     # The paged KV cache: positions a block holds (None: the platform's, else fd's default), the most blocks a rank
     # allocates (None: what the memory plan gives), whether full blocks are shared by prefix, and the most prompt
@@ -107,7 +106,8 @@ def run_threads(run: RunConfig, detection: Detection | None = None) -> Threads:
     cores, source = (
         (reported, "the platform's report") if reported is not None else (affinity_cores(), "the affinity mask")
     )
-    return decide_threads(run.threads, local_ranks(run.tp), cores, os.environ, "paddle" in sys.modules, source)
+    threads_env = detection.threads_env if detection is not None else None
+    return decide_threads(run.threads, local_ranks(run.tp), cores, os.environ, threads_env, source)
 
 
 @dataclass(frozen=True)

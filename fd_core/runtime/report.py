@@ -36,15 +36,31 @@ def kv_cache_line(kv: Mapping[str, Any]) -> str:
 
 
 def threads_line(threads: Mapping[str, Any]) -> str:
-    """ "threads: 2 per rank (2 core(s) in the affinity mask, shared by 1 rank(s) on this host)"."""
-    openmp = threads.get("openmp", threads["per_rank"])
-    loops = "" if openmp == threads["per_rank"] else f"; Paddle's own OpenMP loops {openmp}"
-    one_row = threads.get("one_row_decode", threads["per_rank"])
-    split = threads.get("one_row_decode_kernels", one_row)
-    decode = "" if one_row == threads["per_rank"] else (
-        f"; a one-row decode step: {one_row} for the library's products, {split} for a kernel that splits one"
-    )
-    return f"threads: {threads['per_rank']} per rank for matrix products ({threads['reason']}{loops}{decode})"
+    """ "threads: 2 per rank (2 usable core(s) (the platform's report), shared by 1 rank(s) on this host)"; how a
+    platform applies them in each phase is its own (fd_rank_start, fd_before_step)."""
+    return f"threads: {threads['per_rank']} per rank ({threads['reason']})"
+
+
+def capture_report(declared: Sequence[int], max_batch: int, eager_steps: int | None = None) -> dict[str, Any]:
+    """The decode batch sizes graphs capture (the platform's Detection.capture_sizes, else fd's powers of two up to
+    the max batch) and where they came from; a run adds how many decode steps ran eagerly above the largest."""
+    sizes = sorted(set(declared)) or [n for n in (1 << i for i in range(max_batch.bit_length() + 1)) if n < max_batch]
+    if not declared and max_batch not in sizes:
+        sizes.append(max_batch)
+    report: dict[str, Any] = {"sizes": sizes, "from": "platform" if declared else "fd"}
+    if eager_steps is not None:
+        report["eager_steps"] = eager_steps
+    return report
+
+
+def capture_line(capture: Mapping[str, Any]) -> str:
+    """ "capture sizes: 1, 2, 4, 8 (the platform's); a larger batch decodes eagerly; 3 steps did" """
+    where = "the platform's" if capture["from"] == "platform" else "fd's: powers of two up to the max batch"
+    line = (f"capture sizes: {', '.join(str(n) for n in capture['sizes'])} ({where}); a batch between two is padded "
+            f"up to the next, one above the largest decodes eagerly")
+    if capture.get("eager_steps"):
+        line += f" ({capture['eager_steps']} decode step(s) did)"
+    return line
 
 
 def summary_lines(results: Sequence[Mapping[str, Any]], verbose: bool = False) -> list[str]:
@@ -61,6 +77,8 @@ def summary_lines(results: Sequence[Mapping[str, Any]], verbose: bool = False) -
         f"graph: {graph['summary']}",
     ]
     lines += [f"  {CastVote(**v).line()}" for v in graph["votes"]]
+    if graph.get("allowed") and result.get("capture") and (verbose or result["capture"].get("eager_steps")):
+        lines.append(capture_line(result["capture"]))
     outputs = result.get("outputs") or [{"ids": result["tokens"]}]
     for index, output in enumerate(outputs):
         label = "tokens" if len(outputs) == 1 else f"tokens [{index + 1}]"

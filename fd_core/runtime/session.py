@@ -18,9 +18,8 @@ from fd_core.runtime.engine.scheduler import Scheduler, Submission
 from fd_core.runtime.plan import Plan
 from fd_core.runtime.ranks.pool import RankPool
 from fd_core.runtime.ranks.spawn import DEFAULT_STALL_S, init_rank, launched_rank, run_here
-from fd_core.runtime.ranks.worker import RankWorker
+from fd_core.runtime.ranks.worker import RankWorker, end_reason
 from fd_core.runtime.request import Request
-from fd_core.runtime.threads import apply_threads
 
 
 class InProcess:
@@ -58,12 +57,15 @@ class InProcess:
         self.info = {k: v for k, v in report.items() if k in self.info}
         return [report]
 
-    def close(self) -> None:
-        """Release the model and its KV cache; `info` stays readable."""
-        self.worker = None
+    def close(self, error: BaseException | None = None) -> None:
+        """End the rank (the platform's fd_rank_end: "normal", or how `error` ended it) and release the model and its
+        KV cache; `info` stays readable."""
+        if self.worker is not None:
+            worker, self.worker = self.worker, None
+            worker.end(end_reason(error))
 
-    def abort(self) -> None:
-        self.close()
+    def abort(self, error: BaseException | None = None) -> None:
+        self.close(error or self.error or RuntimeError("aborted"))
 
 
 class Session:
@@ -108,15 +110,9 @@ class Session:
             self.driver = RankPool(plan, run.tp, rank_timeout, stall_timeout, start_method)
         self.plan = plan
         in_process = isinstance(self.driver, InProcess)
-        # At tp=1 the engine computes on the scheduler's thread: it gets the plan's compute threads as the rank did.
-        on_start = (
-            (lambda: apply_threads(plan.threads))  # type: ignore[arg-type]
-            if in_process and plan.threads is not None
-            else None
-        )
         # At tp=1 a failed step fails the sequences it held and the session goes on; across ranks, the ranks are gone.
         fatal = not in_process or self.launched is not None
-        self.scheduler = Scheduler(self.driver.tick, fatal=lambda error: fatal, name="fd-session", on_start=on_start)
+        self.scheduler = Scheduler(self.driver.tick, fatal=lambda error: fatal, name="fd-session")
         self.closed = False
 
     # -- what it runs ----------------------------------------------------------------------
@@ -180,13 +176,16 @@ class Session:
         self.scheduler.close()
         self.driver.close()
 
-    def abort(self) -> None:
-        """Stop the ranks now (an error or a signal in the caller; a step in progress then fails), then the
+    def abort(self, error: BaseException | None = None) -> None:
+        """Stop the ranks now (`error`: an error or a signal in the caller; a step in progress then fails), then the
         scheduler."""
         if self.closed:
             return
         self.closed = True
-        self.driver.abort()
+        if isinstance(self.driver, InProcess):
+            self.driver.abort(error)
+        else:
+            self.driver.abort()
         self.scheduler.close()
 
     def __enter__(self) -> "Session":
@@ -194,6 +193,6 @@ class Session:
 
     def __exit__(self, kind: Any, error: Any, trace: Any) -> None:
         if error is not None:
-            self.abort()
+            self.abort(error)
         else:
             self.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -297,6 +298,28 @@ class ContractTests(_Base):
         assert plugins.platform == platform_name
         assert plugins.record(platform_name).active
 
+
+    def test_a_rank_starts_steps_and_ends_in_time(self, plugins: PluginSet, hardware: Detection) -> None:
+        """The lifecycle hooks as a run calls them (fd_rank_start, fd_before_step for a prefill and for decode steps of
+        1 and 4 rows, fd_rank_end), twice over in one process (an LLM closed and made again), ending for each reason:
+        none raises, and fd_rank_end returns within fd's time limit."""
+        from fd_core.host.backend import Backend
+        from fd_core.lifecycle import END_REASONS, RANK_END_TIMEOUT_S, RankContext
+
+        backend = Backend(plugins)
+        for reason in END_REASONS:
+            rank = RankContext(platform=plugins.platform, device=hardware.device, threads=2)
+            backend.rank_start(rank)
+            try:
+                for rows in (None, 1, 4):
+                    backend.before_step(rank, rows)
+            finally:
+                problems = backend.rank_end(rank, reason)  # type: ignore[arg-type]
+            assert not problems, (
+                f"{plugins.platform}: ending a rank ({reason!r}) went wrong: {'; '.join(problems)} (fd waits "
+                f"{RANK_END_TIMEOUT_S:g} s for fd_rank_end, then ends the rank without it)"
+            )
+        backend.before_step(RankContext(platform=plugins.platform, device=hardware.device), None)
 
 class AllReduceTests(_Base):
     """fd_all_reduce sums over the group and returns the result, at world size 1 and 2."""
@@ -730,11 +753,11 @@ class ModelTests(_Base):
         (fd_core.kernels.compute_threads), each step calling it."""
         from fd_core.host.backend import Backend
         from fd_core.host.kernel_table import KernelTable
+        from fd_core.lifecycle import RankContext
         from fd_core.runtime.engine.loop import Engine
         from fd_core.runtime.engine.runner import ModelRunner
         from fd_core.runtime.plan import model_config_for
         from fd_core.runtime.request import Request
-        from fd_core.runtime.threads import Threads, apply_threads
 
         backend = Backend(plugins)
         native = Backend(plugins, kernels=KernelTable())
@@ -742,29 +765,86 @@ class ModelTests(_Base):
         together, alone = Request.greedy([[5, 1, 4, 2, 3], [7, 7, 2]], 6), Request.greedy([[5, 1, 4, 2, 3]], 6)
         for arch in platform_architectures(plugins):
             config = model_config_for(arch, None)
+            # As a run's rank: the platform starts it, sets each phase, and ends it.
+            one = RankContext(platform=backend.platform, device=hardware.device, model=arch.name, dtype=config.dtype)
+            backend.rank_start(one)
+            try:
+                runner = ModelRunner(backend, arch, config)
+                eager = ModelRunner(backend, arch, config, graph="off")
+                reference = ModelRunner(native, arch, config, graph="off")
+                for each in (runner, eager, reference):
+                    each.load()
+                    each.decide()
+                for request, ours, threads in ((together, runner, 1), (alone, eager, 2)):
+                    try:
+                        rank = dataclasses.replace(one, threads=threads)
+                        got = [c.token_ids for c in Engine(ours, rank=rank).generate(request)]
+                    finally:
+                        backend.before_step(one, None)  # the suite's own thread count again
+                    want = [c.token_ids for c in Engine(reference).generate(request)]
+                    how = "one prompt, eager, on 2 compute threads" if threads == 2 else "two prompts together"
+                    assert got == want, (
+                        f"{arch.name} on {backend.platform} ({how}): greedy tokens {got} (kernels "
+                        f"{backend.kernels.providers()}), but the native path (the same weights, no platform "
+                        f"cleanup, native ops, eager) gives {want}; the platform's cleanup, graphs or kernels change "
+                        f"what the model computes"
+                    )
+            finally:
+                backend.rank_end(one, "normal")
+
+
+    def test_decode_batches_are_captured_at_the_declared_sizes(self, plugins: PluginSet, hardware: Detection) -> None:
+        """With Detection.capture_sizes declared, a decode batch between two sizes is padded up to the next and one
+        above the largest decodes eagerly: only declared sizes are captured, and both give the native path's tokens."""
+        from fd_core.host.backend import Backend
+        from fd_core.host.kernel_table import KernelTable
+        from fd_core.runtime.engine.loop import Engine
+        from fd_core.runtime.engine.runner import ModelRunner
+        from fd_core.runtime.plan import model_config_for
+        from fd_core.runtime.request import Request
+
+        sizes = sorted(set(hardware.capture_sizes))
+        if not sizes:
+            pytest.skip(f"{plugins.platform} declares no capture sizes (Detection.capture_sizes): fd captures powers "
+                        f"of two, which the native-path check covers")
+        backend = Backend(plugins)
+        native = Backend(plugins, kernels=KernelTable())
+        native.clean_memory_fragments = lambda state_dict=None, after_each=None: None  # type: ignore[method-assign]
+        between = next((n for n in range(1, sizes[-1]) if n not in sizes), None)
+        batches = [n for n in (between, sizes[-1] + 1) if n is not None]
+        checked = 0
+        for arch in platform_architectures(plugins):
+            config = model_config_for(arch, None)
             runner = ModelRunner(backend, arch, config)
-            eager = ModelRunner(backend, arch, config, graph="off")
             reference = ModelRunner(native, arch, config, graph="off")
-            for each in (runner, eager, reference):
+            for each in (runner, reference):
                 each.load()
                 each.decide()
-            for request, ours, threads in (
-                (together, runner, None), (alone, eager, Threads(2, "the suite's two compute threads"))
-            ):
-                try:
-                    got = [c.token_ids for c in Engine(ours, threads=threads).generate(request)]
-                finally:
-                    if threads is not None:
-                        apply_threads(Threads(1, "the suite's own"))
-                want = [c.token_ids for c in Engine(reference).generate(request)]
-                how = "one prompt, eager, on 2 compute threads" if threads else "two prompts together"
-                assert got == want, (
-                    f"{arch.name} on {backend.platform} ({how}): greedy tokens {got} (kernels "
-                    f"{backend.kernels.providers()}), but the native path (the same weights, no platform cleanup, "
-                    f"native ops, eager) gives {want}; the platform's cleanup, graphs or kernels change what the model "
-                    f"computes"
+            if not runner.graphs_allowed:
+                continue
+            checked += 1
+            for batch in batches:
+                request = Request.greedy([[5 + i, 1, 4, 2 + i] for i in range(batch)], 4)
+                engine = Engine(runner, max_batch=batch)
+                got = [c.token_ids for c in engine.generate(request)]
+                want = [c.token_ids for c in Engine(reference, max_batch=batch).generate(request)]
+                captured = sorted({rows for rows, _ in runner.captured})
+                assert set(captured) <= set(sizes), (
+                    f"{arch.name} on {plugins.platform}: decode steps were captured at batch sizes {captured}, but "
+                    f"the platform captures only {sizes} (Detection.capture_sizes)"
                 )
-
+                above = batch > sizes[-1]
+                assert (engine.eager_steps > 0) == above, (
+                    f"{arch.name} on {plugins.platform}: a batch of {batch} ran {engine.eager_steps} eager decode "
+                    f"step(s); expected {'every step eager (above the largest capture size)' if above else 'none'}"
+                )
+                assert got == want, (
+                    f"{arch.name} on {plugins.platform}: a batch of {batch} prompts "
+                    f"({'eager, above' if above else 'padded up to'} the capture sizes {sizes}) gives greedy tokens "
+                    f"{got}, but the native path gives {want}"
+                )
+        if not checked:
+            pytest.skip(f"{plugins.platform}'s graph decision captures none of the architectures here")
 
     def test_quantized_models_generate_what_the_native_path_does(
         self, plugins: PluginSet, hardware: Detection

@@ -6,11 +6,12 @@ import gc
 import os
 from typing import Any
 
-from fd_core import Capabilities, Detection, GraphVote, ModelConfig, ParallelConfig, hookimpl
+from fd_core import Capabilities, Detection, GraphVote, ModelConfig, ParallelConfig, RankContext, hookimpl
 from fd_plugins.cpu.memory import host_memory
+from fd_plugins.cpu.threads import apply_threads, phase_threads, users_threads_env
 
 # The version of fd's plugin contract this plugin was written for (fd_core.contract).
-FD_CONTRACT = "1.1"
+FD_CONTRACT = "1.2"
 
 # What the conformance suite checks; float16 is summed in float32 (see fd_all_reduce).
 FD_CAPABILITIES = Capabilities(
@@ -52,7 +53,22 @@ def fd_platform_detect() -> Detection:
         # The KV cache is allocated whole when a run starts, and a host shares its memory with everything else on it:
         # a rank takes at most this much unless --kv-cache-blocks asks for more (vLLM's CPU backend does the same).
         kv_cache_bytes=KV_CACHE_BYTES,
+        # The user's OMP_NUM_THREADS, when set, is their count of compute threads per rank.
+        threads_env=users_threads_env(),
     )
+
+
+@hookimpl
+def fd_rank_start(rank: RankContext) -> None:
+    """Size Paddle's thread pools for the rank's compute threads before it loads a weight."""
+    apply_threads(rank.threads)
+
+
+@hookimpl
+def fd_before_step(rank: RankContext, rows: int | None) -> None:
+    """A one-row decode step's library products on one thread, other phases on the rank's (fd_plugins.cpu.threads);
+    every phase, not only on a change: MKL's count is the process's, which another engine may have set."""
+    apply_threads(phase_threads(rank, rows))
 
 
 @hookimpl

@@ -1,5 +1,6 @@
-"""The compute-thread decision: --threads, then the user's OMP_NUM_THREADS,
-then the usable cores shared among the host's ranks; and what fd run reports of it (and of the decode step's parts)."""
+"""The compute-thread decision: --threads, then the platform's threads variable (the cpu platform's OMP_NUM_THREADS,
+when the user set it), then the usable cores shared among the host's ranks; what fd run reports of it (and of the
+decode step's parts); and the cpu platform's thread policy, which lives in its plugin, not in fd_core."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 import pytest
 
 from fd_core.errors import ConfigError
+from fd_core.lifecycle import RankContext
 from fd_core.runtime.plan import RunConfig, plan_run
 from fd_core.runtime.threads import decide_threads
 from fd_plugins.cpu.cores import CGROUP_V1_QUOTA, CGROUP_V2_CPU_MAX, cgroup_cpu_limit, usable_cores
@@ -51,24 +53,36 @@ def test_the_cpu_platform_reports_its_usable_cores() -> None:
     detection = fd_platform_detect()
     assert detection.host_cores == usable_cores(len(__import__("os").sched_getaffinity(0)), cgroup_cpu_limit())
     assert detection.problem() is None
+    # Its threads variable is named only when the user set it (see test_the_cpu_platform_names_only_the_users_setting).
+    assert detection.threads_env in (None, "OMP_NUM_THREADS")
 
 
-def test_threads_option_then_user_env_override() -> None:
-    assert decide_threads(3, 2, 2, {"OMP_NUM_THREADS": "1"}).per_rank == 3  # --threads wins
-    user = decide_threads(None, 1, 2, {"OMP_NUM_THREADS": "1"})
-    assert (user.per_rank, user.reason) == (1, "OMP_NUM_THREADS")
-    asked = decide_threads(None, 2, 2, {"OMP_NUM_THREADS": "4"})
-    assert (asked.per_rank, asked.openmp) == (4, 4)  # the user's OpenMP setting holds for Paddle's own loops too
-    assert decide_threads(None, 1, 2, {}).openmp == 1  # otherwise they run one thread; the products take per_rank
+def test_threads_option_then_the_platforms_variable() -> None:
+    env = {"OMP_NUM_THREADS": "1"}
+    assert decide_threads(3, 2, 2, env, "OMP_NUM_THREADS").per_rank == 3  # --threads wins
+    user = decide_threads(None, 1, 2, env, "OMP_NUM_THREADS")
+    assert (user.per_rank, user.reason, user.chosen) == (1, "OMP_NUM_THREADS", True)
+    # A variable the platform does not name is not read.
+    assert decide_threads(None, 1, 2, {"OMP_NUM_THREADS": "4"}).per_rank == 2
+    assert decide_threads(None, 1, 2, {"OMP_NUM_THREADS": " "}, "OMP_NUM_THREADS").per_rank == 2
+
+
+def test_the_cpu_platform_names_only_the_users_setting() -> None:
+    from fd_plugins.cpu.threads import openmp_loops, users_threads_env
+
+    assert users_threads_env({"OMP_NUM_THREADS": "4"}, paddle_imported=True) == "OMP_NUM_THREADS"
+    assert users_threads_env({"OMP_NUM_THREADS": "1"}, paddle_imported=False) == "OMP_NUM_THREADS"
     # Paddle's import writes OMP_NUM_THREADS=1 when it is unset: after it, "1" is not the user's choice.
-    assert decide_threads(None, 1, 2, {"OMP_NUM_THREADS": "1"}, paddle_imported=True).per_rank == 2
-    assert decide_threads(None, 1, 2, {"OMP_NUM_THREADS": " "}).per_rank == 2
+    assert users_threads_env({"OMP_NUM_THREADS": "1"}, paddle_imported=True) is None
+    assert users_threads_env({}, paddle_imported=False) is None
+    # The user's setting holds for Paddle's own OpenMP loops too; otherwise they run one thread.
+    assert (openmp_loops({"OMP_NUM_THREADS": "4"}), openmp_loops({})) == (4, 1)
 
 
 @pytest.mark.parametrize("raw", ["two", "0", "-3"])
 def test_bad_env_is_one_line(raw: str) -> None:
     with pytest.raises(ConfigError, match="OMP_NUM_THREADS"):
-        decide_threads(None, 1, 2, {"OMP_NUM_THREADS": raw})
+        decide_threads(None, 1, 2, {"OMP_NUM_THREADS": raw}, "OMP_NUM_THREADS")
 
 
 def test_plan_carries_the_decision(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,8 +99,7 @@ def test_fd_run_and_explain_report_threads_per_rank() -> None:
                          capture_output=True, text=True, env=env_free, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     doc = json.loads(run.stdout)
-    assert doc["threads"] == {"per_rank": 1, "reason": "--threads", "openmp": 1, "one_row_decode": 1,
-                              "one_row_decode_kernels": 1}
+    assert doc["threads"] == {"per_rank": 1, "reason": "--threads", "chosen": True}
     # The decode step's parts (fd -v prints them): choosing the token and the rest add up to the step.
     step = doc["decode_step_ms"]
     assert (0 < step["choose"] < step["step"]
@@ -102,7 +115,7 @@ def test_openmp_limit_reaches_the_loaded_runtime() -> None:
     """set_openmp_threads changes the OpenMP runtime paddle loaded (and loads none of its own)."""
     code = (
         "import ctypes, os, paddle\n"
-        "from fd_core.runtime.threads import OPENMP_LIBRARIES, set_openmp_threads\n"
+        "from fd_plugins.cpu.threads import OPENMP_LIBRARIES, set_openmp_threads\n"
         "def loaded():\n"
         "    for n in OPENMP_LIBRARIES:\n"
         "        try:\n"
@@ -120,16 +133,26 @@ def test_openmp_limit_reaches_the_loaded_runtime() -> None:
 
 
 def test_a_one_row_decode_step_runs_on_one_thread_unless_the_user_chose_the_count() -> None:
-    """The default MKL count drops to 1 for a one-row decode step (MKL does not thread it)
-    and its kernels keep the plan's; --threads and OMP_NUM_THREADS are kept; the report says so."""
-    from fd_core.runtime.report import threads_line
-    from fd_core.runtime.threads import decide_threads, phase_threads
+    """The cpu platform's MKL count drops to 1 for a one-row decode step (MKL does not thread it); a count the user
+    chose is kept in every phase."""
+    from fd_plugins.cpu.threads import phase_threads
 
-    default = decide_threads(None, 1, 2, {})
-    phases = [phase_threads(default, rows) for rows in (1, 2, None)]
-    assert [(p.per_rank, p.for_kernels) for p in phases] == [(1, 2), (2, 2), (2, 2)]
-    assert (default.to_dict()["one_row_decode"], default.to_dict()["one_row_decode_kernels"]) == (1, 2)
-    assert threads_line(default.to_dict()).endswith("; a one-row decode step: 1 for the library's products, 2 for a kernel that splits one)")
-    for chosen in (decide_threads(2, 1, 2, {}), decide_threads(None, 1, 2, {"OMP_NUM_THREADS": "2"})):
-        assert phase_threads(chosen, 1) == chosen and chosen.to_dict()["one_row_decode"] == 2
-        assert "one-row" not in threads_line(chosen.to_dict())
+    default = RankContext(threads=2)
+    assert [phase_threads(default, rows) for rows in (1, 2, None)] == [1, 2, 2]
+    chosen = RankContext(threads=2, threads_chosen=True)
+    assert [phase_threads(chosen, rows) for rows in (1, 2, None)] == [2, 2, 2]
+
+
+def test_fd_core_names_no_thread_library() -> None:
+    """The thread policy is the cpu platform's: fd_core's code names no OpenMP, MKL or Intel OpenMP setting."""
+    import pathlib
+    import re
+
+    import fd_core
+
+    root = pathlib.Path(fd_core.__file__).parent
+    named = [f"{path.relative_to(root)}:{n}" for path in sorted(root.rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if re.search(r"OpenMP|\bMKL\b|KMP_|OMP_NUM_THREADS|libiomp|libgomp", line)
+             and "cpu platform's OMP_NUM_THREADS" not in line]
+    assert not named, f"fd_core names a thread library: {named}"

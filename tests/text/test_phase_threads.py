@@ -1,6 +1,6 @@
 """A one-row decode step computes on one MKL thread and gives the plan's threads to the kernels that split a product
 (fd_core.kernels.compute_threads), a prefill and a wider step on the plan's: read from MKL itself and from the kernel's
-own view inside each phase (the engine sets them; MKL does not thread a one-row product, docs/benchmarks.md)."""
+own view inside each phase (the engine sets the kernels' count, the cpu platform's fd_before_step MKL's; MKL does not thread a one-row product, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import pytest
 
 from fd_core.host.backend import load_backend
 from fd_core.kernels import compute_threads
+from fd_core.lifecycle import RankContext
 from fd_core.runtime.engine.loop import Engine
 from fd_core.runtime.engine.runner import ModelRunner
 from fd_core.runtime.plan import model_config_for
 from fd_core.runtime.request import Request
-from fd_core.runtime.threads import Threads, apply_threads
+from fd_plugins.cpu.threads import apply_threads
 
 
 def mkl_threads() -> int:
@@ -49,14 +50,14 @@ def test_one_row_decodes_on_one_thread_and_prefill_and_two_rows_on_the_plans() -
 
     model.prefill, model.decode_step = timed_prefill, timed_decode
     try:
-        alone = Engine(runner, threads=Threads(2, "the test's plan")).generate(Request.greedy([[5, 6, 7]], 3))
+        alone = Engine(runner, rank=RankContext(threads=2)).generate(Request.greedy([[5, 6, 7]], 3))
         assert seen == [("prefill", 2, 2), ("decode", 1, 1, 2), ("decode", 1, 1, 2)]
         seen.clear()
-        Engine(runner, threads=Threads(2, "the test's plan")).generate(Request.greedy([[5, 6, 7], [8, 9]], 3))
+        Engine(runner, rank=RankContext(threads=2)).generate(Request.greedy([[5, 6, 7], [8, 9]], 3))
         assert seen == [("prefill", 2, 2), ("decode", 2, 2, 2), ("decode", 2, 2, 2)]
         # What it computes is the same on either count.
         seen.clear()
-        again = Engine(runner, threads=Threads(1, "one")).generate(Request.greedy([[5, 6, 7]], 3))
+        again = Engine(runner, rank=RankContext(threads=1)).generate(Request.greedy([[5, 6, 7]], 3))
         assert [c.token_ids for c in again] == [c.token_ids for c in alone] and seen[0] == ("prefill", 1, 1)
     finally:
-        apply_threads(Threads(1, "the test suite's own"))
+        apply_threads(1)

@@ -12,7 +12,9 @@ from itertools import count
 from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
 
 from fd_core.errors import FdError, NumericsError
+from fd_core.kernels import set_compute_threads
 from fd_core.kvcache import KVBatch
+from fd_core.lifecycle import RankContext
 from fd_core.runtime import progress
 from fd_core.runtime.engine.blocks import NULL_BLOCK, BlockPool, block_hash
 from fd_core.runtime.engine.runner import ModelRunner
@@ -20,7 +22,6 @@ from fd_core.runtime.engine.sampling import Sampler, SamplingParams
 from fd_core.runtime.memory import DEFAULT_MAX_PREFILL_TOKENS, MemoryPlan
 from fd_core.runtime.request import Request
 from fd_core.runtime.text.streaming import StreamDecoder, TextState
-from fd_core.runtime.threads import Threads, apply_phase
 
 if TYPE_CHECKING:
     from fd_core.runtime.text.tokenizer import Tokenizer
@@ -150,6 +151,14 @@ def _bucket(value: int, limit: int) -> int:
     return max(value, min(limit, 1 << max(0, value - 1).bit_length()))
 
 
+def capture_size(rows: int, sizes: Sequence[int], max_batch: int) -> int | None:
+    """The batch a decode step of `rows` rows is captured at: the smallest of the platform's capture sizes at or above
+    it (none declared: the power of two at or above it, at most max_batch); None above the largest: eager."""
+    if not sizes:
+        return _bucket(rows, max_batch)
+    return min((n for n in sizes if n >= rows), default=None)
+
+
 @dataclass
 class Engine:
     """The one generation loop: every caller (fd run, LLM, fd serve, fd check, the reference tests, the
@@ -169,11 +178,14 @@ class Engine:
     # The plan's memory: how many blocks the pool has and their size (None: a pool for max_batch sequences of
     # the model's whole context, in blocks of 16).
     memory: MemoryPlan | None = None
-    # The plan's compute threads: each phase sets what it computes on (apply_phase), on the calling thread.
-    threads: Threads | None = None
+    # The rank as the plan made it: before each phase the kernels get its compute threads (compute_threads) and the
+    # platform its fd_before_step, on the calling thread. None: neither (a check's engine, one thread).
+    rank: RankContext | None = None
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
     prefix_caching: bool = True
     decoded_tokens: int = 0
+    # Decode steps run eagerly although graphs are on: their batch was above the platform's largest capture size.
+    eager_steps: int = 0
     decode_s: float = 0.0
     # Core time this rank got while decoding (below decode_s: the machine was shared), and when the
     # first token of the first request was chosen (time.time()), for the time to first token.
@@ -209,6 +221,8 @@ class Engine:
         # for (64 positions), for graph buckets: a power of two of blocks in between.
         self.max_table = -(-context // block_size)
         self.min_table = min(self.max_table, max(1, MIN_CAPTURED_POSITIONS // block_size))
+        # The batch sizes the platform's graphs capture (Detection.capture_sizes; none: powers of two).
+        self.capture_sizes = tuple(sorted(set(self.runner.backend.detection.capture_sizes)))
 
     @property
     def tokens_per_s(self) -> float:
@@ -446,10 +460,9 @@ class Engine:
 
     def _use_threads(self, rows: int | None) -> None:
         """Compute the coming prefill (`rows` None) or decode step of `rows` rows on its phase's threads."""
-        if self.threads is not None:
-            # Every phase, not only on a change: MKL's count is the process's, which another engine may have set
-            # (cheap: docs/benchmarks.md).
-            apply_phase(self.threads, rows)
+        if self.rank is not None:
+            set_compute_threads(self.rank.threads)
+            self.runner.backend.before_step(self.rank, rows)
 
     def _prefill(self, chunks: Sequence[_Chunk], events: list[Event]) -> None:
         """The step's prompt chunks, right-padded into one batch (a prompt with pictures alone, whole); a chunk that
@@ -498,9 +511,12 @@ class Engine:
         model = self.runner.model
         assert model is not None
         rows, width = len(seqs), max(len(s.blocks) for s in seqs)
-        if self.runner.graphs_allowed:
-            rows, width = _bucket(rows, self.max_batch), _bucket(max(width, self.min_table), self.max_table)
+        captured = capture_size(rows, self.capture_sizes, self.max_batch) if self.runner.graphs_allowed else None
+        if captured is not None:
+            rows, width = captured, _bucket(max(width, self.min_table), self.max_table)
             self.runner.ensure_captured(rows, width)
+        elif self.runner.graphs_allowed:
+            self.eager_steps += 1  # above the platform's largest capture size
         tokens = np.full([rows, 1], PAD_ID, dtype=np.int64)
         starts = np.zeros(rows, dtype=np.int64)
         slots = np.zeros([rows, 1], dtype=np.int64)  # a free row writes the null block's first slot

@@ -114,10 +114,8 @@ class Scheduler:
 
     def __init__(
         self, tick: Tick, fatal: Callable[[BaseException], bool] = lambda error: True, name: str = "fd-scheduler",
-        on_start: Callable[[], None] | None = None,
     ) -> None:
         self._tick = tick
-        self._on_start = on_start
         self._fatal = fatal
         self._keys = itertools.count()
         self._lock = threading.Condition()
@@ -188,9 +186,6 @@ class Scheduler:
             raise SchedulerClosed("this LLM is closed; create a new one")
 
     def _run(self) -> None:
-        if self._on_start is not None:
-            # Per-thread settings of the thread that will compute (OpenMP's thread count is one).
-            self._on_start()
         while True:
             with self._lock:
                 while not (self._live or self._calls or self._closing):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 from fd_core.errors import RankError, setting
 from fd_core.runtime import progress
 from fd_core.runtime.ranks.spawn import DEFAULT_STALL_S, init_rank, spawn_ranks
-from fd_core.runtime.ranks.worker import RankWorker
+from fd_core.runtime.ranks.worker import RankWorker, end_reason
 
 if TYPE_CHECKING:
     from fd_core.runtime.engine.loop import Event, Job
@@ -35,6 +35,25 @@ def serve_rank(plan: "Plan", pipes: Sequence[Any]) -> dict[str, Any]:
     rank, world = init_rank()
     conn = pipes[rank]
     worker = RankWorker.start(plan, rank, world, before={"at": at, "rendezvous": time.time() - at})
+
+    def ended_by_signal(signum: int, frame: Any) -> None:
+        # The parent's SIGTERM stops the rank: the platform's fd_rank_end first (bounded), then the signal's own end.
+        worker.end("signal")
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, ended_by_signal)
+    try:
+        result = _serve(worker, rank, conn)
+    except BaseException as exc:
+        worker.end(end_reason(exc))
+        raise
+    worker.end("normal")
+    return result
+
+
+def _serve(worker: RankWorker, rank: int, conn: Any) -> dict[str, Any]:
+    """serve_rank's loop: the session's messages until it says close (or goes away)."""
     engine = worker.engine
     conn.send(("ready", {**worker.describe(), "pid": os.getpid()}))
     while True:

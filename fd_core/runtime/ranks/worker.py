@@ -12,12 +12,14 @@ from fd_core.config import ParallelConfig
 from fd_core.errors import PlatformError
 from fd_core.host.backend import Backend, load_backend
 from fd_core.host.loading import PluginSet, load_plugins
+from fd_core.lifecycle import EndReason, RankContext
 from fd_core.runtime import progress
 from fd_core.runtime.engine.loop import Engine
 from fd_core.runtime.engine.runner import ModelRunner
+from fd_core.runtime.memory import local_rank, local_ranks
 from fd_core.runtime.plan import Plan, plugin_env
 from fd_core.runtime.procstats import peak_resident_bytes, resident_bytes
-from fd_core.runtime.threads import apply_threads
+from fd_core.runtime.report import capture_report
 
 
 @dataclass
@@ -31,10 +33,12 @@ class RankWorker:
     runner: ModelRunner
     engine: Engine
     log: Callable[[str], None]
+    context: RankContext
     # When the run's clock started (fd's own start, else this rank's), and what the rank held on entry.
     started: float = 0.0
     entry_rss: int = 0
     reports: dict[str, Any] = field(default_factory=dict)
+    ended: bool = False
 
     @classmethod
     def start(
@@ -81,9 +85,30 @@ class RankWorker:
             # paddle still runs on the host; a device type without an index resolves to the device the
             # launcher selected for this rank (paddle reads it from the rank's environment).
             paddle.set_device(backend.detection.device)
-        if plan.threads is not None:
-            # The plan's compute threads per rank (fd_core.runtime.threads), before any weight is read.
-            apply_threads(plan.threads)
+        threads = plan.threads
+        context = RankContext(
+            rank=rank, world_size=tp, local_rank=local_rank(rank, tp), local_world_size=local_ranks(tp),
+            platform=backend.platform, device=backend.detection.device, model=arch.name, dtype=plan.config.dtype,
+            threads=threads.per_rank if threads is not None else 1,
+            threads_chosen=threads.chosen if threads is not None else False,
+        )
+        # The platform's own start of the rank (a device bound, a runtime started, thread pools sized), after fd
+        # selected the device type and before any tensor of the run: its failure stops the rank, named, and every
+        # plugin's fd_rank_end still runs (a start may have half happened).
+        try:
+            backend.rank_start(context)
+            return cls._load(plan, rank, tp, backend, arch, context, entered, entry_rss, before)
+        except BaseException as exc:
+            backend.rank_end(context, end_reason(exc))
+            raise
+
+    @classmethod
+    def _load(
+        cls, plan: Plan, rank: int, tp: int, backend: Backend, arch: Any, context: RankContext, entered: float,
+        entry_rss: int, before: Mapping[str, float] | None,
+    ) -> "RankWorker":
+        """The rest of start(), once the platform started the rank."""
+        run = plan.run
 
         def log(message: str) -> None:
             if rank == 0 and run.progress:
@@ -112,9 +137,15 @@ class RankWorker:
         log(f"loaded {arch.name} on {backend.platform} (tp={tp}) in {runner.timings['load']:.2f}s")
         runner.decide()
         tokenizer = plan.checkpoint.tokenizer_if_any() if plan.checkpoint is not None else None
-        engine = Engine(runner, tokenizer, run.max_batch, memory=plan.memory, threads=plan.threads,
+        engine = Engine(runner, tokenizer, run.max_batch, memory=plan.memory, rank=context,
                         max_prefill_tokens=run.max_prefill_tokens, prefix_caching=run.prefix_caching)
-        return cls(rank, tp, plan, backend, runner, engine, log, started, entry_rss)
+        return cls(rank, tp, plan, backend, runner, engine, log, context, started, entry_rss)
+
+    def end(self, reason: EndReason = "normal") -> None:
+        """The rank ends: the platform's fd_rank_end (bounded in time), once."""
+        if not self.ended:
+            self.ended = True
+            self.backend.rank_end(self.context, reason)
 
     def reload(self) -> None:
         """A weight update on this rank: graphs cleared, weights released, cleaned, loaded again; cached prefixes
@@ -131,6 +162,7 @@ class RankWorker:
             "model": self.plan.model,
             "tp": self.tp,
             "graph": self.runner.decision.to_dict(),
+            "capture": capture_report(self.engine.capture_sizes, self.engine.max_batch, self.engine.eager_steps),
             "all_reduce": self.backend.all_reduce_binding,
             "kernels": self.backend.kernels.providers(),
             "timings_s": {k: round(v, 4) for k, v in self.runner.timings.items()},
@@ -161,6 +193,15 @@ class RankWorker:
             "rss_bytes": resident_bytes(),
             "peak_rss_bytes": peak_resident_bytes(),
         }
+
+
+def end_reason(error: BaseException | None) -> EndReason:
+    """How a rank that stopped on `error` ended: a stop signal or an interrupt is "signal", any other error "error"."""
+    from fd_core.runtime.ranks.spawn import Terminated
+
+    if error is None:
+        return "normal"
+    return "signal" if isinstance(error, (Terminated, KeyboardInterrupt)) else "error"
 
 
 def _held_bytes(model: Any) -> int:

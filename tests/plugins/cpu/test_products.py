@@ -127,11 +127,12 @@ def test_a_worker_keeps_nothing_of_a_part_after_it() -> None:
 def test_a_model_decodes_the_same_tokens_with_its_products_split(threads, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny preset with every one-row product split (no size floor): the tokens of Paddle's own products."""
     from fd_core.host.backend import load_backend
+    from fd_core.lifecycle import RankContext
     from fd_core.runtime.engine.loop import Engine
     from fd_core.runtime.engine.runner import ModelRunner
     from fd_core.runtime.plan import model_config_for
     from fd_core.runtime.request import Request
-    from fd_core.runtime.threads import Threads, apply_threads
+    from fd_plugins.cpu.threads import apply_threads
 
     backend = load_backend(env={"FD_PLATFORM": "cpu"})
     arch = backend.plugins.registry.get("ernie4_5")
@@ -144,14 +145,14 @@ def test_a_model_decodes_the_same_tokens_with_its_products_split(threads, monkey
     monkeypatch.setattr(products, "_cores", lambda: 2)
     request = Request.greedy([[5, 6, 7, 8]], 6)
     try:
-        plain = Engine(runner, threads=Threads(1, "one")).generate(request)
+        plain = Engine(runner, rank=RankContext(threads=1)).generate(request)
         assert calls and set(calls) == {1}
         calls.clear()
         monkeypatch.setattr(products, "SPLIT_MIN_BYTES", 0)
-        split = Engine(runner, threads=Threads(2, "two")).generate(request)
+        split = Engine(runner, rank=RankContext(threads=2)).generate(request)
         assert 2 in calls  # the decode steps' products were split
     finally:
-        apply_threads(Threads(1, "the test suite's own"))
+        apply_threads(1)
     assert [c.token_ids for c in split] == [c.token_ids for c in plain]
 
 
