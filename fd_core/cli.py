@@ -164,7 +164,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from fd_core.host.backend import load_backend
     from fd_core.host.loading import load_plugins
     from fd_core.runtime.memory import plan_memory
-    from fd_core.runtime.plan import DEFAULT_MODEL, RunConfig, compute_dtype, plan_model, run_threads
+    from fd_core.runtime.plan import DEFAULT_MODEL, RunConfig, compute_dtype, plan_model, run_settings, run_threads
     from fd_core.runtime.report import (
         capture_line,
         capture_report,
@@ -180,30 +180,33 @@ def cmd_explain(args: argparse.Namespace) -> int:
                     quantization=args.quantization, graph=args.graph,
                     memory_fraction=args.memory_fraction, threads=args.threads, kv_block_size=args.kv_block_size,
                     kv_cache_blocks=args.kv_cache_blocks, prefix_caching=args.prefix_caching,
-                    max_prefill_tokens=args.max_prefill_tokens)
+                    max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens,
+                    max_prefill_prompts=args.max_prefill_prompts)
     if len(plugins.registry):
         # What fd run plans, by the same function: the checkpoint's architecture and config.json, the layout fd run
-        # would refuse refused here in the same words (no decision is shown for it), memory and threads.
+        # would refuse refused here in the same words (no decision is shown for it), memory, threads and settings.
         model = plan_model(run, plugins, backend)
-        config, memory, threads = model.config, model.memory, model.threads
+        config, memory, threads, settings = model.config, model.memory, model.threads, model.settings
         model_line = f"{model.arch.name} (registered by {model.arch.package})"
     else:
         name = args.model or DEFAULT_MODEL
         config = ModelConfig(architecture=name, dtype=compute_dtype(args.dtype, backend))
         model_line = f"{name} (no model package registers it)"
+        settings = run_settings(run, backend, config.dtype)
         memory = plan_memory(
             config, args.tp, backend.detection, args.memory_fraction, backend.platform, config.architecture,
-            block_size=args.kv_block_size, kv_cache_blocks=args.kv_cache_blocks,
-            max_prefill_tokens=args.max_prefill_tokens,
+            block_size=settings.kv_block_size, kv_cache_blocks=args.kv_cache_blocks, max_batch=settings.max_batch,
+            max_prefill_tokens=settings.max_prefill_tokens,
         )
         threads = run_threads(run, backend.detection)
     decision = backend.graph_decision(config, requested=args.graph)
-    kv = kv_cache_report(memory, backend.kernels.providers(), args.prefix_caching, args.max_prefill_tokens)
-    capture = capture_report(backend.detection.capture_sizes, run.max_batch)
+    kv = kv_cache_report(memory, backend.kernels.providers(), args.prefix_caching, settings.max_prefill_tokens)
+    capture = capture_report(backend.detection.capture_sizes, settings.max_batch)
     if args.json:
         _print_json({**backend.describe(), "model": config.architecture, "graph": decision.to_dict(),
                      "capture": capture, "dtype": config.dtype, "quantization": config.quantization,
-                     "memory": memory.to_dict(), "threads": threads.to_dict(), "kv_cache": kv})
+                     "memory": memory.to_dict(), "threads": threads.to_dict(), "kv_cache": kv,
+                     "settings": settings.to_dict()})
         return 0
     det = backend.detection
     lines = [
@@ -219,7 +222,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     quantized = (f"; linear layers {config.quantization} (quant_matmul, weights quantized at load)"
                  if config.quantization else "")
     lines += [f"dtype: {config.dtype}{quantized}", threads_line(threads.to_dict()), f"memory: {memory.summary()}",
-              kv_cache_line(kv)]
+              kv_cache_line(kv), "settings (each the option's, the platform's or fd's default):"]
+    lines += [f"  {line}" for line in settings.lines()]
     print(_fit(lines), file=_stdout())
     return 0
 
@@ -335,6 +339,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         kv_cache_blocks=args.kv_cache_blocks,
         prefix_caching=args.prefix_caching,
         max_prefill_tokens=args.max_prefill_tokens,
+        max_prefill_prompts=args.max_prefill_prompts,
         # Text streams to an interactive terminal as it is produced (one prompt; several print in order at the end).
         stream=bool(texts) and len(texts) == 1 and not args.json and _stdout().isatty(),
         started_at=process_start_time(ENTERED_AT),
@@ -400,7 +405,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  stall_timeout=args.stall_timeout, memory_fraction=args.memory_fraction, threads=args.threads,
                  kv_block_size=args.kv_block_size, kv_cache_blocks=args.kv_cache_blocks,
                  prefix_caching=args.prefix_caching, max_prefill_tokens=args.max_prefill_tokens,
-                 quantization=args.quantization)
+                 max_prefill_prompts=args.max_prefill_prompts, quantization=args.quantization)
 
 
 def cmd_save_random(args: argparse.Namespace) -> int:
@@ -575,9 +580,10 @@ def _version() -> str:
 
 
 def _cache_options(p: argparse.ArgumentParser) -> None:
-    """The paged KV cache's options, as fd run, fd serve and fd explain take them."""
+    """The batch and the paged KV cache's options, as fd run, fd serve and fd explain take them."""
     from fd_core.detection import DEFAULT_KV_BLOCK_SIZE
     from fd_core.runtime.memory import DEFAULT_MAX_PREFILL_TOKENS
+    from fd_core.runtime.settings import DEFAULT_MAX_BATCH
 
     p.add_argument("--kv-block-size", type=_positive, default=None, metavar="N",
                    help=f"positions a KV-cache block holds (default: the platform's, else {DEFAULT_KV_BLOCK_SIZE})")
@@ -586,9 +592,14 @@ def _cache_options(p: argparse.ArgumentParser) -> None:
                         "by the platform's KV budget and by what --max-batch sequences of the whole context could use)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not share full KV-cache blocks between sequences with the same prefix (default: share)")
-    p.add_argument("--max-prefill-tokens", type=_positive, default=DEFAULT_MAX_PREFILL_TOKENS, metavar="N",
+    p.add_argument("--max-batch", type=_positive, default=None, metavar="N",
+                   help=f"most sequences decoded together (default: the platform's, else {DEFAULT_MAX_BATCH})")
+    p.add_argument("--max-prefill-tokens", type=_positive, default=None, metavar="N",
                    help=f"most prompt tokens one step prefills, beside the running decodes; a longer prompt is "
-                        f"prefilled in chunks (default: {DEFAULT_MAX_PREFILL_TOKENS})")
+                        f"prefilled in chunks (default: the platform's, else {DEFAULT_MAX_PREFILL_TOKENS})")
+    p.add_argument("--max-prefill-prompts", type=_positive, default=None, metavar="N",
+                   help="most prompts one step prefills (default: the platform's, else as many as the token budget "
+                        "allows)")
 
 
 def build_parser(
@@ -676,8 +687,6 @@ def build_parser(
                         "(default: generation_config.json's, else 1.0)")
     p.add_argument("--top-k", type=_non_negative, default=None, metavar="K",
                    help="sample from the k most likely tokens; 0 is all (default: generation_config.json's, else 0)")
-    p.add_argument("--max-batch", type=_positive, default=8, metavar="N",
-                   help="most prompts decoded together (default: 8)")
     p.add_argument("--image", action="append", default=None, metavar="PATH",
                    help="a picture for a VL model: PNG, JPEG, or .npy [3,H,W] in [0,1]; repeat for several, in the "
                         "order of their placeholders (default: none)")
@@ -733,8 +742,6 @@ def build_parser(
     p.add_argument("--image-root", action="append", default=None, metavar="DIR",
                    help="a directory whose files chat requests may name as pictures "
                         "(repeatable; default: none, data URLs only)")
-    p.add_argument("--max-batch", type=_positive, default=8, metavar="N",
-                   help="most requests decoded together (default: 8)")
     p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
                    help="compute dtype (default: the platform's preferred one, the first it lists; see fd plugins)")
     p.add_argument("--quantization", default=None, choices=tuple(SCHEMES), help=quantization_help)

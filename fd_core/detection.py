@@ -72,6 +72,13 @@ class Detection:
     # The decode batch sizes its graph backend captures (contract 1.2): a decode step is padded up to the next one and
     # runs eagerly above the largest. Empty: fd's, powers of two up to the run's max batch.
     capture_sizes: tuple[int, ...] = ()
+    # Defaults for what the user did not set (contract 1.2; the option wins; None: fd's default): the most sequences
+    # decoded together (--max-batch; fd: 8), prompt tokens prefilled in one step (--max-prefill-tokens; fd: 512) and
+    # prompts prefilled in one step (--max-prefill-prompts; fd: no limit; a device that prefills one prompt a step
+    # says 1).
+    max_batch: int | None = None
+    max_prefill_tokens: int | None = None
+    max_prefill_prompts: int | None = None
 
     def __post_init__(self) -> None:
         if self.memory_bytes is not None:
@@ -96,7 +103,7 @@ class Detection:
             isinstance(self.max_ranks, bool) or not isinstance(self.max_ranks, int) or self.max_ranks < 1
         ):
             return f"max_ranks={self.max_ranks!r}, expected None or a positive integer"
-        for name in ("kv_block_size", "kv_cache_bytes"):
+        for name in ("kv_block_size", "kv_cache_bytes", "max_batch", "max_prefill_tokens", "max_prefill_prompts"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 return f"{name}={value!r}, expected None or a positive integer"

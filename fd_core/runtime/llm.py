@@ -17,7 +17,7 @@ from fd_core.runtime.engine.loop import Completion, jobs_of
 from fd_core.runtime.engine.sampling import SamplingParams
 from fd_core.runtime.engine.scheduler import Submission
 from fd_core.runtime.images import load_image
-from fd_core.runtime.memory import DEFAULT_MAX_PREFILL_TOKENS, DEFAULT_MEMORY_FRACTION
+from fd_core.runtime.memory import DEFAULT_MEMORY_FRACTION
 from fd_core.runtime.plan import RunConfig, plan_run, plugin_env
 from fd_core.runtime.ranks.spawn import DEFAULT_STALL_S
 from fd_core.runtime.request import Request, build_request, messages_prompt
@@ -39,11 +39,13 @@ class LLM:
 
     def __init__(
         self, checkpoint: str | Path | None = None, *, model: str | None = None, tp: int = 1,
-        platform: str | None = None, dtype: str | None = None, graph: str = "auto", seed: int = 0, max_batch: int = 8,
+        platform: str | None = None, dtype: str | None = None, graph: str = "auto", seed: int = 0,
+        max_batch: int | None = None,
         progress: bool = False, rank_timeout: float = 30.0, memory_fraction: float = DEFAULT_MEMORY_FRACTION,
         stall_timeout: float = DEFAULT_STALL_S, threads: int | None = None, kv_block_size: int | None = None,
         kv_cache_blocks: int | None = None, prefix_caching: bool = True,
-        max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, quantization: str | None = None,
+        max_prefill_tokens: int | None = None, max_prefill_prompts: int | None = None,
+        quantization: str | None = None,
     ) -> None:
         quiet_paddle_logs()  # before paddle is imported: its C++ logs stay off the caller's terminal
         if graph not in ("auto", "off", "on"):
@@ -53,7 +55,7 @@ class LLM:
                         max_batch=max_batch, progress=progress, platform=platform, memory_fraction=memory_fraction,
                         threads=threads, kv_block_size=kv_block_size, kv_cache_blocks=kv_cache_blocks,
                         prefix_caching=bool(prefix_caching), max_prefill_tokens=max_prefill_tokens,
-                        quantization=quantization)
+                        max_prefill_prompts=max_prefill_prompts, quantization=quantization)
         self._plugins = load_plugins(plugin_env(platform))
         self._backend = Backend(self._plugins)
         # The plan's request is a placeholder: the plugins' fd_check_request is asked about each real one (_request).
@@ -103,6 +105,13 @@ class LLM:
         """The paged KV cache's counts on rank 0, as of the last sequence that ended: blocks_total, blocks_used,
         block_size, prefix_cache_queried_tokens, prefix_cache_hit_tokens, preemptions."""
         return dict(self._info.get("kv_cache") or {})
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The run's max batch, prefill budgets, KV-cache block size and dtype, each with where it came from (the
+        argument, the platform's default or fd's): {"max_batch": {"value": 8, "from": "fd's default"}, ...}."""
+        settings = self._plan.settings
+        return settings.to_dict() if settings is not None else {}
 
     @property
     def threads(self) -> int:

@@ -19,13 +19,13 @@ from fd_core.runtime.checkpoint import Checkpoint
 from fd_core.runtime.engine.sampling import SamplingParams
 from fd_core.runtime.images import load_image
 from fd_core.runtime.memory import (
-    DEFAULT_MAX_PREFILL_TOKENS,
     DEFAULT_MEMORY_FRACTION,
     MemoryPlan,
     local_ranks,
     plan_memory,
 )
 from fd_core.runtime.request import Request, build_request
+from fd_core.runtime.settings import Settings, resolve_settings
 from fd_core.runtime.threads import Threads, decide_threads
 
 DEFAULT_MODEL = "ernie4_5"
@@ -63,7 +63,8 @@ class RunConfig:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    max_batch: int = 8
+    # The most sequences decoded together; None: the platform's default, else fd's (fd_core.runtime.settings).
+    max_batch: int | None = None
     # Rank 0 writes text to stdout as it is produced (an interactive terminal).
     stream: bool = False
     # A platform to use instead of the selected one (as FD_PLATFORM does).
@@ -84,18 +85,20 @@ class RunConfig:
     kv_block_size: int | None = None
     kv_cache_blocks: int | None = None
     prefix_caching: bool = True
-    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+    # None: the platform's, else fd's (2048 tokens; no limit of prompts).
+    max_prefill_tokens: int | None = None
+    max_prefill_prompts: int | None = None
 
     def __post_init__(self) -> None:
         # Checked here, where `fd run` and the Python API both pass, in the API's words (the CLI's own
         # parser refuses these first, naming its options).
         for name in ("seed", "max_batch"):
             value = getattr(self, name)
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
                 raise ConfigError(f"{name} must be an integer, got {value!r:.40}")
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
-        if self.max_batch < 1:
+        if self.max_batch is not None and self.max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1 (prompts decoded together), got {self.max_batch}")
 
 
@@ -127,8 +130,10 @@ class Plan:
     checkpoint: Checkpoint | None = None
     # Weights per rank and the KV-cache capacity, from the platform's memory report (fd_core.runtime.memory).
     memory: MemoryPlan | None = None
-    # Compute threads per rank (RankWorker applies them before loading).
+    # Compute threads per rank (RankWorker hands them to the platform's fd_rank_start).
     threads: Threads | None = None
+    # Max batch, prefill budgets, block size and dtype, each the user's, the platform's or fd's default.
+    settings: Settings | None = None
 
     def architecture(self, plugins: PluginSet) -> Architecture:
         """The planned architecture as `plugins` registers it."""
@@ -248,6 +253,7 @@ class ModelPlan:
     checkpoint: Checkpoint | None
     memory: MemoryPlan
     threads: Threads
+    settings: Settings
 
 
 def plan_model(run: RunConfig, plugins: PluginSet, backend: Backend) -> ModelPlan:
@@ -255,6 +261,7 @@ def plan_model(run: RunConfig, plugins: PluginSet, backend: Backend) -> ModelPla
     threads = run_threads(run, backend.detection)
     arch, checkpoint = model_and_checkpoint(run.model, run.checkpoint, plugins)
     config = model_config_for(arch, checkpoint, compute_dtype(run.dtype, backend))
+    settings = run_settings(run, backend, config.dtype)
     if run.quantization is not None:
         config = config.with_overrides(quantization=run.quantization)
         config.check()
@@ -266,9 +273,16 @@ def plan_model(run: RunConfig, plugins: PluginSet, backend: Backend) -> ModelPla
     check_tp(run.tp, config, arch, backend)
     # Weights per rank against the device, and the KV-cache capacity: before the request, which must fit it.
     memory = plan_memory(config, run.tp, backend.detection, run.memory_fraction, backend.platform, arch.name,
-                         block_size=run.kv_block_size, kv_cache_blocks=run.kv_cache_blocks, max_batch=run.max_batch,
-                         max_prefill_tokens=run.max_prefill_tokens)
-    return ModelPlan(arch, config, checkpoint, memory, threads)
+                         block_size=settings.kv_block_size, kv_cache_blocks=run.kv_cache_blocks,
+                         max_batch=settings.max_batch, max_prefill_tokens=settings.max_prefill_tokens)
+    return ModelPlan(arch, config, checkpoint, memory, threads, settings)
+
+
+def run_settings(run: RunConfig, backend: Backend, dtype: str) -> Settings:
+    """The run's settings: the user's, else the platform's defaults, else fd's (fd_core.runtime.settings)."""
+    requested = {"max_batch": run.max_batch, "max_prefill_tokens": run.max_prefill_tokens,
+                 "max_prefill_prompts": run.max_prefill_prompts, "kv_block_size": run.kv_block_size}
+    return resolve_settings(requested, backend.detection, backend.platform, dtype, run.dtype is not None)
 
 
 def plan_run(
@@ -298,4 +312,4 @@ def plan_run(
         run, model.arch, model.config, model.checkpoint, pictures, model.memory, backend if gate else None
     )
     return Plan(run, model.arch.name, model.config, backend.platform, backend.detection.dist_backend, request,
-                model.checkpoint, model.memory, model.threads)
+                model.checkpoint, model.memory, model.threads, model.settings)

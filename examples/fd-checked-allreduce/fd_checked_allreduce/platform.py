@@ -15,11 +15,16 @@ import os
 import zlib
 from typing import Any
 
-from fd_core import Capabilities, Detection, GraphVote, ModelConfig, ParallelConfig, hookimpl
+from fd_core import Capabilities, Detection, GraphVote, ModelConfig, ParallelConfig, RankContext, hookimpl
 from fd_plugins.cpu import platform as _cpu
 
-# The version of fd's plugin contract this plugin was written for (fd_core.contract).
-FD_CONTRACT = "1.0"
+# The version of fd's plugin contract this plugin was written for (fd_core.contract): 1.2 for the rank lifecycle
+# hooks, capture sizes and platform defaults.
+FD_CONTRACT = "1.2"
+
+# The decode batch sizes its static graphs are captured at (a batch of 3 is padded to 4, one above 8 runs eagerly):
+# fewer captures to trace while debugging, and fd's capture-size check runs against a platform that declares them.
+CAPTURE_SIZES = (1, 2, 4, 8)
 
 # What the conformance suite (`fd check cpu_checked`) checks: the cpu platform's dtypes. Graphs:
 # the cpu static-graph backend, vetoed at tp > 1 (see fd_graph_eligibility).
@@ -45,7 +50,31 @@ def fd_platform_detect() -> Detection:
         device="cpu",
         dist_backend="gloo",
         max_ranks=cores,
+        capture_sizes=CAPTURE_SIZES,
+        # One prompt prefilled a step (fd's default: as many as the token budget allows): a mismatch report then
+        # names the call of one prompt's prefill, not of a batch of them. `--max-prefill-prompts` overrides it.
+        max_prefill_prompts=1,
     )
+
+
+@hookimpl
+def fd_rank_start(rank: RankContext) -> None:
+    """A rank's call numbers start at 1 (a new rank in this process, after another ended); then the cpu platform's
+    thread pools."""
+    _CALLS.clear()
+    _cpu.fd_rank_start(rank)
+
+
+@hookimpl
+def fd_before_step(rank: RankContext, rows: int | None) -> None:
+    """The cpu platform's per-phase thread policy."""
+    _cpu.fd_before_step(rank, rows)
+
+
+@hookimpl
+def fd_rank_end(rank: RankContext, reason: str) -> None:
+    """Forget the rank's call numbers."""
+    _CALLS.clear()
 
 
 @hookimpl

@@ -182,6 +182,8 @@ class Engine:
     # platform its fd_before_step, on the calling thread. None: neither (a check's engine, one thread).
     rank: RankContext | None = None
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+    # The most prompts one step prefills (None: as many as the token budget allows; a platform may say 1).
+    max_prefill_prompts: int | None = None
     prefix_caching: bool = True
     decoded_tokens: int = 0
     # Decode steps run eagerly although graphs are on: their batch was above the platform's largest capture size.
@@ -369,7 +371,7 @@ class Engine:
                 take = seq.pending
             else:
                 take = min(seq.pending, budget)
-                if take == 0:
+                if take == 0 or self._prompts_full(prefills):
                     index += 1
                     continue
             need = self._blocks_for(seq, seq.computed + take)
@@ -396,7 +398,7 @@ class Engine:
             seq = self._waiting[0]
             if seq.job.images and prefills:
                 break
-            if not seq.job.images and budget <= 0:
+            if (not seq.job.images and budget <= 0) or self._prompts_full(prefills):
                 break
             hits = self._lookup(seq)
             take = seq.pending if seq.job.images else min(seq.pending, budget)
@@ -416,6 +418,10 @@ class Engine:
                 budget -= min(budget, take)
                 pictures = bool(seq.job.images)
         return prefills, decodes
+
+    def _prompts_full(self, prefills: Sequence[_Chunk]) -> bool:
+        """Whether the step prefills as many prompts as it may (max_prefill_prompts)."""
+        return self.max_prefill_prompts is not None and len(prefills) >= self.max_prefill_prompts
 
     def _lookup(self, seq: _Seq) -> list[int]:
         """Its prompt's leading full blocks found cached (held now), set as its first blocks and computed; a sequence

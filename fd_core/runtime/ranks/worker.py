@@ -137,8 +137,11 @@ class RankWorker:
         log(f"loaded {arch.name} on {backend.platform} (tp={tp}) in {runner.timings['load']:.2f}s")
         runner.decide()
         tokenizer = plan.checkpoint.tokenizer_if_any() if plan.checkpoint is not None else None
-        engine = Engine(runner, tokenizer, run.max_batch, memory=plan.memory, rank=context,
-                        max_prefill_tokens=run.max_prefill_tokens, prefix_caching=run.prefix_caching)
+        settings = plan.settings
+        assert settings is not None, "plan_run resolves the settings"
+        engine = Engine(runner, tokenizer, settings.max_batch, memory=plan.memory, rank=context,
+                        max_prefill_tokens=settings.max_prefill_tokens,
+                        max_prefill_prompts=settings.max_prefill_prompts, prefix_caching=run.prefix_caching)
         return cls(rank, tp, plan, backend, runner, engine, log, context, started, entry_rss)
 
     def end(self, reason: EndReason = "normal") -> None:
