@@ -104,6 +104,29 @@ OPS: dict[str, Op] = {op.name: op for op in (
        # Looser than matmul's: a kernel may apply the scales after the sum, or dequantize in the compute dtype.
        tolerances={"float32": (1e-4, 1e-4), "float16": (4e-3, 4e-3), "bfloat16": (3e-2, 3e-2)},
        prepared=("weight", "scales")),
+    Op("add_rms_norm", ("x", "residual", "weight", "eps"),
+       "a pre-norm decoder layer's residual add and its next norm: x and residual [..., H] of one dtype, weight [H]; "
+       "summed = x + residual, in x's dtype (rounded to it, as an unfused add is), and normed = the rms_norm op's "
+       "result on summed, weight and eps (summed / sqrt(mean(summed^2 over H) + eps) in float32, cast back to x's "
+       "dtype, then times weight); returns the pair (normed, summed), each with x's dtype and shape"),
+    Op("gelu", ("x", "approximate"),
+       "GELU elementwise, computed in float32 and cast back to x's dtype (the result has x's dtype and shape): "
+       "approximate 'none': 0.5 x (1 + erf(x / sqrt(2))); 'tanh': 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 "
+       "x^3))); 'sigmoid': x sigmoid(1.702 x) (quick GELU); another value of approximate is an error"),
+    Op("moe_experts", ("x", "gate", "up", "down", "chosen", "weights"),
+       "a mixture of experts' routed experts, each a SwiGLU MLP: x [T, H]; the experts' stacked weights gate and up "
+       "[E, I, H], down [E, H, I] (expert e's checkpoint gate_proj, up_proj and down_proj, [out, in]; under tensor "
+       "parallelism this rank's slice of I); chosen [T, k] int64, row t's k distinct experts in [0, E); weights "
+       "[T, k] in x's dtype. Returns [T, H] in x's dtype: out[t] = sum over j of weights[t, j] * (down[e] @ "
+       "(silu(gate[e] @ x[t]) * (up[e] @ x[t]))) with e = chosen[t, j], each product summed in float32 or wider and "
+       "rounded to x's dtype, silu(.) * up in x's dtype as silu_and_mul, the k weighted terms added in x's dtype or "
+       "wider; a term whose weight is exactly 0 "
+       "contributes nothing and may be skipped (its expert not run for that token: a modality's experts get the "
+       "other modality's tokens at weight 0). This rank's partial sum: the caller all-reduces it. A decode step's "
+       "T is its batch size (captured); a prefill's, its tokens (eager)",
+       # Looser than the elementwise ops' in float32, as matmul's: a kernel orders the H- and I-term sums and the
+       # k-term sum its own way. No preparation (prepared=()): a kernel receives the stacked weights as they loaded.
+       tolerances={"float32": (1e-4, 1e-4), "float16": (2e-3, 2e-3), "bfloat16": (2e-2, 2e-2)}),
 )}
 
 

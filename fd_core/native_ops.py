@@ -10,6 +10,8 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from fd_core.graphs import capturing
+
 
 def matmul(x: paddle.Tensor, weight: paddle.Tensor, transpose_weight: bool) -> paddle.Tensor:
     """x @ weight, or x @ weight^T when transpose_weight (Paddle's own product)."""
@@ -32,9 +34,84 @@ def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tens
     return x32.astype(x.dtype) * weight
 
 
+def add_rms_norm(
+    x: paddle.Tensor, residual: paddle.Tensor, weight: paddle.Tensor, eps: float
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """(rms_norm(x + residual), x + residual): the add in x's dtype, then the norm exactly as rms_norm computes it."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
 def silu_and_mul(gate: paddle.Tensor, up: paddle.Tensor) -> paddle.Tensor:
     """silu(gate) * up."""
     return F.silu(gate) * up
+
+
+def gelu(x: paddle.Tensor, approximate: str) -> paddle.Tensor:
+    """GELU in float32, cast back to x's dtype: erf ("none"), the tanh approximation ("tanh"), or x * sigmoid(1.702 x)
+    ("sigmoid", quick GELU)."""
+    x32 = x if x.dtype == paddle.float32 else x.astype("float32")
+    if approximate == "none":
+        out = F.gelu(x32)
+    elif approximate == "tanh":
+        out = F.gelu(x32, approximate=True)
+    elif approximate == "sigmoid":
+        out = x32 * F.sigmoid(1.702 * x32)
+    else:
+        raise ValueError(f"gelu: approximate must be 'none', 'tanh' or 'sigmoid', got {approximate!r}")
+    return out if out.dtype == x.dtype else out.astype(x.dtype)
+
+
+def moe_experts(
+    x: paddle.Tensor, gate: paddle.Tensor, up: paddle.Tensor, down: paddle.Tensor, chosen: paddle.Tensor,
+    weights: paddle.Tensor,
+) -> paddle.Tensor:
+    """sum_j weights[t, j] * SwiGLU expert chosen[t, j] of x[t], for x [T, H] -> [T, H].
+
+    Two strategies. Gathered (fixed shapes, capturable): each token's k experts gathered and run as one batched
+    product, taken inside a capture (or a static program) and whenever the T x k gathered experts are no more than
+    the E there are (a decode step's few tokens). Looped (shapes depend on the routing, eager only): each expert runs
+    on the tokens routed to it at a nonzero weight, and is skipped when there are none, so the tokens given weight 0
+    (another modality's) cost nothing.
+    """
+    tokens, top_k = chosen.shape[0], chosen.shape[1]
+    if capturing() or not paddle.in_dynamic_mode() or tokens * top_k <= gate.shape[0]:
+        return _moe_gathered(x, gate, up, down, chosen, weights)
+    return _moe_looped(x, gate, up, down, chosen, weights)
+
+
+def _moe_gathered(
+    x: paddle.Tensor, gate: paddle.Tensor, up: paddle.Tensor, down: paddle.Tensor, chosen: paddle.Tensor,
+    weights: paddle.Tensor,
+) -> paddle.Tensor:
+    """Every (token, choice) pair's expert gathered: [T*k, I, H] weights multiplied batched, the k results summed."""
+    tokens, top_k = x.shape[0], chosen.shape[1]
+    flat = chosen.reshape([-1])
+    xs = paddle.repeat_interleave(x, top_k, axis=0).unsqueeze(1)  # [T*k, 1, H]
+    gated = paddle.matmul(xs, paddle.gather(gate, flat), transpose_y=True)
+    upped = paddle.matmul(xs, paddle.gather(up, flat), transpose_y=True)
+    out = paddle.matmul(F.silu(gated) * upped, paddle.gather(down, flat), transpose_y=True)  # [T*k, 1, H]
+    return paddle.sum(out.reshape([tokens, top_k, -1]) * weights.unsqueeze(-1), axis=1)
+
+
+def _moe_looped(
+    x: paddle.Tensor, gate: paddle.Tensor, up: paddle.Tensor, down: paddle.Tensor, chosen: paddle.Tensor,
+    weights: paddle.Tensor,
+) -> paddle.Tensor:
+    """Each expert on the tokens that chose it at a nonzero weight, its weighted output added to theirs."""
+    out = paddle.zeros_like(x)
+    live = weights != 0
+    for e in range(gate.shape[0]):
+        hit = chosen == e
+        rows = paddle.nonzero(paddle.any(hit & live, axis=-1)).reshape([-1])
+        if rows.shape[0] == 0:
+            continue
+        token_weight = paddle.sum(paddle.gather(weights * hit.astype(weights.dtype), rows), axis=-1)
+        xe = paddle.gather(x, rows)
+        he = F.silu(paddle.matmul(xe, gate[e], transpose_y=True)) * paddle.matmul(xe, up[e], transpose_y=True)
+        ye = paddle.matmul(he, down[e], transpose_y=True) * token_weight.unsqueeze(-1)
+        out = paddle.scatter(out, rows, paddle.gather(out, rows) + ye)
+    return out
 
 
 def rotary_embedding(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, layout: str) -> paddle.Tensor:

@@ -3,7 +3,6 @@ and the resolved op table a Backend holds (an extension's kernel over the platfo
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -25,9 +24,28 @@ class Kernel:
 
 
 def nearest_op(name: str) -> str:
-    """', did you mean X?' when an op name is close to `name`, else ''."""
-    close = difflib.get_close_matches(name, list(OPS), n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    """'; did you mean X?' when `name` looks like a misspelling of one of fd's ops (at most two letters changed,
+    added, removed or swapped, and at most a quarter of the name), else '': a name merely sharing a part with an op
+    (add_rms_norm and rms_norm, fused_rope and rotary_embedding) is another op, not a typo of it."""
+    allowed = min(2, len(name) // 4)
+    close = sorted((distance, op) for op in OPS if (distance := _edits(name, op)) <= allowed)
+    return f"; did you mean {close[0][1]!r}?" if close else ""
+
+
+def _edits(a: str, b: str) -> int:
+    """The optimal-string-alignment distance between a and b: insertions, deletions, substitutions and swaps of two
+    adjacent letters, one edit each."""
+    if abs(len(a) - len(b)) > 2:
+        return 3  # more than any suggestion allows
+    rows = [list(range(len(b) + 1))]
+    for i in range(1, len(a) + 1):
+        row = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            row[j] = min(rows[i - 1][j] + 1, row[j - 1] + 1, rows[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], rows[i - 2][j - 2] + 1)
+        rows.append(row)
+    return rows[-1][-1]
 
 
 def _signature_problem(fn: Any, want: tuple[str, ...]) -> str | None:
@@ -148,6 +166,9 @@ class Ops:
     paged_attention: Callable[..., Any]
     paged_prefill_attention: Callable[..., Any]
     quant_matmul: Callable[..., Any]
+    add_rms_norm: Callable[..., Any]
+    gelu: Callable[..., Any]
+    moe_experts: Callable[..., Any]
 
     def __init__(self, table: KernelTable, native: Any) -> None:
         self.providers = table.providers()
@@ -162,6 +183,11 @@ class Ops:
                 # Called with weights as they loaded (a model that does not prepare them): prepared on every call.
                 fn = self._preparing(name, fn)
             setattr(self, name, fn)
+        if self.native("add_rms_norm") and not self.native("rms_norm"):
+            # No kernel of its own: the add, then the rms_norm kernel in use (a platform or an extension that has an
+            # rms_norm kernel keeps serving every norm of the decoder). Exactly the op's semantics, as the native
+            # add_rms_norm is the add, then the native rms_norm.
+            self.add_rms_norm = _add_then(self.rms_norm)
 
     def native(self, name: str) -> bool:
         """Whether `name` runs the native implementation."""
@@ -191,6 +217,16 @@ class Ops:
 
         call.__name__ = getattr(fn, "__name__", name)
         return call
+
+
+def _add_then(rms_norm: Callable[..., Any]) -> Callable[..., Any]:
+    """add_rms_norm as the add, then `rms_norm`."""
+
+    def add_rms_norm(x: Any, residual: Any, weight: Any, eps: float) -> tuple[Any, Any]:
+        summed = x + residual
+        return rms_norm(summed, weight, eps), summed
+
+    return add_rms_norm
 
 
 def _placed(name: str, args: tuple[Any, ...], result: Any, plugin: str) -> tuple[Any, ...]:

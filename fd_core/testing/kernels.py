@@ -57,6 +57,23 @@ def cases(op: str, plugins: PluginSet, dtype: str, seed: int = 0) -> Iterator[tu
                 for eps in (1e-6, 1e-5):
                     small = (t(*shape, kind="float32") * eps ** 0.5).astype(dtype)
                     yield f"x{list(shape)} of mean square ~ eps={eps:g}", (small, t(shape[-1]), eps)
+        elif op == "add_rms_norm":
+            for shape in ((1, 1, h), (2, 5, h)):
+                yield f"x{list(shape)} + residual", (t(*shape), t(*shape), t(shape[-1]), 1e-6)
+                # A sum of mean square ~ eps (a sublayer's output nearly cancelling the residual stream): epsilon is
+                # then half the denominator, and a norm of x or of the residual alone is far off.
+                for eps in (1e-6, 1e-5):
+                    residual = t(*shape, kind="float32")
+                    near = residual * -1.0 + t(*shape, kind="float32") * eps ** 0.5
+                    yield (f"x{list(shape)} + residual of mean square ~ eps={eps:g}",
+                           (near.astype(dtype), residual.astype(dtype), t(shape[-1]), eps))
+        elif op == "gelu":
+            for approximate in ("none", "tanh", "sigmoid"):
+                # An MLP's activations [rows, intermediate] and a hidden state's [1, 1, H] at each architecture's
+                # size, and odd ones; values spread to +-12: the tanh and sigmoid forms differ from erf's most around
+                # +-2, and every form saturates further out.
+                for shape in ((5, s["inter"]), (1, 1, h), (7, ODD)):
+                    yield f"x{list(shape)} approximate={approximate!r}", (t(*shape) * 4, approximate)
         elif op == "silu_and_mul":
             shapes: tuple[tuple[int, ...], ...] = ((1, 1, s["inter"]), (2, 5, s["inter"]), (7, 1, 1, ODD))
             for shape in shapes:
@@ -125,15 +142,76 @@ def cases(op: str, plugins: PluginSet, dtype: str, seed: int = 0) -> Iterator[tu
                (t(1, 1, 4 * LARGE + ODD), t(4 * LARGE + ODD, LARGE), False))
         yield f"x[1, {LARGE}] @ w[{LARGE}, {4 * LARGE + ODD}]", (t(1, LARGE), t(LARGE, 4 * LARGE + ODD), False)
         yield f"x[1, {LARGE}] @ w[{4 * LARGE + ODD}, {LARGE}]^T", (t(1, LARGE), t(4 * LARGE + ODD, LARGE), True)
+    if op == "add_rms_norm":
+        # A published model's hidden size (ERNIE-4.5-0.3B's), a decode step's rows.
+        yield f"x[2, 1, {LARGE}] + residual", (t(2, 1, LARGE), t(2, 1, LARGE), t(LARGE), 1e-5)
+    if op == "gelu":
+        # A vision tower's MLP at a published width (patches x 4 x 1024 + odd).
+        for approximate in ("none", "tanh", "sigmoid"):
+            yield (f"x[3, {4 * LARGE + ODD}] approximate={approximate!r}",
+                   (t(3, 4 * LARGE + ODD) * 4, approximate))
     if op == "rms_norm":
         # A published model's hidden size (ERNIE-4.5-0.3B's), with rows near zero as above.
         for eps in (1e-6, 1e-5):
             small = (t(2, 1, LARGE, kind="float32") * eps ** 0.5).astype(dtype)
             yield f"x[2, 1, {LARGE}] of mean square ~ eps={eps:g}", (small, t(LARGE), eps)
+    if op == "moe_experts":
+        yield from _moe_cases(plugins, dtype, rng)
     if op == "quant_matmul":
         for bits in (8, 4):
             values, scales = quantize(t(4 * LARGE + ODD, LARGE, kind="float32"), bits)
             yield f"x[1, 1, {LARGE}] @ wint{bits}[{4 * LARGE + ODD}, {LARGE}]^T", (t(1, 1, LARGE), values, scales, bits)
+
+
+# The mixture of experts' cases: few experts of a small width (the op's cost is E x I x H; the shapes that matter are
+# the hidden sizes, the token counts and the routing), real top-k counts.
+MOE_EXPERTS, MOE_INTERMEDIATE = 8, 2 * ODD + 1
+
+
+def _moe_cases(plugins: PluginSet, dtype: str, rng: Any) -> Iterator[tuple[str, tuple[Any, ...]]]:
+    """moe_experts at each registered architecture's hidden size and odd ones: a decode step of one token, a few
+    decode rows, a prefill of more tokens than the experts (each expert on its routed tokens), a prefill with some
+    weights exactly 0 (another modality's tokens) and an expert no token chose."""
+    import numpy as np
+    import paddle
+
+    kind: Any = dtype
+
+    def t(*shape: int, scale: float = 1.0) -> Any:
+        return paddle.to_tensor((rng.standard_normal(shape) * scale).astype("float32")).astype(kind)
+
+    def routing(tokens: int, k: int, experts: int, unused: int | None = None) -> tuple[Any, Any]:
+        """k distinct experts a token (never `unused`), weights summing to 1 as the router's renormalised ones."""
+        pool = [e for e in range(experts) if e != unused]
+        chosen = np.stack([rng.choice(pool, k, replace=False) for _ in range(tokens)]).astype(np.int64)
+        weights = rng.random((tokens, k)).astype("float32") + 0.05
+        return paddle.to_tensor(chosen), weights / weights.sum(-1, keepdims=True)
+
+    hiddens = sorted({s["hidden"] for s in _sizes(plugins)} | {LARGE})
+    e, i = MOE_EXPERTS, MOE_INTERMEDIATE
+    for h in hiddens:
+        # gate and up scaled by 2/sqrt(H): their products about 2 whatever H (silu neither linear nor saturated), the
+        # result about 10 (well inside float16's range; the tolerance's atol small beside it).
+        gate, up, down = t(e, i, h, scale=2 * h ** -0.5), t(e, i, h, scale=2 * h ** -0.5), t(e, h, i)
+        for tokens, k, what in ((1, 2, "a decode step"), (1, 6, "a decode step"), (3, 2, "decode rows"),
+                                (2 * e + 3, 2, "a prefill"), (ODD, 6, "a prefill")):
+            chosen, weights = routing(tokens, k, e)
+            yield (f"x[{tokens}, {h}] experts[{e}, {i}, {h}] top-{k}, {what}",
+                   (t(tokens, h), gate, up, down, chosen, paddle.to_tensor(weights).astype(kind)))
+        # A prefill of text and picture tokens as one modality's experts see it: the other modality's rows at weight
+        # 0 (every choice), some rows with one choice at 0, and expert 0 chosen by no token.
+        tokens, k = 2 * e + 5, 2
+        chosen, weights = routing(tokens, k, e, unused=0)
+        other = rng.random(tokens) < 0.4
+        weights[other] = 0.0
+        weights[~other & (rng.random(tokens) < 0.3), 0] = 0.0
+        yield (f"x[{tokens}, {h}] experts[{e}, {i}, {h}] top-{k}, a prefill with {int(other.sum())} rows at weight 0 "
+               f"and some choices at weight 0",
+               (t(tokens, h), gate, up, down, chosen, paddle.to_tensor(weights).astype(kind)))
+        # The same routing for few tokens (the gathered strategy's): zero weights there too.
+        yield (f"x[2, {h}] experts[{e}, {i}, {h}] top-{k}, decode rows with a choice at weight 0",
+               (t(2, h), gate, up, down, chosen[:2],
+                paddle.to_tensor(np.asarray([[0.0, 1.0], [0.3, 0.7]], dtype="float32")).astype(kind)))
 
 
 def _numpy(value: Any) -> Any:
@@ -143,6 +221,16 @@ def _numpy(value: Any) -> Any:
         value.astype("float32").numpy() if hasattr(value, "astype") and hasattr(value, "numpy") else value,
         dtype=np.float64,
     )
+
+
+# The names of an op's several results, in order (for a failure's message).
+RESULTS = {"add_rms_norm": ("normed", "summed")}
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return type(value).__name__
 
 
 def compare(op: str, got: Any, want: Any, dtype: str, args: tuple[Any, ...], native: Any) -> str | None:
@@ -165,6 +253,17 @@ def compare(op: str, got: Any, want: Any, dtype: str, args: tuple[Any, ...], nat
                 if g not in near:
                     return f"row {b} chose token {g}, the native op {w}"
         return None
+    if isinstance(want, tuple):  # several results (add_rms_norm's normed and summed): each compared, named
+        if not isinstance(got, (tuple, list)) or len(got) != len(want):
+            return f"returned {_kind(got)}, the native op a tuple of {len(want)}"
+        names = RESULTS.get(op, ())
+        for n, (g, w) in enumerate(zip(got, want, strict=True)):
+            problem = compare(op, g, w, dtype, args, native)
+            if problem:
+                return f"result {n}{f' ({names[n]})' if n < len(names) else ''}: {problem}"
+        return None
+    if not hasattr(got, "shape") or not hasattr(got, "dtype"):
+        return f"returned {_kind(got)}, the native op a tensor"
     if tuple(got.shape) != tuple(want.shape) or str(got.dtype) != str(want.dtype):
         return f"returned {got.dtype}{list(got.shape)}, the native op {want.dtype}{list(want.shape)}"
     rtol, atol = OPS[op].tolerances[dtype]

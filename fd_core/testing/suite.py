@@ -793,6 +793,54 @@ class ModelTests(_Base):
                 backend.rank_end(one, "normal")
 
 
+    def test_the_model_path_runs_in_every_claimed_dtype(self, plugins: PluginSet, hardware: Detection) -> None:
+        """Each dtype Detection.dtypes claims besides float32 (the first is `fd run`'s default) runs every architecture
+        here on the platform (its kernels, cleanup and graphs as decided), and the first step's logits stay near the
+        native float32 path's (cosine >= 0.99): a claimed dtype the kernels cannot run fails here, not in `fd run`."""
+        import numpy as np
+
+        from fd_core.host.backend import Backend
+        from fd_core.host.kernel_table import KernelTable
+        from fd_core.runtime.engine.loop import Engine
+        from fd_core.runtime.engine.runner import ModelRunner
+        from fd_core.runtime.plan import model_config_for
+        from fd_core.runtime.request import Request
+
+        claimed = [d for d in dict.fromkeys(hardware.dtypes) if d != "float32"]
+        if not claimed:
+            pytest.skip(f"{plugins.platform} computes in float32 only (Detection.dtypes): the native-path checks run it")
+        backend = Backend(plugins)
+        native = Backend(plugins, kernels=KernelTable())
+        native.clean_memory_fragments = lambda state_dict=None, after_each=None: None  # type: ignore[method-assign]
+        request = Request.greedy([[5, 1, 4, 2, 3]], 4)
+
+        def first_logits(runner: ModelRunner) -> np.ndarray:
+            runner.load()
+            runner.decide()
+            trace: dict[int, list[Any]] = {}
+            Engine(runner, trace=trace).generate(request)
+            return np.asarray(trace[0][0], dtype=np.float64)
+
+        for arch in platform_architectures(plugins):
+            want = first_logits(ModelRunner(native, arch, model_config_for(arch, None), graph="off"))
+            for dtype in claimed:
+                try:
+                    got = first_logits(ModelRunner(backend, arch, model_config_for(arch, None, dtype)))
+                except Exception as exc:  # noqa: BLE001 - reported as the platform's claim that does not hold
+                    first = (str(exc).strip().splitlines() or [""])[0][:200]
+                    pytest.fail(
+                        f"{plugins.platform} claims {dtype} (Detection.dtypes={tuple(hardware.dtypes)}), but "
+                        f"{arch.name} cannot run in it on this platform: {type(exc).__name__}: {first}; make its "
+                        f"kernels run {dtype} or drop it from Detection.dtypes"
+                    )
+                finite = bool(np.isfinite(got).all())
+                cosine = float(got @ want / (np.linalg.norm(got) * np.linalg.norm(want) + 1e-30)) if finite else 0.0
+                assert finite and cosine >= 0.99, (
+                    f"{arch.name} on {plugins.platform} in {dtype}: the first step's logits "
+                    f"{'have cosine ' + format(cosine, '.4f') if finite else 'are not all finite'} against the native "
+                    f"float32 path's (cosine at least 0.99 expected)"
+                )
+
     def test_decode_batches_are_captured_at_the_declared_sizes(self, plugins: PluginSet, hardware: Detection) -> None:
         """With Detection.capture_sizes declared, a decode batch between two sizes is padded up to the next and one
         above the largest decodes eagerly: only declared sizes are captured, and both give the native path's tokens."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import paddle
-import paddle.nn.functional as F
 from paddle import nn
 
 from fd_core import WeightSpec
@@ -52,17 +51,18 @@ class VisionTransformer(nn.Layer):
 
 
 class _ResamplerMLP(nn.Layer):
-    """fc1 (`0`), GELU, fc2 (`2`), LayerNorm (`3`): the published sequential's indices are its names."""
+    """fc1 (`0`), GELU (erf), fc2 (`2`), LayerNorm (`3`): the published sequential's indices are its names."""
 
     def __init__(self, in_dim: int, out_dim: int, eps: float, ctx: Any, dtype: str) -> None:
         super().__init__()
+        self.gelu = ctx.ops.gelu
         self.add_sublayer("0", ReplicatedLinear(in_dim, out_dim, ctx, True, dtype))
         self.add_sublayer("2", ReplicatedLinear(out_dim, out_dim, ctx, True, dtype))
         self.add_sublayer("3", LayerNorm(out_dim, eps, dtype))
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         fc1, fc2, norm = (getattr(self, n) for n in ("0", "2", "3"))
-        return norm(fc2(F.gelu(fc1(x))))
+        return norm(fc2(self.gelu(fc1(x), "none")))
 
 
 class Resampler(nn.Layer):

@@ -84,8 +84,9 @@ class DecoderLayer(nn.Layer):
         cache_v: paddle.Tensor, vision_mask: paddle.Tensor | None = None,
     ) -> paddle.Tensor:
         """x [B, S, H] through attention (see Attention.forward) and the feed-forward -> [B, S, H]."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, step, cache_k, cache_v)
-        h = self.post_attention_layernorm(x)
+        attended = self.self_attn(self.input_layernorm(x), rope, step, cache_k, cache_v)
+        # x + attended and its post-attention norm, in one op (add_rms_norm).
+        h, x = self.post_attention_layernorm.add_and_norm(attended, x)
         return x + (self.mlp(h, vision_mask) if self.mlp_takes_vision_mask else self.mlp(h))
 
 

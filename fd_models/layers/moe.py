@@ -9,8 +9,10 @@ Tensor parallel: each expert's intermediate dimension is split across ranks (gat
 by columns), as the dense MLP is, so every rank holds a slice of every expert and the block ends
 in one all-reduce of the summed partial outputs. Checkpoint names are one tensor per expert
 (`mlp.experts.{i}.gate_proj.weight`, text experts first); here each kind is stacked into one
-tensor per projection so a decode step gathers its k experts with fixed shapes (capturable). A
-prefill runs each expert on the tokens routed to it (data-dependent shapes; never captured).
+tensor per projection, which the Backend's `moe_experts` op takes with each token's chosen experts and
+their weights (fd_core.kernels). Its native implementation gathers a decode step's k experts a token
+with fixed shapes (capturable), and runs each expert on the tokens routed to it in a prefill
+(data-dependent shapes; never captured). Routing stays here.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class MoEBlock(nn.Layer):
     ) -> None:
         super().__init__()
         self.ctx, self.hidden, self.experts, self.top_k, self.norm_min = ctx, hidden, experts, top_k, norm_min
-        self.silu_and_mul, self.matmul = ctx.ops.silu_and_mul, ctx.ops.matmul
+        self.silu_and_mul, self.moe_experts = ctx.ops.silu_and_mul, ctx.ops.moe_experts
         tp = ctx.parallel.tp_size
         # The routers are [hidden, experts] in the checkpoint (input-major) and run in float32, as the reference's.
         self.gate = nn.Layer()
@@ -96,62 +98,30 @@ class MoEBlock(nn.Layer):
         weights = weights / paddle.clip(paddle.sum(weights, axis=-1, keepdim=True), min=self.norm_min)
         return chosen, weights.astype(x.dtype)
 
-    def _gathered(
-        self, x: paddle.Tensor, experts: _Experts, chosen: paddle.Tensor, weights: paddle.Tensor,
-    ) -> paddle.Tensor:
-        """Fixed shapes for a decode step: gather each token's k experts and run them batched."""
-        tokens = x.shape[0]
-        flat = chosen.reshape([-1])
-        xs = paddle.repeat_interleave(x, self.top_k, axis=0).unsqueeze(1)  # [T*k, 1, H]
-        # Batched over each token's own gathered experts (3-D weights): not the matmul op's one weight matrix.
-        gate = paddle.matmul(xs, paddle.gather(experts.gate, flat), transpose_y=True)  # batched experts
-        up = paddle.matmul(xs, paddle.gather(experts.up, flat), transpose_y=True)  # batched experts
-        down = paddle.gather(experts.down, flat)
-        out = paddle.matmul(self.silu_and_mul(gate, up), down, transpose_y=True)  # batched experts: [T*k, 1, H]
-        return paddle.sum(out.reshape([tokens, self.top_k, -1]) * weights.unsqueeze(-1), axis=1)
-
-    def _looped(
-        self, x: paddle.Tensor, experts: _Experts, chosen: paddle.Tensor, weights: paddle.Tensor,
-        only: paddle.Tensor | None = None
-    ) -> paddle.Tensor:
-        """Prefill: each expert runs on the tokens routed to it only (shapes depend on the routing); with
-        `only` [T] bool, on those of them it marks (the rest of `out` stays zero)."""
-        out = paddle.zeros_like(x)
-        for e in range(self.experts):
-            hit = chosen == e
-            token_weight = paddle.sum(weights * hit.astype(weights.dtype), axis=-1)
-            taken = paddle.any(hit, axis=-1)
-            rows = paddle.nonzero(taken if only is None else taken & only).reshape([-1])
-            if rows.shape[0] == 0:
-                continue
-            xe = paddle.gather(x, rows)
-            he = self.silu_and_mul(self.matmul(xe, experts.gate[e], True), self.matmul(xe, experts.up[e], True))
-            ye = self.matmul(he, experts.down[e], True) * paddle.gather(token_weight, rows).unsqueeze(-1)
-            out = paddle.scatter(out, rows, paddle.gather(out, rows) + ye)
-        return out
-
     def _experts(
-        self, x: paddle.Tensor, experts: _Experts, router: Product, bias: paddle.Tensor, one_step: bool,
-        only: paddle.Tensor | None = None
+        self, x: paddle.Tensor, experts: _Experts, router: Product, bias: paddle.Tensor,
+        only: paddle.Tensor | None = None,
     ) -> paddle.Tensor:
+        """This rank's partial output of one modality's routed experts for tokens x [T, H] (the moe_experts op);
+        with `only` [T] bool, the other tokens are routed at weight 0, so their rows of the result are 0 and cost
+        nothing where the op runs each expert on its routed tokens."""
         chosen, weights = self._route(x, router, bias)
-        return self._gathered(x, experts, chosen, weights) if one_step else self._looped(
-            x, experts, chosen, weights, only
-        )
+        if only is not None:
+            weights = weights * only.astype(weights.dtype).unsqueeze(-1)
+        return self.moe_experts(x, experts.gate, experts.up, experts.down, chosen, weights)
 
     def forward(self, x: paddle.Tensor, vision_mask: paddle.Tensor | None = None) -> paddle.Tensor:
         """x [B, S, H]; `vision_mask` [B, S] (True for image tokens) or None (all text, as in decode) -> [B, S, H]."""
         batch, length, hidden = x.shape
         flat = x.reshape([-1, hidden])
-        one_step = length == 1  # a decode step: fixed shapes, capturable
         bias = self.moe_statics.e_score_correction_bias
         if vision_mask is None:
-            out = self._experts(flat, self.text, self.routers[0], bias[0], one_step)
+            out = self._experts(flat, self.text, self.routers[0], bias[0])
         else:
             # Each set of experts computes only its own tokens (the other set's rows are taken from it below).
             is_vision = vision_mask.reshape([-1])
-            out = self._experts(flat, self.text, self.routers[0], bias[0], one_step, ~is_vision)
-            vision = self._experts(flat, self.vision, self.routers[1], bias[1], one_step, is_vision)
+            out = self._experts(flat, self.text, self.routers[0], bias[0], ~is_vision)
+            vision = self._experts(flat, self.vision, self.routers[1], bias[1], is_vision)
             out = paddle.where(is_vision.reshape([-1, 1]), vision, out)
         if self.shared:
             s = self.shared_experts

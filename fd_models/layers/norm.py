@@ -14,17 +14,22 @@ from fd_models.layers.params import new_param
 
 class RMSNorm(nn.Layer):
     """weight * (x / rms(x)) through the Backend's `rms_norm` op (fd_core.kernels: float32 statistics,
-    cast back before the weight)."""
+    cast back before the weight); `add_and_norm` adds a residual first, through `add_rms_norm`."""
 
     def __init__(self, size: int, eps: float, ctx: Any, dtype: str = "float32") -> None:
         super().__init__()
         self.eps = eps
-        # Resolved once: the call below is a direct call of the kernel the Backend chose.
-        self.rms_norm = ctx.ops.rms_norm
+        # Resolved once: the calls below are direct calls of the kernels the Backend chose.
+        self.rms_norm, self.add_rms_norm = ctx.ops.rms_norm, ctx.ops.add_rms_norm
         new_param(self, WeightSpec((size,), None, dtype, init="ones"), 1)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return self.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: paddle.Tensor, residual: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """(this norm of x + residual, x + residual): a sublayer's output added to the residual stream, and the
+        next sublayer's input, in one op."""
+        return self.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LayerNorm(nn.Layer):

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 import paddle
-import paddle.nn.functional as F
 from paddle import nn
 
+from fd_models.activations import GELU_FORMS, VISION_ACTIVATIONS
 from fd_models.layers.norm import LayerNorm
 from fd_models.layers.parallel import ReplicatedLinear
 
@@ -41,16 +41,11 @@ def patchify(image: np.ndarray, config: Any, temporal: int = 1) -> tuple[np.ndar
     return np.ascontiguousarray(blocks.reshape(gh * gw, channels * t * p * p)), (1, gh, gw)
 
 
-def activate(x: paddle.Tensor, act: str) -> paddle.Tensor:
-    """The activations the published vision configs name."""
-    if act in ("gelu_pytorch_tanh", "gelu_new", "gelu_fast"):
-        return F.gelu(x, approximate=True)
-    if act == "gelu":
-        return F.gelu(x)
-    if act == "quick_gelu":
-        return x * F.sigmoid(1.702 * x)
-    from fd_models.activations import VISION_ACTIVATIONS
-
+def activate(x: paddle.Tensor, act: str, gelu: Any) -> paddle.Tensor:
+    """The activations the published vision configs name, each a form of the Backend's `gelu` op (`ctx.ops.gelu`,
+    passed as `gelu`)."""
+    if act in GELU_FORMS:
+        return gelu(x, GELU_FORMS[act])
     raise ValueError(f"vision hidden_act {act!r} is not supported; use one of {', '.join(sorted(VISION_ACTIVATIONS))}")
 
 
@@ -100,12 +95,13 @@ class VisionMLP(nn.Layer):
     ) -> None:
         super().__init__()
         self.act, self.names = act, names
+        self.gelu = ctx.ops.gelu
         self.add_sublayer(names[0], ReplicatedLinear(size, hidden, ctx, True, dtype))
         self.add_sublayer(names[1], ReplicatedLinear(hidden, size, ctx, True, dtype))
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         first, second = (getattr(self, n) for n in self.names)
-        return second(activate(first(x), self.act))
+        return second(activate(first(x), self.act, self.gelu))
 
 
 class VisionBlock(nn.Layer):

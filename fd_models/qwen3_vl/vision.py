@@ -54,11 +54,12 @@ class PatchMerger(nn.Layer):
         self.norm = LayerNorm(self.merged if postshuffle_norm else config.hidden_size, _EPS, dtype)
         self.linear_fc1 = ReplicatedLinear(self.merged, self.merged, ctx, True, dtype)
         self.linear_fc2 = ReplicatedLinear(self.merged, config.out_hidden_size, ctx, True, dtype)
+        self.gelu = ctx.ops.gelu
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         x = (self.norm(x.reshape([-1, self.merged])) if self.postshuffle_norm
              else self.norm(x).reshape([-1, self.merged]))
-        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+        return self.linear_fc2(self.gelu(self.linear_fc1(x), "none"))
 
 
 class Qwen3VLVisionModel(nn.Layer):

@@ -21,6 +21,13 @@ def rms_norm(x: Any, weight: Any, eps: float) -> Any:
     return _fused_rms_norm()(x, weight, None, eps, x.ndim - 1)[0]
 
 
+def add_rms_norm(x: Any, residual: Any, weight: Any, eps: float) -> tuple[Any, Any]:
+    """The residual add and RMSNorm in Paddle's one fused kernel (its `residual` input), returning (normed, summed):
+    one kernel instead of the add and the fused norm (`fd bench --rows kernels` measures it)."""
+    normed, summed = _fused_rms_norm()(x, weight, None, eps, x.ndim - 1, residual=residual)
+    return normed, summed
+
+
 def rotary_embedding(x: Any, cos: Any, sin: Any, layout: str) -> Any:
     """Each pair of dimensions as one complex number, turned by cos + i sin: one product instead of four broadcast ones.
 

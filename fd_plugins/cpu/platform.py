@@ -161,10 +161,11 @@ def fd_graph_backend(parallel_config: ParallelConfig) -> Any:
 
 @hookimpl
 def fd_register_kernels(register: Any) -> None:
-    from fd_plugins.cpu.kernels import rms_norm, rotary_embedding
+    from fd_plugins.cpu.kernels import add_rms_norm, rms_norm, rotary_embedding
     from fd_plugins.cpu.products import matmul, prepare_quant, quant_matmul
 
     register("rms_norm", rms_norm)
+    register("add_rms_norm", add_rms_norm)
     register("rotary_embedding", rotary_embedding)
     register("matmul", matmul)
     register("quant_matmul", quant_matmul, prepare=prepare_quant)

@@ -23,8 +23,9 @@ def test_plugins_lists_cpu_active_and_the_others_not_detected_with_the_reason() 
     assert "not active: not detected: paddle is the CPU build (paddlepaddle " in row["cuda"]
     assert "not active: not detected: paddle-iluvatar-gpu is not installed" in row["iluvatar"]
     assert row["cpu"].endswith(
-        "hooks: fd_all_reduce, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility, fd_platform_detect, fd_register_kernels "
-        "kernels: matmul, quant_matmul, rms_norm, rotary_embedding"
+        "hooks: fd_all_reduce, fd_before_step, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility, "
+        "fd_platform_detect, fd_rank_start, fd_register_kernels "
+        "kernels: add_rms_norm, matmul, quant_matmul, rms_norm, rotary_embedding"
     )
     # Each architecture with the names checkpoints use for it (aliases) and, named as such, the plugin it came from.
     archs = listing(done.stdout)["architectures"]
@@ -43,7 +44,7 @@ def test_plugins_json_has_every_field() -> None:
     assert set(cuda) == {"name", "kind", "module", "distribution", "version", "builtin", "allowed", "hooks",
                          "detection", "error", "active", "status", "kernels", "contract", "contract_declared"}
     assert data["contract_version"] == "1.2" and (cuda["contract"], cuda["contract_declared"]) == ("1.1", True)
-    assert by_name["cpu"]["kernels"] == ["matmul", "quant_matmul", "rms_norm", "rotary_embedding"] and cuda["kernels"] == []
+    assert by_name["cpu"]["kernels"] == ["add_rms_norm", "matmul", "quant_matmul", "rms_norm", "rotary_embedding"] and cuda["kernels"] == []
     assert (cuda["kind"] == "platform" and cuda["builtin"] and not cuda["active"]
             and cuda["detection"]["detected"] is False)
     assert by_name["qwen3_vl"]["hooks"] == ["fd_clear_graphs", "fd_register_models"]

@@ -68,8 +68,29 @@ def test_an_unknown_op_is_refused_at_load_naming_the_plugin_and_the_nearest_op(i
     assert str(err.value) == (
         "plugin 'typo-kernels': fd_register_kernels registered an unknown op 'rms_nrom'; did you mean 'rms_norm'? "
         "(fd's ops: rms_norm, silu_and_mul, rotary_embedding, attention, sample, allocate_kv_cache, write_kv_cache, "
-        "paged_attention, paged_prefill_attention, matmul, quant_matmul); fix the name in 'typo-kernels'"
+        "paged_attention, paged_prefill_attention, matmul, quant_matmul, add_rms_norm, gelu, moe_experts); fix the name "
+        "in 'typo-kernels'"
     )
+
+
+@pytest.mark.parametrize("op, suggested", [
+    ("rms_nrom", "rms_norm"), ("silu_and_mull", "silu_and_mul"), ("gleu", "gelu"), ("moe_expert", "moe_experts"),
+    ("fused_rope_foo", None), ("add_rms_norm_fused", None), ("layer_norm", None), ("rope", None), ("norm", None),
+])
+def test_only_a_likely_misspelling_gets_a_suggestion_and_fds_ops_are_always_listed(op: str, suggested: str | None) -> None:
+    """A name a letter or two from one of fd's ops is a typo of it; one that only shares a part with an op (another
+    op, unknown to this fd) gets no guess, which would point at the wrong op."""
+    from fd_core.host.kernel_table import check_kernel
+    from fd_core.kernels import OPS
+
+    with pytest.raises(PluginError) as err:
+        check_kernel("p", op, lambda x: x, True)
+    message = str(err.value)
+    assert message.startswith(f"plugin 'p': fd_register_kernels registered an unknown op {op!r}"), message
+    assert ("did you mean" in message) == (suggested is not None), message
+    if suggested:
+        assert f"; did you mean {suggested!r}? (fd's ops: " in message, message
+    assert f"(fd's ops: {', '.join(OPS)}); fix the name in 'p'" in message
 
 
 def test_a_kernel_whose_signature_does_not_fit_the_op_is_refused(install_plugin) -> None:
@@ -141,17 +162,16 @@ def test_an_extension_takes_precedence_over_the_platform_and_layers_call_it_dire
 
     assert RMSNorm(8, 1e-6, backend).rms_norm is kernel  # resolved once: the layer's call is the kernel's own
     assert (plugins.kernels.by_plugin("first-kernels") == ["rms_norm"]
-            and plugins.kernels.by_plugin("cpu") == ["matmul", "quant_matmul", "rms_norm", "rotary_embedding"])
+            and plugins.kernels.by_plugin("cpu") == ["add_rms_norm", "matmul", "quant_matmul", "rms_norm",
+                                                     "rotary_embedding"])
 
 
 def test_no_model_layer_computes_an_op_itself() -> None:
-    words = ("native_ops", "F.silu(", "rsqrt(", "def attend(", "def apply_rope(", "F.softmax(scores", "paddle.matmul(")
-    # The MoE's decode step multiplies by each token's gathered experts: batched 3-D weights, not the matmul op's one
-    # matrix.
-    allowed = "# batched experts"
+    words = ("native_ops", "F.silu(", "rsqrt(", "def attend(", "def apply_rope(", "F.softmax(scores", "paddle.matmul(",
+             "F.gelu(", "F.sigmoid(", "repeat_interleave(")
     hits = [f"{p.relative_to(ROOT)}:{n}" for p in sorted((ROOT / "fd_models").rglob("*.py"))
             for n, line in enumerate(p.read_text().splitlines(), 1)
-            if any(w in line for w in words) and allowed not in line]
+            if any(w in line for w in words)]
     assert not hits, f"model code computing a named op instead of calling the Backend's: {hits}"
 
 
@@ -212,16 +232,16 @@ def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged
     cache_ops = ("allocate_kv_cache", "write_kv_cache", "paged_attention", "paged_prefill_attention")
     products = ("matmul", "quant_matmul")  # on weights it prepares at load
     assert ours_json["kernels"] == {**plain_json["kernels"], "rms_norm": "example-kernels",
-                                    "silu_and_mul": "example-kernels",
+                                    "add_rms_norm": "example-kernels", "silu_and_mul": "example-kernels",
                                     **dict.fromkeys((*cache_ops, *products), "example-kernels")}
     # Its own cache layout (token-major blocks), written and read by its own kernels on both ranks, and its own
     # prepared weights: the same tokens.
     assert ours_json["tokens"] == plain_json["tokens"]
-    for op in ("rms_norm", "silu_and_mul", *cache_ops, "matmul"):
+    for op in ("rms_norm", "add_rms_norm", "silu_and_mul", *cache_ops, "matmul"):
         assert len({p.name for p in trace.glob(f"{op}.*")}) == 2, f"{op} was not called by both ranks: {sorted(p.name for p in trace.iterdir())}"
     listed = json.loads(run_fd(["plugins", "--json"], example_kernels).stdout)
     assert (next(p for p in listed["plugins"] if p["name"] == "example-kernels")["kernels"]
-            == sorted(["rms_norm", "silu_and_mul", *cache_ops, *products]))
+            == sorted(["rms_norm", "add_rms_norm", "silu_and_mul", *cache_ops, *products]))
     explained = run_fd(["explain", "--tp", "1"], example_kernels)
     assert "rms_norm: example-kernels, silu_and_mul: example-kernels, rotary_embedding: cpu" in " ".join(explained.stdout.split())
 
@@ -248,6 +268,18 @@ def test_the_suite_fails_a_stale_preparation_or_a_wrong_unpacking_by_its_op(
     assert line.split()[0] == "failed" and f"AssertionError: {op} (example-kernels)" in line, done.stdout
     if broken == "prepare":  # right at load, wrong only once the same tensor is refilled
         assert "after a reload (the same tensors refilled, prepared again)" in line, line
+
+
+def test_the_suite_fails_an_add_rms_norm_that_normalises_before_the_add_by_its_name(example_kernels: Path) -> None:
+    """The example's add_rms_norm made to normalise x instead of x + residual (FD_EXAMPLE_KERNELS_BREAK): its sum is
+    right, its norm is not."""
+    done = run_fd(["check", "cpu", "-k", "every_kernel_in_use"], example_kernels,
+                  {"FD_EXAMPLE_KERNELS_BREAK": "add_rms_norm"}, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    line = next(x for x in done.stdout.splitlines() if "test_every_kernel_in_use" in x)
+    assert line.split()[0] == "failed" and "AssertionError: add_rms_norm (example-kernels) float32 x[" in line, line
+    assert "result 0 (normed): largest error" in line and "rms_norm (example-kernels)" not in line.replace(
+        "add_rms_norm (example-kernels)", ""), line
 
 
 def test_the_suite_fails_an_off_by_one_paged_attention_by_its_name(example_kernels: Path) -> None:
@@ -337,8 +369,8 @@ def fd_register_kernels(register):
 def test_the_suites_model_run_decodes_one_row_on_two_compute_threads(install_plugin) -> None:
     """A kernel wrong only in a one-row step on two threads gives the right tokens for two prompts decoded together:
     the native-path check also decodes one prompt alone on two compute threads, and catches it there."""
-    from fd_core.runtime.threads import Threads, apply_threads
     from fd_core.testing.suite import ModelTests
+    from fd_plugins.cpu.threads import apply_threads
 
     install_plugin(*_extension("split-wrong", SPLIT_WRONG_AT_ONE_ROW))
     plugins = load_plugins({"FD_PLATFORM": "cpu"})
@@ -347,7 +379,7 @@ def test_the_suites_model_run_decodes_one_row_on_two_compute_threads(install_plu
         with pytest.raises(AssertionError, match=r"ernie4_5 on cpu \(one prompt, eager, on 2 compute threads\): greedy tokens"):
             ModelTests().test_the_platform_generates_what_the_native_path_does(plugins, plugins.detection)
     finally:
-        apply_threads(Threads(1, "the test suite's own"))
+        apply_threads(1)
 
 
 def test_fd_run_refuses_a_misspelled_op_in_one_line(tmp_path: Path) -> None:
@@ -358,7 +390,8 @@ def test_fd_run_refuses_a_misspelled_op_in_one_line(tmp_path: Path) -> None:
     assert done.stderr.strip().splitlines() == [
         "fd: error: plugin 'typo-kernels': fd_register_kernels registered an unknown op 'rms_nrom'; did you mean 'rms_norm'? "
         "(fd's ops: rms_norm, silu_and_mul, rotary_embedding, attention, sample, allocate_kv_cache, write_kv_cache, "
-        "paged_attention, paged_prefill_attention, matmul, quant_matmul); fix the name in 'typo-kernels'"
+        "paged_attention, paged_prefill_attention, matmul, quant_matmul, add_rms_norm, gelu, moe_experts); fix the name "
+        "in 'typo-kernels'"
     ]
 
 

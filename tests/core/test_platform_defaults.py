@@ -89,3 +89,21 @@ def test_one_prompt_a_step_prefills_prompts_in_turn_and_gives_the_same_tokens() 
     in_turn = [c.token_ids for c in Engine(runner, max_prefill_prompts=1).generate(request)]
     assert prefills == [1, 1, 1]
     assert in_turn == together
+
+
+def test_a_claimed_dtype_the_platform_cannot_run_fails_the_suite() -> None:
+    """The mutant of failure-modes round 4: a platform whose Detection.dtypes claims bfloat16 first (fd run's default)
+    while its kernels cannot run it (Paddle's CPU build has no bfloat16 matmul) now fails `fd check`, naming the
+    dtype, instead of passing it and failing `fd run` with Paddle's raw message."""
+    import dataclasses
+
+    from fd_core.host.loading import load_plugins
+    from fd_core.testing.suite import ModelTests
+
+    plugins = load_plugins({"FD_PLATFORM": "cpu"})
+    record = plugins.record("cpu")
+    assert record.detection is not None
+    record.detection = dataclasses.replace(record.detection, dtypes=("bfloat16", "float32"))
+    with pytest.raises(pytest.fail.Exception, match=r"cpu claims bfloat16 \(Detection.dtypes=\('bfloat16', "
+                                                    r"'float32'\)\), but ernie4_5 cannot run in it on this platform"):
+        ModelTests().test_the_model_path_runs_in_every_claimed_dtype(plugins, plugins.detection)

@@ -1,5 +1,6 @@
-"""fd_register_kernels: rms_norm and silu_and_mul, each computed another way than fd's native ops, the paged KV
-cache in a layout of its own (paged.py), and matmul and quant_matmul on weights prepared once at load (weights.py)."""
+"""fd_register_kernels: rms_norm, add_rms_norm and silu_and_mul, each computed another way than fd's native ops, the
+paged KV cache in a layout of its own (paged.py), and matmul and quant_matmul on weights prepared once at load
+(weights.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from fd_core import hookimpl
 from fd_example_kernels import paged, weights
 
 # The version of fd's plugin contract this plugin was written for (fd_core.contract).
-FD_CONTRACT = "1.1"
+FD_CONTRACT = "1.2"
 
 _seen: set[str] = set()
 
@@ -27,10 +28,26 @@ def _note(op: str) -> None:
 
 def rms_norm(x: Any, weight: Any, eps: float) -> Any:
     """x * (mean(x^2) + eps)^-1/2 in float32, cast back to x's dtype, times weight."""
-    import paddle
-
     if "rms_norm" not in _seen:
         _note("rms_norm")
+    return _normed(x, weight, eps)
+
+
+def add_rms_norm(x: Any, residual: Any, weight: Any, eps: float) -> tuple[Any, Any]:
+    """(the norm above of x + residual, x + residual), the sum in x's dtype.
+
+    FD_EXAMPLE_KERNELS_BREAK=add_rms_norm normalises x instead of the sum (a fused kernel reading its input buffer
+    before the add): the summed result is right, the normed one is not, and `fd check` fails naming add_rms_norm.
+    """
+    if "add_rms_norm" not in _seen:
+        _note("add_rms_norm")
+    summed = x + residual
+    return _normed(x if os.environ.get("FD_EXAMPLE_KERNELS_BREAK") == "add_rms_norm" else summed, weight, eps), summed
+
+
+def _normed(x: Any, weight: Any, eps: float) -> Any:
+    import paddle
+
     x32 = x.astype("float32")
     scale = paddle.pow(paddle.mean(paddle.square(x32), axis=-1, keepdim=True) + eps, -0.5)
     return (x32 * scale).astype(x.dtype) * weight
@@ -48,6 +65,7 @@ def silu_and_mul(gate: Any, up: Any) -> Any:
 @hookimpl
 def fd_register_kernels(register: Callable[..., None]) -> None:
     register("rms_norm", rms_norm)
+    register("add_rms_norm", add_rms_norm)
     register("silu_and_mul", silu_and_mul)
     # The cache's layout is this package's: the four ops that make, write and read it come together.
     for op in ("allocate_kv_cache", "write_kv_cache", "paged_attention", "paged_prefill_attention"):
