@@ -233,6 +233,7 @@ def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged
     products = ("matmul", "quant_matmul")  # on weights it prepares at load
     assert ours_json["kernels"] == {**plain_json["kernels"], "rms_norm": "example-kernels",
                                     "add_rms_norm": "example-kernels", "silu_and_mul": "example-kernels",
+                                    "moe_experts": "example-kernels",
                                     **dict.fromkeys((*cache_ops, *products), "example-kernels")}
     # Its own cache layout (token-major blocks), written and read by its own kernels on both ranks, and its own
     # prepared weights: the same tokens.
@@ -241,7 +242,7 @@ def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged
         assert len({p.name for p in trace.glob(f"{op}.*")}) == 2, f"{op} was not called by both ranks: {sorted(p.name for p in trace.iterdir())}"
     listed = json.loads(run_fd(["plugins", "--json"], example_kernels).stdout)
     assert (next(p for p in listed["plugins"] if p["name"] == "example-kernels")["kernels"]
-            == sorted(["rms_norm", "add_rms_norm", "silu_and_mul", *cache_ops, *products]))
+            == sorted(["rms_norm", "add_rms_norm", "silu_and_mul", "moe_experts", *cache_ops, *products]))
     explained = run_fd(["explain", "--tp", "1"], example_kernels)
     assert "rms_norm: example-kernels, silu_and_mul: example-kernels, rotary_embedding: cpu" in " ".join(explained.stdout.split())
 
@@ -280,6 +281,18 @@ def test_the_suite_fails_an_add_rms_norm_that_normalises_before_the_add_by_its_n
     assert line.split()[0] == "failed" and "AssertionError: add_rms_norm (example-kernels) float32 x[" in line, line
     assert "result 0 (normed): largest error" in line and "rms_norm (example-kernels)" not in line.replace(
         "add_rms_norm (example-kernels)", ""), line
+
+
+def test_the_suite_fails_a_moe_combine_that_forgets_the_weights_by_its_name(example_kernels: Path) -> None:
+    """The example's moe_experts made to add every chosen expert at weight 1 (FD_EXAMPLE_KERNELS_BREAK): the kernel
+    cases and the model run (ERNIE-4.5-VL's experts) both fail, naming the op."""
+    done = run_fd(["check", "cpu", "-k", "every_kernel_in_use or native_path"], example_kernels,
+                  {"FD_EXAMPLE_KERNELS_BREAK": "moe_experts"}, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    line = next(x for x in done.stdout.splitlines() if "test_every_kernel_in_use" in x)
+    assert line.split()[0] == "failed" and "AssertionError: moe_experts (example-kernels) float32" in line, line
+    line = next(x for x in done.stdout.splitlines() if "test_the_platform_generates_what_the_native_path_does" in x)
+    assert line.split()[0] == "failed" and "ernie4_5_vl on cpu" in line, line
 
 
 def test_the_suite_fails_an_off_by_one_paged_attention_by_its_name(example_kernels: Path) -> None:

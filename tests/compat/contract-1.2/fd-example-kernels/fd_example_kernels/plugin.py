@@ -1,6 +1,6 @@
 """fd_register_kernels: rms_norm, add_rms_norm and silu_and_mul, each computed another way than fd's native ops, the
-paged KV cache in a layout of its own (paged.py), and matmul and quant_matmul on weights prepared once at load
-(weights.py)."""
+paged KV cache in a layout of its own (paged.py), matmul and quant_matmul on weights prepared once at load
+(weights.py), and moe_experts as dispatch, grouped experts and combine (moe.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 from typing import Any, Callable
 
 from fd_core import hookimpl
-from fd_example_kernels import paged, weights
+from fd_example_kernels import moe, paged, weights
 
 # The version of fd's plugin contract this plugin was written for (fd_core.contract).
 FD_CONTRACT = "1.2"
@@ -73,6 +73,7 @@ def fd_register_kernels(register: Callable[..., None]) -> None:
     # Each weight prepared once when it loads (and again after a reload): the kernels read only the prepared form.
     register("matmul", _traced("matmul", weights.matmul), prepare=weights.prepare_matmul)
     register("quant_matmul", _traced("quant_matmul", weights.quant_matmul), prepare=weights.prepare_quant)
+    register("moe_experts", _traced("moe_experts", moe.moe_experts))
 
 
 def _traced(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
