@@ -808,7 +808,8 @@ class ModelTests(_Base):
 
         claimed = [d for d in dict.fromkeys(hardware.dtypes) if d != "float32"]
         if not claimed:
-            pytest.skip(f"{plugins.platform} computes in float32 only (Detection.dtypes): the native-path checks run it")
+            pytest.skip(f"{plugins.platform} computes in float32 only (Detection.dtypes): the native-path checks run "
+                        f"it")
         backend = Backend(plugins)
         native = Backend(plugins, kernels=KernelTable())
         native.clean_memory_fragments = lambda state_dict=None, after_each=None: None  # type: ignore[method-assign]

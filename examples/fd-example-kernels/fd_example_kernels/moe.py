@@ -38,8 +38,8 @@ def moe_experts(x: Any, gate: Any, up: Any, down: Any, chosen: Any, weights: Any
     sorted_token = paddle.gather(pair_token, order)
     counts = paddle.bincount(pair_expert, minlength=gate.shape[0]).numpy().tolist()
     runs = paddle.split(paddle.gather(x, sorted_token), [int(c) for c in counts], axis=0)
-    outs = [paddle.matmul(F.silu(paddle.matmul(r, gate[e], transpose_y=True)) * paddle.matmul(r, up[e], transpose_y=True),
-                          down[e], transpose_y=True)
+    outs = [paddle.matmul(F.silu(paddle.matmul(r, gate[e], transpose_y=True))
+                          * paddle.matmul(r, up[e], transpose_y=True), down[e], transpose_y=True)
             for e, r in enumerate(runs) if r.shape[0] > 0]
     # Combine: each row's output at its pair's weight, added to its token.
     done = paddle.concat(outs, axis=0) * paddle.gather(pair_weight, order).unsqueeze(-1)

@@ -13,6 +13,7 @@ from fd_core.graphs import GraphBackend, GraphDecision, capture_scope
 from fd_core.host.backend import Backend
 from fd_core.models import Architecture, CausalModel
 from fd_core.runtime import progress
+from fd_core.runtime.engine.checked_graphs import CheckedGraphs
 from fd_core.runtime.weights import CheckpointShards, load_checkpoint, random_state_dict
 
 
@@ -160,7 +161,7 @@ class ModelRunner:
         self.log(f"capturing the decode step for batch size {rows}, block tables of {width} ({self.decision.mode})")
         progress.report("capturing")
         if self.graphs is None:
-            self.graphs = self.backend.graph_backend()
+            self.graphs = CheckedGraphs(self.backend.graph_backend(), self.backend.platform)
         graphs = self.graphs
         with capture_scope():
             self._timed("capture", lambda: model.capture(graphs, rows, width))

@@ -168,13 +168,18 @@ class RankWorker:
             "capture": capture_report(self.engine.capture_sizes, self.engine.max_batch, self.engine.eager_steps),
             "all_reduce": self.backend.all_reduce_binding,
             "kernels": self.backend.kernels.providers(),
-            "timings_s": {k: round(v, 4) for k, v in self.runner.timings.items()},
+            "timings_s": {k: round(v, 4) for k, v in self._timings().items()},
             "dtype": self.plan.config.dtype,
             "quantization": self.plan.config.quantization,
             "threads": self.plan.threads.to_dict() if self.plan.threads is not None else None,
             "memory": self.plan.memory.to_dict() if self.plan.memory is not None else None,
             "kv_cache": self.engine.kv_stats(),
         }
+
+    def _timings(self) -> dict[str, float]:
+        """The runner's phases, and the eager steps that checked each captured graph's first replay."""
+        checked = getattr(self.runner.graphs, "seconds", 0.0)
+        return {**self.runner.timings, **({"replay_check": checked} if checked else {})}
 
     def report(self) -> dict[str, Any]:
         """describe(), with this rank's speed, time to first token (from the run's start) and memory."""

@@ -1,0 +1,76 @@
+"""The platform's graph backend as the runtime uses it: each captured key's first replay is compared with the
+captured function run eagerly on the same inputs, so a replay that does not compute from its inputs (the capture's
+stale output, say) stops the run naming the platform instead of giving wrong tokens with exit 0."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Hashable, Sequence
+
+from fd_core.errors import PlatformError
+from fd_core.graphs import GraphBackend
+
+# How far a replay may be from the eager step (relative to the step's largest magnitude): a static program or a
+# device graph may fuse or reorder float32 sums; a stale output is off by the logits' own size.
+REPLAY_TOLERANCE = 1e-3
+
+
+class CheckedGraphs:
+    """A GraphBackend wrapping the platform's: capture and clear pass through; the first replay of each key is also
+    run eagerly and compared (once per capture: an extra eager step each, timed in `seconds`)."""
+
+    def __init__(self, inner: GraphBackend, platform: str) -> None:
+        self.inner, self.platform = inner, platform
+        self.mode: str = inner.mode
+        self._fns: dict[Hashable, Callable[..., Any]] = {}
+        self._unchecked: set[Hashable] = set()
+        self.seconds = 0.0
+
+    def capture(self, key: Hashable, fn: Callable[..., Any], inputs: Sequence[Any]) -> None:
+        self.inner.capture(key, fn, inputs)
+        self._fns[key] = fn
+        self._unchecked.add(key)
+
+    def replay(self, key: Hashable, inputs: Sequence[Any]) -> Any:
+        out = self.inner.replay(key, inputs)
+        if key in self._unchecked:
+            self._unchecked.discard(key)
+            start = time.perf_counter()
+            # Eagerly, on the same inputs: its cache writes are the replay's own values at the same slots.
+            self._compare(key, out, self._fns[key](*inputs))
+            self.seconds += time.perf_counter() - start
+        return out
+
+    def has(self, key: Hashable) -> bool:
+        return self.inner.has(key)
+
+    def clear(self) -> None:
+        self.inner.clear()
+        self._fns.clear()
+        self._unchecked.clear()
+
+    def _compare(self, key: Hashable, replayed: Any, eager: Any) -> None:
+        import numpy as np
+
+        got, want = _host(replayed), _host(eager)
+        if got.shape != want.shape:
+            raise PlatformError(
+                f"platform {self.platform!r}: its graph backend's replay of {key} returned shape {list(got.shape)}, "
+                f"the step it replaces {list(want.shape)}; fix its fd_graph_backend, or run with --graph off"
+            )
+        scale = float(np.abs(want).max()) if want.size else 0.0
+        error = float(np.abs(got - want).max()) if want.size else 0.0
+        if not np.isfinite(got).all() or error > REPLAY_TOLERANCE * max(scale, 1.0):
+            raise PlatformError(
+                f"platform {self.platform!r}: its graph backend's first replay of {key} differs from the eager step "
+                f"it replaces (largest difference {error:.3g} at values up to {scale:.3g}): a replay that does not "
+                f"compute from its inputs would give wrong tokens; fix its fd_graph_backend, or run with --graph off"
+            )
+
+
+def _host(value: Any) -> Any:
+    import numpy as np
+
+    first = value[0] if isinstance(value, (tuple, list)) else value
+    array = first.astype("float32").numpy() if hasattr(first, "numpy") else first
+    return np.asarray(array, dtype=np.float64)
