@@ -409,14 +409,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_save_random(args: argparse.Namespace) -> int:
+    from fd_core.config import read_config_json
     from fd_core.host.paddle_logs import quiet_paddle_logs
     from fd_core.runtime.save_random import save_random_checkpoint
 
     _require_paddle()
 
     quiet_paddle_logs()
+    if args.tokenizer:
+        from fd_core.host.loading import load_plugins
+        from fd_core.serve.tiny import train_tokenizer
+
+        from pathlib import Path
+
+        from fd_core.runtime.checkpoint import architecture_of
+
+        name = args.model if args.config is None else architecture_of(read_config_json(Path(args.config))) or ""
+        if name and load_plugins().registry.get(name).multimodal:
+            # Refused before anything is written: the tiny tokenizer has no picture tokens.
+            raise ConfigError(f"--tokenizer writes a text tokenizer, and {name} takes pictures; save it without "
+                              f"--tokenizer and copy its published tokenizer beside it, or use --model ernie4_5")
     path = save_random_checkpoint(args.model, args.directory, seed=args.seed, config_path=args.config, dtype=args.dtype)
-    print(f"wrote {path}", file=_stdout())
+    if args.tokenizer:
+        train_tokenizer(path, int(read_config_json(path / "config.json")["vocab_size"]))
+    print(f"wrote {path}{' (with a tokenizer and a chat template)' if args.tokenizer else ''}", file=_stdout())
     return 0
 
 
@@ -782,6 +798,9 @@ def build_parser(
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="dtype the tensors are stored in (default: float32)")
     p.add_argument("--seed", type=_non_negative, default=0, metavar="N", help="seed of the random weights (default: 0)")
+    p.add_argument("--tokenizer", action="store_true",
+                   help="also write a small byte-level BPE tokenizer with a chat template (text models), so that text "
+                        "prompts, --chat, LLM and fd serve work offline (the text is noise)")
     p.add_argument("directory", metavar="DIR", help="where to write it: a new or empty directory")
     p.set_defaults(func=cmd_save_random)
 

@@ -1,5 +1,5 @@
-"""Executes every Python block of docs/python-api.md, and README's Python API section, as written,
-next to a tiny checkpoint with a tokenizer at checkpoints/qwen3-vl."""
+"""Executes every Python block of docs/python-api.md, and README's Python API section, as written: the page's next
+to a tiny checkpoint with a tokenizer at checkpoints/qwen3-vl, the README's after the command it shows to make one."""
 
 from __future__ import annotations
 
@@ -39,6 +39,15 @@ def test_the_python_blocks_run_as_written(workdir: Path, source: str) -> None:
     text = (ROOT / source).read_text() if source.startswith("docs") else readme_section()
     blocks = python_blocks(text)
     assert len(blocks) >= (5 if source.startswith("docs") else 1)
+    if not source.startswith("docs"):
+        # The README makes its checkpoint first, with the command it shows.
+        commands = [line for block in re.findall(r"```sh\n(.*?)```", text, re.S) for line in block.splitlines()
+                    if line.strip()]
+        assert commands == ["fd save-random --model ernie4_5 --tokenizer checkpoints/ernie-tiny"], commands
+        for command in commands:
+            made = subprocess.run([sys.executable, "-m", "fd_core.cli", *command.split()[1:]], cwd=workdir,
+                                  capture_output=True, text=True, timeout=300)
+            assert made.returncode == 0, made.stderr
     for index, block in enumerate(blocks):
         # As a script, the way a user pastes it: a tp=2 example without the main guard fails there.
         script = workdir / f"{Path(source).stem}_{index}.py"
