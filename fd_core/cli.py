@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence, TextIO
 
 from fd_core.config import COMPUTE_DTYPES
 from fd_core.contract import CONTRACT_VERSION
-from fd_core.errors import SETTINGS_STYLE_ENV, ConfigError, FdError
+from fd_core.errors import SETTINGS_STYLE_ENV, ConfigError, FdError, install_hint
 from fd_core.quantization import SCHEMES
 
 # When fd's entry point was imported: a run's clock starts here if the process was created long
@@ -388,7 +388,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
         raise ConfigError(f"fd serve needs the serve extra ({' and '.join(missing)} not installed): "
-                          f"pip install 'fd-backends[serve]' (in a checkout: pip install '.[serve]')")
+                          f"{install_hint('serve')}")
     _require_paddle()
     from pathlib import Path
 
@@ -417,12 +417,11 @@ def cmd_save_random(args: argparse.Namespace) -> int:
 
     quiet_paddle_logs()
     if args.tokenizer:
-        from fd_core.host.loading import load_plugins
-        from fd_core.serve.tiny import train_tokenizer
-
         from pathlib import Path
 
+        from fd_core.host.loading import load_plugins
         from fd_core.runtime.checkpoint import architecture_of
+        from fd_core.serve.tiny import train_tokenizer
 
         name = args.model if args.config is None else architecture_of(read_config_json(Path(args.config))) or ""
         if name and load_plugins().registry.get(name).multimodal:
@@ -446,7 +445,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     except ImportError:
         raise FdError(
             "fd check runs the conformance suite with pytest, which is not installed; "
-            "pip install pytest (the test extra brings it: see the README's test command)"
+            f"{install_hint('test')}"
         ) from None
 
     from fd_core.contract import deprecations

@@ -75,6 +75,11 @@ def setting(name: str, value: object = _UNSET) -> str:
     return f"{owner}({name}=...)" if value is _UNSET else f"{owner}({name}={shown})"
 
 
+def install_hint(extras: str) -> str:
+    """The one way fd says how to install an extra (fd-backends is installed from a checkout, not a package index)."""
+    return f"pip install '.[{extras}]' in a checkout of fd-backends (docs/install.md)"
+
+
 def in_terms(cli: str, python: str) -> str:
     """`cli` when fd's command line started this process, else `python`: a fix phrased in what the caller typed."""
     return cli if os.environ.get(SETTINGS_STYLE_ENV) == "cli" else python

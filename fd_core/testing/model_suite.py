@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 import pytest
 
-from fd_core.errors import RankError
+from fd_core.errors import RankError, install_hint
 from fd_core.host.loading import PluginSet, load_plugins
 from fd_core.models import Architecture
 
@@ -426,8 +426,8 @@ class ModelSuite:
             import transformers
         except ImportError as exc:
             pytest.skip(
-                f"{NOT_VERIFIED} the reference needs transformers and torch, which are not installed here ({exc}); "
-                f"pip install transformers torch"
+                f"{NOT_VERIFIED} the reference needs transformers and torch's CPU build, which are not installed here "
+                f"({exc}); {install_hint('test')}"
             )
         name = reference_class(architecture, transformers)
         if name is None:

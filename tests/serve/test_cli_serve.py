@@ -19,7 +19,8 @@ def test_without_the_serve_extra_fd_serve_says_how_to_install_it(
                         lambda name, *a: None if name in ("fastapi", "uvicorn") else real(name, *a))
     assert cli.main(["serve"]) == 2
     err = capsys.readouterr().err
-    assert err == "fd: error: fd serve needs the serve extra (fastapi and uvicorn not installed): pip install 'fd-backends[serve]' (in a checkout: pip install '.[serve]')\n"
+    assert err == ("fd: error: fd serve needs the serve extra (fastapi and uvicorn not installed): pip install "
+                   "'.[serve]' in a checkout of fd-backends (docs/install.md)\n")
 
 
 def test_a_taken_port_is_one_line_before_the_model_loads(capsys: pytest.CaptureFixture[str]) -> None:
