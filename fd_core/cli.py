@@ -514,8 +514,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, *distributed.STOP_SIGNALS)}
     try:
         code = pytest.main(
-            ["-p", "no:terminal", "-p", "no:cacheprovider", f"--rootdir={module.parent}", "--fd-platform", platform,
-             *extra, str(module)],
+            # The suite's own settings, whatever pytest configuration the directory fd check runs in holds (its
+            # addopts may name options of the terminal reporter this run replaces).
+            ["-p", "no:terminal", "-p", "no:cacheprovider", "-o", "addopts=", f"--rootdir={module.parent}",
+             "--fd-platform", platform, *extra, str(module)],
             plugins=[table, guard],
         )
     finally:

@@ -31,6 +31,8 @@ from fd_core.serve.protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    TextOffsets,
+    TokenText,
     message_parts,
     new_id,
     now,
@@ -40,7 +42,9 @@ from fd_core.serve.protocol import (
 
 if TYPE_CHECKING:
     from fd_core.runtime.engine.loop import Completion
-    from fd_core.runtime.engine.sampling import SamplingParams
+    from fd_core.runtime.engine.sampling import SamplingParams, TokenLogprob
+    from fd_core.runtime.engine.scheduler import Piece
+    from fd_core.runtime.text.tokenizer import Tokenizer
 
 RETRY_AFTER_S = 1  # what a client told "queue full" waits before it tries again
 
@@ -53,13 +57,18 @@ class Submission(Protocol):
 
     def __iter__(self) -> Iterator[str]: ...
 
+    def pieces(self) -> Iterator["Piece"]: ...
+
     def result(self, timeout: float | None = None) -> "Completion": ...
 
     def cancel(self) -> None: ...
 
 
 class Submitter(Protocol):
-    """What the server needs of an LLM: thread-safe submit() that checks a request at once, and the queue's length."""
+    """What the server needs of an LLM: thread-safe submit() that checks a request at once, the queue's length, and
+    the checkpoint's tokenizer (which shows logprobs' tokens)."""
+
+    tokenizer: "Tokenizer | None"
 
     def submit(
         self, prompt: Any, sampling: "SamplingParams | None" = None, *, chat: bool = False, images: Sequence[Any] = ()
@@ -103,6 +112,7 @@ class Server:
         self.failure: BaseException | None = None
         self.stop: Callable[[], None] = lambda: None  # ends the HTTP server (set by run())
         self.metrics = Metrics(lambda: self.admitted, engine.queued, lambda: engine.kv_cache)
+        self.tokens = TokenText(engine.tokenizer)
         self.app = self.build()
 
     # -- the application ------------------------------------------------------------------
@@ -250,9 +260,9 @@ class Server:
                 g.cancelled = reason
             g.submission.cancel()
 
-    async def events(self, generations: Sequence[Generation]) -> AsyncIterator[tuple[Generation, str | None]]:
-        """(generation, new text) as the engine produces it, then (generation, None) when it is done; errors
-        re-raised."""
+    async def events(self, generations: Sequence[Generation]) -> AsyncIterator[tuple[Generation, "Piece | None"]]:
+        """(generation, new text with its tokens' logprobs) as the engine produces it, then (generation, None) when it
+        is done; errors re-raised."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[Generation, str, Any]] = asyncio.Queue()
 
@@ -263,7 +273,7 @@ class Server:
                     loop.call_soon_threadsafe(queue.put_nowait, (generation, kind, value))
 
             try:
-                for piece in generation.submission:
+                for piece in generation.submission.pieces():
                     put("text", piece)
                 put("done", generation.submission.result())
             except BaseException as exc:  # noqa: BLE001 - carried to the event loop, which answers the client
@@ -321,7 +331,8 @@ class Server:
             raise
         ident, created = new_id("chatcmpl" if chat else "cmpl"), now()
         if stream:
-            body = self.sse(request, endpoint, generations, ident, created, chat, include_usage, len(items))
+            body = self.sse(request, endpoint, generations, ident, created, chat, include_usage, len(items),
+                            sampling.logprobs is not None)
             return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         collect = asyncio.ensure_future(self.collect(generations))
         watch = asyncio.ensure_future(gone(request))
@@ -344,14 +355,26 @@ class Server:
         if error is not None:
             raise self.engine_error(error) from None
         self.metrics.request(endpoint, 200)
-        return JSONResponse(self.whole(generations, ident, created, chat))
+        return JSONResponse(self.whole(generations, ident, created, chat, sampling.logprobs is not None))
 
     async def collect(self, generations: Sequence[Generation]) -> None:
         """Every generation run to its end (their completions kept on them)."""
         async for _ in self.events(generations):
             pass
 
-    def whole(self, generations: Sequence[Generation], ident: str, created: int, chat: bool) -> dict[str, Any]:
+    def logprobs(
+        self, chat: bool, logprobs: "Sequence[TokenLogprob] | None", offsets: TextOffsets | None = None
+    ) -> dict[str, Any] | None:
+        """A choice's (or a chunk's) logprobs in its endpoint's shape; None when the request asked for none."""
+        if logprobs is None:
+            return None
+        if chat:
+            return self.tokens.chat(logprobs)
+        return self.tokens.completion(logprobs, offsets or TextOffsets(self.tokens))
+
+    def whole(
+        self, generations: Sequence[Generation], ident: str, created: int, chat: bool, logprobs: bool = False
+    ) -> dict[str, Any]:
         choices: list[dict[str, Any]] = []
         prompt_tokens = completion_tokens = 0
         for g in generations:
@@ -360,40 +383,44 @@ class Server:
             prompt_tokens += len(c.prompt_ids)
             completion_tokens += len(c.token_ids)
             reason = FINISH_REASONS.get(c.finish_reason, c.finish_reason)
+            shown = self.logprobs(chat, c.logprobs if logprobs else None)
             if chat:
                 choices.append({"index": g.index, "message": {"role": "assistant", "content": c.text or ""},
-                                "logprobs": None, "finish_reason": reason})
+                                "logprobs": shown, "finish_reason": reason})
             else:
-                choices.append({"index": g.index, "text": c.text or "", "logprobs": None, "finish_reason": reason})
+                choices.append({"index": g.index, "text": c.text or "", "logprobs": shown, "finish_reason": reason})
         return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": self.name, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
     async def sse(self, request: Request, endpoint: str, generations: Sequence[Generation], ident: str, created: int,
-                  chat: bool, include_usage: bool, count: int) -> AsyncIterator[str]:
+                  chat: bool, include_usage: bool, count: int, logprobs: bool = False) -> AsyncIterator[str]:
         """Server-sent events in the OpenAI chunk format, ending with `data: [DONE]`; a client that goes away cancels
-        its generations."""
+        its generations. Asked for, each chunk carries the logprobs of the tokens it brings."""
         kind = "chat.completion.chunk" if chat else "text_completion"
+        offsets = {g.index: TextOffsets(self.tokens) for g in generations}  # each choice's text offsets go on
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
             data = {"id": ident, "object": kind, "created": created, "model": self.name, "choices": choices, **extra}
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
-        def choice(index: int, text: str | None, reason: str | None, first: bool = False) -> dict[str, Any]:
+        def choice(index: int, text: str | None, reason: str | None, first: bool = False,
+                   piece: "Piece | None" = None) -> dict[str, Any]:
+            shown = self.logprobs(chat, piece.logprobs, offsets[index]) if logprobs and piece is not None else None
             if not chat:
-                return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+                return {"index": index, "text": text or "", "logprobs": shown, "finish_reason": reason}
             delta: dict[str, Any] = (
                 {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
             )
-            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            return {"index": index, "delta": delta, "logprobs": shown, "finish_reason": reason}
 
         status: int | str = 200
         try:
             if chat:
                 yield chunk([choice(g.index, None, None, first=True) for g in generations])
             try:
-                async for generation, text in self.events(generations):
-                    if text is not None:
-                        yield chunk([choice(generation.index, text, None)])
+                async for generation, piece in self.events(generations):
+                    if piece is not None:
+                        yield chunk([choice(generation.index, piece.text, None, piece=piece)])
                     else:
                         c = generation.completion
                         assert c is not None

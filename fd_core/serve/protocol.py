@@ -1,25 +1,30 @@
 """The OpenAI API's request and response shapes that `fd serve` speaks, and their translation to fd's
-SamplingParams, prompts and finish reasons; errors in the OpenAI error format."""
+SamplingParams, prompts, finish reasons and logprobs; errors in the OpenAI error format."""
 
 from __future__ import annotations
 
 import base64
 import binascii
+import codecs
 import io
 import secrets
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from fd_core.errors import ConfigError
-from fd_core.runtime.engine.sampling import SamplingParams
+from fd_core.runtime.engine.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from fd_core.runtime.text.tokenizer import Tokenizer
 
 # fd's Completion.finish_reason -> the OpenAI API's.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on /v1/completions' logprobs
 
 
 class ApiError(Exception):
@@ -57,8 +62,7 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = 1
-    logprobs: Any = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, strict=True)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -80,16 +84,11 @@ class Sampling(BaseModel):
             raise ApiError(
                 400, f"n={self.n}: fd serve returns one choice per prompt; send n=1 (or several requests)", param="n"
             )
-        if self.logprobs not in (None, False):
-            raise ApiError(400, "logprobs are not supported by fd serve; drop the field", param="logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise ApiError(400, f"{name} is not supported by fd serve; drop it or send 0", param=name)
         if self.logit_bias:
             raise ApiError(400, "logit_bias is not supported by fd serve; drop the field", param="logit_bias")
-        if self.top_logprobs is not None:
-            raise ApiError(400, "top_logprobs is not supported by fd serve (nor logprobs); drop the field",
-                           param="top_logprobs")
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise ApiError(400, f"response_format {kind!r} is not supported by fd serve (no structured output): the "
@@ -120,15 +119,20 @@ class Sampling(BaseModel):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def logprob_count(self) -> int | None:
+        """How many alternatives each generated token's logprobs list (None: no logprobs asked)."""
+        raise NotImplementedError
+
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         """fd's SamplingParams; unset fields take fd's defaults (greedy unless a temperature is given)."""
+        logprobs = self.logprob_count()
         try:
             return SamplingParams(
                 max_new_tokens=max_tokens or DEFAULT_MAX_TOKENS, temperature=self.temperature or 0.0,
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, stop=self.stops(),
                 # As OpenAI's API: without a seed, a sampled request draws a different sample each time.
                 seed=secrets.randbelow(2**31) if self.seed is None else self.seed,
-                ignore_eos=self.ignore_eos,
+                ignore_eos=self.ignore_eos, logprobs=logprobs,
             )
         except ConfigError as exc:
             raise ApiError(400, str(exc)) from None
@@ -142,14 +146,26 @@ class CompletionRequest(Sampling):
     """POST /v1/completions: a prompt (text, token ids, or a list of either) and how to continue it."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
+    # How many alternatives each generated token's logprobs list, 0..5 (None: no logprobs).
+    logprobs: int | None = Field(default=None, strict=True)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs is not None:
+            raise ApiError(400, "top_logprobs is a chat completions field; /v1/completions takes logprobs: k (0..5)",
+                           param="top_logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise ApiError(400, f"logprobs must be in 0..{MAX_COMPLETION_LOGPROBS} on /v1/completions (OpenAI's "
+                                f"limit), got {self.logprobs}", param="logprobs")
+        return self.logprobs
+
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request, one choice each."""
         if self.echo:
-            raise ApiError(400, "echo is not supported by fd serve; drop the field", param="echo")
+            raise ApiError(400, "echo is not supported by fd serve: it returns the prompt (with logprobs, the prompt's "
+                                "logprobs, which fd does not compute); drop the field", param="echo")
         if self.best_of not in (None, 1):
             raise ApiError(400, "best_of is not supported by fd serve; drop the field", param="best_of")
         if self.suffix:
@@ -190,6 +206,17 @@ class ChatRequest(Sampling):
     """POST /v1/chat/completions: a conversation, answered through the checkpoint's chat template."""
 
     messages: list[Message] = Field(min_length=1)
+    # Whether each generated token's logprob comes back; top_logprobs (0..20) how many alternatives with it.
+    logprobs: bool | None = Field(default=None, strict=True)
+
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise ApiError(400, "top_logprobs needs logprobs: true; send both, or neither", param="top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise ApiError(400, f"top_logprobs must be in 0..{MAX_LOGPROBS}, got {self.top_logprobs}",
+                               param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def message_parts(message: Message, index: int) -> tuple[str, list[str]]:
@@ -249,6 +276,70 @@ def read_image(url: str, roots: Sequence[Path]) -> Any:
         return load_image(str(path))
     except (ConfigError, OSError) as exc:
         raise ApiError(400, f"image {url!r}: {exc}", param="messages") from None
+
+
+class TokenText:
+    """Token ids as the API shows them: each token's bytes (Tokenizer.token_bytes: part of a character's bytes for a
+    byte-level token, a special token's own text) and those bytes as text (an incomplete character as U+FFFD). Without
+    a tokenizer, or for an id outside its vocabulary, "token_id:N" and no bytes (vLLM's form)."""
+
+    def __init__(self, tokenizer: "Tokenizer | None") -> None:
+        self.tokenizer = tokenizer
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        return None if self.tokenizer is None else self.tokenizer.token_bytes(token_id)
+
+    def text(self, token_id: int) -> str:
+        data = self.token_bytes(token_id)
+        return f"token_id:{token_id}" if data is None else data.decode("utf-8", errors="replace")
+
+    def entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        """{"token", "logprob", "bytes"}, as chat's logprobs list each token."""
+        data = self.token_bytes(token_id)
+        return {"token": self.text(token_id), "logprob": logprob, "bytes": None if data is None else list(data)}
+
+    def chat(self, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """Chat's choice.logprobs: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...]}."""
+        return {"content": [{**self.entry(p.token, p.logprob), "top_logprobs": [self.entry(t, v) for t, v in p.top]}
+                            for p in logprobs]}
+
+    def completion(self, logprobs: Sequence[TokenLogprob], offsets: "TextOffsets") -> dict[str, Any]:
+        """Completions' choice.logprobs: tokens, token_logprobs, top_logprobs (the k most likely and, as OpenAI's, the
+        chosen token too: up to k + 1 entries, keyed by token text; ids of the same text share the likelier's entry)
+        and text_offset (where each token's text starts in the choice's text)."""
+        tops = []
+        for p in logprobs:
+            top: dict[str, float] = {}
+            for token, value in (*p.top, (p.token, p.logprob)):
+                top.setdefault(self.text(token), value)
+            tops.append(top)
+        return {"tokens": [self.text(p.token) for p in logprobs], "token_logprobs": [p.logprob for p in logprobs],
+                "top_logprobs": tops, "text_offset": [offsets.next(p.token) for p in logprobs]}
+
+
+class TextOffsets:
+    """Where each token of one choice starts in its text, in characters: the tokens' bytes decoded as they come (a
+    token that completes a character starts where that character does). Special tokens, which the text skips, and
+    the leading space a SentencePiece tokenizer drops from the text's first token, count nothing."""
+
+    def __init__(self, text: TokenText) -> None:
+        self.tokens = text
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0
+        self.first = True
+
+    def next(self, token_id: int) -> int:
+        """The offset of the next token of the choice."""
+        at = self.chars
+        tokenizer = self.tokens.tokenizer
+        data = self.tokens.token_bytes(token_id)
+        if tokenizer is None or data is None or token_id in tokenizer.special_ids:
+            return at
+        if self.first and data.startswith(b" ") and not tokenizer.decode([token_id]).startswith(" "):
+            data = data[1:]
+        self.first = False
+        self.chars += len(self.decoder.decode(data))
+        return at
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

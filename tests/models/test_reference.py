@@ -317,3 +317,53 @@ def test_save_random_writes_what_transformers_loads(tmp_path: Path, model: str, 
     ours = run_plan(plan_run(RunConfig(model=None, tp=1, steps=STEPS, prompt_ids=tuple(PROMPT), checkpoint=str(directory), progress=False),
                              plugins), plugins)[0]
     assert ours["tokens"] == tokens
+
+
+# Logprobs: fd's log-softmax (float64 on the host from the float32 logits) against the reference's, computed by torch
+# in float64 from its own float32 logits, for the tokens fd generated (greedy, and sampled with a temperature and
+# filters, which must not change the logprobs: they are the raw logits'); both sides float32, so ~1e-4.
+LOGPROB_TOL = 1e-4
+LOGPROB_CASES = ["ernie", "ernie-bf16", "qwen3_vl-text", "qwen3_vl-image"]
+
+
+def _reference_logprobs(directory: Path, ids: list[int], start: int, images: tuple[Path, ...] = ()) -> np.ndarray:
+    """The reference's log_softmax at every position from `start` - 1 on (the distributions ids[start:] were chosen
+    from): the saved checkpoint loaded again by transformers, one pass over the whole sequence."""
+    config = json.loads((directory / "config.json").read_text())
+    model = getattr(transformers, config["architectures"][0]).from_pretrained(str(directory), dtype=torch.float32).eval()
+    extra = _image_inputs(model, images) if images else {}
+    tensor = torch.tensor([ids])
+    if images:
+        extra.update(_token_types(model, tensor))
+    with torch.no_grad():
+        logits = model(tensor, **extra).logits[0, start - 1 : len(ids) - 1].float()
+    return torch.log_softmax(logits.double(), dim=-1).numpy()
+
+
+@pytest.mark.parametrize("name", LOGPROB_CASES)
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_logprobs_match_the_reference_log_softmax(cases: dict[str, Case], name: str, sampled: bool) -> None:
+    from fd_core.runtime import LLM, SamplingParams
+
+    case, k = cases[name], 5
+    settings = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=k,
+                              **(dict(temperature=0.7, top_k=3, top_p=0.9, seed=2) if sampled else {}))
+    with LLM(case.directory, tp=1, graph="off") as llm:
+        completion = llm.generate([case.prompt], settings, images=[str(p) for p in case.images])[0]
+    if not sampled:
+        assert completion.token_ids == case.tokens[:12]
+    assert completion.logprobs is not None and len(completion.logprobs) == len(completion.token_ids)
+    reference = _reference_logprobs(case.directory, case.prompt + completion.token_ids, len(case.prompt), case.images)
+    for step, (logprob, row) in enumerate(zip(completion.logprobs, reference, strict=True)):
+        assert logprob.token == completion.token_ids[step]
+        assert abs(logprob.logprob - row[logprob.token]) <= LOGPROB_TOL, (step, logprob.logprob, row[logprob.token])
+        assert [abs(v - row[t]) <= LOGPROB_TOL for t, v in logprob.top] == [True] * k, (step, logprob.top)
+        # The reference's k most likely, in its order, where its k + 1 most likely are clear of each other; where two
+        # are within the tolerance, any that are as likely as its k-th within it.
+        expected = [int(t) for t in np.argsort(-row, kind="stable")[: k + 1]]
+        ours = [t for t, _ in logprob.top]
+        if all(row[expected[i]] - row[expected[i + 1]] > 2 * LOGPROB_TOL for i in range(k)):
+            assert ours == expected[:k], (step, ours, expected)
+        else:
+            assert all(row[t] >= row[expected[k - 1]] - 2 * LOGPROB_TOL for t in ours), (step, ours, expected)
+        assert [v for _, v in logprob.top] == sorted((v for _, v in logprob.top), reverse=True)

@@ -284,7 +284,9 @@ def test_head_where_get_works_and_405_says_which_methods(server: Served) -> None
 
 REFUSED = [
     ("/v1/completions", {"n": 2}, "n"),
-    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"logprobs": True}, "logprobs"),
     ("/v1/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
@@ -292,8 +294,10 @@ REFUSED = [
     ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
-    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2}, "logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": 3}, "logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
      "response_format"),
@@ -311,7 +315,8 @@ REFUSED = [
 def test_a_field_fd_does_not_serve_is_refused_never_ignored(
     server: Served, endpoint: str, fields: dict[str, Any], param: str
 ) -> None:
-    """Issue 37: response_format, tools and top_logprobs were silently ignored (200 with text that ignores them)."""
+    """Issue 37: response_format, tools and top_logprobs were silently ignored (200 with text that ignores them).
+    Logprobs are served; the values they may not take are refused, as echo is (prompt logprobs are not built)."""
     base = {"prompt": "Hi"} if endpoint.endswith("/completions") and "chat" not in endpoint else {
         "messages": [{"role": "user", "content": "Hi"}]}
     error = openai_error(httpx.post(f"{server.url}{endpoint}", json={**base, "max_tokens": 2, **fields}), 400)
@@ -330,3 +335,106 @@ def test_max_completion_tokens_is_honoured_on_both_endpoints(client: openai.Open
     plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=2,
                                            response_format={"type": "text"}, tool_choice="none", modalities=["text"])
     assert plain.choices[0].message.content is not None
+
+
+# -- logprobs ---------------------------------------------------------------------------------
+def token_entry(oracle: Any, token: int, logprob: float) -> dict[str, Any]:
+    """A token as chat's logprobs show it: its bytes through the checkpoint's tokenizer, as text."""
+    data = oracle.tokenizer.token_bytes(token)
+    return {"token": data.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(data)}
+
+
+def same_logprobs(got: Any, want: Any) -> bool:
+    """Equal entries, the floats to 1e-5: at tp=2 the all-reduce sums in another order (the last bits differ)."""
+    if isinstance(want, dict):
+        return isinstance(got, dict) and got.keys() == want.keys() and all(same_logprobs(got[k], want[k]) for k in want)
+    if isinstance(want, list):
+        return isinstance(got, list) and len(got) == len(want) and all(map(same_logprobs, got, want))
+    if isinstance(want, float):
+        return abs(got - want) <= 1e-5
+    return bool(got == want)
+
+
+def test_chat_logprobs_are_the_engines_with_each_tokens_text_and_bytes(
+    server: Served, client: openai.OpenAI, oracle: Any,
+) -> None:
+    messages = [{"role": "user", "content": "Tell a story"}]
+    want = expected(oracle, "Tell a story", chat=True, max_new_tokens=14, logprobs=3)
+    content = [{**token_entry(oracle, p.token, p.logprob),
+                "top_logprobs": [token_entry(oracle, t, v) for t, v in p.top]} for p in want.logprobs]
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=14, logprobs=True,  # type: ignore[arg-type]
+                                         top_logprobs=3)
+    assert got.choices[0].message.content == want.text
+    shown = got.choices[0].logprobs.model_dump()["content"]
+    assert same_logprobs(shown, content), (shown, content)
+    for entry in shown:  # the chosen first among greedy alternatives, sorted
+        assert entry["top_logprobs"][0]["logprob"] == entry["logprob"]
+        assert [e["logprob"] for e in entry["top_logprobs"]] == sorted((e["logprob"] for e in entry["top_logprobs"]),
+                                                                        reverse=True)
+    # The tokens' bytes joined are the text (the end-of-sequence token, which the text skips, aside).
+    special = {p.token for p in want.logprobs} & oracle.tokenizer.special_ids
+    joined = b"".join(bytes(e["bytes"]) for e, p in zip(shown, want.logprobs, strict=True) if p.token not in special)
+    assert joined.decode("utf-8", errors="replace") == want.text
+    # logprobs true alone: the chosen tokens' only; not asked: none.
+    alone = client.chat.completions.create(model="tiny", messages=messages, max_tokens=14, logprobs=True)  # type: ignore[arg-type]
+    assert [e.top_logprobs for e in alone.choices[0].logprobs.content] == [[]] * len(want.token_ids)
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=14)  # type: ignore[arg-type]
+    assert plain.choices[0].logprobs is None
+    # Streamed: each chunk carries the logprobs of its tokens; together they are the whole answer's.
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=14, logprobs=True,  # type: ignore[arg-type]
+                                                 top_logprobs=3, stream=True))
+    streamed = [e.model_dump() for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content or []]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert same_logprobs(streamed, content)
+    assert len([c for c in chunks if c.choices and c.choices[0].logprobs]) > 1  # piece by piece
+
+
+def test_completion_logprobs_in_the_legacy_shape_streamed_or_not(client: openai.OpenAI, oracle: Any) -> None:
+    prompt = "Hello world"  # meets the end-of-sequence id at its 7th token: its logprob is the last
+    want = expected(oracle, prompt, max_new_tokens=20, logprobs=2)
+    assert want.finish_reason == "eos"
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, logprobs=2)
+    shown = got.choices[0].logprobs.model_dump()
+    text = oracle.tokenizer.token_bytes
+    tokens = [text(p.token).decode("utf-8", errors="replace") for p in want.logprobs]
+    assert shown["tokens"] == tokens and got.choices[0].text == want.text
+    assert same_logprobs(shown["token_logprobs"], [p.logprob for p in want.logprobs])
+    # The k most likely and the chosen token (OpenAI's "up to logprobs + 1"), keyed by text.
+    tops = [{text(t).decode("utf-8", errors="replace"): v for t, v in reversed((*p.top, (p.token, p.logprob)))}
+            for p in want.logprobs]
+    assert same_logprobs(shown["top_logprobs"], tops)
+    # Where each token starts in the text: the text decoded up to it, wherever that ends on a whole character.
+    ids = want.token_ids
+    for i, offset in enumerate(shown["text_offset"]):
+        before = oracle.tokenizer.decode(ids[:i])
+        if not before.endswith("\ufffd"):
+            assert offset == len(before), (i, offset, before)
+    assert shown["text_offset"] == sorted(shown["text_offset"])
+    # Streamed, the chunks' lists joined are the whole answer's, offsets included.
+    joined: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=20, logprobs=2, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            for key, values in chunk.choices[0].logprobs.model_dump().items():
+                joined[key] += values
+    assert same_logprobs(joined, shown)
+    # logprobs 0: the chosen token alone in each top_logprobs.
+    zero = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, logprobs=0).choices[0].logprobs
+    assert zero.top_logprobs == [{t: v} for t, v in zip(zero.tokens, zero.token_logprobs, strict=True)]
+    assert client.completions.create(model="tiny", prompt=prompt, max_tokens=3).choices[0].logprobs is None
+
+
+def test_logprob_limits_and_echo_are_refused_with_what_to_send(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError) as alone:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, top_logprobs=2)  # type: ignore[arg-type]
+    assert alone.value.param == "top_logprobs" and "needs logprobs: true" in alone.value.message  # type: ignore[attr-defined]
+    with pytest.raises(openai.BadRequestError) as many:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, logprobs=True, top_logprobs=21)  # type: ignore[arg-type]
+    assert many.value.param == "top_logprobs" and "must be in 0..20, got 21" in many.value.message  # type: ignore[attr-defined]
+    with pytest.raises(openai.BadRequestError) as legacy:
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=2, logprobs=6)
+    assert legacy.value.param == "logprobs" and "must be in 0..5 on /v1/completions" in legacy.value.message  # type: ignore[attr-defined]
+    with pytest.raises(openai.BadRequestError) as echo:
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=2, echo=True, logprobs=1)
+    assert echo.value.param == "echo" and "prompt's logprobs" in echo.value.message  # type: ignore[attr-defined]

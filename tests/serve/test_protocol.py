@@ -1,5 +1,5 @@
 """The request side of `fd serve` without a server: pictures from data URLs and from the
-directories the server may read."""
+directories the server may read; and the response side's logprobs: each token's text, bytes and text offset."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import pytest
 
 pytest.importorskip("pydantic", reason="fd serve needs the serve extra (pip install -e '.[cpu,test]' brings it)")
 
-from fd_core.serve.protocol import ApiError, read_image  # noqa: E402 - after the skip
+from fd_core.runtime import TokenLogprob, load_tokenizer  # noqa: E402
+from fd_core.serve.protocol import ApiError, TextOffsets, TokenText, read_image  # noqa: E402 - after the skip
+from kit import tokenizer_dirs  # noqa: E402,F401 - a fixture
 
 
 def png(path: Path | None = None) -> tuple[bytes, np.ndarray]:
@@ -52,3 +54,45 @@ def test_a_path_is_read_only_under_an_image_root(tmp_path: Path) -> None:
         read_image(str(root / "a.png"), ())
     with pytest.raises(ApiError, match="is not a file the server can read"):
         read_image(str(root / "missing.png"), (root.resolve(),))
+
+
+# Characters that byte-level tokens split (Ω and the emoji are unseen in the tiny tokenizer's training), a special token
+# the text skips, and words SentencePiece starts with its space mark.
+LOGPROB_TEXTS = {"bpe": "Café Ωmega 🙂 and<|im_end|> 日本語", "sp": "Hello мир Ωmega 🙂 world"}
+
+
+@pytest.mark.parametrize("kind", ["bpe", "sp"])
+def test_text_offsets_are_where_each_token_starts_in_the_text(tokenizer_dirs: dict[str, Path], kind: str) -> None:
+    """Against the tokenizer's own decoding of the ids before each token (where that ends on a whole character; a
+    token that completes a character starts where the character does), streamed in chunks or whole."""
+    tokenizer = load_tokenizer(tokenizer_dirs[kind])
+    ids = tokenizer.encode(LOGPROB_TEXTS[kind], add_special_tokens=False)
+    text = TokenText(tokenizer)
+    whole = text.completion([TokenLogprob(t, -1.0) for t in ids], TextOffsets(text))
+    split = 0
+    for i, offset in enumerate(whole["text_offset"]):
+        before = tokenizer.decode(ids[:i])
+        if before.endswith("\ufffd"):  # inside a character: it starts where the character does
+            split += 1
+            before = before.rstrip("\ufffd")
+        assert offset == len(before), (i, offset, before)
+    assert split, "no character was split across tokens: the case that matters went untested"
+    offsets = TextOffsets(text)
+    chunks = [text.completion([TokenLogprob(t, -1.0)], offsets)["text_offset"] for t in ids]
+    assert [o for chunk in chunks for o in chunk] == whole["text_offset"]
+    # Each token's bytes; joined, the text (SentencePiece's first word-start space and the special token aside).
+    joined = b"".join(bytes(e["bytes"]) for e in text.chat([TokenLogprob(t, -1.0) for t in ids])["content"]
+                      if e["token"] != "<|im_end|>")
+    assert joined.decode("utf-8").removeprefix(" " if kind == "sp" else "") == tokenizer.decode(ids)
+    assert whole["tokens"] == [text.chat([TokenLogprob(t, -1.0)])["content"][0]["token"] for t in ids]
+    assert "\ufffd" in whole["tokens"]  # half a character as text
+
+
+def test_a_token_without_a_tokenizer_is_its_id() -> None:
+    text = TokenText(None)
+    shown = text.chat([TokenLogprob(7, -0.5, ((7, -0.5), (3, -2.0)))])["content"][0]
+    assert shown == {"token": "token_id:7", "logprob": -0.5, "bytes": None, "top_logprobs": [
+        {"token": "token_id:7", "logprob": -0.5, "bytes": None}, {"token": "token_id:3", "logprob": -2.0, "bytes": None}]}
+    legacy = text.completion([TokenLogprob(7, -0.5, ((3, -0.25),))], TextOffsets(text))
+    assert legacy == {"tokens": ["token_id:7"], "token_logprobs": [-0.5],
+                      "top_logprobs": [{"token_id:3": -0.25, "token_id:7": -0.5}], "text_offset": [0]}

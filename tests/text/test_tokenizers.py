@@ -63,6 +63,26 @@ def test_streamed_text_equals_decoding_the_whole(tokenizer_dirs: dict[str, Path]
         assert not any("\ufffd" in p for p in pieces), (text, pieces)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_token_bytes_joined_are_the_text_transformers_decodes(
+    tokenizer_dirs: dict[str, Path], transformers_tokenizer, kind: str,
+) -> None:
+    """What logprobs report per token: the bytes of a character split across byte tokens come apart, and joined they
+    are the text (SentencePiece's word-start space included: the decoded text drops the first)."""
+    ours, reference = load_tokenizer(tokenizer_dirs[kind]), transformers_tokenizer(tokenizer_dirs[kind])
+    for text in [*SAMPLES, WITH_SPECIALS[kind]]:
+        ids = ours.encode(text)
+        joined = b"".join(ours.token_bytes(t) or b"?" for t in ids).decode("utf-8")
+        decoded = reference.decode(ids, skip_special_tokens=False)
+        assert (joined[1:] if kind == "sp" and joined.startswith(" ") and not decoded.startswith(" ") else joined) \
+            == decoded, text
+    assert ours.token_bytes(10**6) is None  # outside the vocabulary
+    if kind == "bpe":
+        first, second = ours.encode("Ω")  # unseen in training: one byte-level token per UTF-8 byte
+        assert (ours.token_bytes(first), ours.token_bytes(second)) == (b"\xce", b"\xa9")
+        assert ours.token_bytes(ours.encode(" world")[0]).startswith(b" ")
+
+
 def test_a_character_split_across_byte_tokens_waits_until_complete(tokenizer_dirs: dict[str, Path]) -> None:
     tokenizer = load_tokenizer(tokenizer_dirs["bpe"])
     ids = tokenizer.encode("Ω")  # unseen in training: two byte-level tokens for its two UTF-8 bytes

@@ -18,7 +18,7 @@ from fd_core.lifecycle import RankContext
 from fd_core.runtime import progress
 from fd_core.runtime.engine.blocks import NULL_BLOCK, BlockPool, block_hash
 from fd_core.runtime.engine.runner import ModelRunner
-from fd_core.runtime.engine.sampling import Sampler, SamplingParams
+from fd_core.runtime.engine.sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
 from fd_core.runtime.memory import DEFAULT_MAX_PREFILL_TOKENS, MemoryPlan
 from fd_core.runtime.request import Request
 from fd_core.runtime.text.streaming import StreamDecoder, TextState
@@ -38,16 +38,22 @@ class Completion:
 
     `finish_reason` is "eos" (an end-of-sequence id, kept as the last id), "stop" (a stop string; the
     text is cut before it), "length" (max_new_tokens reached) or "cancelled" (its caller cancelled it).
+    `logprobs` (when its SamplingParams asked) has one TokenLogprob per id of token_ids, in order.
     """
 
     prompt_ids: list[int]
     token_ids: list[int]
     text: str | None
     finish_reason: str
+    logprobs: list[TokenLogprob] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "ids": self.token_ids, "finish_reason": self.finish_reason,
-                "prompt_tokens": len(self.prompt_ids)}
+        out: dict[str, Any] = {"text": self.text, "ids": self.token_ids, "finish_reason": self.finish_reason,
+                               "prompt_tokens": len(self.prompt_ids)}
+        if self.logprobs is not None:
+            out["logprobs"] = [{"token": p.token, "logprob": p.logprob, "top": [list(t) for t in p.top]}
+                               for p in self.logprobs]
+        return out
 
 
 @dataclass(frozen=True)
@@ -66,12 +72,13 @@ class Job:
 @dataclass(frozen=True)
 class Event:
     """What one step did for one sequence: the token it chose (None: none this step), the text that token
-    completed, and the completion when the sequence ended."""
+    completed, the completion when the sequence ended, and the token's logprob data when its sampling asked."""
 
     key: int
     token: int | None = None
     text: str = ""
     done: Completion | None = None
+    logprob: TokenLogprob | None = None
 
 
 def jobs_of(request: Request, first_key: int = 0) -> list[Job]:
@@ -105,10 +112,26 @@ def check_finite(logits: Any, step: int, live: Sequence[bool]) -> None:
         )
 
 
+def _host_rows(logits: Any, rows: Sequence[int]) -> Any:
+    """Rows of logits [B, vocab] (a tensor or an array) on the host as a float32 numpy array [len(rows), vocab]: a
+    tensor's rows gathered where they are first, so that only those rows travel (the copy costs by its size)."""
+    import numpy as np
+
+    picked = list(rows)
+    if not hasattr(logits, "numpy"):
+        return np.asarray(logits, dtype=np.float32)[picked]
+    if picked != list(range(int(logits.shape[0]))):
+        logits = logits[picked]
+    if not str(logits.dtype).endswith("float32"):
+        logits = logits.astype("float32")
+    return np.asarray(logits.numpy())
+
+
 @dataclass
 class _Seq:
     """One sequence: its ids so far (prompt, then what it generated), the blocks holding them, how many are
-    computed (their keys and values in the cache), its sampler, text and stop state."""
+    computed (their keys and values in the cache), its sampler, text and stop state, and its tokens' logprobs (None:
+    not asked)."""
 
     job: Job
     sampler: Sampler
@@ -122,6 +145,7 @@ class _Seq:
     rope_delta: int = 0
     reason: str | None = None
     admitted: bool = False
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -279,7 +303,10 @@ class Engine:
         """Queue a sequence; a later step admits it."""
         text = TextState(StreamDecoder(self.tokenizer), job.sampling.stop) if self.tokenizer else None
         eos = frozenset() if job.sampling.ignore_eos else frozenset(job.eos_ids)
-        self._waiting.append(_Seq(job, Sampler(job.sampling, [job.index]), text, eos, list(job.prompt), order=0))
+        logprobs: list[TokenLogprob] | None = [] if job.sampling.logprobs is not None else None
+        self._waiting.append(
+            _Seq(job, Sampler(job.sampling, [job.index]), text, eos, list(job.prompt), order=0, logprobs=logprobs)
+        )
 
     def cancel(self, key: int) -> None:
         """End a sequence at the next step (its completion's finish_reason is "cancelled"); an unknown key is
@@ -552,7 +579,8 @@ class Engine:
 
     def _choose(self, logits: Any, seqs: Sequence[_Seq], at: Sequence[int]) -> list[int]:
         """Each sequence's next token from logits [B, vocab] (sequence i at row at[i]) through the Backend's sample op,
-        once its rows' logits are known to be finite."""
+        once its rows' logits are known to be finite; a sequence whose sampling asks for logprobs gets the token's
+        appended to its own (the rows that do not ask cost nothing)."""
         start = time.perf_counter()
         live = [False] * int(logits.shape[0])
         for i in at:
@@ -572,15 +600,25 @@ class Engine:
             chosen = [int(every[i]) for i in at]
         else:
             chosen = [seq.sampler.choose(logits[i : i + 1], sample)[0] for seq, i in zip(seqs, at, strict=True)]
+        asking = [(n, seq.logprobs) for n, seq in enumerate(seqs) if seq.logprobs is not None]
+        if asking:
+            # The raw logits of the asking rows only, to the host as float32; the log-softmax in float64 there.
+            rows = _host_rows(logits, [at[n] for n, _ in asking])
+            tops = [seqs[n].job.sampling.logprobs or 0 for n, _ in asking]
+            found = token_logprobs(rows, [chosen[n] for n, _ in asking], tops)
+            for (_, kept), logprob in zip(asking, found, strict=True):
+                kept.append(logprob)
         self.choose_s += time.perf_counter() - start
         self.choose_calls += 1
         return chosen
 
     def _push(self, seq: _Seq, token: int, events: list[Event]) -> None:
-        """A sequence's new token: its text, and whether it ends the sequence (then its blocks are freed)."""
+        """A sequence's new token: its text, and whether it ends the sequence (then its blocks are freed); its event
+        carries the token's logprob data when its sampling asks (_choose appended it)."""
         if self.first_token_at is None:
             self.first_token_at = time.time()
         seq.ids.append(token)
+        logprob = seq.logprobs[-1] if seq.logprobs else None
         shown = ""
         if token in seq.eos:
             seq.reason = "eos"
@@ -591,10 +629,10 @@ class Engine:
         if seq.reason is None and len(seq.tokens) >= seq.job.sampling.max_new_tokens:
             seq.reason = "length"
         if seq.reason is None:
-            events.append(Event(seq.job.key, token, shown))
+            events.append(Event(seq.job.key, token, shown, logprob=logprob))
             return
         end = self._finish(seq, final=True)
-        events.append(Event(seq.job.key, token, shown + end.text, end.done))
+        events.append(Event(seq.job.key, token, shown + end.text, end.done, logprob))
 
     def _finish(self, seq: _Seq, final: bool) -> Event:
         """Free its blocks; its completion, with the rest of its text when it ended by itself."""
@@ -606,4 +644,5 @@ class Engine:
         rest = state.finish() if state is not None and final else ""
         text = None if state is None else (state.text if final else state.text[: state.shown])
         assert seq.reason is not None
-        return Event(seq.job.key, None, rest, Completion(list(seq.job.prompt), seq.tokens, text, seq.reason))
+        logprobs = None if seq.logprobs is None else list(seq.logprobs)
+        return Event(seq.job.key, None, rest, Completion(list(seq.job.prompt), seq.tokens, text, seq.reason, logprobs))

@@ -1,4 +1,5 @@
-"""Choosing the next token: greedy, or sampling with temperature, top-k and top-p from a seeded generator."""
+"""Choosing the next token: greedy, or sampling with temperature, top-k and top-p from a seeded generator; and the
+chosen token's log-probability (with the most likely tokens of its step) for the sequences that ask."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from fd_core.errors import ConfigError
 # The smallest positive temperature: below it float32 logits divided by it overflow (1e-310 made every
 # probability NaN and every token the last id), whatever the platform's sample op.
 MIN_TEMPERATURE = 1e-5
+# The most alternatives a step's logprobs may list (OpenAI's chat top_logprobs limit, and vLLM's default).
+MAX_LOGPROBS = 20
 
 
 def _integer(value: Any) -> bool:
@@ -29,6 +32,9 @@ class SamplingParams:
     `temperature` 0 is greedy (the default). Sampling applies temperature, then top-k (0: all tokens),
     then top-p (1.0: all), as transformers does. The same `seed` gives the same tokens.
     `stop` strings end a sequence; its text is cut before the stop string (one str is one stop string).
+    `logprobs` None returns none; 0 returns each generated token's log-probability, and k (up to 20) also the k most
+    likely tokens of its step (TokenLogprob): the log-softmax of the model's raw logits, before temperature, top-k
+    and top-p, as vLLM returns them by default.
     """
 
     max_new_tokens: int = 16
@@ -38,6 +44,7 @@ class SamplingParams:
     seed: int = 0
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # One stop string given as a str is that string (a str is also a sequence: of single characters).
@@ -69,6 +76,12 @@ class SamplingParams:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
         if any(not s for s in self.stop):
             raise ConfigError("a stop string must not be empty")
+        if self.logprobs is not None:
+            if not _integer(self.logprobs):
+                raise ConfigError(f"logprobs must be an integer or None, got {self.logprobs!r:.40}")
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ConfigError(f"logprobs must be in 0..{MAX_LOGPROBS} (0: the chosen token's only; None: none), "
+                                  f"got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -105,3 +118,51 @@ class Sampler:
         # Greedy draws nothing: a greedy request leaves the generators where a sampled one would find them.
         uniform = [0.0] * len(self.rngs) if p.greedy else [float(rng.random()) for rng in self.rngs]
         return [int(t) for t in sample(logits, p.temperature, p.top_k, p.top_p, uniform)]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability and, when asked, the most likely tokens of its step.
+
+    `logprob` is the chosen token's entry of the log-softmax of that step's raw logits (before temperature, top-k and
+    top-p), computed on the host in float64 from the float32 logits; `top` holds (token id, logprob) of the k most
+    likely tokens, most likely first (ties: the lower id first). Plain data: it crosses process boundaries.
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def log_softmax(rows: Any) -> Any:
+    """log_softmax over the last axis, in float64 (the logits widened from float32 first)."""
+    import numpy as np
+
+    x = np.asarray(rows, dtype=np.float32).astype(np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    x -= np.log(np.exp(x).sum(axis=-1, keepdims=True))
+    return x
+
+
+def most_likely(row: Any, k: int) -> tuple[tuple[int, float], ...]:
+    """The k largest entries of one row of logprobs as (id, logprob), largest first, ties by ascending id."""
+    import numpy as np
+
+    k = min(k, int(row.shape[-1]))
+    if k <= 0:
+        return ()
+    # Every id at or above the k-th largest value (ties at the boundary included), then the k first by (-value, id).
+    threshold = np.partition(row, row.shape[-1] - k)[row.shape[-1] - k]
+    ids = np.flatnonzero(row >= threshold)
+    ids = ids[np.lexsort((ids, -row[ids]))[:k]]
+    return tuple((int(i), float(row[i])) for i in ids)
+
+
+def token_logprobs(rows: Any, tokens: Sequence[int], tops: Sequence[int]) -> list[TokenLogprob]:
+    """Each chosen token's TokenLogprob from its step's logits (rows [n, vocab], float32 as the model gave them), with
+    `tops[i]` alternatives for row i."""
+    out = []
+    for row, token, k in zip(rows, tokens, tops, strict=True):
+        logprobs = log_softmax(row)  # a row at a time: its float64 copy stays in the cache (a whole batch's does not)
+        out.append(TokenLogprob(int(token), float(logprobs[int(token)]), most_likely(logprobs, k)))
+    return out

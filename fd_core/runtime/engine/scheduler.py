@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from fd_core.errors import FdError
 from fd_core.runtime.engine.loop import Completion, Event, Job
+from fd_core.runtime.engine.sampling import TokenLogprob
 
 # One step for the jobs added and the keys cancelled since the last: every sequence's events of that step.
 Tick = Callable[[Sequence[Job], Sequence[int]], Sequence[Event]]
@@ -23,8 +24,19 @@ class SchedulerClosed(FdError):
     """The scheduler stopped (its LLM was closed, or its ranks failed) before this request ended."""
 
 
+@dataclass(frozen=True)
+class Piece:
+    """New text of a sequence with the logprob data of the tokens chosen since the previous piece (empty when its
+    sampling asked for none). A token that completes no character yet (half of one, an end-of-sequence id) rides with
+    the next piece; the last piece may have no text, only the logprobs of the last tokens."""
+
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
 class Submission:
-    """One prompt on its way through the running batch: its text as produced, its completion, and a way to cancel it."""
+    """One prompt on its way through the running batch: its text as produced (with its tokens' logprobs, when asked),
+    its completion, and a way to cancel it."""
 
     def __init__(self, key: int, prompt_tokens: int, cancel: Callable[[int], None]) -> None:
         self.key = key
@@ -40,13 +52,33 @@ class Submission:
     def __iter__(self) -> Iterator[str]:
         """The new text pieces as they are produced (blocking); ends when the sequence ends; raises the failure that
         ended it."""
+        for text, _ in self._steps():
+            if text:
+                yield text
+
+    def pieces(self) -> Iterator[Piece]:
+        """The new text as it is produced, each Piece with the logprob data of the tokens chosen since the previous one
+        (blocking); ends when the sequence ends; raises the failure that ended it. Iterate this or the submission
+        itself, not both."""
+        held: list[TokenLogprob] = []
+        for text, logprob in self._steps():
+            if logprob is not None:
+                held.append(logprob)
+            if text:
+                yield Piece(text, tuple(held))
+                held = []
+        if held:
+            yield Piece("", tuple(held))
+
+    def _steps(self) -> Iterator[tuple[str, TokenLogprob | None]]:
+        """Each step's (new text, the token's logprob data) as it arrives; raises the failure that ended it."""
         while True:
-            piece = self._pieces.get()
-            if piece is _END:
+            step = self._pieces.get()
+            if step is _END:
                 self._pieces.put(_END)  # a second iteration ends at once too
                 break
-            assert isinstance(piece, str)
-            yield piece
+            assert isinstance(step, tuple)
+            yield step
         if self._error is not None:
             raise self._error
 
@@ -78,8 +110,8 @@ class Submission:
             self.generated_tokens += 1
             if self.first_token_at is None:
                 self.first_token_at = time.time()
-        if event.text:
-            self._pieces.put(event.text)
+        if event.text or event.logprob is not None:
+            self._pieces.put((event.text, event.logprob))
         if event.done is not None:
             self._completion = event.done
             self._close()

@@ -111,6 +111,7 @@ class Tokenizer:
             extra += _token_list({"extra_special_tokens": extras}, "extra_special_tokens", sources[0][1])
         self.extra_special = [t for t in (_content(v) for v in extra) if t]
         self.clean_up_spaces = flag(config, "clean_up_tokenization_spaces", False, sources[0][1])
+        self._bytes: dict[int, bytes | None] = {}  # token_bytes' answers so far
 
     # -- the backend's part ----------------------------------------------------------------
     def _encode(self, text: str) -> list[int]:
@@ -132,6 +133,12 @@ class Tokenizer:
         """Ids decoding skips by default: every special token's."""
         raise NotImplementedError
 
+    def _token_bytes(self, token_id: int) -> bytes | None:
+        """token_bytes without the cache."""
+        if self.id_to_token(token_id) is None:
+            return None
+        return self._decode([token_id], False).encode("utf-8")
+
     # -- shared ----------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; `add_special_tokens` adds what the tokenizer adds around a sequence (a BOS, say)."""
@@ -145,6 +152,14 @@ class Tokenizer:
         """The text of `ids`; special tokens are left out unless `skip_special_tokens` is False."""
         text = self._decode([int(i) for i in ids], skip_special_tokens)
         return clean_up_tokenization(text) if self.clean_up_spaces else text
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes one token contributes to the text, as OpenAI's logprobs report them: a byte-level or byte-fallback
+        token that holds part of a character gives just its bytes (the text of several such tokens is their bytes
+        joined), a word-start piece its leading space, a special token its own text; None outside the vocabulary."""
+        if token_id not in self._bytes:
+            self._bytes[token_id] = self._token_bytes(int(token_id))
+        return self._bytes[token_id]
 
     def special_tokens(self) -> dict[str, str]:
         """bos_token, eos_token, ... as a chat template receives them."""
@@ -204,9 +219,49 @@ class JsonTokenizer(Tokenizer):
         decoder = self.backend.get_added_tokens_decoder()
         specials += [i for i, token in decoder.items() if token.special]
         self._special = frozenset(i for i in specials if i is not None)
+        self._added = frozenset(decoder)
+        self._kinds: frozenset[str] | None = None
 
     def _encode(self, text: str) -> list[int]:
         return list(self.backend.encode(text, add_special_tokens=False).ids)
+
+    def _token_bytes(self, token_id: int) -> bytes | None:
+        piece = self.id_to_token(token_id)
+        if piece is None:
+            return None
+        if token_id in self._added:
+            return piece.encode("utf-8")
+        kinds = self._decoder_kinds
+        if "ByteLevel" in kinds and all(ch in BYTE_LEVEL for ch in piece):
+            return bytes(BYTE_LEVEL[ch] for ch in piece)
+        byte = BYTE_PIECE.fullmatch(piece)
+        if byte and "ByteFallback" in kinds:
+            return bytes([int(byte.group(1), 16)])
+        if "Metaspace" in kinds or "Replace" in kinds:  # SentencePiece-style pieces: "▁" is a space
+            return piece.replace(SPACE, " ").encode("utf-8")
+        return super()._token_bytes(token_id)
+
+    @property
+    def _decoder_kinds(self) -> frozenset[str]:
+        """The types of tokenizer.json's decoder and of the decoders it chains ("ByteLevel", "Metaspace", ...)."""
+        if self._kinds is None:
+            decoder = self.backend.decoder
+            found: set[str] = set()
+
+            def walk(node: Any) -> None:
+                if isinstance(node, dict):
+                    if isinstance(node.get("type"), str):
+                        found.add(node["type"])
+                    for value in node.values():
+                        walk(value)
+                elif isinstance(node, list):
+                    for value in node:
+                        walk(value)
+
+            if decoder is not None:
+                walk(json.loads(decoder.__getstate__()))
+            self._kinds = frozenset(found)
+        return self._kinds
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # tokenizer.json's own post-processor adds what the model expects around a sequence.
@@ -229,6 +284,23 @@ class JsonTokenizer(Tokenizer):
 
 
 SPACE = "\u2581"  # SentencePiece's word-start mark
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback piece
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable character for each byte (GPT-2's bytes_to_unicode), inverted: character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+BYTE_LEVEL = _byte_level_alphabet()
 
 
 def _utf8(data: bytes | bytearray) -> str:
@@ -313,6 +385,16 @@ class SentencePieceTokenizer(Tokenizer):
         parts.append(_utf8(pending))
         text = "".join(parts)
         return text[1:] if text.startswith(" ") else text
+
+    def _token_bytes(self, token_id: int) -> bytes | None:
+        piece = self.id_to_token(token_id)
+        if piece is None:
+            return None
+        if token_id in self._by_id:
+            return piece.encode("utf-8")
+        if self.sp.IsByte(token_id):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace(SPACE, " ").encode("utf-8")
 
     def token_to_id(self, token: str) -> int | None:
         if token in self.added:

@@ -1,0 +1,218 @@
+"""Logprobs (SamplingParams.logprobs): each generated token's log-softmax of its step's raw logits, with the k most
+likely tokens sorted, computed only for the sequences that ask; through the engine (a mixed batch, the engine's own
+logits as the oracle), the Python API (generate, submit's pieces) and two gloo ranks (equal to one rank). The
+comparison with transformers' log_softmax is tests/models/test_reference.py's."""
+
+from __future__ import annotations
+
+import math
+import pickle
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+
+from fd_core.errors import ConfigError
+from fd_core.host.loading import PluginSet, load_plugins
+from fd_core.runtime import LLM, Completion, SamplingParams, TokenLogprob
+from fd_core.runtime.engine.loop import Engine, Event, Job
+from fd_core.runtime.engine.sampling import most_likely, token_logprobs
+from fd_core.runtime.memory import MemoryPlan
+
+TEXTS = ["Hello world", "The quick brown fox", "Привет", "Numbers 12345 and more"]
+# Sampled with a temperature and filters that change the distribution a token is drawn from, not its logprobs.
+SAMPLED = dict(temperature=0.6, top_k=4, top_p=0.9, seed=11)
+
+
+def log_softmax(row: np.ndarray) -> np.ndarray:
+    """The oracle of the unit tests: log_softmax written out in Python floats (math.fsum), no numpy reductions."""
+    values = [float(x) for x in np.asarray(row, dtype=np.float32)]
+    top = max(values)
+    total = math.log(math.fsum(math.exp(v - top) for v in values))
+    return np.asarray([v - top - total for v in values])
+
+
+def sorted_top(logprob: TokenLogprob) -> bool:
+    """Whether its alternatives are by logprob descending, ties by ascending id."""
+    return list(logprob.top) == sorted(logprob.top, key=lambda entry: (-entry[1], entry[0]))
+
+
+@pytest.mark.parametrize("value", [-1, 21, 2.5, "3", True])
+def test_logprobs_is_checked_like_the_other_fields(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"^logprobs must be") as error:
+        SamplingParams(logprobs=value)  # type: ignore[arg-type]
+    assert "\n" not in str(error.value)
+    assert SamplingParams(logprobs=0).logprobs == 0 and SamplingParams(logprobs=20).logprobs == 20
+    assert SamplingParams().logprobs is None
+
+
+def test_alternatives_are_sorted_by_logprob_then_id_ties_at_the_boundary_included() -> None:
+    row = np.asarray([0.5, 2.0, 2.0, 3.0, 2.0, -1.0, 3.0], dtype=np.float32)
+    expected = log_softmax(row)
+    [chosen] = token_logprobs(row[None], [4], [4])
+    assert chosen.token == 4 and chosen.logprob == pytest.approx(expected[4], abs=1e-12)
+    # 3 and 6 tie first; 1, 2 and 4 tie next and the boundary takes the lower ids.
+    assert [t for t, _ in chosen.top] == [3, 6, 1, 2]
+    assert all(v == pytest.approx(expected[t], abs=1e-12) for t, v in chosen.top)
+    assert most_likely(expected, 0) == () and len(most_likely(expected, 50)) == len(row)
+    # Only the chosen token's, with 0.
+    assert token_logprobs(row[None], [5], [0])[0].top == ()
+
+
+@pytest.fixture(scope="module")
+def plugins() -> PluginSet:
+    return load_plugins()
+
+
+def _engine(plugins: PluginSet, max_batch: int = 4) -> Engine:
+    """The tiny ERNIE-4.5 preset on an engine of its own (as tests/text/test_continuous_batching.py builds it)."""
+    from fd_core.host.backend import Backend
+    from fd_core.runtime.engine.runner import ModelRunner
+    from fd_core.runtime.plan import model_config_for
+
+    arch = plugins.registry.get("ernie4_5")
+    runner = ModelRunner(Backend(plugins), arch, model_config_for(arch, None), graph="off")
+    runner.load()
+    runner.decide()
+    memory = MemoryPlan(1.0, runner.config.dtype, 1, 0, 1, block_size=16, blocks=12, blocks_from="the test")
+    return Engine(runner, max_batch=max_batch, memory=memory)
+
+
+def _run(engine: Engine, jobs: list[Job]) -> tuple[dict[int, Completion], dict[int, list[Event]]]:
+    for job in jobs:
+        engine.add(job)
+    done: dict[int, Completion] = {}
+    events: dict[int, list[Event]] = {}
+    while engine.pending:
+        for event in engine.step():
+            events.setdefault(event.key, []).append(event)
+            if event.done is not None:
+                done[event.key] = event.done
+    return done, events
+
+
+def test_a_mixed_batch_gives_each_the_log_softmax_of_its_raw_logits(plugins: PluginSet) -> None:
+    """Rows that ask (greedy and sampled, k 0, 3 and 20) beside rows that do not, admitted at different steps: each
+    token's logprob is the log-softmax of the logits it was chosen from (the engine's trace), whatever the temperature
+    and filters; the rows that do not ask get none; and every row gets what it gets alone."""
+    asks = [
+        SamplingParams(max_new_tokens=7, ignore_eos=True, logprobs=3),
+        SamplingParams(max_new_tokens=9, ignore_eos=True),
+        SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=20, **SAMPLED),  # type: ignore[arg-type]
+        SamplingParams(max_new_tokens=8, ignore_eos=True, **SAMPLED),  # type: ignore[arg-type]
+        SamplingParams(max_new_tokens=5, ignore_eos=True, logprobs=0),
+    ]
+    jobs = [Job(i, tuple([1, 2, 3 + i] + [7 + i] * (3 * i)), s, index=i) for i, s in enumerate(asks)]
+    engine = _engine(plugins, max_batch=3)  # five jobs, three rows: two join later
+    engine.trace = {}
+    done, events = _run(engine, jobs)
+    for job in jobs:
+        completion, k = done[job.key], job.sampling.logprobs
+        steps = [e for e in events[job.key] if e.token is not None]
+        if k is None:
+            assert completion.logprobs is None and all(e.logprob is None for e in steps)
+            continue
+        assert completion.logprobs is not None and len(completion.logprobs) == len(completion.token_ids)
+        assert [e.logprob for e in steps] == completion.logprobs  # the events carry them as they come
+        for logprob, token, logits in zip(completion.logprobs, completion.token_ids, engine.trace[job.key], strict=True):
+            expected = log_softmax(logits)
+            assert logprob.token == token and logprob.logprob == pytest.approx(expected[token], abs=1e-9)
+            assert len(logprob.top) == k and sorted_top(logprob)
+            assert [v for _, v in logprob.top] == pytest.approx([expected[t] for t, _ in logprob.top], abs=1e-9)
+            assert [t for t, _ in logprob.top] == list(np.argsort(-expected, kind="stable")[:k])
+    # Sampled with top_k 4: the alternatives are the whole distribution's (20 of them), not the filtered one's.
+    assert done[2].logprobs is not None and all(len(p.top) == 20 for p in done[2].logprobs)
+    # Alone, each row gets the same tokens and logprobs (the batch changes nothing).
+    for job in jobs:
+        alone, _ = _run(_engine(plugins), [job])
+        assert alone[job.key].token_ids == done[job.key].token_ids
+        if job.sampling.logprobs is not None:
+            assert alone[job.key].logprobs is not None
+            for a, b in zip(alone[job.key].logprobs, done[job.key].logprobs or [], strict=True):
+                assert a.token == b.token and [t for t, _ in a.top] == [t for t, _ in b.top]
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+
+
+def test_events_and_completions_stay_plain_picklable_data() -> None:
+    """At tp > 1 rank 0 sends its events through a pipe."""
+    logprob = TokenLogprob(5, -0.25, ((5, -0.25), (9, -1.5)))
+    completion = Completion([1, 2], [5], "x", "length", [logprob])
+    event = Event(3, 5, "x", completion, logprob)
+    assert pickle.loads(pickle.dumps(event)) == event
+    assert completion.to_dict()["logprobs"] == [{"token": 5, "logprob": -0.25, "top": [[5, -0.25], [9, -1.5]]}]
+    assert "logprobs" not in Completion([1], [5], "x", "length").to_dict()
+
+
+# -- the Python API ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """fd serve's tiny checkpoint (byte-level BPE): "Hello world" meets its end-of-sequence id at the 7th token."""
+    from fd_core.serve.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("logprobs") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoint: Path) -> Iterator[LLM]:
+    with LLM(checkpoint, tp=1, graph="off") as session:
+        yield session
+
+
+def test_greedy_chooses_the_most_likely_token_and_keeps_the_eos(llm: LLM) -> None:
+    ended = 0
+    for text in TEXTS:
+        plain = llm.generate(text, SamplingParams(max_new_tokens=12))[0]
+        completion = llm.generate(text, SamplingParams(max_new_tokens=12, logprobs=5))[0]
+        assert completion.token_ids == plain.token_ids and plain.logprobs is None  # asking changes no token
+        assert completion.logprobs is not None
+        assert [p.token for p in completion.logprobs] == completion.token_ids
+        for p in completion.logprobs:
+            assert len(p.top) == 5 and sorted_top(p) and p.logprob <= 0
+            assert p.top[0] == (p.token, p.logprob)  # greedy: the chosen is the most likely
+        ended += completion.finish_reason == "eos"
+        only = llm.generate(text, SamplingParams(max_new_tokens=12, logprobs=0))[0]
+        assert only.logprobs is not None and [(p.token, p.logprob, p.top) for p in only.logprobs] == [
+            (p.token, p.logprob, ()) for p in completion.logprobs]
+    assert ended, "no prompt met the end-of-sequence id: the eos token's logprob went unchecked"
+
+
+def test_sampled_logprobs_follow_the_seed_and_the_raw_distribution(llm: LLM) -> None:
+    settings = SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=4, **SAMPLED)  # type: ignore[arg-type]
+    first, again = (llm.generate(TEXTS[1], settings)[0] for _ in range(2))
+    assert first.logprobs == again.logprobs
+    assert first.logprobs is not None and all(sorted_top(p) for p in first.logprobs)
+    # Raw logits: a token sampled below the most likely has a logprob below the top's.
+    assert all(p.logprob <= p.top[0][1] for p in first.logprobs)
+
+
+def test_pieces_carry_the_logprobs_of_their_tokens(llm: LLM) -> None:
+    settings = SamplingParams(max_new_tokens=16, logprobs=2)
+    whole = llm.generate(TEXTS[2], settings)[0]
+    submission = llm.submit(TEXTS[2], settings)
+    pieces = list(submission.pieces())
+    assert "".join(p.text for p in pieces) == whole.text
+    assert [lp for p in pieces for lp in p.logprobs] == whole.logprobs == submission.result().logprobs
+    assert all(p.text or p is pieces[-1] for p in pieces)  # only the last may bring logprobs alone
+    # Iterated as before, a submission gives its text.
+    assert "".join(llm.submit(TEXTS[2], settings)) == whole.text
+
+
+@pytest.fixture(scope="module")
+def llm_tp2(checkpoint: Path) -> Iterator[LLM]:
+    with LLM(checkpoint, tp=2, graph="off") as session:
+        yield session
+
+
+def test_two_ranks_give_the_logprobs_of_one(llm: LLM, llm_tp2: LLM) -> None:
+    """The same tokens and alternatives; the values agree to the all-reduce's rounding (the row-parallel layers sum in
+    another order at tp=2, so the logits differ in their last bits)."""
+    for settings in (SamplingParams(max_new_tokens=10, logprobs=5),
+                     SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=5, **SAMPLED)):  # type: ignore[arg-type]
+        for text in TEXTS[:2]:
+            one, two = llm.generate(text, settings)[0], llm_tp2.generate(text, settings)[0]
+            assert two.token_ids == one.token_ids and one.logprobs is not None and two.logprobs is not None
+            for a, b in zip(one.logprobs, two.logprobs, strict=True):
+                assert (a.token, [t for t, _ in a.top]) == (b.token, [t for t, _ in b.top])
+                assert b.logprob == pytest.approx(a.logprob, abs=1e-5)
+                assert [v for _, v in b.top] == pytest.approx([v for _, v in a.top], abs=1e-5)
