@@ -22,6 +22,11 @@ from fd_core.lifecycle import RANK_END_TIMEOUT_S, EndReason, RankContext
 AllReduce = Callable[[Any], Any]
 
 
+def _one_line(exc: BaseException) -> str:
+    """`Type: first line of the message` (a device runtime's errors run over many lines)."""
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+
+
 def _identity(tensor: Any) -> Any:
     """All-reduce over one rank."""
     return tensor
@@ -112,6 +117,8 @@ class Backend:
         self.kernels: KernelTable = plugins.kernels if kernels is None else kernels
         self._ops: Ops | None = None
         self._step_callers: list[tuple[str, Any]] | None = None
+        # The plugins whose fd_rank_start ran in the current rank (rank_end ends them).
+        self._started: list[str] = []
 
     @property
     def ops(self) -> Ops:
@@ -176,14 +183,16 @@ class Backend:
     # -- a rank's lifecycle (contract 1.2) ----------------------------------------------------
     def rank_start(self, rank: RankContext) -> None:
         """Every plugin's fd_rank_start, on the calling thread (a device binding may be the thread's own); one that
-        raises stops the rank, named."""
+        raises stops the rank, named (rank_end then ends the plugins started so far, that one included)."""
+        self._started = []
         for name, caller in self._callers("fd_rank_start"):
+            self._started.append(name)
             try:
                 caller(rank=rank)
             except Exception as exc:  # noqa: BLE001 - a third party's error, named for whoever must fix it
                 raise PluginError(
-                    f"plugin {name!r}: fd_rank_start raised {type(exc).__name__}: {exc} on rank {rank.rank}; fix or "
-                    f"uninstall the plugin"
+                    f"plugin {name!r}: fd_rank_start raised {_one_line(exc)} on rank {rank.rank}; fix or uninstall "
+                    f"the plugin"
                 ) from exc
         # Bound once: before_step runs before every prefill and decode step.
         self._step_callers = self._callers("fd_before_step")
@@ -199,21 +208,28 @@ class Backend:
                 caller(rank=rank, rows=rows)
             except Exception as exc:  # noqa: BLE001 - named, as rank_start
                 raise PluginError(
-                    f"plugin {name!r}: fd_before_step raised {type(exc).__name__}: {exc}; fix or uninstall the plugin"
+                    f"plugin {name!r}: fd_before_step raised {_one_line(exc)}; fix or uninstall the plugin"
                 ) from exc
 
     def rank_end(self, rank: RankContext, reason: EndReason, timeout: float = RANK_END_TIMEOUT_S) -> list[str]:
-        """Every plugin's fd_rank_end, each bounded by `timeout` seconds: the rank ends whatever they do. What went
-        wrong (a plugin that raised or did not return) comes back as one line each, and is printed to stderr."""
+        """fd_rank_end of every plugin rank_start started, in the reverse order, each on a helper thread and bounded by
+        `timeout` seconds: the rank ends whatever they do. What went wrong (a plugin that raised or did not return)
+        comes back as one line each, and is printed to stderr; it never replaces the error that ended the rank."""
+        started, self._started = self._started, []
+        callers = dict(self._callers("fd_rank_end"))
         problems = []
-        for name, caller in self._callers("fd_rank_end"):
+        for name in reversed(started):
+            caller = callers.get(name)
+            if caller is None:
+                continue
             try:
                 call_bounded(functools.partial(caller, rank=rank, reason=reason), timeout,
                              f"plugin {name!r}: fd_rank_end")
-            except PluginError as exc:
-                problems.append(str(exc))
-            except Exception as exc:  # noqa: BLE001 - reported; the rank ends either way
-                problems.append(f"plugin {name!r}: fd_rank_end raised {type(exc).__name__}: {exc}; fix the plugin")
+            except PluginError:  # call_bounded's time limit
+                problems.append(f"plugin {name!r}: fd_rank_end did not return within {timeout:g} s, and the rank ended "
+                                f"without it; fix the plugin")
+            except BaseException as exc:  # noqa: BLE001 - reported; the rank ends either way (SystemExit included)
+                problems.append(f"plugin {name!r}: fd_rank_end raised {_one_line(exc)}; fix the plugin")
         for problem in problems:
             print(f"fd: warning: rank {rank.rank}: {problem}", file=sys.stderr, flush=True)
         return problems

@@ -131,7 +131,12 @@ class KernelTable:
                 del table[op]
 
     def chosen(self, op: str) -> Kernel | None:
-        """The kernel that serves `op`: an extension's over the platform's; None for the native op."""
+        """The kernel that serves `op`: an extension's over the platform's; None for the native op.
+
+        An extension's rms_norm serves every norm, the post-attention one included: with no add_rms_norm of its own,
+        the platform's fused add_rms_norm gives way to the native one (the add, then the rms_norm kernel in use)."""
+        if op == "add_rms_norm" and op not in self.extensions and "rms_norm" in self.extensions:
+            return None
         return self.extensions.get(op) or self.platform.get(op)
 
     def by_plugin(self, plugin: str) -> list[str]:

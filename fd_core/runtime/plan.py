@@ -85,7 +85,7 @@ class RunConfig:
     kv_block_size: int | None = None
     kv_cache_blocks: int | None = None
     prefix_caching: bool = True
-    # None: the platform's, else fd's (2048 tokens; no limit of prompts).
+    # None: the platform's, else fd's (512 tokens; no limit of prompts).
     max_prefill_tokens: int | None = None
     max_prefill_prompts: int | None = None
 

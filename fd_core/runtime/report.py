@@ -44,9 +44,9 @@ def threads_line(threads: Mapping[str, Any]) -> str:
 def capture_report(declared: Sequence[int], max_batch: int, eager_steps: int | None = None) -> dict[str, Any]:
     """The decode batch sizes graphs capture (the platform's Detection.capture_sizes, else fd's powers of two up to
     the max batch) and where they came from; a run adds how many decode steps ran eagerly above the largest."""
-    sizes = sorted(set(declared)) or [n for n in (1 << i for i in range(max_batch.bit_length() + 1)) if n < max_batch]
-    if not declared and max_batch not in sizes:
-        sizes.append(max_batch)
+    from fd_core.runtime.engine.loop import capture_sizes_for
+
+    sizes = capture_sizes_for(declared, max_batch)
     report: dict[str, Any] = {"sizes": sizes, "from": "platform" if declared else "fd"}
     if eager_steps is not None:
         report["eager_steps"] = eager_steps

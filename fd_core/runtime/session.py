@@ -183,10 +183,12 @@ class Session:
             return
         self.closed = True
         if isinstance(self.driver, InProcess):
+            # The step in progress runs on the scheduler's thread: it ends before the rank (and its device) does.
+            self.scheduler.close()
             self.driver.abort(error)
         else:
             self.driver.abort()
-        self.scheduler.close()
+            self.scheduler.close()
 
     def __enter__(self) -> "Session":
         return self

@@ -3,6 +3,7 @@ fd's; each with where it came from (`fd explain` shows both; `--json` as "settin
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -54,9 +55,9 @@ class Settings:
 def _positive(value: Any, name: str, where: str) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ConfigError(f"{where} must be a positive integer, got {value!r:.40}")
-    return value
+    return int(value)
 
 
 def resolve_settings(requested: dict[str, int | None], detection: Detection, platform: str, dtype: str,

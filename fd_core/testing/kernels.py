@@ -390,6 +390,7 @@ def run_cache_case(ops: Any, case: CacheCase, dtype: str, kv_heads: int, heads: 
     return _numpy(out)
 
 
+@pytest.mark.usefixtures("started_rank")
 class KernelTests:
     """Every kernel a plugin registered for fd's named ops, checked against the native op."""
 

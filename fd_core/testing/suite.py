@@ -8,7 +8,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -18,6 +18,7 @@ from fd_core.detection import Detection
 from fd_core.host.loading import PluginSet, load_plugins, new_plugin_manager
 from fd_core.host.records import impl_function
 from fd_core.host.validation import validate_module
+from fd_core.lifecycle import RankContext
 from fd_core.models import Architecture
 from fd_core.testing.kernels import KernelTests
 
@@ -223,6 +224,23 @@ class _Base:
             pytest.skip(f"{platform_name}: hardware not detected here ({detection.reason}); runs on the device only")
         return detection
 
+    @pytest.fixture
+    def started_rank(self, plugins: PluginSet, hardware: Detection) -> Iterator[RankContext]:
+        """A check that creates tensors runs in a started rank, as a run's do: the platform's fd_rank_start before it,
+        its fd_rank_end after (and, just before, fd_before_step at one thread: the suite's own count again)."""
+        from fd_core.host.backend import Backend
+
+        backend = Backend(plugins)
+        rank = RankContext(platform=plugins.platform, device=hardware.device)
+        backend.rank_start(rank)
+        try:
+            yield rank
+        finally:
+            try:
+                backend.before_step(rank, None)
+            finally:
+                backend.rank_end(rank, "normal")
+
 
 class ContractTests(_Base):
     """Detection and the shape of the hook implementations."""
@@ -304,7 +322,7 @@ class ContractTests(_Base):
         1 and 4 rows, fd_rank_end), twice over in one process (an LLM closed and made again), ending for each reason:
         none raises, and fd_rank_end returns within fd's time limit."""
         from fd_core.host.backend import Backend
-        from fd_core.lifecycle import END_REASONS, RANK_END_TIMEOUT_S, RankContext
+        from fd_core.lifecycle import END_REASONS, RANK_END_TIMEOUT_S
 
         backend = Backend(plugins)
         for reason in END_REASONS:
@@ -313,13 +331,13 @@ class ContractTests(_Base):
             try:
                 for rows in (None, 1, 4):
                     backend.before_step(rank, rows)
+                backend.before_step(dataclasses.replace(rank, threads=1), None)  # the suite's own count again
             finally:
                 problems = backend.rank_end(rank, reason)  # type: ignore[arg-type]
             assert not problems, (
                 f"{plugins.platform}: ending a rank ({reason!r}) went wrong: {'; '.join(problems)} (fd waits "
                 f"{RANK_END_TIMEOUT_S:g} s for fd_rank_end, then ends the rank without it)"
             )
-        backend.before_step(RankContext(platform=plugins.platform, device=hardware.device), None)
 
 class AllReduceTests(_Base):
     """fd_all_reduce sums over the group and returns the result, at world size 1 and 2."""
@@ -412,6 +430,7 @@ class AllReduceTests(_Base):
                     )
 
 
+@pytest.mark.usefixtures("started_rank")
 class CleanupTests(_Base):
     """fd_clean_memory_fragments takes what the runner passes (None, seeded numpy arrays, paddle tensors, {}), twice."""
 
@@ -534,6 +553,7 @@ class EligibilityTests(_Base):
                 assert decision.allowed == (decision.mode is not None and all(v.allow for v in decision.votes))
 
 
+@pytest.mark.usefixtures("started_rank")
 class GraphBackendTests(_Base):
     """The graph backend replays what eager computes, and clear makes the next call capture again."""
 
@@ -598,6 +618,7 @@ def platform_architectures(plugins: PluginSet) -> list[Architecture]:
     return [a for a in plugins.registry if plugins.registry.builtin(a.name)]
 
 
+@pytest.mark.usefixtures("started_rank")
 class ModelTests(_Base):
     """Every graph-capable architecture installed has a graph-clear hook that handles its models."""
 
@@ -753,7 +774,6 @@ class ModelTests(_Base):
         (fd_core.kernels.compute_threads), each step calling it."""
         from fd_core.host.backend import Backend
         from fd_core.host.kernel_table import KernelTable
-        from fd_core.lifecycle import RankContext
         from fd_core.runtime.engine.loop import Engine
         from fd_core.runtime.engine.runner import ModelRunner
         from fd_core.runtime.plan import model_config_for
@@ -765,33 +785,28 @@ class ModelTests(_Base):
         together, alone = Request.greedy([[5, 1, 4, 2, 3], [7, 7, 2]], 6), Request.greedy([[5, 1, 4, 2, 3]], 6)
         for arch in platform_architectures(plugins):
             config = model_config_for(arch, None)
-            # As a run's rank: the platform starts it, sets each phase, and ends it.
+            # As a run's rank (started by the started_rank fixture): the platform sets each phase.
             one = RankContext(platform=backend.platform, device=hardware.device, model=arch.name, dtype=config.dtype)
-            backend.rank_start(one)
-            try:
-                runner = ModelRunner(backend, arch, config)
-                eager = ModelRunner(backend, arch, config, graph="off")
-                reference = ModelRunner(native, arch, config, graph="off")
-                for each in (runner, eager, reference):
-                    each.load()
-                    each.decide()
-                for request, ours, threads in ((together, runner, 1), (alone, eager, 2)):
-                    try:
-                        rank = dataclasses.replace(one, threads=threads)
-                        got = [c.token_ids for c in Engine(ours, rank=rank).generate(request)]
-                    finally:
-                        backend.before_step(one, None)  # the suite's own thread count again
-                    want = [c.token_ids for c in Engine(reference).generate(request)]
-                    how = "one prompt, eager, on 2 compute threads" if threads == 2 else "two prompts together"
-                    assert got == want, (
-                        f"{arch.name} on {backend.platform} ({how}): greedy tokens {got} (kernels "
-                        f"{backend.kernels.providers()}), but the native path (the same weights, no platform "
-                        f"cleanup, native ops, eager) gives {want}; the platform's cleanup, graphs or kernels change "
-                        f"what the model computes"
-                    )
-            finally:
-                backend.rank_end(one, "normal")
-
+            runner = ModelRunner(backend, arch, config)
+            eager = ModelRunner(backend, arch, config, graph="off")
+            reference = ModelRunner(native, arch, config, graph="off")
+            for each in (runner, eager, reference):
+                each.load()
+                each.decide()
+            for request, ours, threads in ((together, runner, 1), (alone, eager, 2)):
+                try:
+                    rank = dataclasses.replace(one, threads=threads)
+                    got = [c.token_ids for c in Engine(ours, rank=rank).generate(request)]
+                finally:
+                    backend.before_step(one, None)  # the suite's own thread count again
+                want = [c.token_ids for c in Engine(reference).generate(request)]
+                how = "one prompt, eager, on 2 compute threads" if threads == 2 else "two prompts together"
+                assert got == want, (
+                    f"{arch.name} on {backend.platform} ({how}): greedy tokens {got} (kernels "
+                    f"{backend.kernels.providers()}), but the native path (the same weights, no platform "
+                    f"cleanup, native ops, eager) gives {want}; the platform's cleanup, graphs or kernels change "
+                    f"what the model computes"
+                )
 
     def test_the_model_path_runs_in_every_claimed_dtype(self, plugins: PluginSet, hardware: Detection) -> None:
         """Each dtype Detection.dtypes claims besides float32 (the first is `fd run`'s default) runs every architecture

@@ -417,3 +417,39 @@ def test_fd_run_refuses_graph_on_with_an_uncapturable_kernel_before_any_rank_sta
     assert done.stderr.strip().splitlines() == [
         "fd: error: --graph on: plugin 'eager-kernels' registered its kernel for rms_norm as not capturable; use --graph auto or off"
     ]
+
+
+def test_an_extensions_rms_norm_serves_the_post_attention_norm_over_the_platforms_fused_one() -> None:
+    """The cpu platform registers add_rms_norm; an extension written for 1.1 registers only rms_norm: its kernel still
+    serves every norm (add_rms_norm falls back to the add, then the rms_norm in use), as it did before 1.2."""
+    import types
+    from typing import Any
+
+    import paddle
+
+    from fd_core import hookimpl, native_ops
+    from fd_core.host.backend import Backend
+    from fd_core.host.loading import load_plugins
+
+    calls: list[int] = []
+
+    def rms_norm(x: Any, weight: Any, eps: float) -> Any:
+        calls.append(1)
+        return native_ops.rms_norm(x, weight, eps)
+
+    module = types.ModuleType("only_rms_norm")
+
+    @hookimpl
+    def fd_register_kernels(register: Any) -> None:
+        register("rms_norm", rms_norm)
+
+    module.fd_register_kernels = fd_register_kernels  # type: ignore[attr-defined]
+    plugins = load_plugins({"FD_PLATFORM": "cpu"}, extra=[("extension", "only-rms-norm", module)])
+    assert plugins.kernels.providers()["add_rms_norm"] == "native"
+    x, r, w = paddle.randn([1, 1, 8]), paddle.randn([1, 1, 8]), paddle.randn([8])
+    normed, summed = Backend(plugins).ops.add_rms_norm(x, r, w, 1e-6)
+    assert calls == [1]
+    want = native_ops.add_rms_norm(x, r, w, 1e-6)
+    assert bool(paddle.allclose(normed, want[0])) and bool(paddle.equal_all(summed, want[1]))
+    # Without the extension, the cpu platform's fused kernel serves it.
+    assert load_plugins({"FD_PLATFORM": "cpu"}).kernels.providers()["add_rms_norm"] == "cpu"

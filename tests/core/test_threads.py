@@ -47,14 +47,16 @@ def test_usable_cores_shared_among_ranks(ranks: int, cores: int, quota: float | 
     assert f"shared by {ranks} rank(s)" in threads.reason
 
 
-def test_the_cpu_platform_reports_its_usable_cores() -> None:
+def test_the_cpu_platform_reports_its_usable_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     from fd_plugins.cpu.platform import fd_platform_detect
 
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
     detection = fd_platform_detect()
     assert detection.host_cores == usable_cores(len(__import__("os").sched_getaffinity(0)), cgroup_cpu_limit())
     assert detection.problem() is None
-    # Its threads variable is named only when the user set it (see test_the_cpu_platform_names_only_the_users_setting).
-    assert detection.threads_env in (None, "OMP_NUM_THREADS")
+    assert detection.threads_env == "OMP_NUM_THREADS"  # the user's setting names the variable
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert fd_platform_detect().threads_env is None
 
 
 def test_threads_option_then_the_platforms_variable() -> None:

@@ -175,12 +175,20 @@ def _bucket(value: int, limit: int) -> int:
     return max(value, min(limit, 1 << max(0, value - 1).bit_length()))
 
 
+def capture_sizes_for(declared: Sequence[int], max_batch: int) -> list[int]:
+    """The capture sizes a run uses: the platform's up to the max batch and the first one at or above it (a batch is
+    never padded past that), or, none declared, the powers of two below the max batch and the max batch itself."""
+    if not declared:
+        return [n for n in (1 << i for i in range(max_batch.bit_length())) if n < max_batch] + [max_batch]
+    ordered = sorted(set(declared))
+    above = [n for n in ordered if n >= max_batch][:1]
+    return [n for n in ordered if n < max_batch] + above
+
+
 def capture_size(rows: int, sizes: Sequence[int], max_batch: int) -> int | None:
-    """The batch a decode step of `rows` rows is captured at: the smallest of the platform's capture sizes at or above
-    it (none declared: the power of two at or above it, at most max_batch); None above the largest: eager."""
-    if not sizes:
-        return _bucket(rows, max_batch)
-    return min((n for n in sizes if n >= rows), default=None)
+    """The batch a decode step of `rows` rows is captured at: the smallest of capture_sizes_for(sizes, max_batch) at or
+    above it; None above the largest: eager."""
+    return min((n for n in capture_sizes_for(sizes, max_batch) if n >= rows), default=None)
 
 
 @dataclass
@@ -547,9 +555,12 @@ class Engine:
         captured = capture_size(rows, self.capture_sizes, self.max_batch) if self.runner.graphs_allowed else None
         if captured is not None:
             rows, width = captured, _bucket(max(width, self.min_table), self.max_table)
-            self.runner.ensure_captured(rows, width)
         elif self.runner.graphs_allowed:
             self.eager_steps += 1  # above the platform's largest capture size
+        # The phase's threads before a capture too: it traces what this step runs.
+        self._use_threads(rows)
+        if captured is not None:
+            self.runner.ensure_captured(rows, width)
         tokens = np.full([rows, 1], PAD_ID, dtype=np.int64)
         starts = np.zeros(rows, dtype=np.int64)
         slots = np.zeros([rows, 1], dtype=np.int64)  # a free row writes the null block's first slot
@@ -561,7 +572,6 @@ class Engine:
         if rows > len(seqs):
             tables = np.concatenate([tables, np.zeros((rows - len(seqs), width), dtype=np.int64)])
         batch = KVBatch(tables, starts, np.ones(rows, dtype=np.int64), slots, deltas)
-        self._use_threads(rows)
         start, core_start = time.perf_counter(), time.process_time()
         progress.report("decode")
         logits = model.decode_step(tokens, batch)
@@ -600,7 +610,9 @@ class Engine:
             chosen = [int(every[i]) for i in at]
         else:
             chosen = [seq.sampler.choose(logits[i : i + 1], sample)[0] for seq, i in zip(seqs, at, strict=True)]
-        asking = [(n, seq.logprobs) for n, seq in enumerate(seqs) if seq.logprobs is not None]
+        # Only rank 0 reports them (the others send their tokens alone).
+        reporting = self.rank is None or self.rank.rank == 0
+        asking = [(n, seq.logprobs) for n, seq in enumerate(seqs) if seq.logprobs is not None and reporting]
         if asking:
             # The raw logits of the asking rows only, to the host as float32; the log-softmax in float64 there.
             rows = _host_rows(logits, [at[n] for n, _ in asking])

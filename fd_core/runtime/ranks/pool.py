@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 from fd_core.errors import RankError, setting
 from fd_core.runtime import progress
-from fd_core.runtime.ranks.spawn import DEFAULT_STALL_S, init_rank, spawn_ranks
+from fd_core.runtime.ranks.spawn import DEFAULT_STALL_S, Terminated, init_rank, raise_terminated, spawn_ranks
 from fd_core.runtime.ranks.worker import RankWorker, end_reason
 
 if TYPE_CHECKING:
@@ -30,26 +30,27 @@ def serve_rank(plan: "Plan", pipes: Sequence[Any]) -> dict[str, Any]:
     answers with every event, the others with the tokens of what finished (compared with rank 0's).
     A reload is a weight update on every rank; a report is each rank's timings and memory.
     """
-    progress.report("rendezvous")
-    at = time.time()
-    rank, world = init_rank()
-    conn = pipes[rank]
-    worker = RankWorker.start(plan, rank, world, before={"at": at, "rendezvous": time.time() - at})
-
-    def ended_by_signal(signum: int, frame: Any) -> None:
-        # The parent's SIGTERM stops the rank: the platform's fd_rank_end first (bounded), then the signal's own end.
-        worker.end("signal")
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-    signal.signal(signal.SIGTERM, ended_by_signal)
+    # The parent's SIGTERM stops the rank from here on, loading included: raised as Terminated where the rank is, so
+    # that the ends below (and RankWorker.start's own) call every plugin's fd_rank_end with "signal"; then the rank
+    # dies of the signal, as it would have.
+    signal.signal(signal.SIGTERM, raise_terminated)
     try:
-        result = _serve(worker, rank, conn)
-    except BaseException as exc:
-        worker.end(end_reason(exc))
+        progress.report("rendezvous")
+        at = time.time()
+        rank, world = init_rank()
+        conn = pipes[rank]
+        worker = RankWorker.start(plan, rank, world, before={"at": at, "rendezvous": time.time() - at})
+        try:
+            result = _serve(worker, rank, conn)
+        except BaseException as exc:
+            worker.end(end_reason(exc))
+            raise
+        worker.end("normal")
+        return result
+    except Terminated as stop:
+        signal.signal(stop.signum, signal.SIG_DFL)
+        os.kill(os.getpid(), stop.signum)
         raise
-    worker.end("normal")
-    return result
 
 
 def _serve(worker: RankWorker, rank: int, conn: Any) -> dict[str, Any]:
