@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal, Sequence
 
 from fd_core.errors import RankError, setting
 from fd_core.runtime import progress
-from fd_core.runtime.ranks.spawn import DEFAULT_STALL_S, Terminated, init_rank, raise_terminated, spawn_ranks
+from fd_core.runtime.ranks.spawn import DEFAULT_STALL_S, init_rank, spawn_ranks
 from fd_core.runtime.ranks.worker import RankWorker, end_reason
 
 if TYPE_CHECKING:
@@ -30,27 +30,43 @@ def serve_rank(plan: "Plan", pipes: Sequence[Any]) -> dict[str, Any]:
     answers with every event, the others with the tokens of what finished (compared with rank 0's).
     A reload is a weight update on every rank; a report is each rank's timings and memory.
     """
-    # The parent's SIGTERM stops the rank from here on, loading included: raised as Terminated where the rank is, so
-    # that the ends below (and RankWorker.start's own) call every plugin's fd_rank_end with "signal"; then the rank
-    # dies of the signal, as it would have.
-    signal.signal(signal.SIGTERM, raise_terminated)
+    started: list[Any] = []  # (backend, context) once the platform started the rank
+    _end_on_sigterm(started)
+    progress.report("rendezvous")
+    at = time.time()
+    rank, world = init_rank()
+    conn = pipes[rank]
+    worker = RankWorker.start(plan, rank, world, before={"at": at, "rendezvous": time.time() - at},
+                              on_started=lambda backend, context: started.append((backend, context)))
     try:
-        progress.report("rendezvous")
-        at = time.time()
-        rank, world = init_rank()
-        conn = pipes[rank]
-        worker = RankWorker.start(plan, rank, world, before={"at": at, "rendezvous": time.time() - at})
-        try:
-            result = _serve(worker, rank, conn)
-        except BaseException as exc:
-            worker.end(end_reason(exc))
-            raise
-        worker.end("normal")
-        return result
-    except Terminated as stop:
-        signal.signal(stop.signum, signal.SIG_DFL)
-        os.kill(os.getpid(), stop.signum)
+        result = _serve(worker, rank, conn)
+    except BaseException as exc:
+        worker.end(end_reason(exc))
         raise
+    worker.end("normal")
+    return result
+
+
+def _end_on_sigterm(started: list[Any]) -> None:
+    """The parent's SIGTERM stops this rank at once, as the signal's default would, even inside a collective that
+    holds the main thread in C++ (where no Python signal handler runs): a thread woken through the signal's wakeup fd
+    calls the started plugins' fd_rank_end with "signal" (each bounded), then ends the process with the signal's
+    exit code."""
+    import threading
+
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # a Python handler, so the wakeup fd is written
+    signal.set_wakeup_fd(write)
+
+    def watch() -> None:
+        while os.read(read, 1) != bytes([signal.SIGTERM]):
+            pass
+        for backend, context in started[-1:]:
+            backend.rank_end(context, "signal")
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="fd-rank-sigterm", daemon=True).start()
 
 
 def _serve(worker: RankWorker, rank: int, conn: Any) -> dict[str, Any]:

@@ -44,6 +44,7 @@ class RankWorker:
     def start(
         cls, plan: Plan, rank: int = 0, tp: int = 1, group: Any = None, *, plugins: PluginSet | None = None,
         backend: Backend | None = None, before: Mapping[str, float] | None = None,
+        on_started: Callable[[Backend, RankContext], None] | None = None,
     ) -> "RankWorker":
         """Select the platform, load the planned model and decide on graphs; progress lines from rank 0.
 
@@ -97,6 +98,8 @@ class RankWorker:
         # plugin's fd_rank_end still runs (a start may have half happened).
         try:
             backend.rank_start(context)
+            if on_started is not None:  # whoever ends this rank on a signal (serve_rank) learns what to end
+                on_started(backend, context)
             return cls._load(plan, rank, tp, backend, arch, context, entered, entry_rss, before)
         except BaseException as exc:
             backend.rank_end(context, end_reason(exc))
