@@ -649,9 +649,9 @@ def build_parser(
     quantization_help = ("weight-only quantization of the linear layers at load, per output channel: wint8 (int8 "
                          "weights) or wint4 (4-bit); embeddings, norms, routers and vision towers stay in the compute "
                          "dtype (default: none)")
-    threads_help = ("compute threads per rank (default: the platform's threads variable if set (the "
-                    "cpu platform's OMP_NUM_THREADS), else the cores this process may use (affinity mask, cgroup "
-                    "quota) shared among the ranks on this host)")
+    threads_help = ("compute threads per rank (default: the platform's threads variable if the user set it "
+                    "(fd explain names it), else the cores this process may use (affinity mask, cgroup quota) "
+                    "shared among the ranks on this host)")
 
     p = sub.add_parser("help", help="show help for fd or for one command")
     p.add_argument("topic", nargs="?", default=None, metavar="COMMAND", help="a command (default: fd itself)")

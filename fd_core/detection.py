@@ -65,9 +65,8 @@ class Detection:
     # The most KV-cache bytes a rank allocates when the user caps nothing (`--kv-cache-blocks`): a host platform
     # keeps the cache from taking most of the machine's memory up front; None: what the memory plan leaves.
     kv_cache_bytes: int | None = None
-    # The environment variable this platform's users set compute threads per rank with (the
-    # cpu platform's OMP_NUM_THREADS, when the user set it): the plan reads it when --threads is not given (contract
-    # 1.2). None: none.
+    # The environment variable this platform's users set compute threads per rank with, when the user set it (the
+    # one its math libraries read): the plan reads it when --threads is not given (contract 1.2). None: none.
     threads_env: str | None = None
     # The decode batch sizes its graph backend captures (contract 1.2): a decode step is padded up to the next one and
     # runs eagerly above the largest. Empty: fd's, powers of two up to the run's max batch.

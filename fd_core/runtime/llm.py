@@ -115,8 +115,8 @@ class LLM:
 
     @property
     def threads(self) -> int:
-        """Compute threads each rank runs (LLM(threads=), else the platform's threads variable (the
-        cpu platform's OMP_NUM_THREADS), else the host's usable cores shared among its ranks)."""
+        """Compute threads each rank runs (LLM(threads=), else the platform's threads variable if the user set it
+        (Detection.threads_env), else the host's usable cores shared among its ranks)."""
         return int(self._info["threads"]["per_rank"])
 
     @property

@@ -426,8 +426,8 @@ class ModelSuite:
             import transformers
         except ImportError as exc:
             pytest.skip(
-                f"{NOT_VERIFIED} the reference needs transformers and torch's CPU build, which are not installed here "
-                f"({exc}); {install_hint('test')}"
+                f"{NOT_VERIFIED} the reference needs transformers and torch (its host-only build), which are not "
+                f"installed here ({exc}); {install_hint('test')}"
             )
         name = reference_class(architecture, transformers)
         if name is None:

@@ -145,7 +145,7 @@ def log_softmax(rows: Any) -> Any:
 
 
 def most_likely(row: Any, k: int) -> tuple[tuple[int, float], ...]:
-    """The k largest entries of one row of logprobs as (id, logprob), largest first, ties by ascending id."""
+    """The k largest entries of one row of logprobs as (id, logprob), largest first, ties by the lower id first."""
     import numpy as np
 
     k = min(k, int(row.shape[-1]))
