@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from fd_core.errors import PluginError
+from fd_core.host.suggest import edit_distance
 from fd_core.kernels import NATIVE, OPS
 
 
@@ -28,24 +29,8 @@ def nearest_op(name: str) -> str:
     added, removed or swapped, and at most a quarter of the name), else '': a name merely sharing a part with an op
     (add_rms_norm and rms_norm, fused_rope and rotary_embedding) is another op, not a typo of it."""
     allowed = min(2, len(name) // 4)
-    close = sorted((distance, op) for op in OPS if (distance := _edits(name, op)) <= allowed)
+    close = sorted((distance, op) for op in OPS if (distance := edit_distance(name, op, swaps=True)) <= allowed)
     return f"; did you mean {close[0][1]!r}?" if close else ""
-
-
-def _edits(a: str, b: str) -> int:
-    """The optimal-string-alignment distance between a and b: insertions, deletions, substitutions and swaps of two
-    adjacent letters, one edit each."""
-    if abs(len(a) - len(b)) > 2:
-        return 3  # more than any suggestion allows
-    rows = [list(range(len(b) + 1))]
-    for i in range(1, len(a) + 1):
-        row = [i] + [0] * len(b)
-        for j in range(1, len(b) + 1):
-            row[j] = min(rows[i - 1][j] + 1, row[j - 1] + 1, rows[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
-            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
-                row[j] = min(row[j], rows[i - 2][j - 2] + 1)
-        rows.append(row)
-    return rows[-1][-1]
 
 
 def _signature_problem(fn: Any, want: tuple[str, ...]) -> str | None:

@@ -7,15 +7,18 @@ from typing import Iterable
 from fd_core.markers import PROJECT
 
 
-def _distance(a: str, b: str) -> int:
-    """Levenshtein edit distance."""
-    previous = list(range(len(b) + 1))
-    for i, ca in enumerate(a, 1):
-        current = [i]
-        for j, cb in enumerate(b, 1):
-            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
-        previous = current
-    return previous[-1]
+def edit_distance(a: str, b: str, swaps: bool = False) -> int:
+    """Levenshtein edit distance; with `swaps`, two adjacent letters swapped count as one edit (optimal string
+    alignment)."""
+    rows = [list(range(len(b) + 1))]
+    for i in range(1, len(a) + 1):
+        row = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            row[j] = min(rows[i - 1][j] + 1, row[j - 1] + 1, rows[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+            if swaps and i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], rows[i - 2][j - 2] + 1)
+        rows.append(row)
+    return rows[-1][-1]
 
 
 def nearest(name: str, choices: Iterable[str]) -> str:
@@ -30,7 +33,7 @@ def nearest(name: str, choices: Iterable[str]) -> str:
         same_verb = bare.split("_", 1)[0] == other.split("_", 1)[0]
         same_words = sorted(bare.split("_")) == sorted(other.split("_"))  # fd_detect_platform
         return (
-            _distance(bare, other) / max(len(bare), len(other), 1)
+            edit_distance(bare, other) / max(len(bare), len(other), 1)
             - (0.3 if same_verb else 0.0)
             - (0.6 if same_words else 0.0)
         )
