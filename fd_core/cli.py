@@ -228,6 +228,19 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _logit_bias(text: str) -> tuple[int, float]:
+    """ID=BIAS: a token id and the bias added to its logit."""
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected ID=BIAS (a token id and a number, as 42=-5), got {text!r}"
+        ) from None
+
+
 def _prompt_ids(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(t) for t in text.split(",") if t.strip())
@@ -332,6 +345,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        logit_bias=tuple(args.logit_bias or ()),
+        min_p=args.min_p,
+        min_tokens=args.min_tokens,
         max_batch=args.max_batch,
         memory_fraction=args.memory_fraction,
         threads=args.threads,
@@ -704,6 +723,19 @@ def build_parser(
                         "(default: generation_config.json's, else 1.0)")
     p.add_argument("--top-k", type=_non_negative, default=None, metavar="K",
                    help="sample from the k most likely tokens; 0 is all (default: generation_config.json's, else 0)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="divide a positive logit (multiply a negative one) of every token the prompt or the output "
+                        "holds by R (default: 1, none)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, metavar="P",
+                   help="subtract P from the logit of every token the output holds, in [-2, 2] (default: 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+                   help="subtract F times how often the output holds a token from its logit, in [-2, 2] (default: 0)")
+    p.add_argument("--logit-bias", action="append", type=_logit_bias, default=None, metavar="ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to token ID's logit at every step (repeatable; default: none)")
+    p.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                   help="when sampling, drop tokens less likely than P times the likeliest (default: 0, none)")
+    p.add_argument("--min-tokens", type=_non_negative, default=0, metavar="N",
+                   help="generate at least N tokens before an end-of-sequence id may end a prompt (default: 0)")
     p.add_argument("--image", action="append", default=None, metavar="PATH",
                    help="a picture for a VL model: PNG, JPEG, or .npy [3,H,W] in [0,1]; repeat for several, in the "
                         "order of their placeholders (default: none)")

@@ -59,6 +59,14 @@ OPS: dict[str, Op] = {op.name: op for op in (
        "to the smallest prefix of the sorted probabilities whose mass reaches top_p; the engine draws `uniform` from "
        "each sequence's seeded generator, so every rank chooses the same token. Returns a list of B ints",
        dtypes=("float32",), traced=False, tolerances={"float32": (0.0, 0.0)}),
+    Op("apply_penalties", ("logits", "prompt_mask", "output_counts", "presence", "frequency", "repetition"),
+       "the penalties of the sequences that ask for them, before the sample op (contract 1.3): logits [B, V] float32, "
+       "prompt_mask [B, V] bool (the token is in row b's prompt), output_counts [B, V] int32 (how often row b's output "
+       "holds it), presence, frequency and repetition [B] float32; in float32, for every token the prompt or the "
+       "output holds, a logit > 0 is divided by repetition[b] and one <= 0 multiplied by it; then frequency[b] * "
+       "output_counts and presence[b] * (output_counts > 0) are subtracted (the prompt does not count for them). "
+       "Returns the new logits [B, V] float32",
+       dtypes=("float32",), traced=False, tolerances={"float32": (1e-6, 1e-6)}),
     # The paged KV cache. Its layout is the platform's: allocate_kv_cache makes one layer's key and value caches,
     # and only write_kv_cache and the paged attention ops read or write them (fd never indexes them itself), so a
     # platform that changes the layout registers all four. Positions: position p of a sequence lives in block

@@ -219,6 +219,21 @@ def paged_prefill_attention(
     return _paged(q, k_cache, v_cache, block_tables, visible)
 
 
+def apply_penalties(
+    logits: paddle.Tensor, prompt_mask: paddle.Tensor, output_counts: paddle.Tensor, presence: paddle.Tensor,
+    frequency: paddle.Tensor, repetition: paddle.Tensor,
+) -> paddle.Tensor:
+    """Repetition on the prompt's and output's tokens, then frequency and presence on the output's, in float32."""
+    x = logits.astype("float32")
+    counts = output_counts.astype("float32")
+    present = (output_counts > 0).astype("float32")
+    seen = paddle.logical_or(prompt_mask.astype("bool"), output_counts > 0)
+    factor = repetition.astype("float32").reshape([-1, 1])
+    x = paddle.where(seen, paddle.where(x > 0, x / factor, x * factor), x)
+    return (x - frequency.astype("float32").reshape([-1, 1]) * counts
+            - presence.astype("float32").reshape([-1, 1]) * present)
+
+
 def _host(logits: Any) -> np.ndarray:
     values = logits.astype("float32").numpy() if isinstance(logits, paddle.Tensor) else logits
     return np.asarray(values, dtype=np.float64)

@@ -151,6 +151,7 @@ class Ops:
     rotary_embedding: Callable[..., Any]
     attention: Callable[..., Any]
     sample: Callable[..., Any]
+    apply_penalties: Callable[..., Any]
     allocate_kv_cache: Callable[..., Any]
     write_kv_cache: Callable[..., Any]
     paged_attention: Callable[..., Any]

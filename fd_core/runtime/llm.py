@@ -135,16 +135,25 @@ class LLM:
         Thread-safe. The request is checked first: a bad one raises ConfigError (or RequestRefused) here, before it
         queues.
         """
+        if sampling is not None and sampling.n > 1:
+            raise ConfigError(f"submit() returns one Submission, and n={sampling.n} asks for several; use "
+                              "submit_choices()")
+        return self.submit_choices(prompt, sampling, chat=chat, images=images)[0]
+
+    def submit_choices(
+        self, prompt: Prompt | Sequence[Mapping[str, Any]], sampling: SamplingParams | None = None, *,
+        chat: bool = False, images: Sequence[Any] = (),
+    ) -> list[Submission]:
+        """As submit(), one Submission for each of the prompt's sampling.n choices (which share its cached blocks)."""
         if not isinstance(prompt, str) and prompt and isinstance(prompt[0], Mapping):
             pictures = self._pictures(images)
             messages: Sequence[Mapping[str, Any]] = prompt  # type: ignore[assignment]  # narrowed by the check above
-            return self._submit(
-                self._request(self._chat_ids(messages, pictures), sampling, False, pictures, stream=True)
-            )[0]
+            ids = self._chat_ids(messages, pictures)
+            return self._submit(self._request(ids, sampling, False, pictures, stream=True))
         if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
             raise ConfigError("submit() takes one prompt; call it once per prompt")
         text_or_ids: Prompt = prompt  # type: ignore[assignment]  # not messages: checked above
-        return self._submit(self._request(text_or_ids, sampling, chat, images, stream=True))[0]
+        return self._submit(self._request(text_or_ids, sampling, chat, images, stream=True))
 
     def _pictures(self, images: Sequence[Any]) -> tuple[Any, ...]:
         """Pictures as arrays [C, H, W]: paths read and checked, arrays as given."""
@@ -164,7 +173,8 @@ class LLM:
         self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None = None, *, chat: bool = False,
         images: Sequence[Any] = (),
     ) -> list[Completion]:
-        """A completion for each prompt (text, or token ids), decoded in the running batch with every other caller's."""
+        """A completion for each prompt (text, or token ids), decoded in the running batch with every other caller's;
+        with sampling.n > 1, n for each prompt, prompt by prompt."""
         submissions = self._submit(self._request(prompts, sampling, chat, images, stream=False))
         try:
             return [s.result() for s in submissions]
@@ -183,6 +193,9 @@ class LLM:
         """
         if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
             raise ConfigError("stream() takes one prompt; use generate() for several")
+        if sampling is not None and sampling.n > 1:
+            raise ConfigError(f"stream() gives one text, and n={sampling.n} asks for several; use "
+                              "submit_choices() (one Submission per choice) or generate()")
         # Queued now, so that a closed or failed LLM raises here rather than at the first next().
         submission = self._submit(self._request(prompt, sampling, chat, images, stream=True))[0]
 

@@ -63,6 +63,13 @@ class RunConfig:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    # Penalties, bias and the other logits processing (SamplingParams); the defaults change nothing.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
     # The most sequences decoded together; None: the platform's default, else fd's (fd_core.runtime.settings).
     max_batch: int | None = None
     # Rank 0 writes text to stdout as it is produced (an interactive terminal).
@@ -211,7 +218,9 @@ def _run_request(
     # Token ids in, token ids out: exactly --max-new-tokens, as before text came in (a benchmark's and the
     # reference tests' mode); text prompts end at an end-of-sequence id.
     sampling = SamplingParams(max_new_tokens=run.steps, seed=run.seed, stop=run.stop, ignore_eos=not run.prompts,
-                              **{k: v for k, v in given.items() if v is not None})
+                              presence_penalty=run.presence_penalty, frequency_penalty=run.frequency_penalty,
+                              repetition_penalty=run.repetition_penalty, logit_bias=run.logit_bias, min_p=run.min_p,
+                              min_tokens=run.min_tokens, **{k: v for k, v in given.items() if v is not None})
     prompts = run.prompts or run.id_prompts or (run.prompt_ids,)
     return build_request(prompts, sampling, arch=arch, config=config, checkpoint=checkpoint, chat=run.chat,
                          images=pictures, given=[k for k, v in given.items() if v is not None], memory=memory,

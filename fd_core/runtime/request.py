@@ -199,6 +199,9 @@ def build_request(
     else:
         ids = [[int(t) for t in p] for p in prompts]
     check_prompts(ids, sampling.max_new_tokens, arch, config, shapes)
+    outside = [token for token, _ in sampling.bias if token >= config.vocab_size]
+    if outside:
+        raise ConfigError(f"logit_bias names token id {outside[0]}, outside the vocabulary 0..{config.vocab_size - 1}")
     defaults = checkpoint.generation_defaults() if checkpoint is not None else GenerationDefaults()
     try:
         sampling = sampling.with_defaults(defaults.sampling, given)

@@ -134,6 +134,16 @@ def cases(op: str, plugins: PluginSet, dtype: str, seed: int = 0) -> Iterator[tu
             ):
                 yield (f"logits[4, {vocab}] temperature={temperature} top_k={top_k} top_p={top_p}",
                        (t(4, vocab, kind="float32") * 3, temperature, top_k, top_p, rng.random(4).tolist()))
+        elif op == "apply_penalties":
+            vocab = 50 + s["hidden"]
+            # Tokens in the prompt only, in the output only, in both and in neither, on positive and negative logits;
+            # penalties of both signs, and a row that applies none (repetition 1, the others 0).
+            counts = rng.integers(1, 5, (4, vocab)) * (rng.random((4, vocab)) < 0.3)
+            yield (f"logits[4, {vocab}]",
+                   (t(4, vocab, kind="float32") * 3, paddle.to_tensor(rng.random((4, vocab)) < 0.3),
+                    paddle.to_tensor(counts.astype("int32")), paddle.to_tensor([0.5, 0.0, -1.2, 2.0], "float32"),
+                    paddle.to_tensor([0.3, 1.1, 0.0, -0.5], "float32"),
+                    paddle.to_tensor([1.3, 1.0, 0.7, 2.0], "float32")))
     if op == "matmul":
         # One row against a weight of the size a real model's decode step multiplies by (4.2 M elements: 8 MiB in a
         # 16-bit dtype, 16 MiB in float32), odd sizes.

@@ -2,7 +2,8 @@
 epsilon dropped, 10x or 0.1x off; a rotary table read one position late; attention's scale applied twice; silu
 computed as a sigmoid; a fused add-and-norm returning the un-added residual or normalising before the add; GELU's
 tanh form for erf's; a mixture of experts ignoring its routing weights, summing one expert, swapping gate and up or
-running tokens given weight 0. Each is registered by an extension in this process and must fail the suite's kernel
+running tokens given weight 0; penalties that forget the prompt, count it for presence, raise a negative logit
+or ignore the counts. Each is registered by an extension in this process and must fail the suite's kernel
 check, which names its op; honest kernels computed another way pass it."""
 
 from __future__ import annotations
@@ -87,6 +88,35 @@ NEAR_MISSES = {
         "    even = (1.0 - live.max(axis=-1, keepdim=True)) / weights.shape[1]\n"
         "    return native_ops.moe_experts(x, gate, up, down, chosen, weights / total + even)",
     ),
+    "penalties: repetition on the output's tokens only (the prompt's forgotten)": (
+        "apply_penalties",
+        "def kernel(logits, prompt_mask, output_counts, presence, frequency, repetition):\n"
+        "    return native_ops.apply_penalties(logits, output_counts > 0, output_counts, presence, frequency,\n"
+        "                                      repetition)",
+    ),
+    "penalties: presence counted on the prompt too": (
+        "apply_penalties",
+        "def kernel(logits, prompt_mask, output_counts, presence, frequency, repetition):\n"
+        "    import paddle\n"
+        "    out = native_ops.apply_penalties(logits, prompt_mask, output_counts, presence, frequency, repetition)\n"
+        "    only_prompt = paddle.logical_and(prompt_mask, output_counts == 0).astype('float32')\n"
+        "    return out - presence.reshape([-1, 1]) * only_prompt",
+    ),
+    "penalties: repetition always dividing (a negative logit raised)": (
+        "apply_penalties",
+        "def kernel(logits, prompt_mask, output_counts, presence, frequency, repetition):\n"
+        "    import paddle\n"
+        "    seen = paddle.logical_or(prompt_mask, output_counts > 0)\n"
+        "    x = paddle.where(seen, logits / repetition.reshape([-1, 1]), logits)\n"
+        "    zero = paddle.ones_like(repetition)\n"
+        "    return native_ops.apply_penalties(x, prompt_mask, output_counts, presence, frequency, zero)",
+    ),
+    "penalties: frequency as a presence (counts ignored)": (
+        "apply_penalties",
+        "def kernel(logits, prompt_mask, output_counts, presence, frequency, repetition):\n"
+        "    return native_ops.apply_penalties(logits, prompt_mask, output_counts, presence + frequency,\n"
+        "                                      frequency * 0, repetition)",
+    ),
 }
 
 
@@ -135,6 +165,20 @@ HONEST = {
                    "        y = paddle.matmul(F.silu(g) * u, paddle.gather(down, e), transpose_y=True).squeeze(1)\n"
                    "        out = out + y * weights[:, j:j + 1]\n"
                    "    return out",
+    # On the host, one token at a time, as the semantics text reads.
+    "apply_penalties": "def kernel(logits, prompt_mask, output_counts, presence, frequency, repetition):\n"
+                       "    import numpy as np\n"
+                       "    import paddle\n"
+                       "    x, mask, counts = logits.numpy().copy(), prompt_mask.numpy(), output_counts.numpy()\n"
+                       "    for b in range(x.shape[0]):\n"
+                       "        r, f, p = (float(a.numpy()[b]) for a in (repetition, frequency, presence))\n"
+                       "        for v in range(x.shape[1]):\n"
+                       "            n = int(counts[b, v])\n"
+                       "            if mask[b, v] or n:\n"
+                       "                x[b, v] = x[b, v] / r if x[b, v] > 0 else x[b, v] * r\n"
+                       "            if n:\n"
+                       "                x[b, v] = x[b, v] - f * n - p\n"
+                       "    return paddle.to_tensor(x.astype(np.float32))",
 }
 
 

@@ -80,6 +80,9 @@ def test_a_prompt_longer_than_the_context_gives_both_numbers(tmp_path: Path) -> 
         (["--chat", "--prompt-ids", "1,2"], "--chat applies the chat template to text; pass the message with --prompt"),
         (["--prompts", "/nonexistent/prompts.txt"], "--prompts /nonexistent/prompts.txt cannot be read (No such file or directory)"),
         (["--prompt-ids", "1,2", "--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
+        (["--prompt-ids", "1,2", "--presence-penalty", "3"], "presence_penalty must be in [-2, 2] (0: none), got 3.0"),
+        (["--prompt-ids", "1,2", "--logit-bias", "999999=1"], "logit_bias names token id 999999, outside the vocabulary"),
+        (["--prompt-ids", "1,2", "--min-tokens", "40"], "min_tokens must be in 0..max_new_tokens (16), got 40"),
     ],
 )
 def test_contradictory_text_options(args: list[str], expected: str) -> None:

@@ -367,3 +367,104 @@ def test_logprobs_match_the_reference_log_softmax(cases: dict[str, Case], name: 
         else:
             assert all(row[t] >= row[expected[k - 1]] - 2 * LOGPROB_TOL for t in ours), (step, ours, expected)
         assert [v for _, v in logprob.top] == sorted((v for _, v in logprob.top), reverse=True)
+
+
+class _OpenAIPenalties:
+    """OpenAI's presence and frequency penalties as a transformers logits processor, written from OpenAI's formula
+    (logit - count * frequency - (count > 0) * presence, over the generated tokens only), one token at a time."""
+
+    def __init__(self, presence: float, frequency: float, prompt_length: int) -> None:
+        self.presence, self.frequency, self.prompt_length = presence, frequency, prompt_length
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        scores = scores.clone()
+        for row, ids in enumerate(input_ids.tolist()):
+            generated = ids[self.prompt_length:]
+            for token in set(generated):
+                scores[row, token] -= generated.count(token) * self.frequency + self.presence
+        return scores
+
+
+EOS = 2  # the tiny checkpoints' eos_token_id (transformers' default generation_config)
+# fd's SamplingParams fields, and the reference's generate() arguments for the same processing. transformers adds a
+# sequence bias before its repetition penalty and fd after, so no setting combines the two.
+PENALTIES = {
+    "repetition 1.3": ({"repetition_penalty": 1.3}, {"repetition_penalty": 1.3}),
+    "repetition 0.7": ({"repetition_penalty": 0.7}, {"repetition_penalty": 0.7}),
+    "presence and frequency": ({"presence_penalty": 1.5, "frequency_penalty": 0.6}, {"openai": (1.5, 0.6)}),
+    "repetition with presence": ({"repetition_penalty": 1.2, "presence_penalty": 2.0}, {"repetition_penalty": 1.2, "openai": (2.0, 0.0)}),
+    "logit bias": ({"logit_bias": {7: 4.0, 84: -100.0}}, {"sequence_bias": {(7,): 4.0, (84,): -100.0}}),
+    "min tokens against a biased eos": ({"logit_bias": {EOS: 60.0}, "min_tokens": 5}, {"sequence_bias": {(EOS,): 60.0}, "min_new_tokens": 5}),
+}
+
+
+def _reference_processed(case: Case, setting: str) -> list[int]:
+    """The reference's greedy tokens under PENALTIES[setting], its processed top-2 checked apart at every step."""
+    model = transformers.Ernie4_5ForCausalLM.from_pretrained(str(case.directory), dtype=torch.float32).eval()
+    extra = dict(PENALTIES[setting][1])
+    if "openai" in extra:
+        extra["logits_processor"] = transformers.LogitsProcessorList([_OpenAIPenalties(*extra.pop("openai"), len(case.prompt))])
+    ids = torch.tensor([case.prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=STEPS, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True, **extra)
+    for step, scores in enumerate(out.scores):
+        top = torch.topk(scores[0].float(), 2).values
+        assert float(top[0] - top[1]) > MIN_MARGIN, f"{setting}: step {step}'s top-2 are {float(top[0] - top[1]):.2e} apart"
+    return out.sequences[0, len(case.prompt):].tolist()
+
+
+@pytest.mark.parametrize("setting", list(PENALTIES))
+def test_penalties_bias_and_min_tokens_match_the_reference_generate(cases: dict[str, Case], setting: str) -> None:
+    """Greedy tokens with the logits processing of SamplingParams equal transformers' generate() with its own
+    processors (presence and frequency, which transformers lacks, as a processor written from OpenAI's formula), and
+    the reference's processed top-2 stay apart at every step, so a match is not a near-tie's luck."""
+    from fd_core.runtime import LLM, SamplingParams
+
+    ours = PENALTIES[setting][0]
+    case = cases["ernie"]
+    expected = _reference_processed(case, setting)
+    with LLM(case.directory, tp=1, graph="off") as llm:
+        completion = llm.generate([case.prompt], SamplingParams(max_new_tokens=STEPS, **ours))[0]
+    assert completion.token_ids == expected
+    if "min_tokens" in ours:
+        assert expected[-1] == EOS and len(expected) == ours["min_tokens"] + 1 and completion.finish_reason == "eos"
+
+
+def test_fd_run_applies_the_penalties_on_every_rank(cases: dict[str, Case]) -> None:
+    """`fd run` over two gloo ranks with a captured decode, its penalty flags given: the reference's tokens (each
+    rank processes its own copy of the logits, and every rank must choose the same token)."""
+    case = cases["ernie"]
+    expected = _reference_processed(case, "repetition with presence")
+    assert EOS not in expected  # fd run on token ids generates exactly --steps tokens
+    run = subprocess.run([sys.executable, "-m", "fd_core.cli", "run", "--tp", "2", "--checkpoint", str(case.directory),
+                          "--graph", "on", "--steps", str(STEPS), "--prompt-ids", ",".join(map(str, case.prompt)),
+                          "--repetition-penalty", "1.2", "--presence-penalty", "2", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["tokens"] == expected
+
+
+@pytest.mark.parametrize(("temperature", "min_p"), [(0.7, 0.05), (1.3, 0.3), (1.0, 0.9)])
+def test_min_p_keeps_exactly_the_tokens_the_reference_warper_keeps(temperature: float, min_p: float) -> None:
+    """fd's min_p (a threshold on the logits) against transformers' MinPLogitsWarper (on the probabilities after its
+    TemperatureLogitsWarper): the same tokens survive."""
+    from fd_core.runtime.engine.sampling import SamplingParams, process_logits
+
+    rows = (np.random.default_rng(4).standard_normal((8, 500)) * 3).astype(np.float32)
+    params = [SamplingParams(temperature=temperature, min_p=min_p)] * len(rows)
+    ours = process_logits(rows, params, [[]] * len(rows), [[]] * len(rows), [()] * len(rows), lambda *a: None)
+    warped = transformers.TemperatureLogitsWarper(temperature)(None, torch.tensor(rows))
+    reference = transformers.MinPLogitsWarper(min_p)(None, warped)
+    kept = np.isfinite(ours)
+    assert (kept == torch.isfinite(reference).numpy()).all()
+    assert 1 <= kept.sum(axis=1).min() and kept.sum() < kept.size  # something dropped, the likeliest kept
+
+
+def test_min_p_one_samples_the_greedy_tokens(cases: dict[str, Case]) -> None:
+    """min_p 1 leaves only the likeliest token, so sampling at any temperature gives the reference's greedy tokens."""
+    from fd_core.runtime import LLM, SamplingParams
+
+    case = cases["ernie"]
+    settings = SamplingParams(max_new_tokens=STEPS, temperature=1.5, min_p=1.0, seed=3, ignore_eos=True)
+    with LLM(case.directory, tp=1, graph="off") as llm:
+        assert llm.generate([case.prompt], settings)[0].token_ids == case.tokens

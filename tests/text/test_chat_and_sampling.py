@@ -78,10 +78,33 @@ def test_greedy_is_argmax_and_sampling_is_seeded() -> None:
 
 
 def test_sampling_settings_are_checked() -> None:
-    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1}, {"max_new_tokens": 0},
-                {"stop": ("",)}):
-        with pytest.raises(ConfigError):
+    for bad, says in (
+        ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"), ({"max_new_tokens": 0}, "max_new_tokens"), ({"stop": ("",)}, "stop"),
+        ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
+        ({"frequency_penalty": -3}, "frequency_penalty must be in [-2, 2]"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty must be a finite number"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be > 0"), ({"min_p": 1.5}, "min_p must be in [0, 1]"),
+        ({"min_tokens": 20}, "min_tokens must be in 0..max_new_tokens (16)"), ({"min_tokens": 1.5}, "min_tokens"),
+        ({"logit_bias": {3: 101}}, "logit_bias[3] must be a number in [-100, 100]"),
+        ({"logit_bias": {-1: 1}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {"3": 1}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": [(3, 1), (3, 2)]}, "names a token id twice"), ({"logit_bias": 5}, "must map token ids"),
+    ):
+        with pytest.raises(ConfigError) as caught:
             SamplingParams(**bad)  # type: ignore[arg-type]
+        assert says in str(caught.value) and "\n" not in str(caught.value), (bad, str(caught.value))
+
+
+def test_logit_bias_is_plain_sorted_pairs_from_a_mapping_or_pairs() -> None:
+    """A mapping and the same pairs give one value (hashable, picklable to the ranks)."""
+    import pickle
+
+    given = SamplingParams(logit_bias={9: -1, 2: 3.5})
+    assert given.logit_bias == ((2, 3.5), (9, -1.0)) == SamplingParams(logit_bias=[(9, -1), (2, 3.5)]).logit_bias
+    assert pickle.loads(pickle.dumps(given)) == given and hash(given) == hash(SamplingParams(logit_bias={2: 3.5, 9: -1}))
+    assert not SamplingParams().processed and SamplingParams(min_tokens=1).processed
+    assert not SamplingParams(min_p=0.5).processed  # greedy: min_p keeps the likeliest, which greedy takes anyway
 
 
 def test_generation_config_defaults_apply_only_where_not_given() -> None:

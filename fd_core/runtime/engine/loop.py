@@ -18,7 +18,13 @@ from fd_core.lifecycle import RankContext
 from fd_core.runtime import progress
 from fd_core.runtime.engine.blocks import NULL_BLOCK, BlockPool, block_hash
 from fd_core.runtime.engine.runner import ModelRunner
-from fd_core.runtime.engine.sampling import Sampler, SamplingParams, TokenLogprob, token_logprobs
+from fd_core.runtime.engine.sampling import (
+    Sampler,
+    SamplingParams,
+    TokenLogprob,
+    process_logits,
+    token_logprobs,
+)
 from fd_core.runtime.memory import DEFAULT_MAX_PREFILL_TOKENS, MemoryPlan
 from fd_core.runtime.request import Request
 from fd_core.runtime.text.streaming import StreamDecoder, TextState
@@ -67,6 +73,8 @@ class Job:
     eos_ids: tuple[int, ...] = ()
     images: tuple[Any, ...] = ()
     index: int = 0
+    # The key of its prompt's first choice when the prompt asks for several (SamplingParams.n), else None.
+    group: int | None = None
 
 
 @dataclass(frozen=True)
@@ -82,9 +90,12 @@ class Event:
 
 
 def jobs_of(request: Request, first_key: int = 0) -> list[Job]:
-    """One job per prompt of `request`, keyed first_key, first_key + 1, ..."""
-    return [Job(first_key + i, tuple(p), request.sampling, tuple(request.eos_ids), tuple(request.images), i)
-            for i, p in enumerate(request.prompts)]
+    """One job per choice of each prompt of `request` (SamplingParams.n, prompt by prompt), keyed first_key,
+    first_key + 1, ...; choice j of prompt i has index i * n + j (its sampler's seed)."""
+    n = request.sampling.n
+    return [Job(first_key + i * n + j, tuple(p), request.sampling, tuple(request.eos_ids), tuple(request.images),
+                i * n + j, first_key + i * n if n > 1 else None)
+            for i, p in enumerate(request.prompts) for j in range(n)]
 
 
 def check_finite(logits: Any, step: int, live: Sequence[bool]) -> None:
@@ -435,6 +446,8 @@ class Engine:
                 break
             if (not seq.job.images and budget <= 0) or self._prompts_full(prefills):
                 break
+            if self._sibling_prefilling(seq, prefills):
+                break  # next step, once its prompt's blocks are published, it finds them cached
             hits = self._lookup(seq)
             take = seq.pending if seq.job.images else min(seq.pending, budget)
             need = self._blocks_for(seq, seq.computed + take)
@@ -453,6 +466,13 @@ class Engine:
                 budget -= min(budget, take)
                 pictures = bool(seq.job.images)
         return prefills, decodes
+
+    def _sibling_prefilling(self, seq: _Seq, prefills: Sequence[_Chunk]) -> bool:
+        """Whether another choice of its prompt is prefilling this step and it has a full block to share."""
+        group = seq.job.group
+        if group is None or not (self.prefix_caching and seq.cacheable) or len(seq.ids) <= self.block_size:
+            return False
+        return any(chunk.seq.job.group == group for chunk in prefills)
 
     def _prompts_full(self, prefills: Sequence[_Chunk]) -> bool:
         """Whether the step prefills as many prompts as it may (max_prefill_prompts)."""
@@ -603,13 +623,16 @@ class Engine:
             rows = np.asarray(host, dtype=np.float64)
             for seq, i in zip(seqs, at, strict=True):
                 self.trace.setdefault(seq.job.key, []).append(rows[i])
-        sample = self.runner.backend.ops.sample
-        if all(seq.job.sampling.greedy for seq in seqs):
+        ops = self.runner.backend.ops
+        sample = ops.sample
+        processed = {n: row for n, row in self._process(logits, seqs, at)}
+        if not processed and all(seq.job.sampling.greedy for seq in seqs):
             # One call for the whole batch: greedy draws nothing, so the rows need no sampler of their own.
             every = sample(logits, 0.0, 0, 1.0, [0.0] * len(live))
             chosen = [int(every[i]) for i in at]
         else:
-            chosen = [seq.sampler.choose(logits[i : i + 1], sample)[0] for seq, i in zip(seqs, at, strict=True)]
+            chosen = [seq.sampler.choose(processed[n] if n in processed else logits[i : i + 1], sample)[0]
+                      for n, (seq, i) in enumerate(zip(seqs, at, strict=True))]
         # Only rank 0 reports them (the others send their tokens alone).
         reporting = self.rank is None or self.rank.rank == 0
         asking = [(n, seq.logprobs) for n, seq in enumerate(seqs) if seq.logprobs is not None and reporting]
@@ -623,6 +646,25 @@ class Engine:
         self.choose_s += time.perf_counter() - start
         self.choose_calls += 1
         return chosen
+
+    def _process(self, logits: Any, seqs: Sequence[_Seq], at: Sequence[int]) -> list[tuple[int, Any]]:
+        """(index in seqs, its logits row [1, V] as a tensor) for the sequences whose sampling changes the logits
+        before the sample op (penalties through the Backend's apply_penalties op, bias, min_tokens, min_p)."""
+        asking = [n for n, seq in enumerate(seqs) if seq.job.sampling.processed]
+        if not asking:
+            return []
+        import paddle
+
+        penalties = self.runner.backend.ops.apply_penalties
+
+        def penalize(*arrays: Any) -> Any:
+            return penalties(*(paddle.to_tensor(a) for a in arrays)).numpy()
+
+        chosen = [seqs[n] for n in asking]
+        rows = process_logits(_host_rows(logits, [at[n] for n in asking]), [s.job.sampling for s in chosen],
+                              [s.job.prompt for s in chosen], [s.tokens for s in chosen],
+                              [s.eos for s in chosen], penalize)
+        return [(n, paddle.to_tensor(rows[i : i + 1])) for i, n in enumerate(asking)]
 
     def _push(self, seq: _Seq, token: int, events: list[Event]) -> None:
         """A sequence's new token: its text, and whether it ends the sequence (then its blocks are freed); its event

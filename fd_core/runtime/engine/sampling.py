@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from fd_core.errors import ConfigError
 
@@ -15,6 +15,14 @@ from fd_core.errors import ConfigError
 MIN_TEMPERATURE = 1e-5
 # The most alternatives a step's logprobs may list (OpenAI's chat top_logprobs limit, and vLLM's default).
 MAX_LOGPROBS = 20
+# The most choices one prompt may ask for (SamplingParams.n).
+MAX_CHOICES = 64
+# OpenAI's ranges: presence and frequency penalties in [-2, 2], a logit bias in [-100, 100].
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def _integer(value: Any) -> bool:
@@ -33,8 +41,18 @@ class SamplingParams:
     then top-p (1.0: all), as transformers does. The same `seed` gives the same tokens.
     `stop` strings end a sequence; its text is cut before the stop string (one str is one stop string).
     `logprobs` None returns none; 0 returns each generated token's log-probability, and k (up to 20) also the k most
-    likely tokens of its step (TokenLogprob): the log-softmax of the model's raw logits, before temperature, top-k
-    and top-p, as vLLM returns them by default.
+    likely tokens of its step (TokenLogprob): the log-softmax of the model's raw logits, before the penalties, bias,
+    temperature, top-k and top-p, as vLLM returns them by default.
+
+    Before the token is chosen (greedy too), in this order: `repetition_penalty` (1: none) divides a positive logit
+    and multiplies a negative one of every token the prompt or the output holds; `frequency_penalty` times how often
+    the output holds a token, and `presence_penalty` once if it holds it at all, are subtracted (OpenAI's and vLLM's
+    penalties: the prompt does not count for them); `logit_bias` ({token id: bias in [-100, 100]}) is added; while
+    fewer than `min_tokens` tokens are out, the end-of-sequence ids are excluded; then, sampling, `min_p` (0: none)
+    excludes every token less likely than min_p times the likeliest, after temperature and before top-k and top-p.
+
+    `n` choices are generated for each prompt, each its own sequence with its own sampler (one seed gives n different
+    samples; greedy, n equal ones), sharing the prompt's cached blocks.
     """
 
     max_new_tokens: int = 16
@@ -45,6 +63,13 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    min_tokens: int = 0
+    n: int = 1
 
     def __post_init__(self) -> None:
         # One stop string given as a str is that string (a str is also a sequence: of single characters).
@@ -52,12 +77,13 @@ class SamplingParams:
         if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) for s in stop):
             raise ConfigError(f"stop must be a string or a list of strings, got {stop!r:.60}")
         object.__setattr__(self, "stop", tuple(stop))
-        for name in ("max_new_tokens", "top_k", "seed"):
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        for name in ("max_new_tokens", "top_k", "seed", "min_tokens", "n"):
             if not _integer(getattr(self, name)):
                 raise ConfigError(f"{name} must be an integer, got {getattr(self, name)!r:.40}")
-        for name in ("temperature", "top_p"):
-            if not _number(getattr(self, name)):
-                raise ConfigError(f"{name} must be a number, got {getattr(self, name)!r:.40}")
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            if not _number(getattr(self, name)) or not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"{name} must be a finite number, got {getattr(self, name)!r:.40}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -76,6 +102,18 @@ class SamplingParams:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
         if any(not s for s in self.stop):
             raise ConfigError("a stop string must not be empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ConfigError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0: none), got "
+                                  f"{getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise ConfigError(f"repetition_penalty must be > 0 (1: none), got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min_p must be in [0, 1] (0: none), got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ConfigError(f"min_tokens must be in 0..max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise ConfigError(f"n must be in 1..{MAX_CHOICES} (the choices per prompt), got {self.n}")
         if self.logprobs is not None:
             if not _integer(self.logprobs):
                 raise ConfigError(f"logprobs must be an integer or None, got {self.logprobs!r:.40}")
@@ -87,6 +125,21 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as the sorted (token id, bias) pairs it is kept as."""
+        return tuple(self.logit_bias)  # type: ignore[arg-type]  # made pairs in __post_init__
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the penalties change any logit (the apply_penalties op runs for this sequence)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @property
+    def processed(self) -> bool:
+        """Whether anything changes the logits before the sample op (penalties, bias, min_tokens, min_p)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or (self.min_p > 0 and not self.greedy)
+
     def with_defaults(self, defaults: Mapping[str, Any], given: Sequence[str]) -> "SamplingParams":
         """These settings with generation_config.json's sampling defaults for the fields not in `given`."""
         if not defaults.get("do_sample"):
@@ -96,6 +149,24 @@ class SamplingParams:
             if k in ("temperature", "top_p", "top_k") and k not in given and v is not None
         }
         return replace(self, **keep)
+
+
+def _bias_pairs(bias: Any) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs (plain, hashable data), from a mapping or from such pairs."""
+    items: Any = bias.items() if isinstance(bias, Mapping) else bias
+    try:
+        pairs = [(token, value) for token, value in items]
+    except (TypeError, ValueError):
+        raise ConfigError(f"logit_bias must map token ids to biases, got {bias!r:.60}") from None
+    for token, value in pairs:
+        if not _integer(token) or token < 0:
+            raise ConfigError(f"logit_bias keys must be token ids (integers >= 0), got {token!r:.40}")
+        if not _number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ConfigError(f"logit_bias[{token}] must be a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                              f"got {value!r:.40}")
+    if len({token for token, _ in pairs}) != len(pairs):
+        raise ConfigError("logit_bias names a token id twice")
+    return tuple(sorted((int(token), float(value)) for token, value in pairs))
 
 
 class Sampler:
@@ -166,3 +237,43 @@ def token_logprobs(rows: Any, tokens: Sequence[int], tops: Sequence[int]) -> lis
         logprobs = log_softmax(row)  # a row at a time: its float64 copy stays in the cache (a whole batch's does not)
         out.append(TokenLogprob(int(token), float(logprobs[int(token)]), most_likely(logprobs, k)))
     return out
+
+
+def process_logits(
+    rows: "np.ndarray", params: Sequence[SamplingParams], prompts: Sequence[Sequence[int]],
+    outputs: Sequence[Sequence[int]], eos: Sequence[Iterable[int]], penalize: Callable[..., "np.ndarray"],
+) -> "np.ndarray":
+    """Rows of logits (float32 [n, V], one per sequence) after what each sequence's SamplingParams applies before the
+    sample op, in its documented order: the penalties through `penalize` (the Backend's apply_penalties op, given and
+    returning host arrays), then logit_bias, min_tokens and min_p here. Rows whose sequence applies nothing come back
+    unchanged."""
+    import numpy as np
+
+    rows = np.array(rows, dtype=np.float32)
+    count, vocab = rows.shape
+    penalized = [n for n, p in enumerate(params) if p.penalized]
+    if penalized:
+        seen = np.zeros((len(penalized), vocab), dtype=bool)
+        counts = np.zeros((len(penalized), vocab), dtype=np.int32)
+        for i, n in enumerate(penalized):
+            prompt = np.asarray(prompts[n], dtype=np.int64)
+            seen[i, prompt[prompt < vocab]] = True
+            out = np.asarray(outputs[n], dtype=np.int64)
+            counts[i] = np.bincount(out[out < vocab], minlength=vocab)[:vocab]
+        factors = {name: np.array([getattr(params[n], name) for n in penalized], dtype=np.float32)
+                   for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")}
+        rows[penalized] = penalize(rows[penalized], seen, counts, factors["presence_penalty"],
+                                   factors["frequency_penalty"], factors["repetition_penalty"])
+    for n, p in enumerate(params):
+        row = rows[n]
+        for token, bias in p.bias:
+            if token < vocab:
+                row[token] += np.float32(bias)
+        if len(outputs[n]) < p.min_tokens:
+            ends = [t for t in eos[n] if 0 <= t < vocab]
+            row[ends] = -np.inf
+        if p.min_p > 0 and not p.greedy:
+            # p_i < min_p * p_max after temperature  <=>  l_i < l_max + T * ln(min_p); the likeliest always stays.
+            threshold = float(row.max()) + p.temperature * math.log(p.min_p)
+            row[row.astype(np.float64) < threshold] = -np.inf
+    return rows
