@@ -202,6 +202,13 @@ def build_request(
     outside = [token for token, _ in sampling.bias if token >= config.vocab_size]
     if outside:
         raise ConfigError(f"logit_bias names token id {outside[0]}, outside the vocabulary 0..{config.vocab_size - 1}")
+    if sampling.grammar is not None:
+        if checkpoint is None or not checkpoint.has_tokenizer():
+            raise ConfigError("structured output (a grammar) constrains text, and without the checkpoint's tokenizer "
+                              "there is none; use a checkpoint with a tokenizer, or drop the grammar")
+        from fd_core.runtime.text.grammar import check_grammar
+
+        check_grammar(sampling.grammar)
     defaults = checkpoint.generation_defaults() if checkpoint is not None else GenerationDefaults()
     try:
         sampling = sampling.with_defaults(defaults.sampling, given)

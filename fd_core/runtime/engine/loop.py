@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
 
-from fd_core.errors import FdError, NumericsError
+from fd_core.errors import ConfigError, FdError, NumericsError
 from fd_core.kernels import set_compute_threads
 from fd_core.kvcache import KVBatch
 from fd_core.lifecycle import RankContext
@@ -30,6 +30,7 @@ from fd_core.runtime.request import Request
 from fd_core.runtime.text.streaming import StreamDecoder, TextState
 
 if TYPE_CHECKING:
+    from fd_core.runtime.text.grammar import Constraint, Grammars
     from fd_core.runtime.text.tokenizer import Tokenizer
 
 # What fills a shorter prompt's left padding and a free slot's decode input (masked; any id in the vocabulary would do).
@@ -157,6 +158,7 @@ class _Seq:
     reason: str | None = None
     admitted: bool = False
     logprobs: list[TokenLogprob] | None = None
+    constraint: "Constraint | None" = None  # its grammar's state (SamplingParams.grammar), made at its first token
 
     @property
     def tokens(self) -> list[int]:
@@ -248,6 +250,7 @@ class Engine:
     _waiting: deque[_Seq] = field(default_factory=deque)
     _running: list[_Seq] = field(default_factory=list)  # in admission order
     _cancelled: set[int] = field(default_factory=set)
+    _grammars: "Grammars | None" = None  # built at the first sequence with a grammar (SamplingParams.grammar)
     _order: Any = field(default_factory=count)
 
     def __post_init__(self) -> None:
@@ -664,7 +667,23 @@ class Engine:
         rows = process_logits(_host_rows(logits, [at[n] for n in asking]), [s.job.sampling for s in chosen],
                               [s.job.prompt for s in chosen], [s.tokens for s in chosen],
                               [s.eos for s in chosen], penalize)
+        for i, seq in enumerate(chosen):
+            if seq.job.sampling.grammar is not None:
+                rows[i] = self._constraint(seq, rows.shape[1]).mask(rows[i])
         return [(n, paddle.to_tensor(rows[i : i + 1])) for i, n in enumerate(asking)]
+
+    def _constraint(self, seq: _Seq, vocab: int) -> "Constraint":
+        """Its grammar's constraint, made at its first token from the engine's Grammars (built once: it reads every
+        token of the vocabulary)."""
+        if seq.constraint is None:
+            from fd_core.runtime.text.grammar import Grammars
+
+            if self.tokenizer is None:
+                raise ConfigError("structured output needs the checkpoint's tokenizer, and it has none")
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, vocab, seq.job.eos_ids or None)
+            seq.constraint = self._grammars.matcher(seq.job.sampling.grammar or "")
+        return seq.constraint
 
     def _push(self, seq: _Seq, token: int, events: list[Event]) -> None:
         """A sequence's new token: its text, and whether it ends the sequence (then its blocks are freed); its event
@@ -680,6 +699,10 @@ class Engine:
             shown = seq.text.push(token)
             if seq.text.stopped:
                 seq.reason = "stop"
+        if seq.constraint is not None and seq.reason is None:
+            seq.constraint.advance(token)  # allowed: the mask let nothing else through
+            if seq.constraint.done:
+                seq.reason = "stop"  # the output is complete: only an end-of-sequence id could follow
         if seq.reason is None and len(seq.tokens) >= seq.job.sampling.max_new_tokens:
             seq.reason = "length"
         if seq.reason is None:

@@ -51,6 +51,10 @@ class SamplingParams:
     fewer than `min_tokens` tokens are out, the end-of-sequence ids are excluded; then, sampling, `min_p` (0: none)
     excludes every token less likely than min_p times the likeliest, after temperature and before top-k and top-p.
 
+    `grammar` (None: free text) constrains the output to a grammar made by fd_core.runtime.text.grammar's
+    constraint_spec (a JSON object, a JSON schema, a regular expression): tokens that would break it are excluded
+    last, after everything above, and the sequence ends ("stop") once the output is complete.
+
     `n` choices are generated for each prompt, each its own sequence with its own sampler (one seed gives n different
     samples; greedy, n equal ones), sharing the prompt's cached blocks.
     """
@@ -70,6 +74,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     n: int = 1
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         # One stop string given as a str is that string (a str is also a sequence: of single characters).
@@ -112,6 +117,8 @@ class SamplingParams:
             raise ConfigError(f"min_p must be in [0, 1] (0: none), got {self.min_p}")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ConfigError(f"min_tokens must be in 0..max_new_tokens ({self.max_new_tokens}), got {self.min_tokens}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise ConfigError("grammar must be a grammar from fd_core.runtime.text.grammar.constraint_spec, or None")
         if not 1 <= self.n <= MAX_CHOICES:
             raise ConfigError(f"n must be in 1..{MAX_CHOICES} (the choices per prompt), got {self.n}")
         if self.logprobs is not None:
@@ -137,8 +144,9 @@ class SamplingParams:
 
     @property
     def processed(self) -> bool:
-        """Whether anything changes the logits before the sample op (penalties, bias, min_tokens, min_p)."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or (self.min_p > 0 and not self.greedy)
+        """Whether anything changes the logits before the sample op (penalties, bias, min_tokens, min_p, grammar)."""
+        return (self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or (self.min_p > 0 and not self.greedy)
+                or self.grammar is not None)
 
     def with_defaults(self, defaults: Mapping[str, Any], given: Sequence[str]) -> "SamplingParams":
         """These settings with generation_config.json's sampling defaults for the fields not in `given`."""
