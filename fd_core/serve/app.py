@@ -1,6 +1,6 @@
 """The HTTP side of `fd serve`: FastAPI routes over an LLM's submit(), server-sent events, errors in the
-OpenAI format, the API key, admission (--max-queue), and the lifecycle under uvicorn (signals, draining,
-a failed rank ending the server)."""
+OpenAI format, the API key, admission (--max-queue), and the lifecycle under uvicorn (answering while the model
+loads, signals, draining, a failed rank ending the server)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from fd_core.runtime.text.tokenizer import Tokenizer
 
 RETRY_AFTER_S = 1  # what a client told "queue full" waits before it tries again
+RETRY_AFTER_LOADING_S = 5  # what a client told "the model is loading" waits: loading takes seconds to minutes
 
 
 class Submission(Protocol):
@@ -85,7 +86,32 @@ class Submitter(Protocol):
 
 def log(message: str) -> None:
     """One line on stderr: the server's own log (uvicorn's access log is off)."""
-    print(f"fd serve: {message}", file=sys.stderr, flush=True)
+    # One write with its newline: a script reading the lines (the ready line) never sees half of one.
+    sys.stderr.write(f"fd serve: {message}\n")
+    sys.stderr.flush()
+
+
+def still_loading() -> ApiError:
+    """The answer to an API request while the model loads."""
+    return ApiError(503, "the model is still loading; retry once GET /health answers 200", kind="server_error",
+                    code="loading", headers={"Retry-After": str(RETRY_AFTER_LOADING_S)})
+
+
+class Loading:
+    """The engine's stand-in while the model loads: nothing queued, no tokenizer; ApiGate refuses the API before a
+    route could submit to it."""
+
+    tokenizer: "Tokenizer | None" = None
+    error: BaseException | None = None
+    kv_cache: Mapping[str, int] = {}
+
+    def submit(
+        self, prompt: Any, sampling: "SamplingParams | None" = None, *, chat: bool = False, images: Sequence[Any] = ()
+    ) -> Submission:
+        raise still_loading()
+
+    def queued(self) -> int:
+        return 0
 
 
 @dataclass(eq=False)  # one per submission: hashed by identity
@@ -102,24 +128,33 @@ class Generation:
 class Server:
     """The routes and the state they share: admitted requests, the engine's submissions, draining, failure."""
 
-    def __init__(self, engine: Submitter, *, name: str, max_queue: int = 64,
+    def __init__(self, engine: Submitter | None, *, name: str, max_queue: int = 64,
                  api_key: str | None = None, image_roots: Sequence[Path] = ()) -> None:
-        self.engine, self.name = engine, name
+        """`engine` None: the model is still loading (the API answers 503 until attach() hands it over)."""
+        self.engine: Submitter = Loading() if engine is None else engine
+        self.loading = engine is None
+        self.name = name
         self.max_queue, self.api_key, self.image_roots = max_queue, api_key, tuple(r.resolve() for r in image_roots)
         self.admitted = 0  # requests' prompts admitted and not yet answered (touched on the event loop only)
         self.active: set[Generation] = set()
         self.draining: str | None = None  # why new requests are refused (shutting down, a rank failed)
         self.failure: BaseException | None = None
-        self.stop: Callable[[], None] = lambda: None  # ends the HTTP server (set by run())
-        self.metrics = Metrics(lambda: self.admitted, engine.queued, lambda: engine.kv_cache)
-        self.tokens = TokenText(engine.tokenizer)
+        self.stop: Callable[[], None] = lambda: None  # ends the HTTP server (set by Http)
+        self.metrics = Metrics(lambda: self.admitted, lambda: self.engine.queued(), lambda: self.engine.kv_cache)
+        self.tokens = TokenText(self.engine.tokenizer)
         self.app = self.build()
+
+    def attach(self, engine: Submitter) -> None:
+        """The loaded model: the API serves from now on (called on the event loop, between requests)."""
+        self.engine = engine
+        self.tokens = TokenText(engine.tokenizer)
+        self.loading = False
 
     # -- the application ------------------------------------------------------------------
     def build(self) -> FastAPI:
         app = FastAPI(title="fd serve", docs_url=None, redoc_url=None, openapi_url=None)
 
-        app.add_middleware(RequireKey, server=self)
+        app.add_middleware(ApiGate, server=self)
 
         @app.exception_handler(ApiError)
         async def api_error(request: Request, exc: ApiError) -> Response:
@@ -152,6 +187,12 @@ class Server:
                 return JSONResponse({"status": "failed", "error": str(self.failure)}, status_code=503)
             if self.draining is not None:
                 return JSONResponse({"status": "draining", "reason": self.draining}, status_code=503)
+            if self.loading:
+                return JSONResponse(
+                    {"status": "loading", "model": self.name,
+                     "reason": "the model is loading; /health answers 200 once requests are served"},
+                    status_code=503, headers={"Retry-After": str(RETRY_AFTER_LOADING_S)},
+                )
             return JSONResponse({"status": "ok", "model": self.name, "queued": self.engine.queued()})
 
         @app.api_route("/metrics", methods=["GET", "HEAD"])
@@ -217,6 +258,12 @@ class Server:
 
     # -- generating -------------------------------------------------------------------------
     def admit(self, count: int) -> None:
+        if count > self.max_queue:
+            # Never admissible, however long the client waits: a 503 with Retry-After would have it retry forever.
+            raise ApiError(400,
+                           f"the request has {count} prompts and --max-queue {self.max_queue} admits at most "
+                           f"{self.max_queue} at once, so no retry can succeed; send at most {self.max_queue} prompts "
+                           f"per request, or start fd serve with a larger --max-queue", param="prompt")
         if self.failure is not None:
             raise ApiError(503, f"the server has stopped: {self.failure}", kind="server_error", code="unavailable")
         if self.draining is not None:
@@ -447,7 +494,7 @@ class Server:
 
     # -- lifecycle --------------------------------------------------------------------------
     def fail(self, exc: BaseException) -> None:
-        """A rank failed: refuse everything from now on, cancel what runs, end the server (run() re-raises it)."""
+        """A rank failed: refuse everything from now on, cancel what runs, end the server (Http.wait() raises it)."""
         if self.failure is not None:
             return
         self.failure = exc
@@ -476,28 +523,36 @@ class Server:
         self.stop()
 
 
-class RequireKey:
-    """The API (/v1/...) needs the key; /health and /metrics stay open for probes and scrapers. Plain ASGI (not
-    BaseHTTPMiddleware), so that a route still sees its client disconnect."""
+class ApiGate:
+    """The API (/v1/...) needs the key, then a loaded model (503 while it loads, before the body is read or
+    checked); /health and /metrics stay open for probes and scrapers. Plain ASGI (not BaseHTTPMiddleware), so that
+    a route still sees its client disconnect."""
 
     def __init__(self, app: Any, server: Server) -> None:
         self.app, self.server = app, server
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        key = self.server.api_key
-        if key is not None and scope["type"] == "http" and str(scope.get("path", "")).startswith("/v1"):
+        if scope["type"] == "http" and str(scope.get("path", "")).startswith("/v1"):
             request = Request(scope, receive)
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                response = self.server.answer(
-                    request,
-                    ApiError(401, "a valid API key is needed: send the header Authorization: Bearer KEY",
-                             kind="authentication_error", code="invalid_api_key",
-                             headers={"WWW-Authenticate": 'Bearer realm="fd serve"'}),
-                )
+            refused = self.refusal(request)
+            if refused is not None:
+                response = self.server.answer(request, refused)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def refusal(self, request: Request) -> ApiError | None:
+        """Why an API request is refused before its route (no key, the model loading), or None."""
+        key = self.server.api_key
+        if key is not None:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return ApiError(401, "a valid API key is needed: send the header Authorization: Bearer KEY",
+                                kind="authentication_error", code="invalid_api_key",
+                                headers={"WWW-Authenticate": 'Bearer realm="fd serve"'})
+        if self.server.loading:
+            return still_loading()
+        return None
 
 
 async def gone(request: Request) -> None:
@@ -518,21 +573,26 @@ def validation_error(exc: RequestValidationError) -> ApiError:
             400, "the request body is not valid JSON: send a JSON object with Content-Type: application/json"
         )
     # Union members (str, list[int], ...) appear in pydantic's location; the client named only the fields.
-    loc = [
-        str(p) for p in first.get("loc", ())
-        if p != "body" and (isinstance(p, int) or FIELD.match(str(p)) and str(p) not in TYPE_TAGS)
-    ]
+    every = [p for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in every if isinstance(p, int) or FIELD.match(str(p)) and str(p) not in TYPE_TAGS]
     param = ".".join(loc) or None
     if first.get("type") == "missing":
         return ApiError(400, f"{param or 'the body'}: a required field is missing", param=param)
     shown = json.dumps(given)[:80] if isinstance(given, (int, float, str, bool, list)) else ""
-    return ApiError(
-        400, f"{param or 'the body'}: {first.get('msg', 'invalid')}" + (f" (got {shown})" if shown else ""), param=param
-    )
+    message = f"{param or 'the body'}: {first.get('msg', 'invalid')}" + (f" (got {shown})" if shown else "")
+    # The request models are strict: "10" is not taken for 10, nor true for 1. Said for a field of one type only
+    # (a union's first member is not all it takes).
+    expected = EXPECTED.get(str(first.get("type")))
+    if expected is not None and len(loc) == len(every):
+        message += f"; send {expected} (values of another JSON type are not converted)"
+    return ApiError(400, message, param=param)
 
 
 FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+# pydantic's type errors: what the field takes, in JSON's words.
+EXPECTED = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
+            "string_type": "a string", "list_type": "a list", "dict_type": "an object"}
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -569,73 +629,153 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as fd's other commands exit
 EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 
-def run(server: Server, sock: socket.socket, options: ServeOptions, announce: Callable[[str], None]) -> int:
-    """Serve until SIGTERM or SIGINT (drained within options.shutdown_timeout: 143 or 130) or a rank fails (its
-    RankError raised)."""
-    import uvicorn
+def address(sock: socket.socket) -> str:
+    """http://HOST:PORT of a bound socket (an IPv6 host in brackets; with --port 0, the port it was given)."""
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
 
-    # The engine's thread, the pump threads and the event loop hand every token on: with Python's default
-    # 5 ms switch interval each hand-off can wait that long for the GIL, which at a tiny model's step time
-    # would cost more than the step itself.
-    sys.setswitchinterval(0.0005)
 
-    class Uvicorn(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            # fd's handlers drain first and decide the exit code; uvicorn's would re-raise the signal at exit.
-            yield
+class Http:
+    """uvicorn serving a Server on its bound socket, on a thread of its own, from before the model loads (the API
+    answering 503 "loading" meanwhile) until a signal drains it or a rank fails.
 
-    config = uvicorn.Config(server.app, log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=3, timeout_keep_alive=5)
-    http = Uvicorn(config)
-    received: list[int] = []
+    The main thread keeps the signals: while the model loads, SIGTERM or SIGINT must interrupt the code that starts
+    the ranks, which runs there (its Terminated or KeyboardInterrupt stops them); once ready() has handed the model
+    over, they are forwarded to the event loop, which drains."""
 
-    def stop() -> None:
-        http.should_exit = True
+    def __init__(self, server: Server, sock: socket.socket, options: ServeOptions) -> None:
+        import uvicorn
 
-    server.stop = stop
+        class Uvicorn(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                # fd's handlers drain first and decide the exit code; uvicorn's would re-raise the signal at exit
+                # (and cannot be installed off the main thread anyway).
+                yield
 
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
+        config = uvicorn.Config(server.app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=3, timeout_keep_alive=5)
+        self.server, self.sock, self.options = server, sock, options
+        self.http = Uvicorn(config)
+        self.received: list[int] = []  # the stop signals forwarded to the event loop, in order
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.error: BaseException | None = None  # what ended the HTTP thread other than a stop
+        self.previous: dict[int, Any] = {}  # the handlers ready() replaced, given back by close()
+        self.tasks: set[asyncio.Task[None]] = set()  # the drain: referenced, as the loop keeps only weak references
+        self.thread = threading.Thread(target=self.main, name="fd-serve-http", daemon=True)
+        server.stop = self.stop
 
-        def on_signal(signum: int) -> None:
-            if received:
-                # A second signal: no more waiting.
-                server.withdraw(list(server.active), "cancelled: the server was told to stop at once (a second signal)")
-                http.force_exit = True
-                stop()
-                return
-            received.append(signum)
-            name = "SIGTERM" if signum == signal.SIGTERM else "SIGINT"
-            loop.create_task(server.drain(f"shutting down ({name})", options.shutdown_timeout))
+    def stop(self) -> None:
+        """End the HTTP server (from any thread): uvicorn looks at the flag every 0.1 s."""
+        self.http.should_exit = True
 
+    def start(self) -> str:
+        """Accept connections (the API refused until ready()); the address, once they are accepted."""
+        # The engine's thread, the pump threads and the event loop hand every token on: with Python's default
+        # 5 ms switch interval each hand-off can wait that long for the GIL, which at a tiny model's step time
+        # would cost more than the step itself.
+        sys.setswitchinterval(0.0005)
+        self.thread.start()
+        while not self.http.started:
+            if not self.thread.is_alive():
+                raise self.ended()
+            time.sleep(0.01)
+        return address(self.sock)
+
+    def ready(self, engine: Submitter) -> None:
+        """Hand the loaded model to the routes, then the stop signals to the event loop: from the return on, requests
+        are served and SIGTERM or SIGINT drains them."""
+        import concurrent.futures
+
+        assert self.loop is not None, "start() first"
+
+        async def attach() -> None:
+            self.server.attach(engine)  # on the event loop: no request sees half of it
+
+        try:
+            attached = asyncio.run_coroutine_threadsafe(attach(), self.loop)
+        except RuntimeError:  # the loop has closed: the HTTP thread ended while the model loaded
+            raise self.ended() from None
+        while True:
+            try:
+                attached.result(0.1)
+                break
+            except concurrent.futures.TimeoutError:
+                if not self.thread.is_alive():
+                    raise self.ended() from None
         for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, on_signal, signum)
+            self.previous[signum] = signal.signal(signum, self.forward)
 
-        async def ready() -> None:
-            while not http.started and not http.should_exit:
-                await asyncio.sleep(0.01)
-            if http.started:
-                host, port = sock.getsockname()[:2]
-                shown = f"[{host}]" if ":" in host else host
-                announce(f"http://{shown}:{port}")
+    def wait(self) -> int:
+        """Until the server ends: the exit code (143 after SIGTERM, 130 after SIGINT), or the failed rank's error."""
+        self.thread.join()  # interrupted by the signals, whose handler (forward) runs here
+        if self.server.failure is not None:
+            raise self.server.failure
+        if self.error is not None:
+            raise self.error
+        if self.received:
+            return EXIT_TERMINATED if self.received[0] == signal.SIGTERM else EXIT_INTERRUPTED
+        return 0
 
-        async def watch_ranks() -> None:
-            # Ranks that fail while no request runs: the LLM says so, and the server ends as when a request meets it.
-            while server.failure is None:
-                await asyncio.sleep(0.5)
-                error = server.engine.error
-                if error is not None:
-                    server.fail(error if isinstance(error, FdError) else RankError(str(error)))
+    def close(self) -> None:
+        """Stop the HTTP server if it still runs (the load failed or was interrupted) and give the signals back."""
+        self.stop()
+        if self.thread.is_alive():
+            self.thread.join(10)  # uvicorn's graceful shutdown is bounded (timeout_graceful_shutdown)
+        for signum, handler in self.previous.items():
+            # None: a handler installed from C, which Python cannot reinstate; the default is the nearest.
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        self.previous.clear()
 
-        waiter, watcher = loop.create_task(ready()), loop.create_task(watch_ranks())
-        await http.serve(sockets=[sock])
-        waiter.cancel()
-        watcher.cancel()
+    def ended(self) -> ConfigError:
+        """Why the HTTP thread ended before the server was ready."""
+        why = f"{type(self.error).__name__}: {self.error}" if self.error is not None else "it stopped"
+        return ConfigError(f"the HTTP server ended before the model was loaded ({why}); see the lines above")
 
-    asyncio.run(main())
-    if server.failure is not None:
-        raise server.failure
-    if received:
-        return EXIT_TERMINATED if received[0] == signal.SIGTERM else EXIT_INTERRUPTED
-    return 0
+    # -- on the HTTP thread -------------------------------------------------------------------
+    def main(self) -> None:
+        try:
+            asyncio.run(self.serve())
+        except BaseException as exc:  # noqa: BLE001 - carried to the main thread, which raises it
+            self.error = exc
+
+    async def serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        watcher = self.loop.create_task(self.watch_ranks())
+        try:
+            await self.http.serve(sockets=[self.sock])
+        finally:
+            watcher.cancel()
+
+    async def watch_ranks(self) -> None:
+        # Ranks that fail while no request runs: the LLM says so, and the server ends as when a request meets it.
+        server = self.server
+        while server.failure is None:
+            await asyncio.sleep(0.5)
+            error = server.engine.error
+            if error is not None:
+                server.fail(error if isinstance(error, FdError) else RankError(str(error)))
+
+    def forward(self, signum: int, frame: Any) -> None:
+        """SIGTERM or SIGINT, in the main thread once the server is ready: handed to the event loop."""
+        loop = self.loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: the server is ending already
+                loop.call_soon_threadsafe(self.on_signal, signum)
+
+    def on_signal(self, signum: int) -> None:
+        """On the event loop: the first signal drains, a second cancels what runs and ends the server at once."""
+        server = self.server
+        if self.received:
+            server.withdraw(list(server.active), "cancelled: the server was told to stop at once (a second signal)")
+            self.http.force_exit = True
+            self.stop()
+            return
+        self.received.append(signum)
+        name = "SIGTERM" if signum == signal.SIGTERM else "SIGINT"
+        task = asyncio.get_running_loop().create_task(
+            server.drain(f"shutting down ({name})", self.options.shutdown_timeout)
+        )
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)

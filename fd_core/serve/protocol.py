@@ -46,10 +46,23 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+# The request models are strict: a value of the wrong JSON type is refused naming its field, never converted
+# ("10" for 10, true for 1, "yes" for true); an integer is still taken where a number is.
+STRICT = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(BaseModel):
+    """stream_options: whether a streamed answer ends with a usage chunk."""
+
+    model_config = STRICT
+
+    include_usage: bool = False
+
+
 class Sampling(BaseModel):
     """The sampling fields both endpoints take; unknown fields are ignored, as OpenAI-compatible servers do."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -60,7 +73,7 @@ class Sampling(BaseModel):
     seed: int | None = Field(default=None, ge=0)
     stop: str | list[str] | None = None
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     n: int = 1
     top_logprobs: int | None = Field(default=None, strict=True)
     presence_penalty: float = 0.0
@@ -139,7 +152,7 @@ class Sampling(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class CompletionRequest(Sampling):
@@ -186,7 +199,7 @@ class CompletionRequest(Sampling):
 class ContentPart(BaseModel):
     """One part of a message's content: {"type": "text", "text"} or {"type": "image_url", "image_url": {"url"}}."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     type: Literal["text", "image_url"]
     text: str | None = None
@@ -196,7 +209,7 @@ class ContentPart(BaseModel):
 class Message(BaseModel):
     """One turn of a conversation."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
@@ -241,9 +254,43 @@ def message_parts(message: Message, index: int) -> tuple[str, list[str]]:
     return "".join(texts), images
 
 
+# Longer paths no file system takes (Linux's PATH_MAX); refused before the file system is asked.
+MAX_IMAGE_PATH = 4096
+# How much of a client's path or URL an error message repeats.
+SHOWN_URL = 120
+
+
+def picture_format(head: bytes) -> str | None:
+    """The format a file's first 12 bytes announce: PNG or JPEG (the ones read), another picture format named so
+    that the client is told what it sent, None when they announce no picture."""
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "PNG"
+    if head.startswith(b"\xff\xd8\xff"):
+        return "JPEG"
+    if head.startswith((b"GIF87a", b"GIF89a")):
+        return "GIF"
+    if head.startswith((b"II*\x00", b"MM\x00*")):
+        return "TIFF"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "WebP"
+    if head.startswith(b"BM"):
+        return "BMP"
+    return None
+
+
+def described(kind: str | None) -> str:
+    """A refused picture as an error message names it: "a GIF picture", or "not a PNG or JPEG picture"."""
+    return f"a {kind} picture" if kind else "not a PNG or JPEG picture"
+
+
+def shown_url(url: str) -> str:
+    """A client's path or URL as an error message repeats it: quoted, cut to SHOWN_URL characters."""
+    return repr(url if len(url) <= SHOWN_URL else url[:SHOWN_URL] + "...")
+
+
 def read_image(url: str, roots: Sequence[Path]) -> Any:
     """A picture from a data URL (base64 PNG or JPEG) or a file path under one of `roots`, as an array [C, H, W] in
-    [0, 1]."""
+    [0, 1]. Only PNG and JPEG are decoded: the format is decided from the first bytes, before any decoder sees them."""
     import numpy as np
     from PIL import Image, UnidentifiedImageError
 
@@ -256,26 +303,55 @@ def read_image(url: str, roots: Sequence[Path]) -> Any:
         Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS  # a decompression bomb is refused before it is decoded
         try:
             raw = base64.b64decode(data, validate=True)
-            picture = Image.open(io.BytesIO(raw)).convert("RGB")
-        except (binascii.Error, UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        except (binascii.Error, ValueError) as exc:
+            raise ApiError(
+                400, f"the image data URL is not a PNG or JPEG picture ({exc.__class__.__name__})", param="messages"
+            ) from None
+        kind = picture_format(raw[:12])
+        if kind not in ("PNG", "JPEG"):
+            raise ApiError(400, f"the image data URL is {described(kind)}; only PNG or JPEG are accepted: convert it "
+                                f"to PNG", param="messages")
+        try:
+            # Only the PNG and JPEG decoders, whatever the bytes claim.
+            picture = Image.open(io.BytesIO(raw), formats=["PNG", "JPEG"]).convert("RGB")
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
             raise ApiError(
                 400, f"the image data URL is not a PNG or JPEG picture ({exc.__class__.__name__})", param="messages"
             ) from None
         return np.asarray(picture, dtype="float32").transpose(2, 0, 1) / 255.0
-    path = Path(url.removeprefix("file://")).resolve()
-    if not any(path.is_relative_to(root) for root in roots):
-        allowed = ", ".join(str(r) for r in roots) or "none (start fd serve with --image-root DIR)"
-        raise ApiError(
-            400, f"image path {url!r} is outside the directories the server may read: {allowed}", param="messages"
-        )
-    if not path.is_file():
-        raise ApiError(400, f"image path {url!r} is not a file the server can read", param="messages")
-    from fd_core.runtime.images import load_image
+    shown = shown_url(url)
+    # Checked before the file system is asked: it would raise (ValueError, ENAMETOOLONG) rather than say no.
+    if "\x00" in url:
+        raise ApiError(400, f"image path {shown} contains a NUL byte, which no file name can; send a path under "
+                            f"--image-root or a data URL", param="messages")
+    if len(url) > MAX_IMAGE_PATH:
+        raise ApiError(400, f"image path {shown} is {len(url)} characters long, more than the {MAX_IMAGE_PATH} a path "
+                            f"may have; send a shorter path under --image-root or a data URL", param="messages")
+    try:
+        path = Path(url.removeprefix("file://")).resolve()
+        if not any(path.is_relative_to(root) for root in roots):
+            allowed = ", ".join(str(r) for r in roots) or "none (start fd serve with --image-root DIR)"
+            raise ApiError(
+                400, f"image path {shown} is outside the directories the server may read: {allowed}", param="messages"
+            )
+        if not path.is_file():
+            raise ApiError(400, f"image path {shown} is not a file the server can read", param="messages")
+        with open(path, "rb") as f:
+            head = f.read(12)
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ApiError(400, f"image path {shown} cannot be read ({reason}); send a path under --image-root or a data "
+                            f"URL", param="messages") from None
+    from fd_core.runtime.images import NPY_MAGIC, load_image
 
+    kind = picture_format(head)
+    if kind not in ("PNG", "JPEG") and not head.startswith(NPY_MAGIC):
+        raise ApiError(400, f"image path {shown} is {described(kind)}; only PNG or JPEG are accepted (or a .npy "
+                            f"array [3, H, W]): convert it to PNG", param="messages")
     try:
         return load_image(str(path))
     except (ConfigError, OSError) as exc:
-        raise ApiError(400, f"image {url!r}: {exc}", param="messages") from None
+        raise ApiError(400, f"image {shown}: {exc}", param="messages") from None
 
 
 class TokenText:

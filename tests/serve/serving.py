@@ -22,7 +22,11 @@ import leftovers
 pytest.importorskip("fastapi", reason="fd serve needs the serve extra (pip install -e '.[cpu,test]' brings it)")
 
 MARKER = "FDTEST_SERVE_MARKER"
-ADDRESS = re.compile(r"fd serve: serving .* at (http://127\.0\.0\.1:\d+)$")
+# The ready line (docs/serving.md): once the model is loaded and requests are served, exactly this.
+ADDRESS = re.compile(r"^fd serve: ready at (http://127\.0\.0\.1:\d+)$")
+# The line printed once connections are accepted, before the model loads (/health answers 503 until ready).
+LISTENING = re.compile(r"^fd serve: listening on (http://127\.0\.0\.1:\d+); GET /health answers 503 until the model "
+                       r"is loaded$")
 # A gate that refuses one request shape (13 new tokens), so that everything else is served.
 GATE = """
 from fd_core import hookimpl

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,46 @@ def test_a_path_is_read_only_under_an_image_root(tmp_path: Path) -> None:
         read_image(str(root / "a.png"), ())
     with pytest.raises(ApiError, match="is not a file the server can read"):
         read_image(str(root / "missing.png"), (root.resolve(),))
+
+
+def encoded(kind: str) -> bytes:
+    """A 4x6 picture in PIL's format `kind`."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (6, 4), (200, 100, 50)).save(buffer, format=kind)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["GIF", "BMP", "TIFF", "WEBP"])
+def test_only_png_and_jpeg_are_decoded_from_a_data_url_or_a_path(tmp_path: Path, kind: str) -> None:
+    """Decided from the first bytes, before a decoder sees them: the name in the URL or the file's suffix says
+    nothing."""
+    data = encoded(kind)
+    (tmp_path / "a.png").write_bytes(data)
+    named = {"WEBP": "WebP"}.get(kind, kind)
+    for url in ("data:image/png;base64," + base64.b64encode(data).decode(), str(tmp_path / "a.png")):
+        with pytest.raises(ApiError, match=f"is a {named} picture; only PNG or JPEG are accepted") as refused:
+            read_image(url, (tmp_path.resolve(),))
+        assert refused.value.status == 400 and refused.value.param == "messages"
+    for accepted in ("PNG", "JPEG"):
+        (tmp_path / "b.png").write_bytes(encoded(accepted))
+        url = "data:image/png;base64," + base64.b64encode(encoded(accepted)).decode()
+        assert read_image(url, ()).shape == read_image(str(tmp_path / "b.png"), (tmp_path.resolve(),)).shape == (3, 4, 6)
+    # A .npy array [3, H, W] from a path, as fd run --image takes it.
+    np.save(tmp_path / "c.npy", np.full((3, 2, 5), 0.5, dtype="float32"))
+    assert read_image(str(tmp_path / "c.npy"), (tmp_path.resolve(),)).shape == (3, 2, 5)
+
+
+@pytest.mark.parametrize("path, words", [
+    ("a\x00b.png", "contains a NUL byte"),
+    ("x" * 5000, "is 5000 characters long, more than the 4096 a path may have"),
+    ("y" * 300 + ".png", "cannot be read (File name too long)"),
+], ids=["nul", "5000-characters", "a-300-character-name"])
+def test_a_path_no_file_can_have_is_refused_in_one_line(tmp_path: Path, path: str, words: str) -> None:
+    with pytest.raises(ApiError, match=re.escape(words)) as refused:
+        read_image(path, (Path.cwd().resolve(),))
+    assert refused.value.status == 400 and len(refused.value.message) < 400 and "\n" not in refused.value.message
 
 
 # Characters that byte-level tokens split (Ω and the emoji are unseen in the tiny tokenizer's training), a special token

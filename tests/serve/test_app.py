@@ -1,0 +1,196 @@
+"""The HTTP side of `fd serve` in this process (FastAPI's test client, an engine that answers at once): strict request
+types, a request larger than --max-queue, the API while the model loads, and pictures the server refuses."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Iterator, Sequence
+
+import pytest
+
+pytest.importorskip("fastapi", reason="fd serve needs the serve extra (pip install -e '.[cpu,test]' brings it)")
+pytest.importorskip("httpx", reason="FastAPI's test client needs httpx (pip install -e '.[cpu,test]')")
+
+from fastapi.testclient import TestClient  # noqa: E402 - after the skip
+
+from fd_core.serve.app import Server  # noqa: E402
+
+
+class Answered:
+    """A submission already done: no text, one generated id."""
+
+    prompt_tokens = 2
+    first_token_at = None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def pieces(self) -> Iterator[Any]:
+        return iter(())
+
+    def result(self, timeout: float | None = None) -> Any:
+        return SimpleNamespace(prompt_ids=[1, 2], token_ids=[5], text="", finish_reason="length", logprobs=None)
+
+    def cancel(self) -> None:
+        pass
+
+
+class Engine:
+    """What the server needs of an LLM, answering every prompt at once; the sampling of each submit kept."""
+
+    tokenizer = None
+    error = None
+    kv_cache: dict[str, int] = {}
+
+    def __init__(self) -> None:
+        self.submitted: list[Any] = []
+
+    def submit(self, prompt: Any, sampling: Any = None, *, chat: bool = False, images: Sequence[Any] = ()) -> Any:
+        self.submitted.append(sampling)
+        return Answered()
+
+    def queued(self) -> int:
+        return 0
+
+
+@pytest.fixture
+def engine() -> Engine:
+    return Engine()
+
+
+@pytest.fixture
+def client(engine: Engine) -> Iterator[TestClient]:
+    with TestClient(Server(engine, name="tiny", max_queue=3).app) as client:
+        yield client
+
+
+def error_of(response: Any, status: int) -> dict[str, Any]:
+    """The response is `status` with an OpenAI error body."""
+    assert response.status_code == status, response.text
+    assert set(response.json()) == {"error"}, response.text
+    return dict(response.json()["error"])
+
+
+CHAT = {"messages": [{"role": "user", "content": "Hi"}]}
+WRONG_TYPES = [
+    ({"prompt": "Hi", "max_tokens": "10"}, "max_tokens"),
+    ({"prompt": "Hi", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "Hi", "max_tokens": 10.0}, "max_tokens"),
+    ({"prompt": "Hi", "stream": "yes"}, "stream"),
+    ({"prompt": "Hi", "stream": 1}, "stream"),
+    ({"prompt": "Hi", "temperature": "0.5"}, "temperature"),
+    ({"prompt": "Hi", "temperature": True}, "temperature"),
+    ({"prompt": "Hi", "top_p": "1"}, "top_p"),
+    ({"prompt": "Hi", "top_k": "5"}, "top_k"),
+    ({"prompt": "Hi", "seed": 1.5}, "seed"),
+    ({"prompt": "Hi", "seed": "7"}, "seed"),
+    ({"prompt": "Hi", "ignore_eos": "true"}, "ignore_eos"),
+    ({"prompt": "Hi", "model": 5}, "model"),
+    ({"prompt": "Hi", "stop": 5}, "stop"),
+    ({"prompt": "Hi", "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"prompt": [1, True]}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({**CHAT, "max_completion_tokens": "3"}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+]
+
+
+@pytest.mark.parametrize("body, param", WRONG_TYPES, ids=[f"{p}={b[p] if p in b else ''!r}" for b, p in WRONG_TYPES])
+def test_a_value_of_the_wrong_json_type_is_a_400_naming_the_field_never_converted(
+    client: TestClient, engine: Engine, body: dict[str, Any], param: str,
+) -> None:
+    endpoint = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    error = error_of(client.post(endpoint, json=body), 400)
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert error["message"].startswith(f"{param}: ") and "\n" not in error["message"], error
+    assert engine.submitted == []
+
+
+def test_the_message_says_what_was_sent_and_what_to_send(client: TestClient) -> None:
+    error = error_of(client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": "10"}), 400)
+    assert error["message"] == ('max_tokens: Input should be a valid integer (got "10"); send an integer (values of '
+                                'another JSON type are not converted)')
+    # A union (a string or a list of strings) is not said to take only its first member.
+    stop = error_of(client.post("/v1/completions", json={"prompt": "Hi", "stop": 5}), 400)["message"]
+    assert "send" not in stop
+
+
+def test_integers_are_still_numbers(client: TestClient, engine: Engine) -> None:
+    reply = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "temperature": 1, "top_p": 1,
+                                                 "seed": 4, "stream_options": {"include_usage": False}})
+    assert reply.status_code == 200, reply.text
+    sampling = engine.submitted[-1]
+    assert (sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.seed) == (3, 1.0, 1.0, 4)
+    chat = client.post("/v1/chat/completions", json={**CHAT, "temperature": 0, "logprobs": False, "stream": False})
+    assert chat.status_code == 200, chat.text
+
+
+def test_more_prompts_than_the_queue_holds_is_a_400_not_a_retry(client: TestClient, engine: Engine) -> None:
+    error = error_of(client.post("/v1/completions", json={"prompt": ["a", "b", "c", "d"], "max_tokens": 2}), 400)
+    assert error["param"] == "prompt" and "--max-queue 3" in error["message"]
+    assert "send at most 3 prompts per request" in error["message"]
+    assert engine.submitted == []
+    # As many as it holds are served.
+    assert client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2}).status_code == 200
+
+
+def test_a_busy_queue_is_still_a_503_with_retry_after(engine: Engine) -> None:
+    server = Server(engine, name="tiny", max_queue=3)
+    with TestClient(server.app) as client:
+        server.admitted = 2  # two prompts in flight
+        busy = client.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2})
+        assert error_of(busy, 503)["code"] == "queue_full" and busy.headers["retry-after"] == "1"
+
+
+def test_while_the_model_loads_health_and_the_api_answer_503(engine: Engine) -> None:
+    server = Server(None, name="tiny", api_key="k")
+    key = {"Authorization": "Bearer k"}
+    with TestClient(server.app) as client:
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "loading", health.text
+        assert health.headers["retry-after"] == "5"
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
+            # Before the body is read: a valid one or not, the answer is "loading".
+            refused = client.request(method, path, json={"prompt": 5}, headers=key)
+            error = error_of(refused, 503)
+            assert error["code"] == "loading" and refused.headers["retry-after"] == "5", error
+            assert "retry once GET /health answers 200" in error["message"]
+        assert error_of(client.get("/v1/models"), 401)["code"] == "invalid_api_key"  # the key first
+        assert client.get("/metrics").status_code == 200
+        server.attach(engine)
+        assert client.get("/health").json()["status"] == "ok"
+        assert client.post("/v1/completions", json={"prompt": "Hi"}, headers=key).status_code == 200
+
+
+def picture(kind: str) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4), (10, 20, 30)).save(buffer, format=kind)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["GIF", "BMP", "TIFF", "WEBP"])
+def test_a_picture_neither_png_nor_jpeg_is_a_400_over_http(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / f"a.{kind.lower()}"
+    path.write_bytes(picture(kind))
+    server = Server(Engine(), name="tiny", image_roots=(tmp_path,))
+    with TestClient(server.app) as client:
+        for url in (f"data:image/png;base64,{base64.b64encode(picture(kind)).decode()}", str(path)):
+            body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+            error = error_of(client.post("/v1/chat/completions", json=body), 400)
+            assert "only PNG or JPEG are accepted" in error["message"], error
+
+
+@pytest.mark.parametrize("url", ["/tmp/a\x00b.png", "/" + "x" * 5000, "/" + "y" * 300 + "/a.png"],
+                         ids=["nul", "5000-characters", "a-300-character-name"])
+def test_an_impossible_path_is_a_400_not_a_500(url: str) -> None:
+    server = Server(Engine(), name="tiny", image_roots=(Path("/"),))
+    with TestClient(server.app, raise_server_exceptions=False) as client:
+        body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+        reply = client.post("/v1/chat/completions", json=body)
+        error = error_of(reply, 400)
+        assert error["param"] == "messages" and len(error["message"]) < 400, error
