@@ -71,9 +71,9 @@ class Submitter(Protocol):
 
     tokenizer: "Tokenizer | None"
 
-    def submit(
+    def submit_choices(
         self, prompt: Any, sampling: "SamplingParams | None" = None, *, chat: bool = False, images: Sequence[Any] = ()
-    ) -> Submission: ...
+    ) -> Sequence[Submission]: ...
 
     def queued(self) -> int: ...
 
@@ -105,9 +105,9 @@ class Loading:
     error: BaseException | None = None
     kv_cache: Mapping[str, int] = {}
 
-    def submit(
+    def submit_choices(
         self, prompt: Any, sampling: "SamplingParams | None" = None, *, chat: bool = False, images: Sequence[Any] = ()
-    ) -> Submission:
+    ) -> Sequence[Submission]:
         raise still_loading()
 
     def queued(self) -> int:
@@ -120,6 +120,7 @@ class Generation:
 
     index: int
     submission: Submission
+    prompt: int = 0  # the index of its prompt in the request (a prompt's n choices share it)
     submitted: float = field(default_factory=time.time)
     completion: "Completion | None" = None
     cancelled: str | None = None  # why the server cancelled it (shutting down, a rank failed), if it did
@@ -261,9 +262,10 @@ class Server:
         if count > self.max_queue:
             # Never admissible, however long the client waits: a 503 with Retry-After would have it retry forever.
             raise ApiError(400,
-                           f"the request has {count} prompts and --max-queue {self.max_queue} admits at most "
-                           f"{self.max_queue} at once, so no retry can succeed; send at most {self.max_queue} prompts "
-                           f"per request, or start fd serve with a larger --max-queue", param="prompt")
+                           f"the request asks for {count} sequences (its prompts times n) and --max-queue "
+                           f"{self.max_queue} admits at most {self.max_queue} at once, so no retry can succeed; send "
+                           f"fewer prompts or a smaller n per request, or start fd serve with a larger --max-queue",
+                           param="prompt")
         if self.failure is not None:
             raise ApiError(503, f"the server has stopped: {self.failure}", kind="server_error", code="unavailable")
         if self.draining is not None:
@@ -285,8 +287,10 @@ class Server:
             for index, (prompt, chat, images) in enumerate(items):
                 # In a worker thread: the template, the tokenizer and the plugins' gates must not stall the other
                 # streams.
-                submission = await asyncio.to_thread(self.engine.submit, prompt, sampling, chat=chat, images=images)
-                generations.append(Generation(index, submission))
+                choices = await asyncio.to_thread(self.engine.submit_choices, prompt, sampling, chat=chat,
+                                                  images=images)
+                # OpenAI's choice index: prompt by prompt, n choices each.
+                generations += [Generation(index * sampling.n + j, s, index) for j, s in enumerate(choices)]
         except RequestRefused as exc:
             self.withdraw(generations)
             raise ApiError(400, str(exc), code="request_refused") from None
@@ -370,15 +374,16 @@ class Server:
 
     async def respond(self, request: Request, endpoint: str, items: Sequence[tuple[Any, bool, tuple[Any, ...]]],
                       sampling: "SamplingParams", stream: bool, include_usage: bool, chat: bool) -> Response:
-        self.admit(len(items))
+        count = len(items) * sampling.n  # every choice is a sequence of its own in the queue
+        self.admit(count)
         try:
             generations = await self.submit(items, sampling)
         except BaseException:
-            self.admitted -= len(items)
+            self.admitted -= count
             raise
         ident, created = new_id("chatcmpl" if chat else "cmpl"), now()
         if stream:
-            body = self.sse(request, endpoint, generations, ident, created, chat, include_usage, len(items),
+            body = self.sse(request, endpoint, generations, ident, created, chat, include_usage, count,
                             sampling.logprobs is not None)
             return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         collect = asyncio.ensure_future(self.collect(generations))
@@ -388,17 +393,17 @@ class Server:
         except BaseException:  # this task was cancelled (the server is stopping at once)
             watch.cancel()
             collect.cancel()
-            self.release(generations, endpoint, len(items))
+            self.release(generations, endpoint, count)
             raise
         watch.cancel()
         if not collect.done() or collect.cancelled():
             collect.cancel()
-            self.release(generations, endpoint, len(items))
+            self.release(generations, endpoint, count)
             log(f"POST {endpoint}: the client went away before its answer; its generation(s) were cancelled")
             # Nobody reads it: the code nginx logs for a client that closed the request.
             return Response(status_code=499)
         error = collect.exception()
-        self.release(generations, endpoint, len(items))
+        self.release(generations, endpoint, count)
         if error is not None:
             raise self.engine_error(error) from None
         self.metrics.request(endpoint, 200)
@@ -424,10 +429,13 @@ class Server:
     ) -> dict[str, Any]:
         choices: list[dict[str, Any]] = []
         prompt_tokens = completion_tokens = 0
+        counted: set[int] = set()
         for g in generations:
             c = g.completion
             assert c is not None
-            prompt_tokens += len(c.prompt_ids)
+            if g.prompt not in counted:  # a prompt's n choices count its tokens once, as OpenAI's usage does
+                counted.add(g.prompt)
+                prompt_tokens += len(c.prompt_ids)
             completion_tokens += len(c.token_ids)
             reason = FINISH_REASONS.get(c.finish_reason, c.finish_reason)
             shown = self.logprobs(chat, c.logprobs if logprobs else None)
@@ -484,8 +492,9 @@ class Server:
                 yield f"data: {json.dumps(error.body())}\n\n"
                 return
             if include_usage:
-                done = [g.completion for g in generations if g.completion is not None]
-                yield chunk([], usage=usage(sum(len(c.prompt_ids) for c in done), sum(len(c.token_ids) for c in done)))
+                done = {g.prompt: g.completion for g in generations if g.completion is not None}
+                generated = sum(len(g.completion.token_ids) for g in generations if g.completion is not None)
+                yield chunk([], usage=usage(sum(len(c.prompt_ids) for c in done.values()), generated))
             yield "data: [DONE]\n\n"
         finally:
             self.release(generations, endpoint, count)

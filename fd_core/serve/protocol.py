@@ -27,6 +27,11 @@ DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on /v1/completions' logprobs
 
 
+# The request fields whose range SamplingParams checks: its message starts with the field's name.
+CHECKED = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens", "n",
+           "temperature", "top_p", "top_k", "seed")
+
+
 class ApiError(Exception):
     """A request the server answers with an OpenAI error body: status, message, type, param and code."""
 
@@ -74,14 +79,19 @@ class Sampling(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int | None = Field(default=None, ge=1)
     top_logprobs: int | None = Field(default=None, strict=True)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # Not in OpenAI's API; vLLM takes them: the repetition penalty, min_p, min_tokens and a regex the output follows.
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    guided_regex: str | None = None
+    response_format: dict[str, Any] | None = None
     # Fields of OpenAI's APIs fd does not serve: refused by refuse_unsupported when they ask for something, never
     # silently ignored (docs/serving.md has the table of every field).
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -93,20 +103,6 @@ class Sampling(BaseModel):
 
     def refuse_unsupported(self) -> None:
         """What fd does not do is refused, never silently ignored."""
-        if self.n != 1:
-            raise ApiError(
-                400, f"n={self.n}: fd serve returns one choice per prompt; send n=1 (or several requests)", param="n"
-            )
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ApiError(400, f"{name} is not supported by fd serve; drop it or send 0", param=name)
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported by fd serve; drop the field", param="logit_bias")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise ApiError(400, f"response_format {kind!r} is not supported by fd serve (no structured output): the "
-                                f"text would not be checked against it; drop the field or send {{\"type\": \"text\"}}",
-                           param="response_format")
         tools = "fd serve does not call tools; drop the tool fields"
         text = "fd serve answers in text only; drop the field"
         for name, asked, why in (
@@ -145,10 +141,38 @@ class Sampling(BaseModel):
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, stop=self.stops(),
                 # As OpenAI's API: without a seed, a sampled request draws a different sample each time.
                 seed=secrets.randbelow(2**31) if self.seed is None else self.seed,
-                ignore_eos=self.ignore_eos, logprobs=logprobs,
+                ignore_eos=self.ignore_eos, logprobs=logprobs, n=self.n or 1,
+                presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias=self.bias(), min_p=self.min_p or 0.0, min_tokens=self.min_tokens or 0,
+                grammar=self.grammar(),
             )
         except ConfigError as exc:
-            raise ApiError(400, str(exc)) from None
+            message = str(exc)
+            raise ApiError(400, message, param=next((f for f in CHECKED if message.startswith(f)), None)) from None
+
+    def bias(self) -> dict[int, float]:
+        """logit_bias with its keys as token ids (OpenAI's JSON keys are strings)."""
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise ApiError(400, f"logit_bias keys must be token ids (strings of digits, as \"42\"), got "
+                                    f"{key!r:.40}", param="logit_bias")
+            out[int(key)] = value
+        return out
+
+    def grammar(self) -> str | None:
+        """The grammar response_format or guided_regex asks for (None: free text)."""
+        if self.guided_regex is None and (self.response_format or {}).get("type", "text") == "text":
+            return None
+        from fd_core.runtime.text.grammar import REGEX_FIELD, GrammarError, constraint_spec
+
+        try:
+            return constraint_spec(self.response_format, self.guided_regex)
+        except GrammarError as exc:
+            message = str(exc)
+            raise ApiError(400, message,
+                           param=REGEX_FIELD if message.startswith(REGEX_FIELD) else "response_format") from None
 
     @property
     def include_usage(self) -> bool:

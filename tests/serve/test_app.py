@@ -48,9 +48,10 @@ class Engine:
     def __init__(self) -> None:
         self.submitted: list[Any] = []
 
-    def submit(self, prompt: Any, sampling: Any = None, *, chat: bool = False, images: Sequence[Any] = ()) -> Any:
+    def submit_choices(self, prompt: Any, sampling: Any = None, *, chat: bool = False,
+                       images: Sequence[Any] = ()) -> Any:
         self.submitted.append(sampling)
-        return Answered()
+        return [Answered() for _ in range(sampling.n)]
 
     def queued(self) -> int:
         return 0

@@ -5,6 +5,7 @@ through the Python API's LLM one at a time; and every error case in the OpenAI e
 from __future__ import annotations
 
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -226,7 +227,7 @@ def test_errors_come_in_the_openai_format_with_one_log_line_each(
     wrong = openai_error(httpx.post(url, json={"prompt": "Hi", "max_tokens": "many"}), 400)
     assert wrong["param"] == "max_tokens"
     assert openai_error(httpx.post(url, json={"max_tokens": 3}), 400)["param"] == "prompt"
-    assert openai_error(httpx.post(url, json={"prompt": "Hi", "n": 2}), 400)["param"] == "n"
+    assert openai_error(httpx.post(url, json={"prompt": "Hi", "n": 0}), 400)["param"] == "n"
     assert openai_error(httpx.post(f"{server.url}/v1/embeddings", json={}), 404)["type"] == "not_found_error"
     with pytest.raises(openai.NotFoundError) as unknown:
         client.completions.create(model="gpt-4", prompt="Hi", max_tokens=3)
@@ -283,14 +284,20 @@ def test_head_where_get_works_and_405_says_which_methods(server: Served) -> None
 
 
 REFUSED = [
-    ("/v1/completions", {"n": 2}, "n"),
+    ("/v1/completions", {"n": 0}, "n"),
+    ("/v1/completions", {"n": 65}, "n"),
     ("/v1/completions", {"logprobs": 6}, "logprobs"),
     ("/v1/completions", {"logprobs": -1}, "logprobs"),
     ("/v1/completions", {"logprobs": True}, "logprobs"),
     ("/v1/completions", {"top_logprobs": 2}, "top_logprobs"),
-    ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
-    ("/v1/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
-    ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"frequency_penalty": -3}, "frequency_penalty"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"min_p": 1.5}, "min_p"),
+    ("/v1/completions", {"min_tokens": 3}, "min_tokens"),
+    ("/v1/completions", {"logit_bias": {"five": 10}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"5": 500}}, "logit_bias"),
+    ("/v1/completions", {"guided_regex": "(unclosed"}, "guided_regex"),
     ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
@@ -298,8 +305,12 @@ REFUSED = [
     ("/v1/chat/completions", {"logprobs": 3}, "logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "no spaces",
+                                                                                         "schema": {}}}},
+     "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema",
+                                                  "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
      "response_format"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
      "tools"),
@@ -316,7 +327,8 @@ def test_a_field_fd_does_not_serve_is_refused_never_ignored(
     server: Served, endpoint: str, fields: dict[str, Any], param: str
 ) -> None:
     """Issue 37: response_format, tools and top_logprobs were silently ignored (200 with text that ignores them).
-    Logprobs are served; the values they may not take are refused, as echo is (prompt logprobs are not built)."""
+    Logprobs, n, the penalties, logit_bias and structured output are served: the values they may not take are refused
+    naming the field, as echo is (prompt logprobs are not built), and tools are (no tool calling yet)."""
     base = {"prompt": "Hi"} if endpoint.endswith("/completions") and "chat" not in endpoint else {
         "messages": [{"role": "user", "content": "Hi"}]}
     error = openai_error(httpx.post(f"{server.url}{endpoint}", json={**base, "max_tokens": 2, **fields}), 400)
@@ -438,3 +450,62 @@ def test_logprob_limits_and_echo_are_refused_with_what_to_send(client: openai.Op
     with pytest.raises(openai.BadRequestError) as echo:
         client.completions.create(model="tiny", prompt="Hi", max_tokens=2, echo=True, logprobs=1)
     assert echo.value.param == "echo" and "prompt's logprobs" in echo.value.message  # type: ignore[attr-defined]
+
+
+# -- n, penalties, bias, structured output ------------------------------------------------------
+def test_n_choices_are_the_engines_each_indexed_and_the_prompt_counted_once(
+    client: openai.OpenAI, oracle: Any,
+) -> None:
+    want = oracle.generate("Once", SamplingParams(max_new_tokens=8, temperature=1.0, seed=4, n=3, ignore_eos=True))
+    done = client.completions.create(model="tiny", prompt="Once", max_tokens=8, temperature=1.0, seed=4, n=3,
+                                     extra_body={"ignore_eos": True})
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    assert [c.text for c in done.choices] == [c.text for c in want] and len({c.text for c in want}) == 3
+    assert done.usage.prompt_tokens == len(want[0].prompt_ids) and done.usage.completion_tokens == 24
+    # Streamed: each choice's chunks carry its index, and joined they are the same texts.
+    texts = ["", "", ""]
+    for chunk in client.completions.create(model="tiny", prompt="Once", max_tokens=8, temperature=1.0, seed=4, n=3,
+                                           stream=True, extra_body={"ignore_eos": True}):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in want]
+
+
+def test_penalties_bias_and_min_tokens_are_the_engines(client: openai.OpenAI, oracle: Any) -> None:
+    plain = expected(oracle, "Hello world", max_new_tokens=12)
+    banned = plain.token_ids[0]
+    settings = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3, min_tokens=10,
+                    logit_bias={banned: -100.0})
+    want = expected(oracle, "Hello world", max_new_tokens=12, **settings)
+    assert want.token_ids[0] != banned and want.text != plain.text
+    done = client.completions.create(model="tiny", prompt="Hello world", max_tokens=12, presence_penalty=1.5,
+                                     frequency_penalty=0.5, logit_bias={str(banned): -100},
+                                     extra_body={"repetition_penalty": 1.3, "min_tokens": 10})
+    assert done.choices[0].text == want.text
+
+
+REPLY = {"type": "object", "additionalProperties": False, "required": ["answer", "count"],
+         "properties": {"answer": {"enum": ["yes", "no"]}, "count": {"type": "integer", "maximum": 999}}}
+
+
+def test_structured_output_parses_and_validates_streamed_or_not(client: openai.OpenAI) -> None:
+    """json_schema through the official client: the content parses, and has exactly the schema's keys and types."""
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "reply", "schema": REPLY, "strict": True}}
+    messages: Any = [{"role": "user", "content": "Answer in JSON"}]
+    done = client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, response_format=fmt,
+                                          temperature=1.0, seed=3, n=2)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=40, response_format=fmt, stream=True))
+    for text in [c.message.content or "" for c in done.choices] + [streamed]:
+        value = json.loads(text)
+        assert set(value) == {"answer", "count"} and value["answer"] in ("yes", "no"), text
+        assert isinstance(value["count"], int) and value["count"] <= 999, text
+    assert all(c.finish_reason == "stop" for c in done.choices)
+    anything = client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=1.0,
+                                              seed=2, n=4, response_format={"type": "json_object"})
+    ended = [c.message.content or "" for c in anything.choices if c.finish_reason == "stop"]
+    assert ended and all(isinstance(json.loads(text), dict) for text in ended)
+    assert all((c.message.content or "").startswith("{") for c in anything.choices)
+    pattern = client.completions.create(model="tiny", prompt="Hi", max_tokens=10, temperature=1.0, seed=1,
+                                        extra_body={"guided_regex": "(yes|no), [0-9]{2}"})
+    assert re.fullmatch("(yes|no), [0-9]{2}", pattern.choices[0].text), pattern.choices[0].text
