@@ -127,10 +127,11 @@ class LLM:
     # -- generating ----------------------------------------------------------------------
     def submit(
         self, prompt: Prompt | Sequence[Mapping[str, Any]], sampling: SamplingParams | None = None, *,
-        chat: bool = False, images: Sequence[Any] = (),
+        chat: bool = False, images: Sequence[Any] = (), tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> Submission:
         """Queue one prompt (text, token ids, or chat messages: a list of {"role", "content"} mappings rendered through
-        the checkpoint's chat template) and return at once; it joins the running batch at the next step boundary.
+        the checkpoint's chat template, offered `tools`: OpenAI's function definitions, as the template takes them)
+        and return at once; it joins the running batch at the next step boundary.
 
         Thread-safe. The request is checked first: a bad one raises ConfigError (or RequestRefused) here, before it
         queues.
@@ -138,18 +139,21 @@ class LLM:
         if sampling is not None and sampling.n > 1:
             raise ConfigError(f"submit() returns one Submission, and n={sampling.n} asks for several; use "
                               "submit_choices()")
-        return self.submit_choices(prompt, sampling, chat=chat, images=images)[0]
+        return self.submit_choices(prompt, sampling, chat=chat, images=images, tools=tools)[0]
 
     def submit_choices(
         self, prompt: Prompt | Sequence[Mapping[str, Any]], sampling: SamplingParams | None = None, *,
-        chat: bool = False, images: Sequence[Any] = (),
+        chat: bool = False, images: Sequence[Any] = (), tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[Submission]:
         """As submit(), one Submission for each of the prompt's sampling.n choices (which share its cached blocks)."""
         if not isinstance(prompt, str) and prompt and isinstance(prompt[0], Mapping):
             pictures = self._pictures(images)
             messages: Sequence[Mapping[str, Any]] = prompt  # type: ignore[assignment]  # narrowed by the check above
-            ids = self._chat_ids(messages, pictures)
+            ids = self._chat_ids(messages, pictures, tools)
             return self._submit(self._request(ids, sampling, False, pictures, stream=True))
+        if tools:
+            raise ConfigError("tools are offered through the chat template: pass chat messages (a list of {\"role\", "
+                              "\"content\"} mappings) with them")
         if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
             raise ConfigError("submit() takes one prompt; call it once per prompt")
         text_or_ids: Prompt = prompt  # type: ignore[assignment]  # not messages: checked above
@@ -159,11 +163,20 @@ class LLM:
         """Pictures as arrays [C, H, W]: paths read and checked, arrays as given."""
         return tuple(load_image(str(p)) if isinstance(p, (str, Path)) else p for p in images)
 
-    def _chat_ids(self, messages: Sequence[Mapping[str, Any]], pictures: Sequence[Any]) -> list[int]:
+    def _chat_ids(
+        self, messages: Sequence[Mapping[str, Any]], pictures: Sequence[Any],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
         """Chat messages as prompt ids through the checkpoint's chat template (request.messages_prompt)."""
         return messages_prompt(
-            messages, self._plan.checkpoint, self._plan.architecture(self._plugins), self._plan.config, pictures
+            messages, self._plan.checkpoint, self._plan.architecture(self._plugins), self._plan.config, pictures, tools
         )
+
+    @property
+    def chat_template(self) -> str | None:
+        """The checkpoint's chat template (None: none, or no checkpoint)."""
+        checkpoint = self._plan.checkpoint
+        return checkpoint.chat_template() if checkpoint is not None else None
 
     def queued(self) -> int:
         """Sequences waiting or running (every caller's)."""

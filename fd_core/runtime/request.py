@@ -59,17 +59,19 @@ def tokenizer_for(checkpoint: "Checkpoint | None", arch_name: str) -> Tokenizer:
 
 
 def render_messages(
-    tokenizer: Tokenizer, checkpoint: "Checkpoint", messages: Sequence[Mapping[str, Any]], instead: str
+    tokenizer: Tokenizer, checkpoint: "Checkpoint", messages: Sequence[Mapping[str, Any]], instead: str,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
-    """The ids of a conversation rendered through the checkpoint's chat template (with a generation prompt);
-    `instead` is what to do when the checkpoint has no template."""
+    """The ids of a conversation rendered through the checkpoint's chat template (with a generation prompt and the
+    `tools` offered); `instead` is what to do when the checkpoint has no template."""
     template = checkpoint.chat_template()
     if template is None:
         raise CheckpointError(
             f"{checkpoint.directory} has no chat template (looked for chat_template.jinja, chat_template.json and "
             f"tokenizer_config.json's chat_template); {instead}"
         )
-    rendered = render_chat(template, messages, tokenizer.special_tokens(), source=checkpoint.chat_template_file())
+    rendered = render_chat(template, messages, tokenizer.special_tokens(), source=checkpoint.chat_template_file(),
+                           tools=tools)
     # The template already holds every special token the model expects (as transformers encodes it).
     return tokenizer.encode(rendered, add_special_tokens=False)
 
@@ -82,10 +84,10 @@ def chat_prompt(tokenizer: Tokenizer, checkpoint: "Checkpoint", text: str, image
 
 def messages_prompt(
     messages: Sequence[Mapping[str, Any]], checkpoint: "Checkpoint | None", arch: "Architecture", config: "ModelConfig",
-    images: Sequence[Any] = (),
+    images: Sequence[Any] = (), tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
-    """Chat messages ({"role", "content"} mappings) as prompt ids, each picture's placeholder expanded to its number of
-    tokens."""
+    """Chat messages ({"role", "content"} mappings) as prompt ids, with the `tools` offered (OpenAI's function
+    definitions, as the template takes them), each picture's placeholder expanded to its number of tokens."""
     if checkpoint is None or not checkpoint.has_tokenizer():
         raise ConfigError(
             "chat messages are rendered through a checkpoint's chat template and tokenizer, and this model has none"
@@ -95,7 +97,8 @@ def messages_prompt(
             raise ConfigError(
                 f"message {index + 1} must be a mapping with a 'role' string and a 'content', got {message!r:.80}"
             )
-    ids = render_messages(checkpoint.tokenizer(), checkpoint, messages, "send the prompt as text or token ids instead")
+    ids = render_messages(checkpoint.tokenizer(), checkpoint, messages, "send the prompt as text or token ids instead",
+                          tools)
     if images and arch.image_tokens is not None:
         pictures = [check_picture(p, f"images[{index}]") for index, p in enumerate(images)]
         shapes = [(int(p.shape[0]), int(p.shape[1]), int(p.shape[2])) for p in pictures]

@@ -11,10 +11,16 @@ from fd_core.errors import ConfigError
 
 # The ids the tiny text presets give their special tokens (pad_token_id 0, bos 1, eos 2) come first.
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
-# One role marker per turn, then its text; the assistant's marker opens the reply.
+# One role marker per turn, then its text; the assistant's marker opens the reply. Offered tools come first, in a
+# system turn that teaches the <tool_call> JSON format fd parses (an assistant turn's calls are written back in it).
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    "{{ bos_token }}{% if tools %}<|system|>\nYou may call these functions; write each call as <tool_call>\n"
+    "{\"name\": ..., \"arguments\": {...}}\n</tool_call>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "{% endif %}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] or '' }}"
+    "{% for call in message['tool_calls'] or [] %}{% set arguments = call['function']['arguments'] %}<tool_call>\n"
+    "{\"name\": {{ call['function']['name'] | tojson }}, \"arguments\": "
+    "{{ arguments if arguments is string else arguments | tojson }}}\n</tool_call>{% endfor %}{{ '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 # Text the merges are learnt from: plain English, so that common words become single tokens.
 CORPUS = """\

@@ -238,14 +238,17 @@ def _environment() -> Any:
 def render_chat(
     template: str, messages: Sequence[Mapping[str, Any]], special_tokens: Mapping[str, str],
     add_generation_prompt: bool = True, source: str | Path | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
-    """The conversation as the model's prompt text; a template that fails, loops or grows without bound is a
-    one-line ConfigError (naming `source`, the file the template came from, when given)."""
+    """The conversation as the model's prompt text, `tools` (OpenAI's function definitions) offered to the template as
+    transformers offers them; a template that fails, loops or grows without bound is a one-line ConfigError (naming
+    `source`, the file the template came from, when given)."""
     from jinja2 import TemplateError
 
     what = f"the chat template in {source}" if source is not None else "the chat template"
     fix = "fix the template" if source is not None else "fix the checkpoint's chat template"
-    variables = {"messages": list(messages), "add_generation_prompt": add_generation_prompt, "tools": None,
+    variables = {"messages": list(messages), "add_generation_prompt": add_generation_prompt,
+                 "tools": list(tools) if tools else None,
                  "documents": None, **special_tokens}
     try:
         return _render(_environment(), template, variables)

@@ -84,6 +84,11 @@ def check_grammar(grammar: str) -> str:
     return _checked(grammar, "grammar")
 
 
+def lark_grammar(lark: str, field: str = "grammar") -> str:
+    """A Lark grammar in llguidance's dialect (JSON schemas inside it as `%json {...}`) as a checked grammar."""
+    return _checked(_llguidance().LLMatcher.grammar_from_lark(lark), field)
+
+
 def _schema_grammar(schema: Mapping[str, Any], field: str) -> str:
     """The llguidance grammar of a JSON schema."""
     try:

@@ -1,0 +1,104 @@
+"""Tool calling's pieces: OpenAI's tools and tool_choice checked in one line each, the calls parsed out of the
+model's text, and "required" / a named function enforced as a grammar (random walks through its mask always parse
+into calls of the offered tools with arguments of their schemas)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fd_core.runtime.text.tools import ToolError, Tools, check_tools
+from fd_core.serve.tiny import CHAT_TEMPLATE
+from kit import tokenizer_dirs  # noqa: F401 - fixture
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city"],
+    "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "maximum": 9}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": [], "properties": {}}}}
+
+
+@pytest.mark.parametrize(("tools", "choice", "says"), [
+    ([{"type": "web"}], None, 'tools[0] must be {"type": "function"'),
+    ([{"type": "function", "function": {"name": "has space"}}], None, "tools[0].function.name must be 1 to 64"),
+    ([WEATHER, WEATHER], None, "names a second tool of that name"),
+    ([{"type": "function", "function": {"name": "f", "parameters": []}}], None, "parameters must be a JSON schema"),
+    ([WEATHER], "sometimes", 'tool_choice must be "none", "auto", "required" or a function'),
+    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "names function 'nope', which is not among"),
+    ([], "required", 'tool_choice "required" needs tools'),
+])
+def test_malformed_tools_are_one_line_errors_naming_the_field(tools: Any, choice: Any, says: str) -> None:
+    with pytest.raises(ToolError) as caught:
+        check_tools(tools, choice, CHAT_TEMPLATE)
+    assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_template_without_tool_calls_refuses_tools_but_not_tool_choice_none() -> None:
+    plain = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ToolError, match="defines no tool calls fd can parse"):
+        check_tools([WEATHER], "auto", plain)
+    assert check_tools([WEATHER], "none", plain).for_template() is None
+    assert check_tools(None, None, plain).choice == "none"
+
+
+def test_calls_are_parsed_out_of_the_text_and_anything_else_stays_content() -> None:
+    tools = check_tools([WEATHER, TIME], "auto", CHAT_TEMPLATE)
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": "{}"}</tool_call>'
+            '<tool_call>{"name": "unknown", "arguments": {}}</tool_call><tool_call>not json</tool_call>')
+    content, calls = tools.parse(text)
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Rome"}, {}]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert content == ('Let me check.\n\n<tool_call>{"name": "unknown", "arguments": {}}</tool_call>'
+                       "<tool_call>not json</tool_call>")
+    assert tools.parse("no calls") == ("no calls", [])
+    assert check_tools([WEATHER], "none", CHAT_TEMPLATE).parse(text) == (text, [])
+
+
+def _walk(tools: Tools, tokenizer: Any, seed: int) -> str:
+    """A random walk through the choice's grammar: a random allowed token each step, until it is complete."""
+    from fd_core.runtime.text.grammar import Grammars
+
+    constraint = Grammars(tokenizer, 512).matcher(tools.grammar() or "")
+    rng, ids = np.random.default_rng(seed), []
+    for _ in range(400):
+        if constraint.done:
+            break
+        allowed = np.flatnonzero(constraint.allowed())
+        eos = set(constraint.grammars.eos_ids)
+        if eos & set(allowed.tolist()) and rng.random() < 0.5:
+            break  # the output may end here: end it half the time
+        choices = [int(t) for t in allowed if int(t) not in eos]
+        token = choices[int(rng.integers(len(choices)))]
+        constraint.advance(token)
+        ids.append(token)
+    return str(tokenizer.decode(ids))
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+def test_a_required_or_named_choice_only_lets_calls_of_the_offered_tools_through(
+    tokenizer_dirs: dict[str, Any], choice: str,  # noqa: F811
+) -> None:
+    from fd_core.runtime.text.tokenizer import load_tokenizer
+
+    pytest.importorskip("llguidance")
+    tokenizer = load_tokenizer(tokenizer_dirs["bpe"])
+    tools = check_tools([WEATHER, TIME], choice if choice == "required" else
+                        {"type": "function", "function": {"name": choice}}, CHAT_TEMPLATE)
+    for seed in range(6):
+        text = _walk(tools, tokenizer, seed)
+        content, calls = tools.parse(text)
+        assert calls and not content, text
+        for call in calls:
+            arguments = json.loads(call["function"]["arguments"])
+            if choice != "required":
+                assert call["function"]["name"] == choice
+            if call["function"]["name"] == "get_weather":
+                assert arguments["city"] in ("Paris", "Rome") and set(arguments) <= {"city", "days"}
+            else:
+                assert arguments == {}
+    assert check_tools([WEATHER], "auto", CHAT_TEMPLATE).grammar() is None
