@@ -36,7 +36,8 @@ ROWS: dict[str, str] = {
     "kvwrite": "one decode step's KV-cache writes at cache lengths 80 and 320, eager and in a static program",
     "kernels": "a layer's call of a resolved op vs a direct call; the cpu platform's fused RMSNorm vs the native op",
     "serve": ("fd serve at 1, 4 and 16 concurrent streaming clients vs the same requests through LLM one at a time: "
-              "req/s, tok/s, time to first token"),
+              "req/s, tok/s, time to first token; and at 4 clients, logprobs, n=4 and a json_schema response_format "
+              "vs plain requests (tok/s, time to first token, ms per token)"),
     "prefix": ("8 requests sharing a 1,024-token system prompt through fd serve: time to first token, prefix caching "
                "on vs off"),
     "capacity": ("sequences of 64 to 2,048 positions running together at one KV budget: blocks vs the fixed slots "

@@ -56,6 +56,16 @@ def test_smoke_prints_every_row_and_writes_json(tmp_path: Path) -> None:
             assert line["a_value"] is not None or "not installed" in line["a"], (row, line)
     assert len(by_row["allreduce"]) == 4  # 1 KiB, 64 KiB, 1 MiB, 16 MiB
     assert len(by_row["startup"]) == 2  # import fd_core, fd plugins
+    # fd serve's logprobs, n and structured output against the plain requests of the same run (the row checks each
+    # field came back applied); figures are finite (else doc["errors"]), and every structured request ran to
+    # max_tokens, so its per-token time compares with the plain one's.
+    serve = {line["case"]: line for line in by_row["serve"]}
+    for case in ("logprobs 5, 4 clients: tok/s", "logprobs 5, 4 clients: time to first token",
+                 "n=4, 4 clients: tok/s of every choice", "n=4, 4 clients: time to first token",
+                 "json_schema, 4 clients: decode time per token"):
+        assert case in serve and serve[case]["ratio"] is not None, (case, sorted(serve))
+    schema = serve["json_schema, 4 clients: decode time per token"]["details"]
+    assert schema["a"]["short"] == 0 and schema["a"]["tokens"] == schema["b"]["tokens"], schema
 
 
 def test_rows_option_selects_rows(tmp_path: Path) -> None:

@@ -220,7 +220,9 @@ def example_kernels(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged_tokens(
     example_kernels: Path, tmp_path: Path,
 ) -> None:
-    args = ["run", "--tp", "2", "--max-new-tokens", "6", "--prompt-ids", "5,6,7,8", "--json"]
+    # With penalties, so that its apply_penalties runs too.
+    args = ["run", "--tp", "2", "--max-new-tokens", "6", "--prompt-ids", "5,6,7,8", "--repetition-penalty", "1.3",
+            "--presence-penalty", "0.5", "--json"]
     plain = run_fd(args, timeout=300)
     assert plain.returncode == 0, plain.stderr
     trace = tmp_path / "trace"
@@ -233,16 +235,17 @@ def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged
     products = ("matmul", "quant_matmul")  # on weights it prepares at load
     assert ours_json["kernels"] == {**plain_json["kernels"], "rms_norm": "example-kernels",
                                     "add_rms_norm": "example-kernels", "silu_and_mul": "example-kernels",
-                                    "moe_experts": "example-kernels",
+                                    "moe_experts": "example-kernels", "apply_penalties": "example-kernels",
                                     **dict.fromkeys((*cache_ops, *products), "example-kernels")}
     # Its own cache layout (token-major blocks), written and read by its own kernels on both ranks, and its own
     # prepared weights: the same tokens.
     assert ours_json["tokens"] == plain_json["tokens"]
-    for op in ("rms_norm", "add_rms_norm", "silu_and_mul", *cache_ops, "matmul"):
+    for op in ("rms_norm", "add_rms_norm", "silu_and_mul", *cache_ops, "matmul", "apply_penalties"):
         assert len({p.name for p in trace.glob(f"{op}.*")}) == 2, f"{op} was not called by both ranks: {sorted(p.name for p in trace.iterdir())}"
     listed = json.loads(run_fd(["plugins", "--json"], example_kernels).stdout)
     assert (next(p for p in listed["plugins"] if p["name"] == "example-kernels")["kernels"]
-            == sorted(["rms_norm", "add_rms_norm", "silu_and_mul", "moe_experts", *cache_ops, *products]))
+            == sorted(["rms_norm", "add_rms_norm", "silu_and_mul", "moe_experts", "apply_penalties", *cache_ops,
+                       *products]))
     explained = run_fd(["explain", "--tp", "1"], example_kernels)
     assert "rms_norm: example-kernels, silu_and_mul: example-kernels, rotary_embedding: cpu" in " ".join(explained.stdout.split())
 
@@ -281,6 +284,16 @@ def test_the_suite_fails_an_add_rms_norm_that_normalises_before_the_add_by_its_n
     assert line.split()[0] == "failed" and "AssertionError: add_rms_norm (example-kernels) float32 x[" in line, line
     assert "result 0 (normed): largest error" in line and "rms_norm (example-kernels)" not in line.replace(
         "add_rms_norm (example-kernels)", ""), line
+
+
+def test_the_suite_fails_penalties_that_count_the_prompt_for_presence_by_its_name(example_kernels: Path) -> None:
+    """The example's apply_penalties made to subtract the presence penalty for the prompt's tokens too
+    (FD_EXAMPLE_KERNELS_BREAK)."""
+    done = run_fd(["check", "cpu", "-k", "every_kernel_in_use"], example_kernels,
+                  {"FD_EXAMPLE_KERNELS_BREAK": "apply_penalties"}, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    line = next(x for x in done.stdout.splitlines() if "test_every_kernel_in_use" in x)
+    assert line.split()[0] == "failed" and "AssertionError: apply_penalties (example-kernels) float32 logits[" in line
 
 
 def test_the_suite_fails_a_moe_combine_that_forgets_the_weights_by_its_name(example_kernels: Path) -> None:

@@ -1,6 +1,7 @@
 """fd_register_kernels: rms_norm, add_rms_norm and silu_and_mul, each computed another way than fd's native ops, the
 paged KV cache in a layout of its own (paged.py), matmul and quant_matmul on weights prepared once at load
-(weights.py), and moe_experts as dispatch, grouped experts and combine (moe.py)."""
+(weights.py), moe_experts as dispatch, grouped experts and combine (moe.py), and the sampling penalties on the host
+(apply_penalties, contract 1.3)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from fd_core import hookimpl
 from fd_example_kernels import moe, paged, weights
 
 # The version of fd's plugin contract this plugin was written for (fd_core.contract).
-FD_CONTRACT = "1.2"
+FD_CONTRACT = "1.3"
 
 _seen: set[str] = set()
 
@@ -62,6 +63,30 @@ def silu_and_mul(gate: Any, up: Any) -> Any:
     return F.swiglu(gate, up)
 
 
+def apply_penalties(logits: Any, prompt_mask: Any, output_counts: Any, presence: Any, frequency: Any,
+                    repetition: Any) -> Any:
+    """The penalties in numpy on the host, where the engine's other logits processing runs.
+
+    FD_EXAMPLE_KERNELS_BREAK=apply_penalties counts the prompt's tokens for the presence penalty too (a kernel that
+    reuses the repetition penalty's mask): `fd check` fails naming apply_penalties.
+    """
+    import numpy as np
+    import paddle
+
+    if "apply_penalties" not in _seen:
+        _note("apply_penalties")
+    x = logits.numpy().astype(np.float32)
+    counts = output_counts.numpy()
+    present = counts > 0
+    seen = prompt_mask.numpy() | present
+    if os.environ.get("FD_EXAMPLE_KERNELS_BREAK") == "apply_penalties":
+        present = seen
+    r = repetition.numpy()[:, None].astype(np.float32)
+    x = np.where(seen, np.where(x > 0, x / r, x * r), x)
+    x -= frequency.numpy()[:, None].astype(np.float32) * counts + presence.numpy()[:, None].astype(np.float32) * present
+    return paddle.to_tensor(x.astype(np.float32))
+
+
 @hookimpl
 def fd_register_kernels(register: Callable[..., None]) -> None:
     register("rms_norm", rms_norm)
@@ -74,6 +99,7 @@ def fd_register_kernels(register: Callable[..., None]) -> None:
     register("matmul", _traced("matmul", weights.matmul), prepare=weights.prepare_matmul)
     register("quant_matmul", _traced("quant_matmul", weights.quant_matmul), prepare=weights.prepare_quant)
     register("moe_experts", _traced("moe_experts", moe.moe_experts))
+    register("apply_penalties", apply_penalties)
 
 
 def _traced(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
