@@ -102,3 +102,19 @@ def test_a_required_or_named_choice_only_lets_calls_of_the_offered_tools_through
             else:
                 assert arguments == {}
     assert check_tools([WEATHER], "auto", CHAT_TEMPLATE).grammar() is None
+
+
+def test_a_stream_shows_the_content_before_the_calls_and_parses_them_at_the_end() -> None:
+    from fd_core.runtime.text.tools import ToolStream
+
+    tools = check_tools([WEATHER], "auto", CHAT_TEMPLATE)
+    text = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    for size in (1, 3, 7, len(text)):
+        stream = ToolStream(tools)
+        shown = "".join(stream.feed(text[i : i + size]) for i in range(0, len(text), size))
+        rest, calls = stream.finish()
+        assert shown == "Sure." and rest is None, (size, shown, rest)
+        assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}]
+    plain = ToolStream(tools)
+    assert plain.feed("a <tool") == "a " and plain.feed("s and more") == "<tools and more"
+    assert plain.feed("x <") == "x " and plain.finish() == ("<", [])

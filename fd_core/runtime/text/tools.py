@@ -146,3 +146,38 @@ def check_tools(tools: Any, choice: Any, template: str | None) -> Tools:
         raise ToolError("this checkpoint's chat template defines no tool calls fd can parse (it must render `tools` "
                         f"and write calls as {OPEN} JSON {CLOSE}); drop tools, or send tool_choice \"none\"")
     return Tools(tuple(dict(t) for t in tools), str(choice))
+
+
+class ToolStream:
+    """Streamed text with tool calls taken out: feed() returns the content that can be shown now (text before the
+    first <tool_call>, less any tail that may begin one); finish() parses the rest into content and calls."""
+
+    def __init__(self, tools: Tools) -> None:
+        self.tools = tools
+        self.held = ""  # from the first possible <tool_call> on
+        self.calling = False
+
+    def feed(self, text: str) -> str:
+        if not text:
+            return ""
+        if self.calling:
+            self.held += text
+            return ""
+        text = self.held + text
+        at = text.find(OPEN)
+        if at >= 0:
+            self.calling, self.held = True, text[at:]
+            return text[:at]
+        # A tail that could be the start of <tool_call> waits for the next piece.
+        keep = next((n for n in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-n:])), 0)
+        self.held = text[len(text) - keep:] if keep else ""
+        return text[: len(text) - keep]
+
+    def finish(self) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content still to show, None when none; the calls), once the text has ended."""
+        if not self.calling:
+            rest, self.held = self.held, ""
+            return rest or None, []
+        content, calls = self.tools.parse(self.held)
+        self.held = ""
+        return content, calls
