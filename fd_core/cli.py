@@ -418,7 +418,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the ranks start after this process has tokenized
     options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("FD_API_KEY") or None,
                            max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
-                           image_roots=tuple(Path(p) for p in args.image_root or ()))
+                           image_roots=tuple(Path(p) for p in args.image_root or ()),
+                           max_request_bytes=args.max_request_bytes, max_images=args.max_images)
     return serve(options, checkpoint=args.checkpoint, model=args.model, name=args.name, tp=args.tp, dtype=args.dtype,
                  graph=args.graph, seed=args.seed, max_batch=args.max_batch, rank_timeout=args.rank_timeout,
                  stall_timeout=args.stall_timeout, memory_fraction=args.memory_fraction, threads=args.threads,
@@ -791,6 +792,11 @@ def build_parser(
     p.add_argument("--image-root", action="append", default=None, metavar="DIR",
                    help="a directory whose files chat requests may name as pictures "
                         "(repeatable; default: none, data URLs only)")
+    p.add_argument("--max-request-bytes", type=_positive, default=16 << 20, metavar="N",
+                   help="largest request body taken; a larger one gets 413 before it is parsed "
+                        "(default: 16777216, 16 MiB)")
+    p.add_argument("--max-images", type=_non_negative, default=16, metavar="N",
+                   help="most pictures one chat request may hold; more get 400 before any is read (default: 16)")
     p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
                    help="compute dtype (default: the platform's preferred one, the first it lists; see fd plugins)")
     p.add_argument("--quantization", default=None, choices=tuple(SCHEMES), help=quantization_help)

@@ -72,6 +72,11 @@ class LLM:
 
     # -- what it is ----------------------------------------------------------------------
     @property
+    def multimodal(self) -> bool:
+        """Whether the model takes pictures (a vision-language architecture)."""
+        return self._plan.architecture(self._plugins).multimodal
+
+    @property
     def platform(self) -> str:
         """The platform the ranks run on."""
         return str(self._info["platform"])

@@ -4,8 +4,11 @@ checked against the model, the checkpoint's sampling defaults and end-of-sequenc
 
 from __future__ import annotations
 
+import functools
+import threading
+import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from fd_core.errors import CheckpointError, ConfigError, FdError, in_terms, package_failure, setting
 from fd_core.runtime.engine.sampling import SamplingParams
@@ -60,10 +63,11 @@ def tokenizer_for(checkpoint: "Checkpoint | None", arch_name: str) -> Tokenizer:
 
 def render_messages(
     tokenizer: Tokenizer, checkpoint: "Checkpoint", messages: Sequence[Mapping[str, Any]], instead: str,
-    tools: Sequence[Mapping[str, Any]] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None, check_text: Callable[[str], None] | None = None,
 ) -> list[int]:
     """The ids of a conversation rendered through the checkpoint's chat template (with a generation prompt and the
-    `tools` offered); `instead` is what to do when the checkpoint has no template."""
+    `tools` offered); `instead` is what to do when the checkpoint has no template. `check_text` sees the rendered text
+    before the tokenizer does (check_text_length: one too long for the context is refused untokenized)."""
     template = checkpoint.chat_template()
     if template is None:
         raise CheckpointError(
@@ -72,14 +76,19 @@ def render_messages(
         )
     rendered = render_chat(template, messages, tokenizer.special_tokens(), source=checkpoint.chat_template_file(),
                            tools=tools)
+    if check_text is not None:
+        check_text(rendered)
     # The template already holds every special token the model expects (as transformers encodes it).
     return tokenizer.encode(rendered, add_special_tokens=False)
 
 
-def chat_prompt(tokenizer: Tokenizer, checkpoint: "Checkpoint", text: str, images: int = 0) -> list[int]:
+def chat_prompt(
+    tokenizer: Tokenizer, checkpoint: "Checkpoint", text: str, images: int = 0,
+    check_text: Callable[[str], None] | None = None,
+) -> list[int]:
     """The ids of one user message rendered through the checkpoint's chat template (with a generation prompt)."""
     fix = in_terms("drop --chat to send the prompt as it is", "pass chat=False to send the prompt as it is")
-    return render_messages(tokenizer, checkpoint, [user_message(text, images)], fix)
+    return render_messages(tokenizer, checkpoint, [user_message(text, images)], fix, check_text=check_text)
 
 
 def messages_prompt(
@@ -97,8 +106,13 @@ def messages_prompt(
             raise ConfigError(
                 f"message {index + 1} must be a mapping with a 'role' string and a 'content', got {message!r:.80}"
             )
-    ids = render_messages(checkpoint.tokenizer(), checkpoint, messages, "send the prompt as text or token ids instead",
-                          tools)
+    tokenizer = checkpoint.tokenizer()
+
+    def fits(text: str) -> None:
+        check_text_length(text, tokenizer, "the conversation with its chat template", arch, config)
+
+    ids = render_messages(tokenizer, checkpoint, messages, "send the prompt as text or token ids instead", tools,
+                          check_text=fits)
     if images and arch.image_tokens is not None:
         pictures = [check_picture(p, f"images[{index}]") for index, p in enumerate(images)]
         shapes = [(int(p.shape[0]), int(p.shape[1]), int(p.shape[2])) for p in pictures]
@@ -116,6 +130,90 @@ def _check_utf8(text: str, which: str) -> None:
         raise ConfigError(
             f"{which} is not valid UTF-8 text ({what} at character {exc.start}); pass the text encoded as UTF-8"
         ) from None
+
+
+# The tokens of a text cover its bytes, and no token covers more than its tokenizer's longest token: a text longer
+# than the context times that many bytes cannot fit, whatever its tokenization, and is refused before the tokenizer
+# sees it (tokenizing megabytes takes seconds, holding the GIL, and gigabytes). Per tokenizer, computed once: (the
+# vocabulary size it was computed for, its longest token in bytes, whether it normalizes text).
+_TEXT_BOUNDS: "weakref.WeakKeyDictionary[Tokenizer, tuple[int, int, bool]]" = weakref.WeakKeyDictionary()
+_TEXT_BOUNDS_LOCK = threading.Lock()
+# Text a tokenizer that keeps every byte of its input gives back unchanged (byte-level BPE does). One that changes
+# any of these normalizes: SentencePiece's nmt_nfkc drops control and zero-width characters and collapses whitespace,
+# NFC and NFKC compose characters, StripAccents drops combining marks.
+NORMALIZATION_PROBES = ("a  b\n\n\tc", "x\x01\x7fy", "p\u200bq\ufeffr", "e\u0301", "\u1100\u1161\u11a8", "\ufb01",
+                        "s\u3000t")
+# What a normalizing tokenizer may drop is not counted for it: only letters, digits and underscores (what \w matches)
+# are. The ASCII bytes that are none of these:
+ASCII_NON_WORD = bytes(b for b in range(128) if not (chr(b).isalnum() or b == ord("_")))
+# Canonical composition turns at most 3 bytes of input into 1 of text (Hangul jamo: 3 characters of 3 bytes into one
+# syllable of 3): a normalizing tokenizer's token may cover 3 times its own bytes.
+COMPOSITION = 3
+
+
+def text_bound(tokenizer: Tokenizer, vocab_size: int) -> tuple[int, bool]:
+    """(the longest token of ids 0..vocab_size - 1 in bytes, through Tokenizer.token_bytes; whether the tokenizer
+    normalizes text), computed once per tokenizer. Ids the model does not have are left out: a prompt holding one is
+    refused anyway (outside the vocabulary)."""
+    with _TEXT_BOUNDS_LOCK:
+        known = _TEXT_BOUNDS.get(tokenizer)
+        if known is None or known[0] != vocab_size:
+            longest = max((len(tokenizer.token_bytes(i) or b"") for i in range(vocab_size)), default=0)
+            normalizes = any(
+                tokenizer.decode(tokenizer.encode(p, add_special_tokens=False), skip_special_tokens=False) != p
+                for p in NORMALIZATION_PROBES
+            )
+            known = _TEXT_BOUNDS[tokenizer] = (vocab_size, longest, normalizes)
+    return known[1], known[2]
+
+
+@functools.cache
+def _word_characters() -> Any:
+    """For every code point, whether it is a letter, a digit or an underscore (a numpy bool array, built once)."""
+    import numpy as np
+
+    table = np.fromiter((chr(c).isalnum() for c in range(0x110000)), dtype=bool, count=0x110000)
+    table[ord("_")] = True
+    return table
+
+
+def word_bytes(text: str) -> int:
+    """The UTF-8 bytes of the letters, digits and underscores of `text`, in C's time rather than a regex's (16 MB in
+    a few hundredths of a second, a third of a second if it is not ASCII)."""
+    if text.isascii():
+        return len(text.encode("ascii").translate(None, ASCII_NON_WORD))
+    import numpy as np
+
+    codes = np.frombuffer(text.encode("utf-32-le", errors="surrogatepass"), dtype="<u4")
+    kept = codes[_word_characters()[codes]]
+    # A code point's UTF-8 length: 1 byte, one more from U+0080, U+0800 and U+10000 on.
+    return int(kept.size + sum(np.count_nonzero(kept >= bound) for bound in (0x80, 0x800, 0x10000)))
+
+
+def check_text_length(text: str, tokenizer: Tokenizer, which: str, arch: "Architecture", config: "ModelConfig") -> None:
+    """Refuse, without tokenizing it, a text that cannot fit the model's context whatever its tokenization: more
+    bytes than the context times the tokenizer's longest token (for a tokenizer that normalizes text, its letters and
+    digits alone against 3 times that). A text within the bound is left to check_prompts, once tokenized."""
+    longest, normalizes = text_bound(tokenizer, config.vocab_size)
+    context = config.max_position_embeddings
+    per_token = longest * (COMPOSITION if normalizes else 1)
+    if per_token <= 0 or len(text) * 4 <= context * per_token:  # a character is at most 4 bytes of UTF-8
+        return
+    size = len(text.encode("utf-8", errors="surrogatepass"))
+    if size > context * per_token and normalizes:
+        size = word_bytes(text)
+    if size <= context * per_token:
+        return
+    least = -(-size // per_token)
+    if normalizes:
+        what = (f"holds {size} bytes of letters and digits: at least {least} tokens at {per_token} bytes a token "
+                f"({COMPOSITION} times its tokenizer's longest token, as the tokenizer normalizes text)")
+    else:
+        what = f"is {size} bytes: at least {least} tokens at {per_token} bytes a token (its tokenizer's longest)"
+    raise ConfigError(
+        f"{which} {what}, more than the model's context of {context} (max_position_embeddings of {arch.name}); "
+        f"shorten the prompt"
+    )
 
 
 def image_token_counts(
@@ -143,10 +241,22 @@ def text_prompts(
     texts: Sequence[str], tokenizer: Tokenizer, checkpoint: "Checkpoint", chat: bool, arch: "Architecture",
     config: "ModelConfig", image_shapes: Sequence[tuple[int, int, int]] = (),
 ) -> list[list[int]]:
-    """Token ids of each text prompt; each image placeholder expanded to its picture's number of tokens."""
-    for index, text in enumerate(texts):
-        _check_utf8(text, f"prompt {index + 1}" if len(texts) > 1 else "the prompt")
-    prompts = [chat_prompt(tokenizer, checkpoint, t, len(image_shapes)) if chat else tokenizer.encode(t) for t in texts]
+    """Token ids of each text prompt; each image placeholder expanded to its picture's number of tokens. A text too
+    long for the context whatever its tokenization is refused before the tokenizer sees it (check_text_length)."""
+    labels = [f"prompt {index + 1}" if len(texts) > 1 else "the prompt" for index in range(len(texts))]
+    for text, which in zip(texts, labels, strict=True):
+        _check_utf8(text, which)
+        if not chat:  # every prompt checked before any is tokenized
+            check_text_length(text, tokenizer, which, arch, config)
+    prompts = []
+    for text, which in zip(texts, labels, strict=True):
+        if chat:
+            def fits(rendered: str, which: str = which) -> None:
+                check_text_length(rendered, tokenizer, f"{which} with its chat template", arch, config)
+
+            prompts.append(chat_prompt(tokenizer, checkpoint, text, len(image_shapes), check_text=fits))
+        else:
+            prompts.append(tokenizer.encode(text))
     if image_shapes and arch.image_tokens is not None:
         token_id = int(config.extra["image_token_id"])
         counts = image_token_counts(arch, config, image_shapes)

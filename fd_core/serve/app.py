@@ -48,6 +48,13 @@ if TYPE_CHECKING:
 
 RETRY_AFTER_S = 1  # what a client told "queue full" waits before it tries again
 RETRY_AFTER_LOADING_S = 5  # what a client told "the model is loading" waits: loading takes seconds to minutes
+# --max-request-bytes' default: the longest contexts' text (a million tokens is a few MB) and a few pictures as data
+# URLs (base64, 4/3 of the file) fit with room to spare; a larger picture goes as a file under --image-root. The body
+# is held whole and parsed into Python strings on the event loop, so the bound is also on that time and memory.
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+# --max-images' default: pictures one chat request may hold. Each is decoded whole before the model's processor
+# resizes it (a 2000x2000 one is 48 MB as float32, a tenth to a quarter of a second to decode).
+DEFAULT_MAX_IMAGES = 16
 
 
 class Submission(Protocol):
@@ -66,10 +73,13 @@ class Submission(Protocol):
 
 
 class Submitter(Protocol):
-    """What the server needs of an LLM: thread-safe submit() that checks a request at once, the queue's length, and
-    the checkpoint's tokenizer (which shows logprobs' tokens)."""
+    """What the server needs of an LLM: thread-safe submit() that checks a request at once, the queue's length, the
+    checkpoint's tokenizer (which shows logprobs' tokens), and whether the model takes pictures."""
 
     tokenizer: "Tokenizer | None"
+
+    @property
+    def multimodal(self) -> bool: ...
 
     def submit_choices(
         self, prompt: Any, sampling: "SamplingParams | None" = None, *, chat: bool = False, images: Sequence[Any] = ()
@@ -104,6 +114,7 @@ class Loading:
     tokenizer: "Tokenizer | None" = None
     error: BaseException | None = None
     kv_cache: Mapping[str, int] = {}
+    multimodal = False
 
     def submit_choices(
         self, prompt: Any, sampling: "SamplingParams | None" = None, *, chat: bool = False, images: Sequence[Any] = ()
@@ -130,12 +141,14 @@ class Server:
     """The routes and the state they share: admitted requests, the engine's submissions, draining, failure."""
 
     def __init__(self, engine: Submitter | None, *, name: str, max_queue: int = 64,
-                 api_key: str | None = None, image_roots: Sequence[Path] = ()) -> None:
+                 api_key: str | None = None, image_roots: Sequence[Path] = (),
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_images: int = DEFAULT_MAX_IMAGES) -> None:
         """`engine` None: the model is still loading (the API answers 503 until attach() hands it over)."""
         self.engine: Submitter = Loading() if engine is None else engine
         self.loading = engine is None
         self.name = name
         self.max_queue, self.api_key, self.image_roots = max_queue, api_key, tuple(r.resolve() for r in image_roots)
+        self.max_request_bytes, self.max_images = max_request_bytes, max_images
         self.admitted = 0  # requests' prompts admitted and not yet answered (touched on the event loop only)
         self.active: set[Generation] = set()
         self.draining: str | None = None  # why new requests are refused (shutting down, a rank failed)
@@ -155,6 +168,8 @@ class Server:
     def build(self) -> FastAPI:
         app = FastAPI(title="fd serve", docs_url=None, redoc_url=None, openapi_url=None)
 
+        # The last added runs first: the key and the loading state are checked before the body is read, then its size.
+        app.add_middleware(BodyLimit, server=self)
         app.add_middleware(ApiGate, server=self)
 
         @app.exception_handler(ApiError)
@@ -221,8 +236,12 @@ class Server:
             self.check_model(body.model)
             body.refuse_unsupported()
             sampling = body.sampling(body.limit())
-            prompt, as_chat, images = self.conversation(body)
-            return await self.respond(request, "/v1/chat/completions", [(prompt, as_chat, images)], sampling,
+            turns, urls = self.conversation(body)
+            self.check_pictures(len(urls))
+            # In a worker thread, as the submission is: a picture takes a tenth of a second or more to decode, which
+            # on the event loop every other request would wait for.
+            images = await asyncio.to_thread(self.pictures, urls) if urls else ()
+            return await self.respond(request, "/v1/chat/completions", [(turns, False, images)], sampling,
                                       body.stream, body.include_usage, chat=True)
 
         return app
@@ -241,9 +260,9 @@ class Server:
                            kind="not_found_error", param="model", code="model_not_found")
 
     # -- prompts ----------------------------------------------------------------------------
-    def conversation(self, body: ChatRequest) -> tuple[Any, bool, tuple[Any, ...]]:
-        """(the messages as the engine renders them through the checkpoint's chat template, False, the pictures in
-        order).
+    def conversation(self, body: ChatRequest) -> tuple[list[dict[str, Any]], list[str]]:
+        """(the messages as the engine renders them through the checkpoint's chat template, the pictures' URLs in
+        order); no picture is read here.
 
         A message with pictures has a list content (an image part per picture where it stood, then its text), as VL
         templates expect; one without keeps a string, which every template takes."""
@@ -254,8 +273,21 @@ class Server:
             urls += found
             content: Any = text if not found else [*({"type": "image"} for _ in found), {"type": "text", "text": text}]
             turns.append({"role": message.role, "content": content})
-        pictures = tuple(read_image(u, self.image_roots) for u in urls)
-        return turns, False, pictures
+        return turns, urls
+
+    def check_pictures(self, count: int) -> None:
+        """A request's pictures refused before any is read: by a model that takes none, or more than --max-images."""
+        if count and not self.engine.multimodal:
+            raise ApiError(400, f"the model {self.name!r} takes no image (its architecture reads text only); drop the "
+                                f"image_url parts, or serve a vision-language model", param="messages")
+        if count > self.max_images:
+            raise ApiError(400, f"the request has {count} pictures and --max-images {self.max_images} admits at most "
+                                f"{self.max_images} per request; send fewer, or start fd serve with a larger "
+                                f"--max-images", param="messages")
+
+    def pictures(self, urls: Sequence[str]) -> tuple[Any, ...]:
+        """The pictures decoded, in order (each checked from its header first: format, size)."""
+        return tuple(read_image(u, self.image_roots) for u in urls)
 
     # -- generating -------------------------------------------------------------------------
     def admit(self, count: int) -> None:
@@ -564,6 +596,62 @@ class ApiGate:
         return None
 
 
+class BodyLimit:
+    """Request bodies of at most --max-request-bytes, refused with 413 before the JSON is parsed: one whose
+    Content-Length is above the limit before a byte of it is read; any other counted as it arrives and refused once it
+    passes the limit. The body is read here, then handed on to the route as it came. Plain ASGI, as ApiGate."""
+
+    def __init__(self, app: Any, server: Server) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.server.max_request_bytes
+        declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            await self.refuse(scope, receive, send, int(declared))
+            return
+        messages: list[Any] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away before its body was whole: nobody to answer
+                return
+            messages.append(message)
+            size += len(message.get("body", b""))
+            if size > limit:
+                await self.refuse(scope, receive, send, None)
+                return
+            if not message.get("more_body", False):
+                break
+        pending = iter(messages)
+
+        async def replay() -> Any:
+            # The body's messages as they came, then the connection's own (a disconnect, for a route watching).
+            return next(pending, None) or await receive()
+
+        await self.app(scope, replay, send)
+
+    async def refuse(self, scope: Any, receive: Any, send: Any, declared: int | None) -> None:
+        limit = self.server.max_request_bytes
+        size = "" if declared is None else f"{declared} bytes, "
+        error = ApiError(413, f"the request body is {size}more than --max-request-bytes {limit} ({sized(limit)}) "
+                              f"admits; send a smaller request (pictures as files under --image-root rather than data "
+                              f"URLs), or start fd serve with a larger --max-request-bytes", code="request_too_large")
+        response = self.server.answer(Request(scope), error)
+        await response(scope, receive, send)
+
+
+def sized(count: int) -> str:
+    """A byte count as people read it: 16 MiB, 512 KiB, 1000 bytes."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if count >= 1 << shift and count % (1 << shift) == 0:
+            return f"{count >> shift} {unit}"
+    return f"{count} bytes"
+
+
 async def gone(request: Request) -> None:
     """Returns once the client has closed the connection (a request without a stream has no other way to see it)."""
     while not await request.is_disconnected():
@@ -632,6 +720,8 @@ class ServeOptions:
     max_queue: int = 64
     shutdown_timeout: float = 30.0
     image_roots: tuple[Path, ...] = ()
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_images: int = DEFAULT_MAX_IMAGES
 
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as fd's other commands exit

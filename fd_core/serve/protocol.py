@@ -10,6 +10,7 @@ import io
 import secrets
 import time
 import uuid
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Sequence
 
@@ -335,10 +336,24 @@ def read_image(url: str, roots: Sequence[Path]) -> Any:
         if kind not in ("PNG", "JPEG"):
             raise ApiError(400, f"the image data URL is {described(kind)}; only PNG or JPEG are accepted: convert it "
                                 f"to PNG", param="messages")
+
+        def too_large(size: str) -> ApiError:
+            return ApiError(400, f"the image data URL is {size}above the {MAX_IMAGE_PIXELS} pixels fd reads; "
+                                 f"downscale it", param="messages")
+
         try:
-            # Only the PNG and JPEG decoders, whatever the bytes claim.
-            picture = Image.open(io.BytesIO(raw), formats=["PNG", "JPEG"]).convert("RGB")
-        except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+            with warnings.catch_warnings():
+                # Between the bound and twice it PIL only warns; the size is checked just below.
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                # Only the PNG and JPEG decoders, whatever the bytes claim. open() reads the header alone.
+                image = Image.open(io.BytesIO(raw), formats=["PNG", "JPEG"])
+            width, height = image.size
+            if width * height > MAX_IMAGE_PIXELS:  # refused from its header, before a pixel is decoded
+                raise too_large(f"{height}x{width}, ")
+            picture = image.convert("RGB")
+        except Image.DecompressionBombError:  # more than twice the bound: PIL refuses it from the header itself
+            raise too_large("") from None
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
             raise ApiError(
                 400, f"the image data URL is not a PNG or JPEG picture ({exc.__class__.__name__})", param="messages"
             ) from None

@@ -42,7 +42,8 @@ def serve(
     previous = signal.signal(signal.SIGTERM, raise_terminated)
     try:
         http = Http(Server(None, name=served, max_queue=options.max_queue, api_key=options.api_key,
-                           image_roots=options.image_roots), sock, options)
+                           image_roots=options.image_roots, max_request_bytes=options.max_request_bytes,
+                           max_images=options.max_images), sock, options)
         url = http.start()
         log(f"listening on {url}; GET /health answers 503 until the model is loaded")
         if checkpoint is None:

@@ -45,8 +45,9 @@ class Engine:
     error = None
     kv_cache: dict[str, int] = {}
 
-    def __init__(self) -> None:
+    def __init__(self, multimodal: bool = True) -> None:
         self.submitted: list[Any] = []
+        self.multimodal = multimodal
 
     def submit_choices(self, prompt: Any, sampling: Any = None, *, chat: bool = False,
                        images: Sequence[Any] = ()) -> Any:
@@ -132,7 +133,7 @@ def test_integers_are_still_numbers(client: TestClient, engine: Engine) -> None:
 def test_more_prompts_than_the_queue_holds_is_a_400_not_a_retry(client: TestClient, engine: Engine) -> None:
     error = error_of(client.post("/v1/completions", json={"prompt": ["a", "b", "c", "d"], "max_tokens": 2}), 400)
     assert error["param"] == "prompt" and "--max-queue 3" in error["message"]
-    assert "send at most 3 prompts per request" in error["message"]
+    assert "asks for 4 sequences" in error["message"] and "send fewer prompts or a smaller n" in error["message"]
     assert engine.submitted == []
     # As many as it holds are served.
     assert client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2}).status_code == 200

@@ -239,7 +239,7 @@ def test_errors_come_in_the_openai_format_with_one_log_line_each(
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=13)
     assert "this device cannot generate 13 tokens" in refused.value.message and refused.value.code == "request_refused"
-    # A picture reaches the engine, which says this model takes none.
+    # A picture to a text-only model is refused before it is read (--max-images and the pixel bound: test_limits.py).
     picture = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAAAAAA6fptVAAAACklEQVR4nGNgAAAAAgABSK+kcQAAAABJRU5ErkJggg=="
     with pytest.raises(openai.BadRequestError, match="takes no image"):
         client.chat.completions.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": [

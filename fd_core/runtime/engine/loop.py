@@ -139,6 +139,20 @@ def _host_rows(logits: Any, rows: Sequence[int]) -> Any:
     return np.asarray(logits.numpy())
 
 
+def _host_tensor(array: Any) -> Any:
+    """A copy of a numpy array as a tensor of its dtype on Paddle's current device, made without paddle.to_tensor:
+    Paddle 3.3.1's Tensor constructor, which to_tensor calls, never releases the list of its keyword names (about
+    100 bytes lost per tensor, issue 38; fd_models.layers.decoder.host_tensor does the same for the model's inputs).
+    """
+    import numpy as np
+    import paddle
+
+    host = np.asarray(array, order="C")
+    tensor = paddle.empty(list(host.shape), dtype=host.dtype)
+    tensor.set_value(host)
+    return tensor
+
+
 @dataclass
 class _Seq:
     """One sequence: its ids so far (prompt, then what it generated), the blocks holding them, how many are
@@ -656,12 +670,12 @@ class Engine:
         asking = [n for n, seq in enumerate(seqs) if seq.job.sampling.processed]
         if not asking:
             return []
-        import paddle
-
         penalties = self.runner.backend.ops.apply_penalties
 
         def penalize(*arrays: Any) -> Any:
-            return penalties(*(paddle.to_tensor(a) for a in arrays)).numpy()
+            # The int32 counts as int64, as paddle.to_tensor (which widens int32) always gave the op.
+            return penalties(*(_host_tensor(a.astype("int64") if a.dtype == "int32" else a)
+                               for a in arrays)).numpy()
 
         chosen = [seqs[n] for n in asking]
         rows = process_logits(_host_rows(logits, [at[n] for n in asking]), [s.job.sampling for s in chosen],
@@ -670,7 +684,7 @@ class Engine:
         for i, seq in enumerate(chosen):
             if seq.job.sampling.grammar is not None:
                 rows[i] = self._constraint(seq, rows.shape[1]).mask(rows[i])
-        return [(n, paddle.to_tensor(rows[i : i + 1])) for i, n in enumerate(asking)]
+        return [(n, _host_tensor(rows[i : i + 1])) for i, n in enumerate(asking)]
 
     def _constraint(self, seq: _Seq, vocab: int) -> "Constraint":
         """Its grammar's constraint, made at its first token from the engine's Grammars (built once: it reads every
