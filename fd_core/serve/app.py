@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 
 from fd_core.errors import CheckpointError, ConfigError, FdError, RankError, RequestRefused
 from fd_core.runtime.engine.scheduler import SchedulerClosed
+from fd_core.runtime.text.tools import Tools, ToolStream
 from fd_core.serve.metrics import CONTENT_TYPE, UNMATCHED, Metrics
 from fd_core.serve.protocol import (
     FINISH_REASONS,
@@ -81,8 +82,12 @@ class Submitter(Protocol):
     @property
     def multimodal(self) -> bool: ...
 
+    @property
+    def chat_template(self) -> str | None: ...
+
     def submit_choices(
-        self, prompt: Any, sampling: "SamplingParams | None" = None, *, chat: bool = False, images: Sequence[Any] = ()
+        self, prompt: Any, sampling: "SamplingParams | None" = None, *, chat: bool = False, images: Sequence[Any] = (),
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> Sequence[Submission]: ...
 
     def queued(self) -> int: ...
@@ -115,9 +120,11 @@ class Loading:
     error: BaseException | None = None
     kv_cache: Mapping[str, int] = {}
     multimodal = False
+    chat_template: str | None = None
 
     def submit_choices(
-        self, prompt: Any, sampling: "SamplingParams | None" = None, *, chat: bool = False, images: Sequence[Any] = ()
+        self, prompt: Any, sampling: "SamplingParams | None" = None, *, chat: bool = False, images: Sequence[Any] = (),
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> Sequence[Submission]:
         raise still_loading()
 
@@ -235,14 +242,15 @@ class Server:
         async def chat(request: Request, body: ChatRequest) -> Response:
             self.check_model(body.model)
             body.refuse_unsupported()
-            sampling = body.sampling(body.limit())
+            tools = body.tool_set(self.engine.chat_template)
+            sampling = body.sampling(body.limit(), tools)
             turns, urls = self.conversation(body)
             self.check_pictures(len(urls))
             # In a worker thread, as the submission is: a picture takes a tenth of a second or more to decode, which
             # on the event loop every other request would wait for.
             images = await asyncio.to_thread(self.pictures, urls) if urls else ()
             return await self.respond(request, "/v1/chat/completions", [(turns, False, images)], sampling,
-                                      body.stream, body.include_usage, chat=True)
+                                      body.stream, body.include_usage, chat=True, tools=tools)
 
         return app
 
@@ -272,7 +280,13 @@ class Server:
             text, found = message_parts(message, index)
             urls += found
             content: Any = text if not found else [*({"type": "image"} for _ in found), {"type": "text", "text": text}]
-            turns.append({"role": message.role, "content": content})
+            turn = {"role": message.role, "content": content}
+            calls = message.template_calls()
+            if calls:
+                turn["tool_calls"] = calls
+            if message.tool_call_id is not None:
+                turn["tool_call_id"] = message.tool_call_id
+            turns.append(turn)
         return turns, urls
 
     def check_pictures(self, count: int) -> None:
@@ -311,7 +325,8 @@ class Server:
         self.admitted += count
 
     async def submit(
-        self, items: Sequence[tuple[Any, bool, tuple[Any, ...]]], sampling: "SamplingParams"
+        self, items: Sequence[tuple[Any, bool, tuple[Any, ...]]], sampling: "SamplingParams",
+        tools: "Tools | None" = None,
     ) -> list[Generation]:
         """Every prompt submitted (checked at once by the engine); one refused withdraws the others."""
         generations: list[Generation] = []
@@ -320,7 +335,7 @@ class Server:
                 # In a worker thread: the template, the tokenizer and the plugins' gates must not stall the other
                 # streams.
                 choices = await asyncio.to_thread(self.engine.submit_choices, prompt, sampling, chat=chat,
-                                                  images=images)
+                                                  images=images, tools=None if tools is None else tools.for_template())
                 # OpenAI's choice index: prompt by prompt, n choices each.
                 generations += [Generation(index * sampling.n + j, s, index) for j, s in enumerate(choices)]
         except RequestRefused as exc:
@@ -405,18 +420,19 @@ class Server:
         return ApiError(500, f"internal error ({type(exc).__name__}: {exc})".replace("\n", " "), kind="server_error")
 
     async def respond(self, request: Request, endpoint: str, items: Sequence[tuple[Any, bool, tuple[Any, ...]]],
-                      sampling: "SamplingParams", stream: bool, include_usage: bool, chat: bool) -> Response:
+                      sampling: "SamplingParams", stream: bool, include_usage: bool, chat: bool,
+                      tools: "Tools | None" = None) -> Response:
         count = len(items) * sampling.n  # every choice is a sequence of its own in the queue
         self.admit(count)
         try:
-            generations = await self.submit(items, sampling)
+            generations = await self.submit(items, sampling, tools)
         except BaseException:
             self.admitted -= count
             raise
         ident, created = new_id("chatcmpl" if chat else "cmpl"), now()
         if stream:
             body = self.sse(request, endpoint, generations, ident, created, chat, include_usage, count,
-                            sampling.logprobs is not None)
+                            sampling.logprobs is not None, tools)
             return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         collect = asyncio.ensure_future(self.collect(generations))
         watch = asyncio.ensure_future(gone(request))
@@ -439,7 +455,7 @@ class Server:
         if error is not None:
             raise self.engine_error(error) from None
         self.metrics.request(endpoint, 200)
-        return JSONResponse(self.whole(generations, ident, created, chat, sampling.logprobs is not None))
+        return JSONResponse(self.whole(generations, ident, created, chat, sampling.logprobs is not None, tools))
 
     async def collect(self, generations: Sequence[Generation]) -> None:
         """Every generation run to its end (their completions kept on them)."""
@@ -457,7 +473,8 @@ class Server:
         return self.tokens.completion(logprobs, offsets or TextOffsets(self.tokens))
 
     def whole(
-        self, generations: Sequence[Generation], ident: str, created: int, chat: bool, logprobs: bool = False
+        self, generations: Sequence[Generation], ident: str, created: int, chat: bool, logprobs: bool = False,
+        tools: "Tools | None" = None,
     ) -> dict[str, Any]:
         choices: list[dict[str, Any]] = []
         prompt_tokens = completion_tokens = 0
@@ -472,19 +489,28 @@ class Server:
             reason = FINISH_REASONS.get(c.finish_reason, c.finish_reason)
             shown = self.logprobs(chat, c.logprobs if logprobs else None)
             if chat:
-                choices.append({"index": g.index, "message": {"role": "assistant", "content": c.text or ""},
-                                "logprobs": shown, "finish_reason": reason})
+                message: dict[str, Any] = {"role": "assistant", "content": c.text or ""}
+                if tools is not None:
+                    content, calls = tools.parse(c.text or "")
+                    message["content"] = content
+                    if calls:  # OpenAI's answer when the model called tools (and was not cut by max_tokens)
+                        message["tool_calls"] = calls
+                        reason = "tool_calls" if reason == "stop" else reason
+                choices.append({"index": g.index, "message": message, "logprobs": shown, "finish_reason": reason})
             else:
                 choices.append({"index": g.index, "text": c.text or "", "logprobs": shown, "finish_reason": reason})
         return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": self.name, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
     async def sse(self, request: Request, endpoint: str, generations: Sequence[Generation], ident: str, created: int,
-                  chat: bool, include_usage: bool, count: int, logprobs: bool = False) -> AsyncIterator[str]:
+                  chat: bool, include_usage: bool, count: int, logprobs: bool = False,
+                  tools: "Tools | None" = None) -> AsyncIterator[str]:
         """Server-sent events in the OpenAI chunk format, ending with `data: [DONE]`; a client that goes away cancels
-        its generations. Asked for, each chunk carries the logprobs of the tokens it brings."""
+        its generations. Asked for, each chunk carries the logprobs of the tokens it brings. With tools, the text from
+        a <tool_call> on is held back and sent at the end as the choice's tool_calls."""
         kind = "chat.completion.chunk" if chat else "text_completion"
         offsets = {g.index: TextOffsets(self.tokens) for g in generations}  # each choice's text offsets go on
+        held = {g.index: ToolStream(tools) for g in generations} if tools is not None else {}
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
             data = {"id": ident, "object": kind, "created": created, "model": self.name, "choices": choices, **extra}
@@ -506,14 +532,25 @@ class Server:
                 yield chunk([choice(g.index, None, None, first=True) for g in generations])
             try:
                 async for generation, piece in self.events(generations):
+                    stream = held.get(generation.index)
                     if piece is not None:
-                        yield chunk([choice(generation.index, piece.text, None, piece=piece)])
-                    else:
-                        c = generation.completion
-                        assert c is not None
-                        yield chunk(
-                            [choice(generation.index, None, FINISH_REASONS.get(c.finish_reason, c.finish_reason))]
-                        )
+                        text = piece.text if stream is None else stream.feed(piece.text)
+                        if text or stream is None or logprobs:
+                            yield chunk([choice(generation.index, text, None, piece=piece)])
+                        continue
+                    c = generation.completion
+                    assert c is not None
+                    reason = FINISH_REASONS.get(c.finish_reason, c.finish_reason)
+                    if stream is not None:
+                        content, calls = stream.finish()
+                        if content:
+                            yield chunk([choice(generation.index, content, None)])
+                        if calls:
+                            reason = "tool_calls" if reason == "stop" else reason
+                            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+                            yield chunk([{"index": generation.index, "delta": delta, "logprobs": None,
+                                          "finish_reason": None}])
+                    yield chunk([choice(generation.index, None, reason)])
             except (asyncio.CancelledError, GeneratorExit):
                 raise
             # The headers are sent: the error travels as an event, as OpenAI's does.

@@ -7,12 +7,13 @@ import base64
 import binascii
 import codecs
 import io
+import json
 import secrets
 import time
 import uuid
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,6 +22,7 @@ from fd_core.runtime.engine.sampling import MAX_LOGPROBS, SamplingParams, TokenL
 
 if TYPE_CHECKING:
     from fd_core.runtime.text.tokenizer import Tokenizer
+    from fd_core.runtime.text.tools import Tools
 
 # fd's Completion.finish_reason -> the OpenAI API's.
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -91,10 +93,11 @@ class Sampling(BaseModel):
     min_tokens: int | None = None
     guided_regex: str | None = None
     response_format: dict[str, Any] | None = None
-    # Fields of OpenAI's APIs fd does not serve: refused by refuse_unsupported when they ask for something, never
-    # silently ignored (docs/serving.md has the table of every field).
+    # Tool calling: served on chat completions (ChatRequest.tool_set), refused on completions.
     tools: list[Any] | None = None
     tool_choice: Any = None
+    # Fields of OpenAI's APIs fd does not serve: refused by refuse_unsupported when they ask for something, never
+    # silently ignored (docs/serving.md has the table of every field).
     functions: list[Any] | None = None
     function_call: Any = None
     modalities: list[str] | None = None
@@ -102,15 +105,18 @@ class Sampling(BaseModel):
     prediction: Any = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
+    TAKES_TOOLS: ClassVar[bool] = False
+
     def refuse_unsupported(self) -> None:
         """What fd does not do is refused, never silently ignored."""
-        tools = "fd serve does not call tools; drop the tool fields"
+        legacy = "the legacy function-calling fields are not served; send tools and tool_choice to chat completions"
+        tools = "tools are served on /v1/chat/completions only (a completion has no chat template to offer them)"
         text = "fd serve answers in text only; drop the field"
         for name, asked, why in (
-            ("tools", bool(self.tools), tools),
-            ("functions", bool(self.functions), tools),
-            ("tool_choice", self.tool_choice not in (None, "none"), tools),
-            ("function_call", self.function_call not in (None, "none"), tools),
+            ("tools", bool(self.tools) and not self.TAKES_TOOLS, tools),
+            ("tool_choice", self.tool_choice not in (None, "none") and not self.TAKES_TOOLS, tools),
+            ("functions", bool(self.functions), legacy),
+            ("function_call", self.function_call not in (None, "none"), legacy),
             ("audio", self.audio is not None, text),
             ("modalities", self.modalities not in (None, ["text"]), text),
         ):
@@ -133,8 +139,9 @@ class Sampling(BaseModel):
         """How many alternatives each generated token's logprobs list (None: no logprobs asked)."""
         raise NotImplementedError
 
-    def sampling(self, max_tokens: int | None) -> SamplingParams:
-        """fd's SamplingParams; unset fields take fd's defaults (greedy unless a temperature is given)."""
+    def sampling(self, max_tokens: int | None, tools: "Tools | None" = None) -> SamplingParams:
+        """fd's SamplingParams; unset fields take fd's defaults (greedy unless a temperature is given). `tools`: the
+        request's checked tools, whose tool choice may constrain the output."""
         logprobs = self.logprob_count()
         try:
             return SamplingParams(
@@ -146,7 +153,7 @@ class Sampling(BaseModel):
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 logit_bias=self.bias(), min_p=self.min_p or 0.0, min_tokens=self.min_tokens or 0,
-                grammar=self.grammar(),
+                grammar=self.grammar(tools),
             )
         except ConfigError as exc:
             message = str(exc)
@@ -162,9 +169,17 @@ class Sampling(BaseModel):
             out[int(key)] = value
         return out
 
-    def grammar(self) -> str | None:
-        """The grammar response_format or guided_regex asks for (None: free text)."""
-        if self.guided_regex is None and (self.response_format or {}).get("type", "text") == "text":
+    def grammar(self, tools: "Tools | None" = None) -> str | None:
+        """The grammar response_format, guided_regex or a required or named tool choice asks for (None: free text)."""
+        forced = None if tools is None else tools.grammar()
+        free = self.guided_regex is None and (self.response_format or {}).get("type", "text") == "text"
+        if forced is not None:
+            if not free:
+                raise ApiError(400, "tool_choice \"required\" or a named function constrains the output to tool calls, "
+                                    "which response_format or guided_regex would constrain again; send one of them",
+                               param="tool_choice")
+            return forced
+        if free:
             return None
         from fd_core.runtime.text.grammar import REGEX_FIELD, GrammarError, constraint_spec
 
@@ -231,13 +246,52 @@ class ContentPart(BaseModel):
     image_url: dict[str, Any] | None = None
 
 
+class ToolCallFunction(BaseModel):
+    """The function of an assistant's earlier tool call: its name and its arguments as a JSON string."""
+
+    model_config = STRICT
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """An assistant turn's earlier tool call, sent back as OpenAI returned it."""
+
+    model_config = STRICT
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class Message(BaseModel):
-    """One turn of a conversation."""
+    """One turn of a conversation: an assistant turn may carry the tool calls it made, a tool turn the id of the
+    call it answers."""
 
     model_config = STRICT
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def template_calls(self) -> list[dict[str, Any]] | None:
+        """The turn's tool calls as chat templates read them: arguments as a mapping where they are a JSON object
+        (templates write them with `tojson`), else the string as sent."""
+        if not self.tool_calls:
+            return None
+        calls = []
+        for call in self.tool_calls:
+            try:
+                arguments: Any = json.loads(call.function.arguments)
+            except ValueError:
+                arguments = call.function.arguments
+            if not isinstance(arguments, Mapping):
+                arguments = call.function.arguments
+            calls.append({"id": call.id, "type": "function",
+                          "function": {"name": call.function.name, "arguments": arguments}})
+        return calls
 
 
 class ChatRequest(Sampling):
@@ -246,6 +300,25 @@ class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     # Whether each generated token's logprob comes back; top_logprobs (0..20) how many alternatives with it.
     logprobs: bool | None = Field(default=None, strict=True)
+    # False: at most one tool call in the answer.
+    parallel_tool_calls: bool | None = None
+
+    TAKES_TOOLS: ClassVar[bool] = True
+
+    def tool_set(self, template: str | None) -> "Tools | None":
+        """The request's tools and tool choice, checked against the checkpoint's chat template (None: no tools in
+        play, as with none sent or tool_choice "none")."""
+        from fd_core.runtime.text.tools import ToolError, check_tools
+
+        if not self.tools and self.tool_choice in (None, "none"):
+            return None
+        try:
+            tools = check_tools(self.tools, self.tool_choice, template, parallel=self.parallel_tool_calls is not False)
+        except ToolError as exc:
+            message = str(exc)
+            param = "tool_choice" if message.startswith("tool_choice") else "tools"
+            raise ApiError(400, message, param=param) from None
+        return None if tools.choice == "none" else tools
 
     def logprob_count(self) -> int | None:
         if self.top_logprobs is not None:

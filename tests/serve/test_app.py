@@ -44,13 +44,14 @@ class Engine:
     tokenizer = None
     error = None
     kv_cache: dict[str, int] = {}
+    chat_template = None
 
     def __init__(self, multimodal: bool = True) -> None:
         self.submitted: list[Any] = []
         self.multimodal = multimodal
 
     def submit_choices(self, prompt: Any, sampling: Any = None, *, chat: bool = False,
-                       images: Sequence[Any] = ()) -> Any:
+                       images: Sequence[Any] = (), tools: Any = None) -> Any:
         self.submitted.append(sampling)
         return [Answered() for _ in range(sampling.n)]
 

@@ -56,6 +56,7 @@ class Prompts:
     tokenizer = None
     error = None
     kv_cache: dict[str, int] = {}
+    chat_template = None
 
     def __init__(self, multimodal: bool = True) -> None:
         self.multimodal = multimodal
@@ -63,7 +64,7 @@ class Prompts:
         self.images: list[Sequence[Any]] = []
 
     def submit_choices(self, prompt: Any, sampling: Any = None, *, chat: bool = False,
-                       images: Sequence[Any] = ()) -> Any:
+                       images: Sequence[Any] = (), tools: Any = None) -> Any:
         self.prompts.append(prompt)
         self.images.append(images)
         return [Answered() for _ in range(sampling.n)]

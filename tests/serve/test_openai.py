@@ -312,8 +312,13 @@ REFUSED = [
     ("/v1/chat/completions", {"response_format": {"type": "json_schema",
                                                   "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
      "response_format"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+    ("/v1/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
      "tools"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+                              "response_format": {"type": "json_object"}}, "tool_choice"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
@@ -328,7 +333,7 @@ def test_a_field_fd_does_not_serve_is_refused_never_ignored(
 ) -> None:
     """Issue 37: response_format, tools and top_logprobs were silently ignored (200 with text that ignores them).
     Logprobs, n, the penalties, logit_bias and structured output are served: the values they may not take are refused
-    naming the field, as echo is (prompt logprobs are not built), and tools are (no tool calling yet)."""
+    naming the field, as echo is (prompt logprobs are not built); tools are served on chat only."""
     base = {"prompt": "Hi"} if endpoint.endswith("/completions") and "chat" not in endpoint else {
         "messages": [{"role": "user", "content": "Hi"}]}
     error = openai_error(httpx.post(f"{server.url}{endpoint}", json={**base, "max_tokens": 2, **fields}), 400)
@@ -509,3 +514,82 @@ def test_structured_output_parses_and_validates_streamed_or_not(client: openai.O
     pattern = client.completions.create(model="tiny", prompt="Hi", max_tokens=10, temperature=1.0, seed=1,
                                         extra_body={"guided_regex": "(yes|no), [0-9]{2}"})
     assert re.fullmatch("(yes|no), [0-9]{2}", pattern.choices[0].text), pattern.choices[0].text
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer",
+                                                                                         "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def _valid_call(call: Any) -> None:
+    """A call of one of the offered tools, with arguments its schema accepts."""
+    arguments = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert set(arguments) == {"city", "days"} and isinstance(arguments["city"], str), arguments
+        assert len(arguments["city"]) <= 12 and 1 <= arguments["days"] <= 7, arguments
+    else:
+        assert call.function.name == "get_time" and arguments == {"zone": arguments["zone"]}, arguments
+        assert arguments["zone"] in ("UTC", "CET"), arguments
+    assert call.type == "function" and call.id.startswith("call_")
+
+
+def test_tool_calls_come_back_as_the_engine_writes_them_streamed_or_not(client: openai.OpenAI, oracle: Any) -> None:
+    """Issue 37: tools were refused. tool_choice "required" and a named function, through the official client: every
+    call names an offered tool with arguments its schema accepts, finish_reason is "tool_calls", and the calls are
+    the ones the engine writes for the same conversation (fd's Python API, its text parsed independently here)."""
+    from fd_core.runtime.text.tools import check_tools
+
+    messages: Any = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+    done = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, CLOCK],
+                                          tool_choice="required", max_tokens=80, temperature=1.0, seed=5, n=2)
+    for choice in done.choices:
+        if choice.finish_reason == "tool_calls":
+            assert choice.message.content is None, choice
+        else:  # "required" admits more calls: max_tokens cut one, which stays text
+            assert choice.finish_reason == "length" and choice.message.content.startswith("<tool_call>"), choice
+        assert choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            _valid_call(call)
+    # The engine's own text for the first choice: the same grammar, the template offered the same tools.
+    tools = check_tools([WEATHER, CLOCK], "required", oracle.chat_template)
+    want = oracle.submit(messages, SamplingParams(max_new_tokens=80, temperature=1.0, seed=5, grammar=tools.grammar()),
+                         chat=True, tools=tools.for_template()).result()
+    blocks = re.findall(r"<tool_call>\n(.*?)\n</tool_call>", want.text, re.S)
+    assert [(json.loads(b)["name"], json.loads(b)["arguments"]) for b in blocks] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in done.choices[0].message.tool_calls]
+
+    named: Any = {"type": "function", "function": {"name": "get_time"}}
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, CLOCK],
+                                                 tool_choice=named, max_tokens=150, stream=True))
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_time"
+    _valid_call(calls[0])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    single = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, CLOCK],
+                                            tool_choice="required", parallel_tool_calls=False, max_tokens=80)
+    assert len(single.choices[0].message.tool_calls or []) == 1
+
+
+def test_a_conversation_with_earlier_tool_calls_reaches_the_template(client: openai.OpenAI, oracle: Any) -> None:
+    """An assistant turn's tool_calls and the tool turn's answer reach the chat template: the served prompt is the
+    engine's for that conversation (arguments as a mapping, as templates take them), and so is the answer."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    messages: Any = [{"role": "user", "content": "Time?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    done = client.chat.completions.create(model="tiny", messages=messages, tools=[CLOCK], max_tokens=8,
+                                          extra_body={"ignore_eos": True})
+    rendered = [dict(messages[0]), {"role": "assistant", "content": "", "tool_calls": [
+        {**call, "function": {"name": "get_time", "arguments": {"zone": "UTC"}}}]},
+        {"role": "tool", "content": "12:00", "tool_call_id": "call_1"}]
+    want = oracle.submit(rendered, SamplingParams(max_new_tokens=8, ignore_eos=True), chat=True,
+                         tools=[CLOCK]).result()
+    bare = oracle.submit(messages[:1], SamplingParams(max_new_tokens=8, ignore_eos=True), chat=True,
+                         tools=[CLOCK]).result()
+    # The same prompt as the engine's with the earlier call and its answer; longer than without them.
+    assert done.usage.prompt_tokens == len(want.prompt_ids) > len(bare.prompt_ids) + 10
+    assert done.choices[0].message.content == want.text

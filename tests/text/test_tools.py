@@ -104,6 +104,24 @@ def test_a_required_or_named_choice_only_lets_calls_of_the_offered_tools_through
     assert check_tools([WEATHER], "auto", CHAT_TEMPLATE).grammar() is None
 
 
+def test_parallel_tool_calls_false_allows_one_call(tokenizer_dirs: dict[str, Any]) -> None:  # noqa: F811
+    """OpenAI's parallel_tool_calls false: "required" lets exactly one call through the grammar, and a second call the
+    model writes anyway (tool choice "auto") stays text."""
+    from fd_core.runtime.text.tokenizer import load_tokenizer
+
+    pytest.importorskip("llguidance")
+    one = check_tools([WEATHER, TIME], "required", CHAT_TEMPLATE, parallel=False)
+    tokenizer = load_tokenizer(tokenizer_dirs["bpe"])
+    counts = {len(one.parse(_walk(one, tokenizer, seed))[1]) for seed in range(6)}
+    many = check_tools([WEATHER, TIME], "required", CHAT_TEMPLATE)
+    assert counts == {1} and max(len(many.parse(_walk(many, tokenizer, s))[1]) for s in range(12)) > 1
+    text = ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>')
+    content, calls = check_tools([WEATHER, TIME], "auto", CHAT_TEMPLATE, parallel=False).parse(text)
+    assert [c["function"]["name"] for c in calls] == ["get_time"]
+    assert content == '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+
+
 def test_a_stream_shows_the_content_before_the_calls_and_parses_them_at_the_end() -> None:
     from fd_core.runtime.text.tools import ToolStream
 

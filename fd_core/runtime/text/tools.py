@@ -38,6 +38,7 @@ class Tools:
 
     tools: tuple[Mapping[str, Any], ...]
     choice: str
+    parallel: bool = True  # False: at most one call (OpenAI's parallel_tool_calls)
 
     @property
     def names(self) -> list[str]:
@@ -63,7 +64,7 @@ class Tools:
                                  "arguments": t["function"].get("parameters") or {"type": "object"}}}
                  for t in chosen]
         schema = {"x-guidance": JSON_LAYOUT, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
-        repeat = "+" if self.choice == "required" else ""
+        repeat = "+" if self.choice == "required" and self.parallel else ""
         lark = (f'start: call{repeat}\ncall: "{OPEN}\\n" body "\\n{CLOSE}" "\\n"?\n'
                 f"body: %json {json.dumps(schema)}")
         return lark_grammar(lark, "tool_choice")
@@ -78,7 +79,7 @@ class Tools:
         at = 0
         for match in _CALL.finditer(text):
             call = _call(match.group(1), self.names)
-            if call is None:
+            if call is None or (calls and not self.parallel):  # past the one call allowed: left as text
                 continue
             kept.append(text[at : match.start()])
             at = match.end()
@@ -107,9 +108,9 @@ def _call(body: str, names: Sequence[str]) -> dict[str, Any] | None:
             "function": {"name": value["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-def check_tools(tools: Any, choice: Any, template: str | None) -> Tools:
+def check_tools(tools: Any, choice: Any, template: str | None, parallel: bool = True) -> Tools:
     """A request's `tools` and `tool_choice` as OpenAI defines them, checked: a one-line ToolError naming the field
-    otherwise. `template` is the checkpoint's chat template (None: it has none)."""
+    otherwise. `template` is the checkpoint's chat template (None: it has none); `parallel` False allows one call."""
     tools = list(tools or [])
     seen: set[str] = set()
     for index, tool in enumerate(tools):
@@ -145,7 +146,7 @@ def check_tools(tools: Any, choice: Any, template: str | None) -> Tools:
     if tools and choice != "none" and (template is None or not template_calls_tools(template)):
         raise ToolError("this checkpoint's chat template defines no tool calls fd can parse (it must render `tools` "
                         f"and write calls as {OPEN} JSON {CLOSE}); drop tools, or send tool_choice \"none\"")
-    return Tools(tuple(dict(t) for t in tools), str(choice))
+    return Tools(tuple(dict(t) for t in tools), str(choice), parallel)
 
 
 class ToolStream:
