@@ -23,6 +23,7 @@ HERE = Path(__file__).parent
 RELEASES = sorted(p.name for p in HERE.iterdir() if p.is_dir() and any(p.glob("*/pyproject.toml")))
 EXAMPLES = HERE.parents[1] / "examples"
 NOT_CODE = {"build", "tests", "__pycache__"}
+CACHE_OPS = {"allocate_kv_cache", "write_kv_cache", "paged_attention", "paged_prefill_attention"}
 
 
 def _code(package: Path) -> str:
@@ -122,21 +123,32 @@ def test_fd_plugins_lists_each_package_with_the_contract_it_was_written_for(rele
 
 def test_the_cpu_platform_conforms_with_the_release_installed(release: tuple[str, Path]) -> None:
     """Its kernels are checked against the native ops and its model packages run on the platform, apart from the
-    platform's own checks: the cpu suite's checks that run what a release installs (its kernels, cache layout,
-    prepared weights, models); the rest of the cpu suite is the cpu platform's own, run by tests/plugins/cpu."""
+    platform's own checks: the cpu suite's checks that run what a release installs (its kernels, and the cache
+    layout, prepared weights and quantized models where it registers their ops; its models); the rest of the cpu
+    suite is the cpu platform's own, run by tests/plugins/cpu."""
     name, target = release
     elsewhere = [certified_elsewhere(name, d.metadata["Name"]) for d in _installed(target)]
     if all(elsewhere):
         pytest.skip(f"every package of {name} is certified as {', '.join(map(str, elsewhere))}")
-    report = _check(["cpu", "-k", "every_kernel_in_use or installed_model_packages or native_path or paged or prepared "
-                     "or quantized"], target)
+    listed = json.loads(run_fd(["plugins", "--json"], target).stdout)
+    ops = {op for p in listed["plugins"] if p["name"] in _entry_points(target, "fd.plugins") for op in p["kernels"]}
+    assert ops
+    # The checks what the release registers can change: its cache ops the paged one, its matmul or quant_matmul
+    # (and their preparation) the prepared and quantized ones.
+    checks = ["every_kernel_in_use", "installed_model_packages", "platform_generates_what_the_native_path"]
+    if ops & CACHE_OPS:
+        checks.append("paged")
+    if ops & {"matmul", "quant_matmul"}:
+        checks += ["prepared", "quantized"]
+    report = _check(["cpu", "-k", " or ".join(checks)], target)
     outcome = {c["check"]: c["outcome"] for c in report["checks"]}
     assert outcome["test_every_kernel_in_use_matches_the_native_op"] == "passed"
+    assert outcome["test_the_platform_generates_what_the_native_path_does"] == "passed"
     # Not skipped where the release has a model package: it runs on the platform.
     models_here = bool(_entry_points(target, "fd.models"))
     assert outcome["test_installed_model_packages_run_on_this_platform"] == ("passed" if models_here else "skipped")
-    listed = json.loads(run_fd(["plugins", "--json"], target).stdout)
-    assert any(p["kernels"] for p in listed["plugins"] if p["name"] in _entry_points(target, "fd.plugins"))
+    if "quantized" in checks:
+        assert outcome["test_quantized_models_generate_what_the_native_path_does"] == "passed"
 
 
 def test_each_platform_package_passes_the_platform_suite(release: tuple[str, Path]) -> None:

@@ -242,11 +242,15 @@ def test_the_clock_starts_when_fd_starts_not_when_its_process_was_created() -> N
     """`bash -c 'sleep 3 && exec fd run'`: the process was created 3 s before fd; none of those 3 s is fd's."""
     marker = new_marker()
     script = f"sleep 3 && exec {sys.executable} -m fd_core.cli run --tp 1 --steps 2 --json"
+    began = time.monotonic()
     done = subprocess.run(["bash", "-c", script], env=fd_env(marker), capture_output=True, text=True, timeout=120)
+    wall = time.monotonic() - began
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert result["timings_s"]["start"] < 2.5, result["timings_s"]
-    assert result["wall_s"] < 10, result
+    # Had the 3 s counted, fd's start (and its wall time) would hold them: all of this run's wall time but the steps
+    # (a fraction of a second). Against the measured wall time, not a fixed bound: a loaded machine imports slowly.
+    assert result["timings_s"]["start"] <= wall - 2.7, (wall, result["timings_s"])
+    assert result["wall_s"] <= wall - 2.7, (wall, result)
 
 
 

@@ -29,6 +29,8 @@ from fd_core import hookimpl
 @hookimpl
 def fd_rank_start(rank):
     gate = os.environ.get("{GATE_FILE}")
+    if gate:
+        open(gate + ".waiting", "w").close()  # the test signals once the load is held here
     deadline = time.monotonic() + 120
     while gate and not os.path.exists(gate) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -96,11 +98,14 @@ def test_health_says_loading_until_the_ready_line_which_comes_once(held: Served,
     (signal.SIGTERM, 143, "fd serve: terminated while loading; every rank was stopped"),
     (signal.SIGINT, 130, "fd serve: interrupted while loading; every rank was stopped"),
 ], ids=["SIGTERM", "SIGINT"])
-def test_a_stop_signal_while_loading_ends_everything(held: Served, signum: int, code: int, last: str) -> None:
+def test_a_stop_signal_while_loading_ends_everything(held: Served, gate: Path, signum: int, code: int,
+                                                    last: str) -> None:
     url = listening(held)
     assert httpx.get(f"{url}/health", timeout=10).status_code == 503  # the HTTP server runs meanwhile
     scratch = {p for p in Path(tempfile.gettempdir()).glob("fd-serve-tiny-*") if str(p) in held.stderr}
     assert len(scratch) == 1, held.stderr  # the tiny preset's directory, named in its log line
+    # Inside the rank's start (a plugin's hook), as a load that takes long is: not still importing or planning.
+    wait_for(lambda: Path(f"{gate}.waiting").exists(), 120, "the load to reach the rank's start")
     assert held.stop(signum, timeout=45, group=signum == signal.SIGINT) == code, held.stderr
     assert held.lines[-1] == last, held.stderr
     assert "Traceback" not in held.stderr and not held.url, held.stderr
