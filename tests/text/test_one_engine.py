@@ -62,7 +62,7 @@ def test_a_broken_engine_fails_the_conformance_suite(broken_env: dict[str, str])
 def test_a_broken_engine_fails_the_reference_tests(broken_env: dict[str, str]) -> None:
     pytest.importorskip("transformers", reason="the reference comes with the test extra (pip install -e '.[test]')")
     test = "tests/models/test_reference.py::test_tp1_matches_the_reference[ernie]"
-    done = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], broken_env)
+    done = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", test], broken_env)
     assert done.returncode == 1 and "1 failed" in done.stdout, done.stdout[-3000:]
 
 
