@@ -6,8 +6,7 @@ from __future__ import annotations
 import base64
 import io
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import pytest
 
@@ -17,46 +16,7 @@ pytest.importorskip("httpx", reason="FastAPI's test client needs httpx (pip inst
 from fastapi.testclient import TestClient  # noqa: E402 - after the skip
 
 from fd_core.serve.app import Server  # noqa: E402
-
-
-class Answered:
-    """A submission already done: no text, one generated id."""
-
-    prompt_tokens = 2
-    first_token_at = None
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(())
-
-    def pieces(self) -> Iterator[Any]:
-        return iter(())
-
-    def result(self, timeout: float | None = None) -> Any:
-        return SimpleNamespace(prompt_ids=[1, 2], token_ids=[5], text="", finish_reason="length", logprobs=None)
-
-    def cancel(self) -> None:
-        pass
-
-
-class Engine:
-    """What the server needs of an LLM, answering every prompt at once; the sampling of each submit kept."""
-
-    tokenizer = None
-    error = None
-    kv_cache: dict[str, int] = {}
-    chat_template = None
-
-    def __init__(self, multimodal: bool = True) -> None:
-        self.submitted: list[Any] = []
-        self.multimodal = multimodal
-
-    def submit_choices(self, prompt: Any, sampling: Any = None, *, chat: bool = False,
-                       images: Sequence[Any] = (), tools: Any = None) -> Any:
-        self.submitted.append(sampling)
-        return [Answered() for _ in range(sampling.n)]
-
-    def queued(self) -> int:
-        return 0
+from stand_in import Engine, error_of  # noqa: E402
 
 
 @pytest.fixture
@@ -68,13 +28,6 @@ def engine() -> Engine:
 def client(engine: Engine) -> Iterator[TestClient]:
     with TestClient(Server(engine, name="tiny", max_queue=3).app) as client:
         yield client
-
-
-def error_of(response: Any, status: int) -> dict[str, Any]:
-    """The response is `status` with an OpenAI error body."""
-    assert response.status_code == status, response.text
-    assert set(response.json()) == {"error"}, response.text
-    return dict(response.json()["error"])
 
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}]}

@@ -11,8 +11,7 @@ import json
 import struct
 import threading
 import zlib
-from types import SimpleNamespace
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import pytest
 
@@ -24,6 +23,7 @@ from fastapi.testclient import TestClient  # noqa: E402 - after the skip
 import fd_core.serve.app as app_module  # noqa: E402
 from fd_core.runtime.images import MAX_IMAGE_PIXELS  # noqa: E402
 from fd_core.serve.app import DEFAULT_MAX_IMAGES, DEFAULT_MAX_REQUEST_BYTES, Server  # noqa: E402
+from stand_in import Engine, error_of  # noqa: E402
 
 LIMIT = 64 << 10  # a lowered --max-request-bytes: 64 KiB
 TOO_LARGE = ("the request body is {}more than --max-request-bytes 65536 (64 KiB) admits; send a smaller request "
@@ -31,62 +31,13 @@ TOO_LARGE = ("the request body is {}more than --max-request-bytes 65536 (64 KiB)
              "--max-request-bytes")
 
 
-class Answered:
-    """A submission already done: no text, one generated id."""
-
-    prompt_tokens = 2
-    first_token_at = None
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(())
-
-    def pieces(self) -> Iterator[Any]:
-        return iter(())
-
-    def result(self, timeout: float | None = None) -> Any:
-        return SimpleNamespace(prompt_ids=[1, 2], token_ids=[5], text="", finish_reason="length", logprobs=None)
-
-    def cancel(self) -> None:
-        pass
-
-
-class Prompts:
-    """What the server needs of an LLM, answering at once; each prompt kept, with the pictures it came with."""
-
-    tokenizer = None
-    error = None
-    kv_cache: dict[str, int] = {}
-    chat_template = None
-
-    def __init__(self, multimodal: bool = True) -> None:
-        self.multimodal = multimodal
-        self.prompts: list[Any] = []
-        self.images: list[Sequence[Any]] = []
-
-    def submit_choices(self, prompt: Any, sampling: Any = None, *, chat: bool = False,
-                       images: Sequence[Any] = (), tools: Any = None) -> Any:
-        self.prompts.append(prompt)
-        self.images.append(images)
-        return [Answered() for _ in range(sampling.n)]
-
-    def queued(self) -> int:
-        return 0
-
-
-def error_of(response: Any, status: int) -> dict[str, Any]:
-    """The response is `status` with an OpenAI error body."""
-    assert response.status_code == status, response.text
-    assert set(response.json()) == {"error"}, response.text
-    return dict(response.json()["error"])
+@pytest.fixture
+def engine() -> Engine:
+    return Engine()
 
 
 @pytest.fixture
-def engine() -> Prompts:
-    return Prompts()
-
-
-@pytest.fixture
-def client(engine: Prompts) -> Iterator[TestClient]:
+def client(engine: Engine) -> Iterator[TestClient]:
     with TestClient(Server(engine, name="tiny", max_request_bytes=LIMIT, max_images=3).app) as client:
         yield client
 
@@ -103,7 +54,7 @@ def chunks(data: bytes, size: int = 8192) -> Iterator[bytes]:
         yield data[start:start + size]
 
 
-def test_a_body_past_the_limit_is_a_413_before_its_json_is_parsed(client: TestClient, engine: Prompts) -> None:
+def test_a_body_past_the_limit_is_a_413_before_its_json_is_parsed(client: TestClient, engine: Engine) -> None:
     headers = {"content-type": "application/json"}
     for data, said in ((body_of(LIMIT + 1), f"{LIMIT + 1} bytes, "), (b"{not json" + b" " * LIMIT, f"{LIMIT + 9} bytes, ")):
         reply = client.post("/v1/completions", content=data, headers=headers)
@@ -125,13 +76,13 @@ def test_a_body_past_the_limit_is_a_413_before_its_json_is_parsed(client: TestCl
 
 def test_the_default_limit_is_16_mib() -> None:
     assert DEFAULT_MAX_REQUEST_BYTES == 16 << 20 and DEFAULT_MAX_IMAGES == 16
-    server = Server(Prompts(), name="tiny")
+    server = Server(Engine(), name="tiny")
     assert (server.max_request_bytes, server.max_images) == (16 << 20, 16)
 
 
 def test_the_api_key_and_loading_are_checked_before_the_body_is_read() -> None:
     """A client without the key cannot make the server read (or count) its body."""
-    server = Server(Prompts(), name="tiny", api_key="k", max_request_bytes=LIMIT)
+    server = Server(Engine(), name="tiny", api_key="k", max_request_bytes=LIMIT)
     with TestClient(server.app) as client:
         refused = client.post("/v1/completions", content=chunks(body_of(LIMIT + 1)))
         assert error_of(refused, 401)["code"] == "invalid_api_key"
@@ -181,7 +132,7 @@ def unread(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def test_a_text_only_model_refuses_pictures_before_reading_any(unread: list[str]) -> None:
-    engine = Prompts(multimodal=False)
+    engine = Engine(multimodal=False)
     with TestClient(Server(engine, name="tiny").app) as client:
         error = error_of(client.post("/v1/chat/completions", json=chat_with(*[data_url(picture())] * 10)), 400)
     assert error["message"] == ("the model 'tiny' takes no image (its architecture reads text only); drop the "
@@ -190,7 +141,7 @@ def test_a_text_only_model_refuses_pictures_before_reading_any(unread: list[str]
 
 
 def test_more_pictures_than_max_images_are_refused_before_reading_any(
-    client: TestClient, engine: Prompts, unread: list[str],
+    client: TestClient, engine: Engine, unread: list[str],
 ) -> None:
     error = error_of(client.post("/v1/chat/completions", json=chat_with(*[data_url(picture())] * 4)), 400)
     assert error["message"] == ("the request has 4 pictures and --max-images 3 admits at most 3 per request; send "
@@ -216,7 +167,7 @@ def test_a_data_url_above_the_pixel_bound_is_refused_from_its_header(
         raise AssertionError("the picture was decoded")
 
     monkeypatch.setattr(Image.Image, "load", load)
-    engine = Prompts()
+    engine = Engine()
     with TestClient(Server(engine, name="vl").app) as client:
         error = error_of(client.post("/v1/chat/completions", json=chat_with(data_url(blank_png(side, side)))), 400)
     size = f"{side}x{side}, " if side * side < 2 * MAX_IMAGE_PIXELS else ""
@@ -224,7 +175,7 @@ def test_a_data_url_above_the_pixel_bound_is_refused_from_its_header(
     assert engine.prompts == []
 
 
-def test_pictures_are_decoded_off_the_event_loop(monkeypatch: pytest.MonkeyPatch, engine: Prompts) -> None:
+def test_pictures_are_decoded_off_the_event_loop(monkeypatch: pytest.MonkeyPatch, engine: Engine) -> None:
     """A picture takes a tenth of a second or more to decode: on the event loop, every other request waited."""
     threads: dict[str, int] = {}
     respond, read_image = Server.respond, app_module.read_image
