@@ -280,6 +280,12 @@ class Server:
             text, found = message_parts(message, index)
             urls += found
             content: Any = text if not found else [*({"type": "image"} for _ in found), {"type": "text", "text": text}]
+            if message.role == "tool" and message.tool_call_id is None:
+                raise ApiError(400, f"messages[{index}]: a tool message needs the tool_call_id of the call it answers",
+                               param=f"messages[{index}]")
+            if message.tool_calls and message.role != "assistant":
+                raise ApiError(400, f"messages[{index}]: only an assistant message carries tool_calls",
+                               param=f"messages[{index}]")
             turn = {"role": message.role, "content": content}
             calls = message.template_calls()
             if calls:

@@ -171,7 +171,14 @@ class Sampling(BaseModel):
 
     def grammar(self, tools: "Tools | None" = None) -> str | None:
         """The grammar response_format, guided_regex or a required or named tool choice asks for (None: free text)."""
-        forced = None if tools is None else tools.grammar()
+        forced = None
+        if tools is not None:
+            from fd_core.runtime.text.grammar import GrammarError
+
+            try:
+                forced = tools.grammar()
+            except GrammarError as exc:
+                raise ApiError(400, str(exc), param="tools") from None
         free = self.guided_regex is None and (self.response_format or {}).get("type", "text") == "text"
         if forced is not None:
             if not free:

@@ -320,6 +320,9 @@ REFUSED = [
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
                               "response_format": {"type": "json_object"}}, "tool_choice"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "12:00"}]}, "messages[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0]"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
     ("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
@@ -548,12 +551,12 @@ def test_tool_calls_come_back_as_the_engine_writes_them_streamed_or_not(client: 
                                           tool_choice="required", max_tokens=80, temperature=1.0, seed=5, n=2)
     for choice in done.choices:
         if choice.finish_reason == "tool_calls":
-            assert choice.message.content is None, choice
+            assert choice.message.content is None and choice.message.tool_calls, choice
         else:  # "required" admits more calls: max_tokens cut one, which stays text
             assert choice.finish_reason == "length" and choice.message.content.startswith("<tool_call>"), choice
-        assert choice.message.tool_calls
-        for call in choice.message.tool_calls:
+        for call in choice.message.tool_calls or []:
             _valid_call(call)
+    assert done.choices[0].message.tool_calls
     # The engine's own text for the first choice: the same grammar, the template offered the same tools.
     tools = check_tools([WEATHER, CLOCK], "required", oracle.chat_template)
     want = oracle.submit(messages, SamplingParams(max_new_tokens=80, temperature=1.0, seed=5, grammar=tools.grammar()),

@@ -29,6 +29,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     ([WEATHER], "sometimes", 'tool_choice must be "none", "auto", "required" or a function'),
     ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "names function 'nope', which is not among"),
     ([], "required", 'tool_choice "required" needs tools'),
+    ([], "auto", 'tool_choice "auto" needs tools'),
 ])
 def test_malformed_tools_are_one_line_errors_naming_the_field(tools: Any, choice: Any, says: str) -> None:
     with pytest.raises(ToolError) as caught:
@@ -134,5 +135,45 @@ def test_a_stream_shows_the_content_before_the_calls_and_parses_them_at_the_end(
         assert shown == "Sure." and rest is None, (size, shown, rest)
         assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}]
     plain = ToolStream(tools)
-    assert plain.feed("a <tool") == "a " and plain.feed("s and more") == "<tools and more"
-    assert plain.feed("x <") == "x " and plain.finish() == ("<", [])
+    assert plain.feed("a <tool") == "a" and plain.feed("s and more") == " <tools and more"
+    assert plain.feed("x <") == "x" and plain.finish() == (" <", [])
+
+
+@pytest.mark.parametrize("text", [
+    '\n\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+    'Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n',
+    "no call at all  \n",
+    "x <tool_call>not json</tool_call>",
+    'two <tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n<tool_call>{"name": "get_time", '
+    '"arguments": {}}</tool_call>',
+])
+def test_a_stream_shows_the_content_the_whole_answer_has(text: str) -> None:
+    """Streamed piece by piece, the content shown adds up to the whole answer's (whitespace before a call included),
+    and the calls are the same."""
+    from fd_core.runtime.text.tools import ToolStream
+
+    tools = check_tools([WEATHER, TIME], "auto", CHAT_TEMPLATE)
+    content, calls = tools.parse(text)
+    for size in (1, 2, 5, len(text)):
+        stream = ToolStream(tools)
+        shown = "".join(stream.feed(text[i : i + size]) for i in range(0, len(text), size))
+        rest, streamed = stream.finish()
+        assert shown + (rest or "") == (content or ""), (size, shown, rest)
+        assert [c["function"] for c in streamed] == [c["function"] for c in calls]
+
+
+def test_a_schema_with_definitions_is_enforced_through_its_references(tokenizer_dirs: dict[str, Any]) -> None:  # noqa: F811
+    """Pydantic-made schemas refer to their $defs from the top of the schema: moved into the calls' grammar with the
+    references renamed, a random walk still writes only what they allow."""
+    from fd_core.runtime.text.tokenizer import load_tokenizer
+
+    pytest.importorskip("llguidance")
+    unit = {"type": "function", "function": {"name": "convert", "parameters": {
+        "$defs": {"Unit": {"enum": ["m", "ft"]}}, "type": "object", "additionalProperties": False,
+        "required": ["unit"], "properties": {"unit": {"$ref": "#/$defs/Unit"}}}}}
+    tools = check_tools([unit, TIME], {"type": "function", "function": {"name": "convert"}},
+                        CHAT_TEMPLATE)
+    tokenizer = load_tokenizer(tokenizer_dirs["bpe"])
+    for seed in range(4):
+        _, calls = tools.parse(_walk(tools, tokenizer, seed))
+        assert [json.loads(c["function"]["arguments"]) for c in calls] in ([{"unit": "m"}], [{"unit": "ft"}])

@@ -59,11 +59,15 @@ class Tools:
 
         chosen = self.tools if self.choice == "required" else [t for t in self.tools if t["function"]["name"]
                                                               == self.choice]
+        definitions: dict[str, Any] = {}
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                   "properties": {"name": {"const": t["function"]["name"]},
-                                 "arguments": t["function"].get("parameters") or {"type": "object"}}}
+                                 "arguments": _hoisted(t["function"].get("parameters") or {"type": "object"},
+                                                       f"{t['function']['name']}.", definitions)}}
                  for t in chosen]
         schema = {"x-guidance": JSON_LAYOUT, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
+        if definitions:
+            schema["$defs"] = definitions
         repeat = "+" if self.choice == "required" and self.parallel else ""
         lark = (f'start: call{repeat}\ncall: "{OPEN}\\n" body "\\n{CLOSE}" "\\n"?\n'
                 f"body: %json {json.dumps(schema)}")
@@ -87,6 +91,31 @@ class Tools:
         kept.append(text[at:])
         content = "".join(kept).strip()
         return (content or None) if calls else text, calls
+
+
+def _hoisted(parameters: Mapping[str, Any], prefix: str, definitions: dict[str, Any]) -> Any:
+    """A tool's parameters schema to nest inside the calls' schema: its `$defs` (or `definitions`) moved into
+    `definitions` under names that start with `prefix`, and its `#/$defs/...` references renamed to match (a
+    reference resolves from the top of the whole schema, where they now are)."""
+    local = {**parameters.get("definitions", {}), **parameters.get("$defs", {})}
+
+    def renamed(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            out = {}
+            for key, item in value.items():
+                if key == "$ref" and isinstance(item, str):
+                    for root in ("#/$defs/", "#/definitions/"):
+                        if item.startswith(root):
+                            item = f"#/$defs/{prefix}{item[len(root):]}"
+                out[key] = renamed(item)
+            return out
+        if isinstance(value, list):
+            return [renamed(item) for item in value]
+        return value
+
+    for name, definition in local.items():
+        definitions[f"{prefix}{name}"] = renamed(definition)
+    return renamed({k: v for k, v in parameters.items() if k not in ("$defs", "definitions")})
 
 
 def _call(body: str, names: Sequence[str]) -> dict[str, Any] | None:
@@ -141,8 +170,8 @@ def check_tools(tools: Any, choice: Any, template: str | None, parallel: bool = 
         choice = name
     elif choice not in ("none", "auto", "required"):
         raise ToolError(f'tool_choice must be "none", "auto", "required" or a function, got {choice!r:.40}')
-    elif choice == "required" and not tools:
-        raise ToolError('tool_choice "required" needs tools to call; send tools, or tool_choice "none"')
+    elif choice in ("required", "auto") and not tools:
+        raise ToolError(f'tool_choice "{choice}" needs tools to call; send tools, or tool_choice "none"')
     if tools and choice != "none" and (template is None or not template_calls_tools(template)):
         raise ToolError("this checkpoint's chat template defines no tool calls fd can parse (it must render `tools` "
                         f"and write calls as {OPEN} JSON {CLOSE}); drop tools, or send tool_choice \"none\"")
@@ -167,12 +196,15 @@ class ToolStream:
         text = self.held + text
         at = text.find(OPEN)
         if at >= 0:
-            self.calling, self.held = True, text[at:]
-            return text[:at]
-        # A tail that could be the start of <tool_call> waits for the next piece.
+            # The whitespace before a call goes with it: parse() drops it from the content, as the whole answer does.
+            shown = text[:at].rstrip()
+            self.calling, self.held = True, text[len(shown):]
+            return shown
+        # A tail that could be the start of <tool_call>, or whitespace that may precede one, waits for the next piece.
         keep = next((n for n in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-n:])), 0)
-        self.held = text[len(text) - keep:] if keep else ""
-        return text[: len(text) - keep]
+        shown = text[: len(text) - keep].rstrip()
+        self.held = text[len(shown):]
+        return shown
 
     def finish(self) -> tuple[str | None, list[dict[str, Any]]]:
         """(content still to show, None when none; the calls), once the text has ended."""
