@@ -1,7 +1,7 @@
 """Executes every code block of docs/writing-a-model.md in order, in an empty directory.
 
 Files are written where their `# file:` line says; shell blocks run line by line with bash in this
-test environment. The package is really installed with pip and uninstalled afterwards.
+test environment. The package is really installed with pip, into a directory of the test's own on PYTHONPATH.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Executes every code block of docs/writing-a-plugin.md in order, in an empty directory.
 
 Files are written where their `# file:` line says; shell blocks run line by line with bash, in this test
-environment (its `bin` first on PATH). The plugin is really installed with pip, then uninstalled, so the
-environment is left as it was (its priority is below cpu's, so it never changes selection meanwhile).
+environment (its `bin` first on PATH). The plugin is really installed with pip, into a directory of the test's
+own on PYTHONPATH (walkthrough.walk_env), so the environment the other tests share never holds it.
 """
 
 from __future__ import annotations
