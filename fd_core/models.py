@@ -15,6 +15,24 @@ if TYPE_CHECKING:
     from fd_core.kvcache import KVBatch
 
 
+def host_tensor(array: Any) -> Any:
+    """A copy of a numpy array as a tensor of its dtype on Paddle's current device: what paddle.to_tensor makes of
+    it, without its leak. Use it for what a model builds per request (inputs, masks, indices).
+
+    paddle.to_tensor builds its result through the Tensor constructor (paddle.Tensor(value=..., place=..., ...)),
+    and Paddle 3.3.1's constructor never releases the list of its keyword names: about 100 bytes lost per tensor,
+    for good. With a decode step's five inputs made that way the engine grew about 4.4 MB per 1,000 requests of
+    8 tokens, without end. paddle.empty and set_value (a copy into the new tensor) do not call it.
+    """
+    import numpy as np
+    import paddle
+
+    host = np.asarray(array, order="C")  # not np.ascontiguousarray: that makes a 0-d array 1-d
+    tensor = paddle.empty(list(host.shape), dtype=host.dtype)
+    tensor.set_value(host)
+    return tensor
+
+
 @dataclass(frozen=True)
 class WeightSpec:
     """One checkpoint tensor: its full (unsharded) shape, the axis split across tp ranks, its dtype and init."""

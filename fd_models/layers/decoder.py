@@ -18,7 +18,7 @@ from paddle import nn
 from fd_core import WeightSpec
 from fd_core.config import ModelConfig
 from fd_core.kvcache import KVBatch
-from fd_core.models import GraphBackend
+from fd_core.models import GraphBackend, host_tensor
 from fd_models.layers import params
 from fd_models.layers.attention import Attention, KVStep
 from fd_models.layers.mlp import SwiGLUMLP
@@ -51,20 +51,6 @@ def _with_positional_signature(fn: Any, names: Sequence[str]) -> Any:
     decode_fn.__signature__ = inspect.Signature([inspect.Parameter(n, kind) for n in names])  # type: ignore[attr-defined]
     decode_fn.__doc__ = fn.__doc__
     return decode_fn
-
-
-def host_tensor(array: np.ndarray) -> paddle.Tensor:
-    """A copy of a numpy array as a tensor on Paddle's current device: what paddle.to_tensor makes, without its leak.
-
-    paddle.to_tensor builds its result through the Tensor constructor (paddle.Tensor(value=..., place=..., ...)),
-    and Paddle 3.3.1's constructor never releases the list of its keyword names: about 100 bytes lost per tensor,
-    for good. With a decode step's five inputs made that way the engine grew about 4.4 MB per 1,000 requests of
-    8 tokens, without end (issue 38). paddle.empty and set_value (a copy into the new tensor) do not call it.
-    """
-    host = np.asarray(array, order="C")  # not np.ascontiguousarray: that makes a 0-d array 1-d
-    tensor = paddle.empty(list(host.shape), dtype=host.dtype)
-    tensor.set_value(host)
-    return tensor
 
 
 def as_int64(value: Any) -> paddle.Tensor:

@@ -15,6 +15,7 @@ from fd_core.errors import ConfigError, FdError, NumericsError
 from fd_core.kernels import set_compute_threads
 from fd_core.kvcache import KVBatch
 from fd_core.lifecycle import RankContext
+from fd_core.models import host_tensor
 from fd_core.runtime import progress
 from fd_core.runtime.engine.blocks import NULL_BLOCK, BlockPool, block_hash
 from fd_core.runtime.engine.runner import ModelRunner
@@ -137,20 +138,6 @@ def _host_rows(logits: Any, rows: Sequence[int]) -> Any:
     if not str(logits.dtype).endswith("float32"):
         logits = logits.astype("float32")
     return np.asarray(logits.numpy())
-
-
-def _host_tensor(array: Any) -> Any:
-    """A copy of a numpy array as a tensor of its dtype on Paddle's current device, made without paddle.to_tensor:
-    Paddle 3.3.1's Tensor constructor, which to_tensor calls, never releases the list of its keyword names (about
-    100 bytes lost per tensor, issue 38; fd_models.layers.decoder.host_tensor does the same for the model's inputs).
-    """
-    import numpy as np
-    import paddle
-
-    host = np.asarray(array, order="C")
-    tensor = paddle.empty(list(host.shape), dtype=host.dtype)
-    tensor.set_value(host)
-    return tensor
 
 
 @dataclass
@@ -674,7 +661,7 @@ class Engine:
 
         def penalize(*arrays: Any) -> Any:
             # The int32 counts as int64, as paddle.to_tensor (which widens int32) always gave the op.
-            return penalties(*(_host_tensor(a.astype("int64") if a.dtype == "int32" else a)
+            return penalties(*(host_tensor(a.astype("int64") if a.dtype == "int32" else a)
                                for a in arrays)).numpy()
 
         chosen = [seqs[n] for n in asking]
@@ -684,7 +671,7 @@ class Engine:
         for i, seq in enumerate(chosen):
             if seq.job.sampling.grammar is not None:
                 rows[i] = self._constraint(seq, rows.shape[1]).mask(rows[i])
-        return [(n, _host_tensor(rows[i : i + 1])) for i, n in enumerate(asking)]
+        return [(n, host_tensor(rows[i : i + 1])) for i, n in enumerate(asking)]
 
     def _constraint(self, seq: _Seq, vocab: int) -> "Constraint":
         """Its grammar's constraint, made at its first token from the engine's Grammars (built once: it reads every
