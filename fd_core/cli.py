@@ -419,7 +419,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = ServeOptions(host=args.host, port=args.port, api_key=args.api_key or os.environ.get("FD_API_KEY") or None,
                            max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
                            image_roots=tuple(Path(p) for p in args.image_root or ()),
-                           max_request_bytes=args.max_request_bytes, max_images=args.max_images)
+                           max_request_bytes=args.max_request_bytes, max_images=args.max_images,
+                           header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                           max_connections=args.max_connections)
     return serve(options, checkpoint=args.checkpoint, model=args.model, name=args.name, tp=args.tp, dtype=args.dtype,
                  graph=args.graph, seed=args.seed, max_batch=args.max_batch, rank_timeout=args.rank_timeout,
                  stall_timeout=args.stall_timeout, memory_fraction=args.memory_fraction, threads=args.threads,
@@ -797,6 +799,14 @@ def build_parser(
                         "(default: 16777216, 16 MiB)")
     p.add_argument("--max-images", type=_non_negative, default=16, metavar="N",
                    help="most pictures one chat request may hold; more get 400 before any is read (default: 16)")
+    p.add_argument("--header-timeout", type=_seconds, default=10.0, metavar="SECONDS",
+                   help="how long a connection may take to send a request's headers before it gets 408 and is "
+                        "closed (default: 10)")
+    p.add_argument("--body-timeout", type=_seconds, default=60.0, metavar="SECONDS",
+                   help="how long a request's body may take to arrive after its headers before it gets 408 "
+                        "(default: 60)")
+    p.add_argument("--max-connections", type=_positive, default=256, metavar="N",
+                   help="most connections held open at once; one more gets 503 and is closed (default: 256)")
     p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
                    help="compute dtype (default: the platform's preferred one, the first it lists; see fd plugins)")
     p.add_argument("--quantization", default=None, choices=tuple(SCHEMES), help=quantization_help)

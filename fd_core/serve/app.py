@@ -26,6 +26,14 @@ from starlette.exceptions import HTTPException
 from fd_core.errors import CheckpointError, ConfigError, FdError, RankError, RequestRefused
 from fd_core.runtime.engine.scheduler import SchedulerClosed
 from fd_core.runtime.text.tools import Tools, ToolStream
+from fd_core.serve.connections import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    KEEP_ALIVE_S,
+    ConnectionLimits,
+    protocol_class,
+)
 from fd_core.serve.metrics import CONTENT_TYPE, UNMATCHED, Metrics
 from fd_core.serve.protocol import (
     FINISH_REASONS,
@@ -149,13 +157,14 @@ class Server:
 
     def __init__(self, engine: Submitter | None, *, name: str, max_queue: int = 64,
                  api_key: str | None = None, image_roots: Sequence[Path] = (),
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_images: int = DEFAULT_MAX_IMAGES) -> None:
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_images: int = DEFAULT_MAX_IMAGES,
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT_S) -> None:
         """`engine` None: the model is still loading (the API answers 503 until attach() hands it over)."""
         self.engine: Submitter = Loading() if engine is None else engine
         self.loading = engine is None
         self.name = name
         self.max_queue, self.api_key, self.image_roots = max_queue, api_key, tuple(r.resolve() for r in image_roots)
-        self.max_request_bytes, self.max_images = max_request_bytes, max_images
+        self.max_request_bytes, self.max_images, self.body_timeout = max_request_bytes, max_images, body_timeout
         self.admitted = 0  # requests' prompts admitted and not yet answered (touched on the event loop only)
         self.active: set[Generation] = set()
         self.draining: str | None = None  # why new requests are refused (shutting down, a rank failed)
@@ -642,7 +651,9 @@ class ApiGate:
 class BodyLimit:
     """Request bodies of at most --max-request-bytes, refused with 413 before the JSON is parsed: one whose
     Content-Length is above the limit before a byte of it is read; any other counted as it arrives and refused once it
-    passes the limit. The body is read here, then handed on to the route as it came. Plain ASGI, as ApiGate."""
+    passes the limit. A body not whole within --body-timeout seconds of its headers gets 408 (a client trickling it
+    would hold its connection and its buffer for as long as it liked). The body is read here, then handed on to the
+    route as it came. Plain ASGI, as ApiGate."""
 
     def __init__(self, app: Any, server: Server) -> None:
         self.app, self.server = app, server
@@ -658,17 +669,34 @@ class BodyLimit:
             return
         messages: list[Any] = []
         size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away before its body was whole: nobody to answer
-                return
-            messages.append(message)
-            size += len(message.get("body", b""))
-            if size > limit:
-                await self.refuse(scope, receive, send, None)
-                return
-            if not message.get("more_body", False):
-                break
+
+        async def read() -> str:
+            # The body's messages into `messages`: "whole", "gone" (the client left before it was whole) or "large".
+            nonlocal size
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return "gone"
+                messages.append(message)
+                size += len(message.get("body", b""))
+                if size > limit:
+                    return "large"
+                if not message.get("more_body", False):
+                    return "whole"
+
+        try:
+            outcome = await asyncio.wait_for(read(), self.server.body_timeout)
+        except asyncio.TimeoutError:
+            timeout = self.server.body_timeout
+            error = ApiError(408, f"the request body was not whole {timeout:g} s after its headers ({size} bytes "
+                                  f"came); send it at once, or start fd serve with a larger --body-timeout",
+                             code="request_timeout", headers={"Connection": "close"})
+            await self.server.answer(Request(scope), error)(scope, receive, send)
+            return
+        if outcome == "large":
+            await self.refuse(scope, receive, send, None)
+        if outcome != "whole":  # refused, or nobody to answer
+            return
         pending = iter(messages)
 
         async def replay() -> Any:
@@ -765,6 +793,9 @@ class ServeOptions:
     image_roots: tuple[Path, ...] = ()
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_images: int = DEFAULT_MAX_IMAGES
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as fd's other commands exit
@@ -796,8 +827,11 @@ class Http:
                 # (and cannot be installed off the main thread anyway).
                 yield
 
+        # The h11 protocol always (not httptools where it is installed): fd's connection limits are enforced in it.
+        limits = ConnectionLimits(options.header_timeout, options.max_connections)
         config = uvicorn.Config(server.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=3, timeout_keep_alive=5)
+                                timeout_graceful_shutdown=3, timeout_keep_alive=KEEP_ALIVE_S,
+                                http=protocol_class(limits, log))
         self.server, self.sock, self.options = server, sock, options
         self.http = Uvicorn(config)
         self.received: list[int] = []  # the stop signals forwarded to the event loop, in order
