@@ -72,6 +72,14 @@ class Submission(Protocol):
     prompt_tokens: int
     first_token_at: float | None
 
+    @property
+    def prompt_ids(self) -> Sequence[int]: ...
+
+    @property
+    def prompt_logprobs(self) -> "Sequence[TokenLogprob | None] | None":
+        """Its prompt's logprobs when its sampling asked (SamplingParams.prompt_logprobs), set before its first
+        piece."""
+
     def __iter__(self) -> Iterator[str]: ...
 
     def pieces(self) -> Iterator["Piece"]: ...
@@ -244,8 +252,9 @@ class Server:
             body.refuse_unsupported()
             prompts = body.prompts()
             sampling = body.sampling(body.limit())
+            echoes = [self.prompt_text(p) for p in prompts] if body.echo else None
             return await self.respond(request, "/v1/completions", [(p, False, ()) for p in prompts], sampling,
-                                      body.stream, body.include_usage, chat=False)
+                                      body.stream, body.include_usage, chat=False, echoes=echoes)
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request, body: ChatRequest) -> Response:
@@ -269,6 +278,13 @@ class Server:
         # The route's template, never the client's path: a fixed set of labels (UNMATCHED for any unknown path).
         self.metrics.request(getattr(request.scope.get("route"), "path", None) or UNMATCHED, error.status)
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    def prompt_text(self, prompt: str | list[int]) -> str:
+        """A completion prompt as `echo` returns it: the text sent, or the text of the ids sent."""
+        if isinstance(prompt, str):
+            return prompt
+        tokenizer = self.tokens.tokenizer
+        return "" if tokenizer is None else tokenizer.decode(prompt)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:
@@ -436,7 +452,7 @@ class Server:
 
     async def respond(self, request: Request, endpoint: str, items: Sequence[tuple[Any, bool, tuple[Any, ...]]],
                       sampling: "SamplingParams", stream: bool, include_usage: bool, chat: bool,
-                      tools: "Tools | None" = None) -> Response:
+                      tools: "Tools | None" = None, echoes: Sequence[str] | None = None) -> Response:
         count = len(items) * sampling.n  # every choice is a sequence of its own in the queue
         self.admit(count)
         try:
@@ -447,7 +463,7 @@ class Server:
         ident, created = new_id("chatcmpl" if chat else "cmpl"), now()
         if stream:
             body = self.sse(request, endpoint, generations, ident, created, chat, include_usage, count,
-                            sampling.logprobs is not None, tools)
+                            sampling.logprobs is not None, tools, echoes)
             return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         collect = asyncio.ensure_future(self.collect(generations))
         watch = asyncio.ensure_future(gone(request))
@@ -470,7 +486,7 @@ class Server:
         if error is not None:
             raise self.engine_error(error) from None
         self.metrics.request(endpoint, 200)
-        return JSONResponse(self.whole(generations, ident, created, chat, sampling.logprobs is not None, tools))
+        return JSONResponse(self.whole(generations, ident, created, chat, sampling.logprobs is not None, tools, echoes))
 
     async def collect(self, generations: Sequence[Generation]) -> None:
         """Every generation run to its end (their completions kept on them)."""
@@ -487,9 +503,20 @@ class Server:
             return self.tokens.chat(logprobs)
         return self.tokens.completion(logprobs, offsets or TextOffsets(self.tokens))
 
+    def echo(self, generation: Generation, echoes: Sequence[str], logprobs: bool, offsets: TextOffsets,
+             ) -> tuple[str, dict[str, Any] | None]:
+        """A completion choice's echoed prompt: its text, and, asked for, its tokens' logprobs (which move `offsets`
+        past it)."""
+        text = echoes[generation.prompt]
+        if not logprobs:
+            return text, None
+        s = generation.submission
+        scored = s.prompt_logprobs if s.prompt_logprobs is not None else [None] * len(s.prompt_ids)
+        return text, self.tokens.prompt(s.prompt_ids, scored, offsets)
+
     def whole(
         self, generations: Sequence[Generation], ident: str, created: int, chat: bool, logprobs: bool = False,
-        tools: "Tools | None" = None,
+        tools: "Tools | None" = None, echoes: Sequence[str] | None = None,
     ) -> dict[str, Any]:
         choices: list[dict[str, Any]] = []
         prompt_tokens = completion_tokens = 0
@@ -512,6 +539,12 @@ class Server:
                         message["tool_calls"] = calls
                         reason = "tool_calls" if reason == "stop" else reason
                 choices.append({"index": g.index, "message": message, "logprobs": shown, "finish_reason": reason})
+            elif echoes is not None:
+                offsets = TextOffsets(self.tokens)
+                text, echoed = self.echo(g, echoes, logprobs, offsets)
+                shown = None if echoed is None else joined(echoed, self.logprobs(chat, c.logprobs, offsets))
+                choices.append({"index": g.index, "text": text + (c.text or ""), "logprobs": shown,
+                                "finish_reason": reason})
             else:
                 choices.append({"index": g.index, "text": c.text or "", "logprobs": shown, "finish_reason": reason})
         return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
@@ -519,10 +552,11 @@ class Server:
 
     async def sse(self, request: Request, endpoint: str, generations: Sequence[Generation], ident: str, created: int,
                   chat: bool, include_usage: bool, count: int, logprobs: bool = False,
-                  tools: "Tools | None" = None) -> AsyncIterator[str]:
+                  tools: "Tools | None" = None, echoes: Sequence[str] | None = None) -> AsyncIterator[str]:
         """Server-sent events in the OpenAI chunk format, ending with `data: [DONE]`; a client that goes away cancels
         its generations. Asked for, each chunk carries the logprobs of the tokens it brings. With tools, the text from
-        a <tool_call> on is held back and sent at the end as the choice's tool_calls."""
+        a <tool_call> on is held back and sent at the end as the choice's tool_calls. Echoed, a completion choice's
+        first chunk is its prompt (with its tokens' logprobs), once they are scored."""
         kind = "chat.completion.chunk" if chat else "text_completion"
         offsets = {g.index: TextOffsets(self.tokens) for g in generations}  # each choice's text offsets go on
         held = {g.index: ToolStream(tools) for g in generations} if tools is not None else {}
@@ -546,7 +580,13 @@ class Server:
             if chat:
                 yield chunk([choice(g.index, None, None, first=True) for g in generations])
             try:
+                echoed: set[int] = set()
                 async for generation, piece in self.events(generations):
+                    if echoes is not None and generation.index not in echoed:
+                        echoed.add(generation.index)
+                        text, shown = self.echo(generation, echoes, logprobs, offsets[generation.index])
+                        yield chunk([{"index": generation.index, "text": text, "logprobs": shown,
+                                      "finish_reason": None}])
                     stream = held.get(generation.index)
                     if piece is not None:
                         text = piece.text if stream is None else stream.feed(piece.text)
@@ -713,6 +753,11 @@ class BodyLimit:
                               f"URLs), or start fd serve with a larger --max-request-bytes", code="request_too_large")
         response = self.server.answer(Request(scope), error)
         await response(scope, receive, send)
+
+
+def joined(first: dict[str, Any], then: dict[str, Any] | None) -> dict[str, Any]:
+    """Two runs of completions' logprobs (each list field) one after the other."""
+    return {key: list(values) + list((then or {}).get(key, [])) for key, values in first.items()}
 
 
 def sized(count: int) -> str:

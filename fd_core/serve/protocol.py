@@ -139,6 +139,10 @@ class Sampling(BaseModel):
         """How many alternatives each generated token's logprobs list (None: no logprobs asked)."""
         raise NotImplementedError
 
+    def prompt_logprob_count(self) -> int | None:
+        """How many alternatives each prompt token's logprobs list (None: the prompt is not scored)."""
+        return None
+
     def sampling(self, max_tokens: int | None, tools: "Tools | None" = None) -> SamplingParams:
         """fd's SamplingParams; unset fields take fd's defaults (greedy unless a temperature is given). `tools`: the
         request's checked tools, whose tool choice may constrain the output."""
@@ -150,6 +154,7 @@ class Sampling(BaseModel):
                 # As OpenAI's API: without a seed, a sampled request draws a different sample each time.
                 seed=secrets.randbelow(2**31) if self.seed is None else self.seed,
                 ignore_eos=self.ignore_eos, logprobs=logprobs, n=self.n or 1,
+                prompt_logprobs=self.prompt_logprob_count(),
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 logit_bias=self.bias(), min_p=self.min_p or 0.0, min_tokens=self.min_tokens or 0,
@@ -221,11 +226,12 @@ class CompletionRequest(Sampling):
                                 f"limit), got {self.logprobs}", param="logprobs")
         return self.logprobs
 
+    def prompt_logprob_count(self) -> int | None:
+        # Echoed with logprobs, the prompt's tokens are listed with theirs (what loglikelihood evaluation reads).
+        return self.logprobs if self.echo else None
+
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request, one choice each."""
-        if self.echo:
-            raise ApiError(400, "echo is not supported by fd serve: it returns the prompt (with logprobs, the prompt's "
-                                "logprobs, which fd does not compute); drop the field", param="echo")
         if self.best_of not in (None, 1):
             raise ApiError(400, "best_of is not supported by fd serve; drop the field", param="best_of")
         if self.suffix:
@@ -502,14 +508,25 @@ class TokenText:
         """Completions' choice.logprobs: tokens, token_logprobs, top_logprobs (the k most likely and, as OpenAI's, the
         chosen token too: up to k + 1 entries, keyed by token text; ids of the same text share the likelier's entry)
         and text_offset (where each token's text starts in the choice's text)."""
-        tops = []
-        for p in logprobs:
-            top: dict[str, float] = {}
-            for token, value in (*p.top, (p.token, p.logprob)):
-                top.setdefault(self.text(token), value)
-            tops.append(top)
         return {"tokens": [self.text(p.token) for p in logprobs], "token_logprobs": [p.logprob for p in logprobs],
-                "top_logprobs": tops, "text_offset": [offsets.next(p.token) for p in logprobs]}
+                "top_logprobs": [self.top(p) for p in logprobs],
+                "text_offset": [offsets.next(p.token) for p in logprobs]}
+
+    def prompt(self, ids: Sequence[int], scored: "Sequence[TokenLogprob | None]",
+               offsets: "TextOffsets") -> dict[str, Any]:
+        """An echoed prompt's tokens in completion()'s shape: its first token's logprob and alternatives null (nothing
+        comes before it), as OpenAI's."""
+        return {"tokens": [self.text(t) for t in ids],
+                "token_logprobs": [None if p is None else p.logprob for p in scored],
+                "top_logprobs": [None if p is None else self.top(p) for p in scored],
+                "text_offset": [offsets.next(t) for t in ids]}
+
+    def top(self, p: "TokenLogprob") -> dict[str, float]:
+        """One token's top_logprobs: the k most likely and the chosen one, by text (the likelier of ids sharing one)."""
+        top: dict[str, float] = {}
+        for token, value in (*p.top, (p.token, p.logprob)):
+            top.setdefault(self.text(token), value)
+        return top
 
 
 class TextOffsets:

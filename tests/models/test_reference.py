@@ -369,6 +369,25 @@ def test_logprobs_match_the_reference_log_softmax(cases: dict[str, Case], name: 
         assert [v for _, v in logprob.top] == sorted((v for _, v in logprob.top), reverse=True)
 
 
+@pytest.mark.parametrize("name", ["ernie", "qwen3_vl-text"])
+def test_prompt_logprobs_match_the_reference_log_softmax(cases: dict[str, Case], name: str) -> None:
+    """What /v1/completions' echo shows: each prompt token's logprob given the tokens before it, against the
+    reference's log_softmax over the prompt in one pass."""
+    from fd_core.runtime import LLM, SamplingParams
+
+    case, k = cases[name], 4
+    with LLM(case.directory, tp=1, graph="off") as llm:
+        completion = llm.generate([case.prompt], SamplingParams(max_new_tokens=2, prompt_logprobs=k))[0]
+    assert completion.token_ids == case.tokens[:2]  # scoring the prompt changes no token
+    scored = completion.prompt_logprobs
+    assert scored is not None and len(scored) == len(case.prompt) and scored[0] is None
+    reference = _reference_logprobs(case.directory, case.prompt, 1)
+    for position, (logprob, row) in enumerate(zip(scored[1:], reference, strict=True), start=1):
+        assert logprob is not None and logprob.token == case.prompt[position]
+        assert abs(logprob.logprob - row[logprob.token]) <= LOGPROB_TOL, (position, logprob.logprob, row[logprob.token])
+        assert [abs(v - row[t]) <= LOGPROB_TOL for t, v in logprob.top] == [True] * k, (position, logprob.top)
+
+
 class _OpenAIPenalties:
     """OpenAI's presence and frequency penalties as a transformers logits processor, written from OpenAI's formula
     (logit - count * frequency - (count > 0) * presence, over the generated tokens only), one token at a time."""

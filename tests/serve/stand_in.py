@@ -12,6 +12,8 @@ class Answered:
 
     prompt_tokens = 2
     first_token_at = None
+    prompt_ids = (1, 2)
+    prompt_logprobs = None
 
     def __iter__(self) -> Iterator[str]:
         return iter(())

@@ -298,7 +298,6 @@ REFUSED = [
     ("/v1/completions", {"logit_bias": {"five": 10}}, "logit_bias"),
     ("/v1/completions", {"logit_bias": {"5": 500}}, "logit_bias"),
     ("/v1/completions", {"guided_regex": "(unclosed"}, "guided_regex"),
-    ("/v1/completions", {"echo": True}, "echo"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -336,7 +335,7 @@ def test_a_field_fd_does_not_serve_is_refused_never_ignored(
 ) -> None:
     """Issue 37: response_format, tools and top_logprobs were silently ignored (200 with text that ignores them).
     Logprobs, n, the penalties, logit_bias and structured output are served: the values they may not take are refused
-    naming the field, as echo is (prompt logprobs are not built); tools are served on chat only."""
+    naming the field; best_of and suffix are refused; tools are served on chat only."""
     base = {"prompt": "Hi"} if endpoint.endswith("/completions") and "chat" not in endpoint else {
         "messages": [{"role": "user", "content": "Hi"}]}
     error = openai_error(httpx.post(f"{server.url}{endpoint}", json={**base, "max_tokens": 2, **fields}), 400)
@@ -444,7 +443,7 @@ def test_completion_logprobs_in_the_legacy_shape_streamed_or_not(client: openai.
     assert client.completions.create(model="tiny", prompt=prompt, max_tokens=3).choices[0].logprobs is None
 
 
-def test_logprob_limits_and_echo_are_refused_with_what_to_send(client: openai.OpenAI) -> None:
+def test_logprob_limits_are_refused_with_what_to_send(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "Hi"}]
     with pytest.raises(openai.BadRequestError) as alone:
         client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, top_logprobs=2)  # type: ignore[arg-type]
@@ -455,9 +454,49 @@ def test_logprob_limits_and_echo_are_refused_with_what_to_send(client: openai.Op
     with pytest.raises(openai.BadRequestError) as legacy:
         client.completions.create(model="tiny", prompt="Hi", max_tokens=2, logprobs=6)
     assert legacy.value.param == "logprobs" and "must be in 0..5 on /v1/completions" in legacy.value.message  # type: ignore[attr-defined]
-    with pytest.raises(openai.BadRequestError) as echo:
-        client.completions.create(model="tiny", prompt="Hi", max_tokens=2, echo=True, logprobs=1)
-    assert echo.value.param == "echo" and "prompt's logprobs" in echo.value.message  # type: ignore[attr-defined]
+
+
+def test_echo_returns_the_prompt_with_its_tokens_logprobs_streamed_or_not(client: openai.OpenAI, oracle: Any) -> None:
+    """What loglikelihood evaluation sends (lm-eval's completions models: echo, logprobs, a token or so): the prompt's
+    text before the answer's, and its tokens in the logprobs, the first with null ones; the values the engine's
+    prompt_logprobs (checked against transformers in tests/models/test_reference.py)."""
+    prompt = "The quick brown fox"
+    want = expected(oracle, prompt, max_new_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    assert want.prompt_logprobs is not None and want.logprobs is not None
+    ask = dict(model="tiny", prompt=prompt, max_tokens=3, logprobs=2, echo=True, extra_body={"ignore_eos": True})
+    choice = client.completions.create(**ask).choices[0]  # type: ignore[call-overload]
+    assert choice.text == prompt + want.text
+    shown = choice.logprobs.model_dump()
+    ids = want.prompt_ids + want.token_ids
+    text = oracle.tokenizer.token_bytes
+    assert shown["tokens"] == [text(t).decode("utf-8", errors="replace") for t in ids]
+    scored = [*want.prompt_logprobs[1:], *want.logprobs]
+    assert shown["token_logprobs"][0] is None and shown["top_logprobs"][0] is None
+    assert same_logprobs(shown["token_logprobs"][1:], [p.logprob for p in scored])
+    tops = [{text(t).decode("utf-8", errors="replace"): v for t, v in reversed((*p.top, (p.token, p.logprob)))}
+            for p in scored]
+    assert same_logprobs(shown["top_logprobs"][1:], tops)
+    for i, offset in enumerate(shown["text_offset"]):  # the prompt's offsets, then the answer's after them
+        before = oracle.tokenizer.decode(ids[:i])
+        if not before.endswith("\ufffd"):
+            assert offset == len(before), (i, offset, before)
+    # Streamed: the prompt's chunk first, then the answer's; joined, the whole answer's.
+    chunks = [c for c in client.completions.create(**ask, stream=True) if c.choices]  # type: ignore[call-overload]
+    assert chunks[0].choices[0].text == prompt
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    joined: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in chunks:
+        if chunk.choices[0].logprobs is not None:
+            for key, values in chunk.choices[0].logprobs.model_dump().items():
+                joined[key] += values
+    assert same_logprobs(joined, shown)
+    # Without logprobs, the text alone; a prompt of ids is echoed as their text.
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, echo=True,
+                                      extra_body={"ignore_eos": True}).choices[0]
+    assert plain.text == prompt + want.text and plain.logprobs is None
+    by_ids = client.completions.create(model="tiny", prompt=want.prompt_ids, max_tokens=3, echo=True,
+                                       extra_body={"ignore_eos": True}).choices[0]
+    assert by_ids.text == oracle.tokenizer.decode(want.prompt_ids) + want.text
 
 
 # -- n, penalties, bias, structured output ------------------------------------------------------

@@ -216,3 +216,80 @@ def test_two_ranks_give_the_logprobs_of_one(llm: LLM, llm_tp2: LLM) -> None:
                 assert (a.token, [t for t, _ in a.top]) == (b.token, [t for t, _ in b.top])
                 assert b.logprob == pytest.approx(a.logprob, abs=1e-5)
                 assert [v for _, v in b.top] == pytest.approx([v for _, v in a.top], abs=1e-5)
+
+
+# -- the prompt's logprobs (SamplingParams.prompt_logprobs: what /v1/completions' echo shows) -----------------------
+PROMPT = [1, 5, 9, 13, 2, 7, 40, 41, 42, 3, 3, 3, 17, 60, 61, 8, 9, 10, 30, 31, 32, 33]
+
+
+def _prefix_oracle(plugins: PluginSet, prompt: list[int]) -> list[np.ndarray]:
+    """For each position p >= 1, the log-softmax (written out in Python floats) of the logits a prefill of prompt[:p]
+    chooses its first token from: the other way of computing what scoring prompt[p] reads."""
+    engine = _engine(plugins)
+    engine.trace = {}
+    jobs = [Job(p, tuple(prompt[:p]), SamplingParams(max_new_tokens=1, ignore_eos=True)) for p in range(1, len(prompt))]
+    _run(engine, jobs)
+    return [log_softmax(engine.trace[p][0]) for p in range(1, len(prompt))]
+
+
+def _check_scored(scored: list[TokenLogprob | None] | None, prompt: list[int], oracle: list[np.ndarray],
+                  k: int) -> None:
+    assert scored is not None and len(scored) == len(prompt) and scored[0] is None
+    for p, (logprob, expected) in enumerate(zip(scored[1:], oracle, strict=True), start=1):
+        assert logprob is not None and logprob.token == prompt[p]
+        # A decode step against a prefill: the same float32 numbers summed in another order.
+        assert logprob.logprob == pytest.approx(expected[prompt[p]], abs=1e-4), p
+        assert len(logprob.top) == k and sorted_top(logprob)
+        assert [v for _, v in logprob.top] == pytest.approx([expected[t] for t, _ in logprob.top], abs=1e-4)
+
+
+def test_prompt_logprobs_score_each_token_as_a_prefill_of_its_prefix_would(plugins: PluginSet) -> None:
+    """Beside a plain sequence and a chunk of another prompt, and after the same prompt's blocks were cached: every
+    prompt token scored, against a prefill of each prefix (the oracle); the tokens generated are those of the same
+    request without the field; the cached prefix was not used (it would skip positions)."""
+    oracle = _prefix_oracle(plugins, PROMPT)
+    engine = _engine(plugins)
+    plain = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    first, _ = _run(engine, [Job(0, tuple(PROMPT), plain)])  # caches the prompt's first full block
+    hits = engine.kv_stats()["prefix_cache_hit_tokens"]
+    scoring = SamplingParams(max_new_tokens=6, ignore_eos=True, prompt_logprobs=3, logprobs=2)
+    jobs = [Job(1, (4, 5, 6), SamplingParams(max_new_tokens=30, ignore_eos=True)),
+            Job(2, tuple(PROMPT), scoring), Job(3, tuple(range(50, 75)), plain)]
+    done, events = _run(engine, jobs)
+    completion = done[2]
+    _check_scored(completion.prompt_logprobs, PROMPT, oracle, 3)
+    assert completion.token_ids == first[0].token_ids and len(completion.logprobs or []) == 6
+    assert engine.kv_stats()["prefix_cache_hit_tokens"] == hits  # job 2 did not look (job 3 had nothing to find)
+    # The first token's event brings them; the others none.
+    assert [e.prompt_logprobs is not None for e in events[2] if e.token is not None] == [True] + [False] * 5
+    assert list(events[2][0].prompt_logprobs or ()) == completion.prompt_logprobs
+    assert done[1].prompt_logprobs is None and "prompt_logprobs" not in done[1].to_dict()
+    assert completion.to_dict()["prompt_logprobs"][0] is None
+
+
+def test_a_preempted_scoring_prompt_scores_each_token_once(plugins: PluginSet) -> None:
+    from fd_core.host.backend import Backend
+    from fd_core.runtime.engine.runner import ModelRunner
+    from fd_core.runtime.plan import model_config_for
+
+    arch = plugins.registry.get("ernie4_5")
+    runner = ModelRunner(Backend(plugins), arch, model_config_for(arch, None), graph="off")
+    runner.load()
+    runner.decide()
+    # Four blocks of 16: the long sequence admitted first grows into the scoring one's blocks, which gives them up.
+    engine = Engine(runner, max_batch=4,
+                    memory=MemoryPlan(1.0, runner.config.dtype, 1, 0, 1, block_size=16, blocks=4, blocks_from="test"))
+    long = Job(0, tuple(range(100, 130)), SamplingParams(max_new_tokens=30, ignore_eos=True))
+    scoring = Job(1, tuple(PROMPT), SamplingParams(max_new_tokens=3, ignore_eos=True, prompt_logprobs=2))
+    done, _ = _run(engine, [long, scoring])
+    assert engine.preemptions >= 1
+    alone, _ = _run(_engine(plugins), [scoring])
+    _check_scored(done[1].prompt_logprobs, PROMPT, _prefix_oracle(plugins, PROMPT), 2)
+    assert done[1].token_ids == alone[1].token_ids
+    assert [p.token if p else None for p in done[1].prompt_logprobs or []] == [None, *PROMPT[1:]]
+
+
+@pytest.mark.parametrize("value", [-1, 21, 2.5])
+def test_prompt_logprobs_is_checked_like_logprobs(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"^prompt_logprobs must be"):
+        SamplingParams(prompt_logprobs=value)  # type: ignore[arg-type]

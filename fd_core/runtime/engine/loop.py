@@ -46,7 +46,8 @@ class Completion:
 
     `finish_reason` is "eos" (an end-of-sequence id, kept as the last id), "stop" (a stop string; the
     text is cut before it), "length" (max_new_tokens reached) or "cancelled" (its caller cancelled it).
-    `logprobs` (when its SamplingParams asked) has one TokenLogprob per id of token_ids, in order.
+    `logprobs` (when its SamplingParams asked) has one TokenLogprob per id of token_ids, in order;
+    `prompt_logprobs` (when asked) one per id of prompt_ids, the first None (nothing comes before it).
     """
 
     prompt_ids: list[int]
@@ -54,6 +55,7 @@ class Completion:
     text: str | None
     finish_reason: str
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"text": self.text, "ids": self.token_ids, "finish_reason": self.finish_reason,
@@ -61,6 +63,10 @@ class Completion:
         if self.logprobs is not None:
             out["logprobs"] = [{"token": p.token, "logprob": p.logprob, "top": [list(t) for t in p.top]}
                                for p in self.logprobs]
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = [None if p is None else {"token": p.token, "logprob": p.logprob,
+                                                              "top": [list(t) for t in p.top]}
+                                      for p in self.prompt_logprobs]
         return out
 
 
@@ -82,13 +88,15 @@ class Job:
 @dataclass(frozen=True)
 class Event:
     """What one step did for one sequence: the token it chose (None: none this step), the text that token
-    completed, the completion when the sequence ended, and the token's logprob data when its sampling asked."""
+    completed, the completion when the sequence ended, and the token's logprob data when its sampling asked; the
+    event of its first token carries its prompt's logprobs when its sampling asked (prompt_logprobs)."""
 
     key: int
     token: int | None = None
     text: str = ""
     done: Completion | None = None
     logprob: TokenLogprob | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 def jobs_of(request: Request, first_key: int = 0) -> list[Job]:
@@ -160,6 +168,10 @@ class _Seq:
     admitted: bool = False
     logprobs: list[TokenLogprob] | None = None
     constraint: "Constraint | None" = None  # its grammar's state (SamplingParams.grammar), made at its first token
+    # Its prompt's logprobs when asked (SamplingParams.prompt_logprobs; filled on the reporting rank only), and how
+    # many prompt positions are scored, on every rank alike (position 0 has nothing to score).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    scored: int = 1
 
     @property
     def tokens(self) -> list[int]:
@@ -168,6 +180,12 @@ class _Seq:
     @property
     def pending(self) -> int:
         return len(self.ids) - self.computed
+
+    @property
+    def stepwise(self) -> bool:
+        """Whether it still runs its prompt a token a step: the prompt's logprobs are asked and not all scored (a
+        prefill gives the logits of its last position only)."""
+        return self.job.sampling.prompt_logprobs is not None and self.scored < len(self.job.prompt)
 
     @property
     def cacheable(self) -> bool:
@@ -327,8 +345,12 @@ class Engine:
         text = TextState(StreamDecoder(self.tokenizer), job.sampling.stop) if self.tokenizer else None
         eos = frozenset() if job.sampling.ignore_eos else frozenset(job.eos_ids)
         logprobs: list[TokenLogprob] | None = [] if job.sampling.logprobs is not None else None
+        scoring = job.sampling.prompt_logprobs is not None
+        if scoring and job.images:
+            raise ConfigError("prompt_logprobs is for text prompts; drop it, or the pictures")
         self._waiting.append(
-            _Seq(job, Sampler(job.sampling, [job.index]), text, eos, list(job.prompt), order=0, logprobs=logprobs)
+            _Seq(job, Sampler(job.sampling, [job.index]), text, eos, list(job.prompt), order=0, logprobs=logprobs,
+                 prompt_logprobs=[None] if scoring else None)
         )
 
     def cancel(self, key: int) -> None:
@@ -412,7 +434,7 @@ class Engine:
         index = 0
         while index < len(self._running):
             seq = self._running[index]
-            if seq.pending == 1:
+            if seq.pending == 1 or seq.stepwise:
                 take = 1
             elif seq.job.images:
                 if prefills:
@@ -436,7 +458,7 @@ class Engine:
                 self._preempt(seq)
                 continue
             seq.blocks += self.pool.allocate(need)
-            if take == 1 and seq.pending == 1:
+            if take == 1 and (seq.pending == 1 or seq.stepwise):
                 decodes.append(seq)
             else:
                 prefills.append(_Chunk(seq, take))
@@ -453,7 +475,7 @@ class Engine:
             if self._sibling_prefilling(seq, prefills):
                 break  # next step, once its prompt's blocks are published, it finds them cached
             hits = self._lookup(seq)
-            take = seq.pending if seq.job.images else min(seq.pending, budget)
+            take = 1 if seq.stepwise else seq.pending if seq.job.images else min(seq.pending, budget)
             need = self._blocks_for(seq, seq.computed + take)
             if need > self.pool.available:
                 self.pool.free(hits)
@@ -463,7 +485,7 @@ class Engine:
             self._waiting.popleft()
             seq.admitted, seq.order = True, next(self._order)
             self._running.append(seq)
-            if seq.pending == 1:  # all but its last token found cached: that one's step is a decode step
+            if seq.pending == 1 or seq.stepwise:  # all but its last token found cached, or a token a step
                 decodes.append(seq)
             else:
                 prefills.append(_Chunk(seq, take))
@@ -485,7 +507,7 @@ class Engine:
     def _lookup(self, seq: _Seq) -> list[int]:
         """Its prompt's leading full blocks found cached (held now), set as its first blocks and computed; a sequence
         always computes at least its last token, so the last block of a whole-block prompt is computed again."""
-        if not (self.prefix_caching and seq.cacheable):
+        if not (self.prefix_caching and seq.cacheable) or seq.stepwise:  # a stepwise prompt needs every position
             return []
         full = (len(seq.ids) - 1) // self.block_size
         hashes: list[bytes] = []
@@ -590,7 +612,8 @@ class Engine:
         slots = np.zeros([rows, 1], dtype=np.int64)  # a free row writes the null block's first slot
         deltas = np.zeros(rows, dtype=np.int64)
         for row, seq in enumerate(seqs):
-            tokens[row, 0], starts[row] = seq.ids[-1], seq.computed
+            # Its next uncomputed id: the last one, or a stepwise prompt's next.
+            tokens[row, 0], starts[row] = seq.ids[seq.computed], seq.computed
             slots[row, 0], deltas[row] = self._slot(seq, seq.computed), seq.rope_delta
         tables = self._tables(seqs, width)
         if rows > len(seqs):
@@ -602,14 +625,41 @@ class Engine:
         for seq in seqs:
             seq.computed += 1
             self._publish(seq)
-        picked = self._choose(logits, seqs, list(range(len(seqs))))
-        for seq, token in zip(seqs, picked, strict=True):
+        prompting = [row for row, seq in enumerate(seqs) if seq.pending > 0]
+        if prompting:
+            self._score(logits, [seqs[row] for row in prompting], prompting)
+        at = [row for row, seq in enumerate(seqs) if seq.pending == 0]
+        choosing = [seqs[row] for row in at]
+        picked = self._choose(logits, choosing, at) if choosing else []
+        for seq, token in zip(choosing, picked, strict=True):
             self._push(seq, token, events)
         elapsed = time.perf_counter() - start
         self.runner.add_time("decode", elapsed)
         self.decode_s += elapsed
         self.decode_core_s += time.process_time() - core_start
-        self.decoded_tokens += len(seqs)
+        self.decoded_tokens += len(choosing)
+
+    def _score(self, logits: Any, seqs: Sequence[_Seq], at: Sequence[int]) -> None:
+        """Stepwise prompts (sequence i at row at[i] of logits [B, vocab]) whose step computed position p: the
+        logprob of their prompt's id p + 1 given the ids before it, appended once (a recomputed prompt, after a
+        preemption, scores nothing twice)."""
+        live = [False] * int(logits.shape[0])
+        for i in at:
+            live[i] = True
+        check_finite(logits, self.steps, live)
+        fresh = [(seq, i) for seq, i in zip(seqs, at, strict=True) if seq.computed == seq.scored]
+        for seq, _ in fresh:
+            seq.scored += 1
+        if not (self.rank is None or self.rank.rank == 0):
+            return  # only rank 0 reports logprobs; every rank counts what is scored alike
+        asking = [(seq, i) for seq, i in fresh if seq.prompt_logprobs is not None]
+        if asking:
+            rows = _host_rows(logits, [i for _, i in asking])
+            found = token_logprobs(rows, [seq.ids[seq.computed] for seq, _ in asking],
+                                   [seq.job.sampling.prompt_logprobs or 0 for seq, _ in asking])
+            for (seq, _), logprob in zip(asking, found, strict=True):
+                assert seq.prompt_logprobs is not None
+                seq.prompt_logprobs.append(logprob)
 
     def _choose(self, logits: Any, seqs: Sequence[_Seq], at: Sequence[int]) -> list[int]:
         """Each sequence's next token from logits [B, vocab] (sequence i at row at[i]) through the Backend's sample op,
@@ -706,11 +756,15 @@ class Engine:
                 seq.reason = "stop"  # the output is complete: only an end-of-sequence id could follow
         if seq.reason is None and len(seq.tokens) >= seq.job.sampling.max_new_tokens:
             seq.reason = "length"
+        # The first token's event brings the prompt's logprobs, which are whole from then on.
+        scored = None
+        if seq.prompt_logprobs is not None and len(seq.tokens) == 1:
+            scored = tuple(seq.prompt_logprobs)
         if seq.reason is None:
-            events.append(Event(seq.job.key, token, shown, logprob=logprob))
+            events.append(Event(seq.job.key, token, shown, logprob=logprob, prompt_logprobs=scored))
             return
         end = self._finish(seq, final=True)
-        events.append(Event(seq.job.key, token, shown + end.text, end.done, logprob))
+        events.append(Event(seq.job.key, token, shown + end.text, end.done, logprob, scored))
 
     def _finish(self, seq: _Seq, final: bool) -> Event:
         """Free its blocks; its completion, with the rest of its text when it ended by itself."""
@@ -723,4 +777,6 @@ class Engine:
         text = None if state is None else (state.text if final else state.text[: state.shown])
         assert seq.reason is not None
         logprobs = None if seq.logprobs is None else list(seq.logprobs)
-        return Event(seq.job.key, None, rest, Completion(list(seq.job.prompt), seq.tokens, text, seq.reason, logprobs))
+        scored = None if seq.prompt_logprobs is None else list(seq.prompt_logprobs)
+        return Event(seq.job.key, None, rest,
+                     Completion(list(seq.job.prompt), seq.tokens, text, seq.reason, logprobs, scored))

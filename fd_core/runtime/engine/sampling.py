@@ -57,6 +57,12 @@ class SamplingParams:
 
     `n` choices are generated for each prompt, each its own sequence with its own sampler (one seed gives n different
     samples; greedy, n equal ones), sharing the prompt's cached blocks.
+
+    `prompt_logprobs` None scores no prompt; k (0 to 20) gives the completion's prompt_logprobs: for each prompt token
+    after the first, its log-probability given the tokens before it and the k most likely there (the raw logits'
+    log-softmax, as `logprobs`); the first token's entry is None. The model's prefill returns the last position's
+    logits only, so such a prompt is run a token a step through the decode step, beside the running batch, and finds
+    no cached prefix: it costs a decode step per prompt token (docs/python-api.md). Text prompts only.
     """
 
     max_new_tokens: int = 16
@@ -75,6 +81,7 @@ class SamplingParams:
     min_tokens: int = 0
     n: int = 1
     grammar: str | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # One stop string given as a str is that string (a str is also a sequence: of single characters).
@@ -121,12 +128,15 @@ class SamplingParams:
             raise ConfigError("grammar must be a grammar from fd_core.runtime.text.grammar.constraint_spec, or None")
         if not 1 <= self.n <= MAX_CHOICES:
             raise ConfigError(f"n must be in 1..{MAX_CHOICES} (the choices per prompt), got {self.n}")
-        if self.logprobs is not None:
-            if not _integer(self.logprobs):
-                raise ConfigError(f"logprobs must be an integer or None, got {self.logprobs!r:.40}")
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ConfigError(f"logprobs must be in 0..{MAX_LOGPROBS} (0: the chosen token's only; None: none), "
-                                  f"got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not _integer(value):
+                raise ConfigError(f"{name} must be an integer or None, got {value!r:.40}")
+            if not 0 <= value <= MAX_LOGPROBS:
+                what = "the chosen token's" if name == "logprobs" else "each prompt token's"
+                raise ConfigError(f"{name} must be in 0..{MAX_LOGPROBS} (0: {what} only; None: none), got {value}")
 
     @property
     def greedy(self) -> bool:

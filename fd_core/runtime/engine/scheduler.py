@@ -38,11 +38,15 @@ class Submission:
     """One prompt on its way through the running batch: its text as produced (with its tokens' logprobs, when asked),
     its completion, and a way to cancel it."""
 
-    def __init__(self, key: int, prompt_tokens: int, cancel: Callable[[int], None]) -> None:
+    def __init__(self, key: int, prompt_tokens: int, cancel: Callable[[int], None],
+                 prompt_ids: Sequence[int] = ()) -> None:
         self.key = key
         self.prompt_tokens = prompt_tokens
+        self.prompt_ids = prompt_ids
         self.first_token_at: float | None = None  # time.time() when its first token reached this process
         self.generated_tokens = 0
+        # Its prompt's logprobs (SamplingParams.prompt_logprobs), set before its first piece is handed on.
+        self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
         self._cancel = cancel
         self._pieces: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._done = threading.Event()
@@ -106,6 +110,8 @@ class Submission:
     # -- the scheduler's side --------------------------------------------------------------
     def deliver(self, event: Event) -> None:
         """One step's event for this sequence."""
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
         if event.token is not None:
             self.generated_tokens += 1
             if self.first_token_at is None:
@@ -168,7 +174,7 @@ class Scheduler:
             out = []
             for job in jobs:
                 key = next(self._keys)
-                submission = Submission(key, len(job.prompt), self.cancel)
+                submission = Submission(key, len(job.prompt), self.cancel, job.prompt)
                 self._new.append(Pending(replace(job, key=key), submission))
                 self._live[key] = submission
                 out.append(submission)
