@@ -32,8 +32,12 @@ class Op:
         default_factory=lambda: {"float32": (1e-5, 1e-5), "float16": (2e-3, 2e-3), "bfloat16": (2e-2, 2e-2)}
     )
     # The arguments a kernel's preparation function may transform once, when a weight loads (contract 1.1): it takes
-    # every argument after the first and returns new values for these (one value, or a tuple when several).
+    # every argument after the first (or `prepare_args`) and returns new values for these (one value, or a tuple when
+    # several).
     prepared: tuple[str, ...] = ()
+    # What a preparation function takes when not every argument after the first is known at load (contract 1.4:
+    # moe_experts' routing is per call); empty: every argument after the first.
+    prepare_args: tuple[str, ...] = ()
 
 
 OPS: dict[str, Op] = {op.name: op for op in (
@@ -133,8 +137,10 @@ OPS: dict[str, Op] = {op.name: op for op in (
        "other modality's tokens at weight 0). This rank's partial sum: the caller all-reduces it. A decode step's "
        "T is its batch size (captured); a prefill's, its tokens (eager)",
        # Looser than the elementwise ops' in float32, as matmul's: a kernel orders the H- and I-term sums and the
-       # k-term sum its own way. No preparation (prepared=()): a kernel receives the stacked weights as they loaded.
-       tolerances={"float32": (1e-4, 1e-4), "float16": (2e-3, 2e-3), "bfloat16": (2e-2, 2e-2)}),
+       # k-term sum its own way. The stacked weights may be prepared at load (1.4): prepare(gate, up, down), the
+       # routing being per call.
+       tolerances={"float32": (1e-4, 1e-4), "float16": (2e-3, 2e-3), "bfloat16": (2e-2, 2e-2)},
+       prepared=("gate", "up", "down"), prepare_args=("gate", "up", "down")),
 )}
 
 

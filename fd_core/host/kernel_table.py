@@ -76,18 +76,25 @@ def check_kernel(plugin: str, op: str, fn: Any, capturable: Any, prepare: Any = 
                 f"plugin {plugin!r}: fd_register_kernels registered a prepare function for {op!r}, whose arguments "
                 f"are never prepared (ops with prepared weights: {with_prepare}); register {op!r} without prepare="
             )
+        takes = preparation_args(op)
         if not callable(prepare):
             raise PluginError(
                 f"plugin {plugin!r}: fd_register_kernels registered prepare={prepare!r} for {op!r}, which is not "
-                f"callable; pass a function taking ({', '.join(want[1:])})"
+                f"callable; pass a function taking ({', '.join(takes)})"
             )
-        got = _signature_problem(prepare, want[1:])
+        got = _signature_problem(prepare, takes)
         if got is not None:
+            which = f"the op's arguments after {want[0]}" if takes == want[1:] else "the op's weights"
             raise PluginError(
                 f"plugin {plugin!r}: its prepare function for {op!r} takes ({got}), but it is called as "
-                f"prepare({', '.join(want[1:])}) (the op's arguments after {want[0]}); give it exactly those arguments"
+                f"prepare({', '.join(takes)}) ({which}); give it exactly those arguments"
             )
     return Kernel(op, fn, plugin, capturable, prepare)
+
+
+def preparation_args(op: str) -> tuple[str, ...]:
+    """What a preparation function for `op` takes: its prepare_args, or every argument after the first."""
+    return OPS[op].prepare_args or OPS[op].args[1:]
 
 
 @dataclass
@@ -194,7 +201,9 @@ class Ops:
         prepare = self._prepares.get(name)
         if prepare is None:
             return tuple(args)
-        return _placed(name, args, _run_prepare(prepare, name, args, self.providers[name]), self.providers[name])
+        given = dict(zip(OPS[name].args[1:], args, strict=True))
+        taken = tuple(given[n] for n in preparation_args(name))
+        return _placed(name, args, _run_prepare(prepare, name, taken, self.providers[name]), self.providers[name])
 
     def prepared(self, name: str) -> Callable[..., Any]:
         """The kernel in use for `name`, called with the first argument and what `prepare` returned."""

@@ -25,7 +25,7 @@ from paddle import nn
 
 from fd_core import WeightSpec
 from fd_models.layers.params import new_param, new_stacked_param
-from fd_models.layers.products import Product
+from fd_models.layers.products import ExpertProducts, Product
 
 
 class _Experts:
@@ -33,6 +33,7 @@ class _Experts:
 
     def __init__(
         self, first: int, count: int, hidden: int, intermediate: int, tp: int, dtype: str, parent: nn.Layer, kind: str,
+        ctx: Any,
     ) -> None:
         names = [f"experts.{first + i}" for i in range(count)]
         # Registered on the MoE block itself so the stacked parts resolve to `mlp.experts.{i}....`.
@@ -45,6 +46,8 @@ class _Experts:
         self.down = new_stacked_param(parent, [(f"{n}.down_proj.weight", WeightSpec((hidden, intermediate), 1,
                                                                                     dtype)) for n in names], tp,
                                                                                     attr=f"{kind}_down")
+        # Through the moe_experts op, its three weights prepared together at load when the kernel in use asks.
+        self.product = ExpertProducts(parent, (f"{kind}_gate", f"{kind}_up", f"{kind}_down"), ctx)
 
 
 class MoEBlock(nn.Layer):
@@ -58,7 +61,7 @@ class MoEBlock(nn.Layer):
     ) -> None:
         super().__init__()
         self.ctx, self.hidden, self.experts, self.top_k, self.norm_min = ctx, hidden, experts, top_k, norm_min
-        self.silu_and_mul, self.moe_experts = ctx.ops.silu_and_mul, ctx.ops.moe_experts
+        self.silu_and_mul = ctx.ops.silu_and_mul
         tp = ctx.parallel.tp_size
         # The routers are [hidden, experts] in the checkpoint (input-major) and run in float32, as the reference's.
         self.gate = nn.Layer()
@@ -70,8 +73,8 @@ class MoEBlock(nn.Layer):
         self.moe_statics = nn.Layer()
         new_param(self.moe_statics, WeightSpec((2, experts), None, "float32", init="zeros"), 1,
                   attr="e_score_correction_bias")
-        self.text = _Experts(0, experts, hidden, intermediate[0], tp, dtype, self, "text")
-        self.vision = _Experts(experts, experts, hidden, intermediate[1], tp, dtype, self, "vision")
+        self.text = _Experts(0, experts, hidden, intermediate[0], tp, dtype, self, "text", ctx)
+        self.vision = _Experts(experts, experts, hidden, intermediate[1], tp, dtype, self, "vision", ctx)
         self.shared = shared > 0
         if self.shared:
             # Like the dense MLP, but its partial output joins the experts' before the block's one all-reduce.
@@ -108,7 +111,7 @@ class MoEBlock(nn.Layer):
         chosen, weights = self._route(x, router, bias)
         if only is not None:
             weights = weights * only.astype(weights.dtype).unsqueeze(-1)
-        return self.moe_experts(x, experts.gate, experts.up, experts.down, chosen, weights)
+        return experts.product(x, chosen, weights)
 
     def forward(self, x: paddle.Tensor, vision_mask: paddle.Tensor | None = None) -> paddle.Tensor:
         """x [B, S, H]; `vision_mask` [B, S] (True for image tokens) or None (all text, as in decode) -> [B, S, H]."""

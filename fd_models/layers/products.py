@@ -1,4 +1,5 @@
-"""The products of the linear layers: each weight the matmul op consumes, prepared once when it loads.
+"""The products of the linear layers (and of the routed experts): each weight the matmul op (or moe_experts)
+consumes, prepared once when it loads.
 
 A `Product` holds one parameter (the tensor a checkpoint loads into) and calls the kernel in use on what that
 kernel asked to receive: after each load (and so after each reload) the parameter is quantized when the run asks
@@ -66,24 +67,64 @@ class Product:
             param._clear_data()  # the kernel reads only what was prepared from it
 
     def _hold(self, values: tuple[Any, ...]) -> tuple[tuple[str | None, Any], ...]:
-        """Tensors among `values` as buffers of the layer, named: the same objects load after load (a traced program
-        holds them), their storage replaced."""
-        held: list[tuple[str | None, Any]] = []
-        for i, value in enumerate(values):
-            name = f"{self.attr}{PREPARED}{i}"
-            if value is getattr(self.layer, self.attr):
-                held.append((self.attr, None))
-                continue
-            if not isinstance(value, paddle.Tensor):
-                held.append((None, value))
-                continue
-            old = getattr(self.layer, name, None)
-            if old is not None and old is not value and old.shape == value.shape and old.dtype == value.dtype:
-                value._share_buffer_to(old)
-            elif old is not value:
-                self.layer.register_buffer(name, value, persistable=False)
-            held.append((name, None))
-        return tuple(held)
+        return tuple(_hold(self.layer, self.attr, i, value) for i, value in enumerate(values))
+
+    def loaded(self, param: paddle.Tensor, quantization: str | None) -> None:
+        self.prepare(quantization)
+
+
+class ExpertProducts:
+    """One modality's routed experts through the `moe_experts` op: their stacked gate, up and down weights
+    (parameters `attrs` of `layer`) handed to the kernel's preparation together, once all three have loaded (and
+    again after each reload), when the kernel in use prepares them (contract 1.4). Never quantized."""
+
+    def __init__(self, layer: nn.Layer, attrs: tuple[str, str, str], ctx: Any) -> None:
+        self.layer, self.attrs, self.ops = layer, attrs, ctx.ops
+        self.kernel = self.ops.moe_experts
+        # What the kernel gets as gate, up and down: a tensor of the layer by name (looked up at each call, so that a
+        # capture traces the layer's own), or a value as is.
+        self.args: tuple[tuple[str | None, Any], ...] = tuple((attr, None) for attr in attrs)
+        self.filled: set[str] = set()  # which of the three this load has filled so far
+        for attr in attrs:
+            getattr(layer, attr).fd_product = self
+
+    def __call__(self, x: paddle.Tensor, chosen: paddle.Tensor, weights: paddle.Tensor) -> paddle.Tensor:
+        gate, up, down = (value if name is None else getattr(self.layer, name) for name, value in self.args)
+        return self.kernel(x, gate, up, down, chosen, weights)
+
+    def loaded(self, param: paddle.Tensor, quantization: str | None) -> None:
+        self.filled.update(attr for attr in self.attrs if getattr(self.layer, attr) is param)
+        if len(self.filled) < len(self.attrs):
+            return
+        self.filled.clear()
+        if not self.ops.prepares("moe_experts"):
+            return
+        weights = [getattr(self.layer, attr) for attr in self.attrs]
+        # The routing is per call: the preparation takes the weights only (Op.prepare_args).
+        values = self.ops.prepare("moe_experts", *weights, None, None)[:3]
+        self.kernel = self.ops.prepared("moe_experts")
+        self.args = tuple(_hold(self.layer, attr, 0, value) for attr, value in zip(self.attrs, values, strict=True))
+        kept = {name for name, _ in self.args}
+        for attr, param in zip(self.attrs, weights, strict=True):
+            if attr not in kept:
+                param._clear_data()  # the kernel reads only what was prepared from it
+
+
+def _hold(layer: nn.Layer, attr: str, index: int, value: Any) -> tuple[str | None, Any]:
+    """A prepared value as the kernel gets it: (the layer's tensor name, None), or (None, a non-tensor as is). A
+    tensor is held as a buffer of the layer named after its parameter: the same object load after load (a traced
+    program holds it), its storage replaced."""
+    if value is getattr(layer, attr):
+        return attr, None
+    if not isinstance(value, paddle.Tensor):
+        return None, value
+    name = f"{attr}{PREPARED}{index}"
+    old = getattr(layer, name, None)
+    if old is not None and old is not value and old.shape == value.shape and old.dtype == value.dtype:
+        value._share_buffer_to(old)
+    elif old is not value:
+        layer.register_buffer(name, value, persistable=False)
+    return name, None
 
 
 def prepare_after_load(quantization: str | None) -> Any:
@@ -92,6 +133,6 @@ def prepare_after_load(quantization: str | None) -> Any:
     def after(param: paddle.Tensor) -> None:
         product = getattr(param, "fd_product", None)
         if product is not None:
-            product.prepare(quantization)
+            product.loaded(param, quantization)
 
     return after

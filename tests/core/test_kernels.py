@@ -259,18 +259,20 @@ def test_the_suite_passes_the_example_kernels(example_kernels: Path) -> None:
     assert "passed   test_quantized_models_generate_what_the_native_path_does" in done.stdout
 
 
-@pytest.mark.parametrize("broken, op", [("prepare", "matmul"), ("quant_matmul", "quant_matmul")])
+@pytest.mark.parametrize("broken, op", [("prepare", "matmul"), ("quant_matmul", "quant_matmul"),
+                                        ("prepare_moe", "moe_experts")])
 def test_the_suite_fails_a_stale_preparation_or_a_wrong_unpacking_by_its_op(
     example_kernels: Path, broken: str, op: str
 ) -> None:
     """FD_EXAMPLE_KERNELS_BREAK=prepare: the matmul preparation cached by the weight's id() (stale after an in-place
-    reload); =quant_matmul: the two 4-bit values of a byte swapped."""
+    reload); =quant_matmul: the two 4-bit values of a byte swapped; =prepare_moe: the experts' preparation cached by
+    the gate's id()."""
     done = run_fd(["check", "cpu", "-k", "prepared"], example_kernels, {"FD_EXAMPLE_KERNELS_BREAK": broken},
                   timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
     line = next(x for x in done.stdout.splitlines() if "test_prepared_weights" in x)
     assert line.split()[0] == "failed" and f"AssertionError: {op} (example-kernels)" in line, done.stdout
-    if broken == "prepare":  # right at load, wrong only once the same tensor is refilled
+    if broken.startswith("prepare"):  # right at load, wrong only once the same tensor is refilled
         assert "after a reload (the same tensors refilled, prepared again)" in line, line
 
 

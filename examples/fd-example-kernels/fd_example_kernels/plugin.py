@@ -13,7 +13,7 @@ from fd_core import hookimpl
 from fd_example_kernels import moe, paged, weights
 
 # The version of fd's plugin contract this plugin was written for (fd_core.contract).
-FD_CONTRACT = "1.3"
+FD_CONTRACT = "1.4"
 
 _seen: set[str] = set()
 
@@ -98,7 +98,7 @@ def fd_register_kernels(register: Callable[..., None]) -> None:
     # Each weight prepared once when it loads (and again after a reload): the kernels read only the prepared form.
     register("matmul", _traced("matmul", weights.matmul), prepare=weights.prepare_matmul)
     register("quant_matmul", _traced("quant_matmul", weights.quant_matmul), prepare=weights.prepare_quant)
-    register("moe_experts", _traced("moe_experts", moe.moe_experts))
+    register("moe_experts", _traced("moe_experts", moe.moe_experts), prepare=moe.prepare_moe)
     register("apply_penalties", apply_penalties)
 
 
