@@ -17,6 +17,7 @@ from paddle import nn
 
 from fd_core.config import ModelConfig
 from fd_core.kvcache import KVBatch
+from fd_core.models import host_tensor
 from fd_models.ernie4_5_vl.config import MoEConfig, VisionConfig, image_settings
 from fd_models.ernie4_5_vl.vision import Resampler, VisionTransformer
 from fd_models.layers.decoder import CausalLM, DecoderOptions
@@ -78,7 +79,7 @@ class Ernie4_5_VLMoeForConditionalGeneration(PictureTextModel):  # noqa: N801 - 
     def _encode(self, picture: np.ndarray) -> tuple[tuple[int, int, int], list[paddle.Tensor]]:
         """One picture -> (its grid, [resampled embeddings])."""
         patches, grid = patchify(preprocess(picture, self.image_settings), self.vision_config)
-        return grid, [self.resampler_model(self.vision_model(paddle.to_tensor(patches), grid))]
+        return grid, [self.resampler_model(self.vision_model(host_tensor(patches), grid))]
 
 
 def build(config: ModelConfig, ctx: Any) -> Ernie4_5_VLMoeForConditionalGeneration:

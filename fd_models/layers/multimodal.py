@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 import paddle
 
+from fd_core.models import host_tensor
 from fd_models.layers.images import placeholder_runs
 
 
@@ -66,7 +67,7 @@ def scatter_rows(base: paddle.Tensor, rows: paddle.Tensor, slots: np.ndarray) ->
     extra = rows.astype(base.dtype)
     if len(extra.shape) == 2:
         extra = extra.unsqueeze(0).expand([batch, len(slots), hidden])
-    gather = paddle.to_tensor(index).unsqueeze(-1).expand([batch, length, hidden])
+    gather = host_tensor(index).unsqueeze(-1).expand([batch, length, hidden])
     return paddle.take_along_axis(paddle.concat([base, extra], axis=1), gather, axis=1)
 
 

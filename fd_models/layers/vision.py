@@ -14,6 +14,7 @@ import numpy as np
 import paddle
 from paddle import nn
 
+from fd_core.models import host_tensor
 from fd_models.activations import GELU_FORMS, VISION_ACTIVATIONS
 from fd_models.layers.norm import LayerNorm
 from fd_models.layers.parallel import ReplicatedLinear
@@ -66,7 +67,7 @@ def axial_rope(gh: int, gw: int, merge: int, head_dim: int, theta: float) -> tup
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim // 2, 2, dtype=np.float32) / (head_dim // 2)))
     pos = block_order_positions(gh, gw, merge).astype(np.float32)
     freqs = np.concatenate([pos[:, :1] * inv_freq[:quarter], pos[:, 1:] * inv_freq[:quarter]], axis=-1)
-    return paddle.to_tensor(np.cos(freqs)), paddle.to_tensor(np.sin(freqs))
+    return host_tensor(np.cos(freqs)), host_tensor(np.sin(freqs))
 
 
 class VisionAttention(nn.Layer):

@@ -15,6 +15,7 @@ import paddle
 
 from fd_core.config import ModelConfig
 from fd_core.kvcache import KVBatch
+from fd_core.models import host_tensor
 from fd_models.layers.decoder import CausalLM, DecoderOptions
 from fd_models.layers.images import preprocess
 from fd_models.layers.multimodal import scatter_rows
@@ -57,7 +58,7 @@ class Qwen3VLForConditionalGeneration(PictureTextModel):
         """One picture -> (its grid, [merged embeddings, DeepStack features...])."""
         patches, grid = patchify(preprocess(picture, self.image_settings), self.vision_config,
                                  self.vision_config.temporal_patch_size)
-        merged, deepstack = self.visual(paddle.to_tensor(patches), grid)
+        merged, deepstack = self.visual(host_tensor(patches), grid)
         return grid, [merged, *deepstack]
 
 

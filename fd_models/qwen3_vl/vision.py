@@ -16,6 +16,7 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from fd_core import WeightSpec
+from fd_core.models import host_tensor
 from fd_models.layers.norm import LayerNorm
 from fd_models.layers.parallel import ReplicatedLinear
 from fd_models.layers.params import new_param
@@ -98,8 +99,8 @@ class Qwen3VLVisionModel(nn.Layer):
         weight = self.patch_embed.proj.weight.reshape([self.config.hidden_size, self.patch_in])
         x = self.matmul(patches.astype(weight.dtype), weight, True) + self.patch_embed.proj.bias
         indices, weights = interpolation_taps(gh, gw, self.config.spatial_merge_size, self.side)
-        table = F.embedding(paddle.to_tensor(indices), self.pos_embed.weight)  # [N, 4, hidden]
-        x = x + paddle.sum(table * paddle.to_tensor(weights).astype(table.dtype).unsqueeze(-1), axis=1)
+        table = F.embedding(host_tensor(indices), self.pos_embed.weight)  # [N, 4, hidden]
+        x = x + paddle.sum(table * host_tensor(weights).astype(table.dtype).unsqueeze(-1), axis=1)
         head_dim = self.config.hidden_size // self.config.num_heads
         rope = axial_rope(gh, gw, self.config.spatial_merge_size, head_dim, self.config.rope_theta)
         deepstack = []

@@ -107,7 +107,7 @@ PREPARE_NOT_CALLABLE = _kernels("register('matmul', lambda x, weight, transpose_
 
 @pytest.mark.parametrize("source, message", [
     (PREPARE_ON_NORM, "plugin 'prep': fd_register_kernels registered a prepare function for 'rms_norm', whose "
-                      "arguments are never prepared (ops with prepared weights: matmul, quant_matmul); register "
+                      "arguments are never prepared (ops with prepared weights: matmul, quant_matmul, moe_experts); register "
                       "'rms_norm' without prepare="),
     (PREPARE_MISNAMED, "plugin 'prep': its prepare function for 'matmul' takes (w, t), but it is called as "
                        "prepare(weight, transpose_weight) (the op's arguments after x); give it exactly those "

@@ -1,5 +1,5 @@
 """Design principles checked on the source: no platform words in fd_core, lazy paddle,
-no direct collectives in models."""
+no direct collectives in models, no leaking to_tensor per request."""
 
 from __future__ import annotations
 
@@ -51,6 +51,24 @@ def _imports_paddle(code: str) -> tuple[bool, str]:
     )
     assert done.returncode == 0, done.stderr
     return done.stderr.strip().endswith("PADDLE") and not done.stderr.strip().endswith("NO-PADDLE"), done.stdout
+
+
+# paddle.to_tensor keeps about 100 bytes a call in Paddle 3.3.1 (fd_core.models.host_tensor): what the models and the
+# engine build per request goes through host_tensor; only loading (once a weight) may call it.
+TO_TENSOR = re.compile(r"paddle\.to_tensor\(")
+LOADING = {"fd_models/layers/params.py"}
+
+
+def test_models_and_the_engine_build_per_request_tensors_without_to_tensor() -> None:
+    paths = [*(ROOT / "fd_models").rglob("*.py"), *(ROOT / "fd_core" / "runtime" / "engine").rglob("*.py")]
+    hits = [
+        f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
+        for p in sorted(paths) if str(p.relative_to(ROOT)) not in LOADING
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if TO_TENSOR.search(line) and not line.lstrip().startswith("#")
+    ]
+    assert not hits, "paddle.to_tensor per request (use fd_core.models.host_tensor):\n" + "\n".join(hits)
+    assert TO_TENSOR.search("x = paddle.to_tensor(patches)") and not TO_TENSOR.search("host_tensor(patches)")
 
 
 def test_import_fd_core_does_not_import_paddle() -> None:

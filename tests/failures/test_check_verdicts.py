@@ -18,12 +18,30 @@ import pytest
 
 from conftest import fd_env, left_over, new_marker, run_fd, start_fd
 
+# Notes, from inside the suite, that a check has started a rank (the suite's checks run in started ranks).
+STARTED = """
+import os
+
+from fd_core import hookimpl
+
+
+@hookimpl
+def fd_rank_start(rank):
+    open(os.environ["FDTEST_CHECK_STARTED"], "a").close()
+"""
+
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
-def test_an_interrupted_fd_check_is_never_a_pass(sig: signal.Signals, code: int) -> None:
-
-    proc, marker = start_fd(["check", "cpu"])
-    time.sleep(6)  # inside the suite: the plugins are loaded and the checks are running
+def test_an_interrupted_fd_check_is_never_a_pass(sig: signal.Signals, code: int, distribution, tmp_path: Path) -> None:
+    site = distribution("fd-check-started", {"check_started": STARTED}, {"fd.plugins": {"check_started": "check_started"}})
+    started = tmp_path / "started"
+    proc, marker = start_fd(["check", "cpu"], site, {"FDTEST_CHECK_STARTED": str(started)})
+    # Inside the suite, a check running: a fixed wait was too short on a busy machine (the signal came before the
+    # suite, where fd says only that it was terminated).
+    deadline = time.monotonic() + 120
+    while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert started.exists(), proc.communicate(timeout=60)
     os.killpg(proc.pid, sig) if sig == signal.SIGINT else os.kill(proc.pid, sig)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == code, (out, err)

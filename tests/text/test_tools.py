@@ -54,7 +54,8 @@ def test_calls_are_parsed_out_of_the_text_and_anything_else_stays_content() -> N
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Rome"}, {}]
     assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
-    assert content == ('Let me check.\n\n<tool_call>{"name": "unknown", "arguments": {}}</tool_call>'
+    # The whitespace before each call taken out goes with it (as a stream shows it, test_a_stream_shows_...).
+    assert content == ('Let me check.<tool_call>{"name": "unknown", "arguments": {}}</tool_call>'
                        "<tool_call>not json</tool_call>")
     assert tools.parse("no calls") == ("no calls", [])
     assert check_tools([WEATHER], "none", CHAT_TEMPLATE).parse(text) == (text, [])
@@ -144,12 +145,15 @@ def test_a_stream_shows_the_content_before_the_calls_and_parses_them_at_the_end(
     'Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n',
     "no call at all  \n",
     "x <tool_call>not json</tool_call>",
+    'Checking. <tool_call>{"name": "get_time", "arguments": {}}</tool_call>\nDone, see above.\n',
+    '  lead <tool_call>{"name": "get_time", "arguments": {}}</tool_call> mid <tool_call>{"name": "get_time", '
+    '"arguments": {}}</tool_call> end',
     'two <tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n<tool_call>{"name": "get_time", '
     '"arguments": {}}</tool_call>',
 ])
 def test_a_stream_shows_the_content_the_whole_answer_has(text: str) -> None:
-    """Streamed piece by piece, the content shown adds up to the whole answer's (whitespace before a call included),
-    and the calls are the same."""
+    """Streamed piece by piece, the content shown adds up to the whole answer's (whitespace before a call included,
+    text after one too), and the calls are the same."""
     from fd_core.runtime.text.tools import ToolStream
 
     tools = check_tools([WEATHER, TIME], "auto", CHAT_TEMPLATE)
@@ -160,6 +164,8 @@ def test_a_stream_shows_the_content_the_whole_answer_has(text: str) -> None:
         rest, streamed = stream.finish()
         assert shown + (rest or "") == (content or ""), (size, shown, rest)
         assert [c["function"] for c in streamed] == [c["function"] for c in calls]
+    if "Done" in text:  # the text after a call is kept, separated from the text before as written
+        assert content == "Checking.\nDone, see above." and len(calls) == 1
 
 
 def test_a_schema_with_definitions_is_enforced_through_its_references(tokenizer_dirs: dict[str, Any]) -> None:  # noqa: F811

@@ -75,7 +75,9 @@ class Tools:
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(the content left once the calls are taken out, None when nothing is left; the calls in OpenAI's
-        `tool_calls` form). A block that is not a JSON call of an offered tool stays in the content."""
+        `tool_calls` form). A block that is not a JSON call of an offered tool stays in the content. The whitespace
+        before a call goes with it, and so does the content's trailing whitespace once a call is taken out; the text
+        between and after calls stays as written (what ToolStream shows piece by piece adds up to it)."""
         if self.choice == "none" or not self.tools:
             return text, []
         calls: list[dict[str, Any]] = []
@@ -85,11 +87,11 @@ class Tools:
             call = _call(match.group(1), self.names)
             if call is None or (calls and not self.parallel):  # past the one call allowed: left as text
                 continue
-            kept.append(text[at : match.start()])
+            kept.append(text[at : match.start()].rstrip())
             at = match.end()
             calls.append(call)
         kept.append(text[at:])
-        content = "".join(kept).strip()
+        content = "".join(kept).rstrip()
         return (content or None) if calls else text, calls
 
 
