@@ -421,7 +421,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            image_roots=tuple(Path(p) for p in args.image_root or ()),
                            max_request_bytes=args.max_request_bytes, max_images=args.max_images,
                            header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                           max_connections=args.max_connections)
+                           max_connections=args.max_connections, max_pixels=args.max_pixels)
     return serve(options, checkpoint=args.checkpoint, model=args.model, name=args.name, tp=args.tp, dtype=args.dtype,
                  graph=args.graph, seed=args.seed, max_batch=args.max_batch, rank_timeout=args.rank_timeout,
                  stall_timeout=args.stall_timeout, memory_fraction=args.memory_fraction, threads=args.threads,
@@ -799,6 +799,9 @@ def build_parser(
                         "(default: 16777216, 16 MiB)")
     p.add_argument("--max-images", type=_non_negative, default=16, metavar="N",
                    help="most pictures one chat request may hold; more get 400 before any is read (default: 16)")
+    p.add_argument("--max-pixels", type=_positive, default=64 * 1024 * 1024, metavar="N",
+                   help="most pixels one chat request's pictures may hold together, counted from their headers "
+                        "before each is decoded; more get 400 (default: 67108864)")
     p.add_argument("--header-timeout", type=_seconds, default=10.0, metavar="SECONDS",
                    help="how long a connection may take to send a request's headers before it gets 408 and is "
                         "closed (default: 10)")

@@ -111,3 +111,25 @@ def load_image(path: str) -> Any:
     picture = pixels.transpose(2, 0, 1).astype(np.float32)
     picture /= np.float32(255.0)  # in place: a large picture is not copied once more
     return picture
+
+
+def header_pixels(path: str) -> int | None:
+    """The pixels of the picture in the file at `path` as its header says, before any is decoded (a .npy array's
+    H x W, a PNG's or JPEG's width x height); None when the header cannot say (load_image then reports why)."""
+    try:
+        with open(path, "rb") as f:
+            npy = f.read(len(NPY_MAGIC)) == NPY_MAGIC
+        if npy:
+            import numpy as np
+
+            shape = np.load(path, mmap_mode="r", allow_pickle=False).shape  # mapped: only the header is read
+            return int(shape[-1] * shape[-2]) if len(shape) >= 2 else None
+        from PIL import Image
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path, formats=["PNG", "JPEG"]) as image:
+                width, height = image.size
+        return int(width * height)
+    except Exception:  # noqa: BLE001 - any unreadable header: load_image says what is wrong with it
+        return None

@@ -64,6 +64,9 @@ DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 # --max-images' default: pictures one chat request may hold. Each is decoded whole before the model's processor
 # resizes it (a 2000x2000 one is 48 MB as float32, a tenth to a quarter of a second to decode).
 DEFAULT_MAX_IMAGES = 16
+# --max-pixels' default: the pixels one request's pictures may hold together, as fd's bound on one picture (64 Mi
+# pixels; 768 MB decoded as float32 RGB): sixteen pictures of 2048x2048, or one of 8192x8192.
+DEFAULT_MAX_PIXELS = 64 * 1024 * 1024
 
 
 class Submission(Protocol):
@@ -166,13 +169,14 @@ class Server:
     def __init__(self, engine: Submitter | None, *, name: str, max_queue: int = 64,
                  api_key: str | None = None, image_roots: Sequence[Path] = (),
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_images: int = DEFAULT_MAX_IMAGES,
-                 body_timeout: float = DEFAULT_BODY_TIMEOUT_S) -> None:
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT_S, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
         """`engine` None: the model is still loading (the API answers 503 until attach() hands it over)."""
         self.engine: Submitter = Loading() if engine is None else engine
         self.loading = engine is None
         self.name = name
         self.max_queue, self.api_key, self.image_roots = max_queue, api_key, tuple(r.resolve() for r in image_roots)
         self.max_request_bytes, self.max_images, self.body_timeout = max_request_bytes, max_images, body_timeout
+        self.max_pixels = max_pixels
         self.admitted = 0  # requests' prompts admitted and not yet answered (touched on the event loop only)
         self.active: set[Generation] = set()
         self.draining: str | None = None  # why new requests are refused (shutting down, a rank failed)
@@ -331,8 +335,19 @@ class Server:
                                 f"--max-images", param="messages")
 
     def pictures(self, urls: Sequence[str]) -> tuple[Any, ...]:
-        """The pictures decoded, in order (each checked from its header first: format, size)."""
-        return tuple(read_image(u, self.image_roots) for u in urls)
+        """The pictures decoded, in order (each checked from its header first: format, size, and the request's pixels
+        so far against --max-pixels, so that what is held decoded stays under it)."""
+        total = 0
+
+        def charge(pixels: int) -> None:
+            nonlocal total
+            total += pixels
+            if total > self.max_pixels:
+                raise ApiError(400, f"the request's pictures hold more than --max-pixels {self.max_pixels} pixels "
+                                    f"together (each is decoded to 12 bytes a pixel); send fewer or smaller pictures, "
+                                    f"or start fd serve with a larger --max-pixels", param="messages")
+
+        return tuple(read_image(u, self.image_roots, charge=charge) for u in urls)
 
     # -- generating -------------------------------------------------------------------------
     def admit(self, count: int) -> None:
@@ -841,6 +856,7 @@ class ServeOptions:
     header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_pixels: int = DEFAULT_MAX_PIXELS
 
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as fd's other commands exit

@@ -13,7 +13,7 @@ import time
 import uuid
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -399,9 +399,10 @@ def shown_url(url: str) -> str:
     return repr(url if len(url) <= SHOWN_URL else url[:SHOWN_URL] + "...")
 
 
-def read_image(url: str, roots: Sequence[Path]) -> Any:
+def read_image(url: str, roots: Sequence[Path], charge: "Callable[[int], None] | None" = None) -> Any:
     """A picture from a data URL (base64 PNG or JPEG) or a file path under one of `roots`, as an array [C, H, W] in
-    [0, 1]. Only PNG and JPEG are decoded: the format is decided from the first bytes, before any decoder sees them."""
+    [0, 1]. Only PNG and JPEG are decoded: the format is decided from the first bytes, before any decoder sees them.
+    `charge(pixels)` is told its size from its header before it is decoded (and may refuse it)."""
     import numpy as np
     from PIL import Image, UnidentifiedImageError
 
@@ -436,6 +437,8 @@ def read_image(url: str, roots: Sequence[Path]) -> Any:
             width, height = image.size
             if width * height > MAX_IMAGE_PIXELS:  # refused from its header, before a pixel is decoded
                 raise too_large(f"{height}x{width}, ")
+            if charge is not None:
+                charge(width * height)
             picture = image.convert("RGB")
         except Image.DecompressionBombError:  # more than twice the bound: PIL refuses it from the header itself
             raise too_large("") from None
@@ -467,12 +470,15 @@ def read_image(url: str, roots: Sequence[Path]) -> Any:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ApiError(400, f"image path {shown} cannot be read ({reason}); send a path under --image-root or a data "
                             f"URL", param="messages") from None
-    from fd_core.runtime.images import NPY_MAGIC, load_image
+    from fd_core.runtime.images import NPY_MAGIC, header_pixels, load_image
 
     kind = picture_format(head)
     if kind not in ("PNG", "JPEG") and not head.startswith(NPY_MAGIC):
         raise ApiError(400, f"image path {shown} is {described(kind)}; only PNG or JPEG are accepted (or a .npy "
                             f"array [3, H, W]): convert it to PNG", param="messages")
+    pixels = header_pixels(str(path))
+    if charge is not None and pixels is not None:
+        charge(pixels)
     try:
         return load_image(str(path))
     except (ConfigError, OSError) as exc:

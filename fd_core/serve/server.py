@@ -43,7 +43,8 @@ def serve(
     try:
         http = Http(Server(None, name=served, max_queue=options.max_queue, api_key=options.api_key,
                            image_roots=options.image_roots, max_request_bytes=options.max_request_bytes,
-                           max_images=options.max_images, body_timeout=options.body_timeout), sock, options)
+                           max_images=options.max_images, body_timeout=options.body_timeout,
+                           max_pixels=options.max_pixels), sock, options)
         url = http.start()
         log(f"listening on {url}; GET /health answers 503 until the model is loaded")
         if checkpoint is None:

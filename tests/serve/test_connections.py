@@ -172,7 +172,9 @@ def test_a_whole_request_within_the_limits_is_served(port: int) -> None:
 def test_the_cli_defaults_are_the_servers() -> None:
     from fd_core.cli import build_parser
 
+    from fd_core.serve.app import DEFAULT_MAX_PIXELS
+
     args = build_parser().parse_args(["serve"])
-    assert (args.header_timeout, args.body_timeout, args.max_connections) == (
-        DEFAULT_HEADER_TIMEOUT_S, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS)
+    assert (args.header_timeout, args.body_timeout, args.max_connections, args.max_pixels) == (
+        DEFAULT_HEADER_TIMEOUT_S, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PIXELS)
     assert ServeOptions().header_timeout == DEFAULT_HEADER_TIMEOUT_S

@@ -11,6 +11,7 @@ import json
 import struct
 import threading
 import zlib
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -123,7 +124,7 @@ def unread(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Fails the test if a picture is read; the URLs it was asked for."""
     asked: list[str] = []
 
-    def read_image(url: str, roots: Any) -> Any:
+    def read_image(url: str, roots: Any, charge: Any = None) -> Any:
         asked.append(url)
         raise AssertionError("a picture was read")
 
@@ -184,9 +185,9 @@ def test_pictures_are_decoded_off_the_event_loop(monkeypatch: pytest.MonkeyPatch
         threads["loop"] = threading.get_ident()
         return await respond(self, *args, **kwargs)
 
-    def reading(url: str, roots: Any) -> Any:
+    def reading(url: str, roots: Any, charge: Any = None) -> Any:
         threads["read"] = threading.get_ident()
-        return read_image(url, roots)
+        return read_image(url, roots, charge)
 
     monkeypatch.setattr(Server, "respond", on_the_loop)
     monkeypatch.setattr(app_module, "read_image", reading)
@@ -194,3 +195,40 @@ def test_pictures_are_decoded_off_the_event_loop(monkeypatch: pytest.MonkeyPatch
         assert client.post("/v1/chat/completions", json=chat_with(data_url(picture(8, 6)))).status_code == 200
     assert threads["read"] != threads["loop"]
     assert [p.shape for p in engine.images[0]] == [(3, 6, 8)]
+
+
+def test_a_requests_pictures_together_are_bounded_before_each_is_decoded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    """--max-pixels: each picture's size is read from its header and added up before it is decoded, so a request's
+    decoded pictures never hold more than the bound (before: 16 pictures of 64 Mi pixels each, 12 GB as float32), for
+    data URLs and files (PNG and .npy) alike."""
+    import numpy as np
+    from PIL import Image
+
+    from fd_core.serve.app import DEFAULT_MAX_PIXELS
+
+    decoded: list[tuple[int, int]] = []
+    convert = Image.Image.convert
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        decoded.append(self.size)
+        return convert(self, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "convert", counted)
+    (tmp_path / "a.png").write_bytes(picture(60, 50))
+    np.save(tmp_path / "b.npy", np.zeros((3, 50, 60), dtype=np.float32))
+    engine = Engine()
+    message = ("the request's pictures hold more than --max-pixels 5000 pixels together (each is decoded to 12 bytes a "
+               "pixel); send fewer or smaller pictures, or start fd serve with a larger --max-pixels")
+    with TestClient(Server(engine, name="vl", max_pixels=5000, image_roots=[tmp_path]).app) as client:
+        one = data_url(picture(60, 50))  # 3000 pixels
+        assert client.post("/v1/chat/completions", json=chat_with(one)).status_code == 200
+        assert decoded == [(60, 50)]
+        for second in (one, str(tmp_path / "a.png"), str(tmp_path / "b.npy")):
+            decoded.clear()
+            error = error_of(client.post("/v1/chat/completions", json=chat_with(one, second)), 400)
+            assert error["message"] == message and error["param"] == "messages", (second, error)
+            assert decoded == [(60, 50)], second  # the first only: the second was refused from its header
+    assert len(engine.prompts) == 1
+    assert Server(Engine(), name="vl").max_pixels == DEFAULT_MAX_PIXELS == MAX_IMAGE_PIXELS
