@@ -311,6 +311,9 @@ def build_request(
         ids = text_prompts(texts, tokenizer, checkpoint, chat, arch, config, shapes)
     else:
         ids = [[int(t) for t in p] for p in prompts]
+    if sampling.prompt_logprobs is not None and images:
+        raise ConfigError("prompt_logprobs scores text prompts only (a prompt with pictures is prefilled whole); drop "
+                          "prompt_logprobs, or the pictures")
     check_prompts(ids, sampling.max_new_tokens, arch, config, shapes)
     outside = [token for token, _ in sampling.bias if token >= config.vocab_size]
     if outside:

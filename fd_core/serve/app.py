@@ -288,7 +288,10 @@ class Server:
         if isinstance(prompt, str):
             return prompt
         tokenizer = self.tokens.tokenizer
-        return "" if tokenizer is None else tokenizer.decode(prompt)
+        try:
+            return "" if tokenizer is None else tokenizer.decode(prompt)
+        except Exception:  # noqa: BLE001 - ids outside the vocabulary: the engine refuses the request, naming them
+            return ""
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:
@@ -684,6 +687,8 @@ class ApiGate:
             request = Request(scope, receive)
             refused = self.refusal(request)
             if refused is not None:
+                if _has_body(scope):  # left unread: the connection ends with the answer
+                    refused.headers.setdefault("Connection", "close")
                 response = self.server.answer(request, refused)
                 await response(scope, receive, send)
                 return
@@ -765,9 +770,18 @@ class BodyLimit:
         size = "" if declared is None else f"{declared} bytes, "
         error = ApiError(413, f"the request body is {size}more than --max-request-bytes {limit} ({sized(limit)}) "
                               f"admits; send a smaller request (pictures as files under --image-root rather than data "
-                              f"URLs), or start fd serve with a larger --max-request-bytes", code="request_too_large")
+                              f"URLs), or start fd serve with a larger --max-request-bytes", code="request_too_large",
+                         # The body is left unread: the connection ends with the answer.
+                         headers={"Connection": "close"})
         response = self.server.answer(Request(scope), error)
         await response(scope, receive, send)
+
+
+def _has_body(scope: Any) -> bool:
+    """Whether the request sends a body (a Content-Length above 0, or chunked)."""
+    headers = dict(scope.get("headers") or ())
+    length = headers.get(b"content-length", b"0")
+    return b"transfer-encoding" in headers or (length.isdigit() and int(length) > 0)
 
 
 def joined(first: dict[str, Any], then: dict[str, Any] | None) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from fd_core.serve.protocol import error_body
 # Their defaults. A client on a working network sends its headers in well under a second; ten leave room for a slow
 # one and still free a socket held by one that never sends them (slowloris) within seconds.
 DEFAULT_HEADER_TIMEOUT_S = 10.0
-# From the headers to the last byte of the body: 16 MiB (--max-request-bytes' default) at 2 Mbit/s.
+# From the headers to the last byte of the body: 16 MiB (--max-request-bytes' default, 134 Mbit) at 2.5 Mbit/s.
 DEFAULT_BODY_TIMEOUT_S = 60.0
 # Far above what one host's clients open (the API is one queue of --max-queue requests), far below the 1024 file
 # descriptors a process gets by default.
@@ -46,6 +46,7 @@ def protocol_class(limits: ConnectionLimits, log: Any) -> type[asyncio.Protocol]
     """uvicorn's h11 protocol with `limits` enforced: a connection past --max-connections gets 503 at its first bytes
     and is closed; one that has not sent a whole request's headers --header-timeout seconds after it connected (or,
     kept alive, after it started its next request) gets 408 and is closed."""
+    import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class LimitedH11(H11Protocol):
@@ -67,7 +68,8 @@ def protocol_class(limits: ConnectionLimits, log: Any) -> type[asyncio.Protocol]
                             f"the server holds --max-connections {limits.max_connections} connections already; retry "
                             f"shortly, or reuse a connection", "too_many_connections", "retry-after: 1\r\n")
                 return
-            if self.deadline is None and (self.cycle is None or self.cycle.response_complete):
+            waiting = self.conn.their_state is h11.IDLE  # for a request's headers (not an answered one's body)
+            if self.deadline is None and waiting and (self.cycle is None or self.cycle.response_complete):
                 self.arm()  # a kept-alive connection starts its next request
             super().data_received(data)
             if self.cycle is not self.awaited:

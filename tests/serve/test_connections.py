@@ -161,6 +161,29 @@ def test_connections_past_the_limit_get_503_and_the_limit_frees_as_they_close(po
         time.sleep(0.05)
 
 
+def test_a_refusal_before_the_body_is_read_closes_the_connection(port: int) -> None:
+    """A 413 from the declared length leaves the body unread: the connection ends with the answer, and the body's
+    bytes that follow are never taken for a next request (which would earn a second, unasked-for 408)."""
+    with connect(port) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 999999999\r\n\r\n{\"prompt\": ")
+        status, headers, body = reply(conn)
+        assert status == 413 and headers["connection"] == "close", (status, headers)
+        assert body["error"]["code"] == "request_too_large"
+        try:
+            conn.sendall(b"x" * 100)  # more of the body, after the answer
+        except OSError:
+            pass
+        time.sleep(HEADER_S * 1.5)
+        rest = b""
+        try:
+            while chunk := conn.recv(65536):
+                rest += chunk
+        except (ConnectionResetError, TimeoutError):
+            pass
+        assert b"408" not in rest, rest
+
+
 def test_a_whole_request_within_the_limits_is_served(port: int) -> None:
     with connect(port) as conn:
         conn.sendall(b'POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n'
@@ -171,7 +194,6 @@ def test_a_whole_request_within_the_limits_is_served(port: int) -> None:
 
 def test_the_cli_defaults_are_the_servers() -> None:
     from fd_core.cli import build_parser
-
     from fd_core.serve.app import DEFAULT_MAX_PIXELS
 
     args = build_parser().parse_args(["serve"])

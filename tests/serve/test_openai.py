@@ -497,6 +497,14 @@ def test_echo_returns_the_prompt_with_its_tokens_logprobs_streamed_or_not(client
     by_ids = client.completions.create(model="tiny", prompt=want.prompt_ids, max_tokens=3, echo=True,
                                        extra_body={"ignore_eos": True}).choices[0]
     assert by_ids.text == oracle.tokenizer.decode(want.prompt_ids) + want.text
+    # n choices each echo the prompt, with its scored tokens.
+    two = client.completions.create(**{**ask, "n": 2}).choices  # type: ignore[call-overload]
+    assert [c.text for c in two] == [choice.text] * 2
+    assert all(same_logprobs(c.logprobs.model_dump(), shown) for c in two)
+    # Ids outside the vocabulary: the engine's 400, not a failure to echo them.
+    with pytest.raises(openai.BadRequestError) as outside:
+        client.completions.create(model="tiny", prompt=[1, 2 ** 40], max_tokens=2, echo=True)
+    assert "outside the vocabulary" in outside.value.message  # type: ignore[attr-defined]
 
 
 # -- n, penalties, bias, structured output ------------------------------------------------------

@@ -293,3 +293,14 @@ def test_a_preempted_scoring_prompt_scores_each_token_once(plugins: PluginSet) -
 def test_prompt_logprobs_is_checked_like_logprobs(value: object) -> None:
     with pytest.raises(ConfigError, match=r"^prompt_logprobs must be"):
         SamplingParams(prompt_logprobs=value)  # type: ignore[arg-type]
+
+
+def test_prompt_logprobs_with_pictures_are_refused_when_the_request_is_built(plugins: PluginSet) -> None:
+    """Before any rank sees it: on the engine's thread it would fail the whole step (every request in it)."""
+    from fd_core.runtime.plan import model_config_for
+    from fd_core.runtime.request import build_request
+
+    arch = plugins.registry.get("qwen3_vl")
+    with pytest.raises(ConfigError, match=r"^prompt_logprobs scores text prompts only"):
+        build_request([[1, 2, 3]], SamplingParams(prompt_logprobs=1), arch=arch, config=model_config_for(arch, None),
+                      checkpoint=None, images=[np.zeros((3, 32, 32), dtype=np.float32)])

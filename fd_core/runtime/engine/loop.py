@@ -47,7 +47,8 @@ class Completion:
     `finish_reason` is "eos" (an end-of-sequence id, kept as the last id), "stop" (a stop string; the
     text is cut before it), "length" (max_new_tokens reached) or "cancelled" (its caller cancelled it).
     `logprobs` (when its SamplingParams asked) has one TokenLogprob per id of token_ids, in order;
-    `prompt_logprobs` (when asked) one per id of prompt_ids, the first None (nothing comes before it).
+    `prompt_logprobs` (when asked) one per id of prompt_ids, the first None (nothing comes before it); fewer when
+    the sequence was cancelled before its prompt was scored.
     """
 
     prompt_ids: list[int]
@@ -346,8 +347,8 @@ class Engine:
         eos = frozenset() if job.sampling.ignore_eos else frozenset(job.eos_ids)
         logprobs: list[TokenLogprob] | None = [] if job.sampling.logprobs is not None else None
         scoring = job.sampling.prompt_logprobs is not None
-        if scoring and job.images:
-            raise ConfigError("prompt_logprobs is for text prompts; drop it, or the pictures")
+        # build_request refuses it first (here, on the engine's thread, it would fail the whole step).
+        assert not (scoring and job.images), "prompt_logprobs with pictures"
         self._waiting.append(
             _Seq(job, Sampler(job.sampling, [job.index]), text, eos, list(job.prompt), order=0, logprobs=logprobs,
                  prompt_logprobs=[None] if scoring else None)
