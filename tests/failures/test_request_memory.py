@@ -76,7 +76,9 @@ def test_host_tensor_copies_as_to_tensor_does_and_keeps_nothing() -> None:
     kept = _retained(lambda: host_tensor(array), 2000, this_thread=True)
     leaked = _retained(lambda: paddle.to_tensor(array), 2000, this_thread=True)  # the count sees Paddle's leak
     assert leaked > 1000, leaked
-    assert kept < 200, f"2000 tensors made from an array left {kept} allocations alive (paddle.to_tensor: ~4000)"
+    # Paddle's leak is two allocations a call; what else this thread allocates and keeps meanwhile (caches warmed by a
+    # busy machine's timing) stays in the low hundreds.
+    assert kept < 500, f"2000 tensors made from an array left {kept} allocations alive (paddle.to_tensor: ~4000)"
 
 
 def test_requests_do_not_keep_memory(tmp_path: Path) -> None:

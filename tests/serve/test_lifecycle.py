@@ -128,7 +128,8 @@ def test_sigterm_under_load_drains_cancels_and_exits_143_leaving_nothing(server:
         t.start()
     wait_for(lambda: metric(metrics(server), "fd_queue_length") == 2, 10, "the two long requests admitted")
     threads[2].start()  # then the short one (32 tokens), which must be in flight when the signal comes
-    wait_for(lambda: metric(metrics(server), "fd_queue_length") == 3, 10, "the short request admitted")
+    # Generous: on a busy machine the short request's tokenizing and admission can wait behind the long ones' steps.
+    wait_for(lambda: metric(metrics(server), "fd_queue_length") == 3, 30, "the short request admitted")
     assert len(processes_with(server.marker)) >= 3  # the server and its two ranks
     started = time.monotonic()
     server.process.send_signal(signal.SIGTERM)
