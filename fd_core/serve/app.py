@@ -547,7 +547,8 @@ class Server:
                 prompt_tokens += len(c.prompt_ids)
             completion_tokens += len(c.token_ids)
             reason = FINISH_REASONS.get(c.finish_reason, c.finish_reason)
-            shown = self.logprobs(chat, c.logprobs if logprobs else None)
+            # Echoed, the answer's logprobs are shown after the prompt's, their offsets going on (below).
+            shown = self.logprobs(chat, c.logprobs if logprobs and echoes is None else None)
             if chat:
                 message: dict[str, Any] = {"role": "assistant", "content": c.text or ""}
                 if tools is not None:

@@ -47,7 +47,7 @@ class Product:
         self.args: tuple[tuple[str | None, Any], ...] = ((attr, None), (None, transpose_weight))
 
     def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
-        return self.kernel(x, *[value if name is None else getattr(self.layer, name) for name, value in self.args])
+        return self.kernel(x, *_resolved(self.layer, self.args))
 
     def prepare(self, quantization: str | None) -> None:
         """After the parameter is loaded: quantize and / or prepare it for the kernel in use, once."""
@@ -89,8 +89,7 @@ class ExpertProducts:
             getattr(layer, attr).fd_product = self
 
     def __call__(self, x: paddle.Tensor, chosen: paddle.Tensor, weights: paddle.Tensor) -> paddle.Tensor:
-        gate, up, down = (value if name is None else getattr(self.layer, name) for name, value in self.args)
-        return self.kernel(x, gate, up, down, chosen, weights)
+        return self.kernel(x, *_resolved(self.layer, self.args), chosen, weights)
 
     def loaded(self, param: paddle.Tensor, quantization: str | None) -> None:
         self.filled.update(attr for attr in self.attrs if getattr(self.layer, attr) is param)
@@ -108,6 +107,12 @@ class ExpertProducts:
         for attr, param in zip(self.attrs, weights, strict=True):
             if attr not in kept:
                 param._clear_data()  # the kernel reads only what was prepared from it
+
+
+def _resolved(layer: nn.Layer, args: tuple[tuple[str | None, Any], ...]) -> list[Any]:
+    """A product's kernel arguments: each a tensor of the layer by name (looked up at each call, so that a capture
+    traces the layer's own parameter or buffer), or a value as is."""
+    return [value if name is None else getattr(layer, name) for name, value in args]
 
 
 def _hold(layer: nn.Layer, attr: str, index: int, value: Any) -> tuple[str | None, Any]:

@@ -62,13 +62,14 @@ class Completion:
         out: dict[str, Any] = {"text": self.text, "ids": self.token_ids, "finish_reason": self.finish_reason,
                                "prompt_tokens": len(self.prompt_ids)}
         if self.logprobs is not None:
-            out["logprobs"] = [{"token": p.token, "logprob": p.logprob, "top": [list(t) for t in p.top]}
-                               for p in self.logprobs]
+            out["logprobs"] = [_logprob_dict(p) for p in self.logprobs]
         if self.prompt_logprobs is not None:
-            out["prompt_logprobs"] = [None if p is None else {"token": p.token, "logprob": p.logprob,
-                                                              "top": [list(t) for t in p.top]}
-                                      for p in self.prompt_logprobs]
+            out["prompt_logprobs"] = [None if p is None else _logprob_dict(p) for p in self.prompt_logprobs]
         return out
+
+
+def _logprob_dict(p: TokenLogprob) -> dict[str, Any]:
+    return {"token": p.token, "logprob": p.logprob, "top": [list(t) for t in p.top]}
 
 
 @dataclass(frozen=True)
@@ -644,10 +645,7 @@ class Engine:
         """Stepwise prompts (sequence i at row at[i] of logits [B, vocab]) whose step computed position p: the
         logprob of their prompt's id p + 1 given the ids before it, appended once (a recomputed prompt, after a
         preemption, scores nothing twice)."""
-        live = [False] * int(logits.shape[0])
-        for i in at:
-            live[i] = True
-        check_finite(logits, self.steps, live)
+        self._check_rows(logits, at)
         fresh = [(seq, i) for seq, i in zip(seqs, at, strict=True) if seq.computed == seq.scored]
         for seq, _ in fresh:
             seq.scored += 1
@@ -662,15 +660,19 @@ class Engine:
                 assert seq.prompt_logprobs is not None
                 seq.prompt_logprobs.append(logprob)
 
+    def _check_rows(self, logits: Any, at: Sequence[int]) -> None:
+        """check_finite on the rows `at` of logits [B, vocab] (the others are padding or not read)."""
+        live = [False] * int(logits.shape[0])
+        for i in at:
+            live[i] = True
+        check_finite(logits, self.steps, live)
+
     def _choose(self, logits: Any, seqs: Sequence[_Seq], at: Sequence[int]) -> list[int]:
         """Each sequence's next token from logits [B, vocab] (sequence i at row at[i]) through the Backend's sample op,
         once its rows' logits are known to be finite; a sequence whose sampling asks for logprobs gets the token's
         appended to its own (the rows that do not ask cost nothing)."""
         start = time.perf_counter()
-        live = [False] * int(logits.shape[0])
-        for i in at:
-            live[i] = True
-        check_finite(logits, self.steps, live)
+        self._check_rows(logits, at)
         if self.trace is not None:
             import numpy as np
 
@@ -683,7 +685,7 @@ class Engine:
         processed = {n: row for n, row in self._process(logits, seqs, at)}
         if not processed and all(seq.job.sampling.greedy for seq in seqs):
             # One call for the whole batch: greedy draws nothing, so the rows need no sampler of their own.
-            every = sample(logits, 0.0, 0, 1.0, [0.0] * len(live))
+            every = sample(logits, 0.0, 0, 1.0, [0.0] * int(logits.shape[0]))
             chosen = [int(every[i]) for i in at]
         else:
             chosen = [seq.sampler.choose(processed[n] if n in processed else logits[i : i + 1], sample)[0]
