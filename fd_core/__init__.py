@@ -7,7 +7,16 @@ from fd_core.capabilities import Capabilities
 from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.contract import CONTRACT_VERSION
 from fd_core.detection import Detection, DeviceMemory
-from fd_core.errors import CheckpointError, ConfigError, FdError, PlatformError, PluginError, RankError, RequestRefused
+from fd_core.errors import (
+    CheckpointError,
+    ConfigError,
+    FdError,
+    PlatformError,
+    PluginError,
+    RankError,
+    RequestRefused,
+    SequenceError,
+)
 from fd_core.graphs import GraphBackend, GraphDecision, GraphVote
 from fd_core.kvcache import KVBatch
 from fd_core.lifecycle import RankContext
@@ -49,6 +58,7 @@ __all__ = [
     "RankContext",
     "RankError",
     "RequestRefused",
+    "SequenceError",
     "WeightSpec",
     "hookimpl",
     "load_backend",

@@ -359,6 +359,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         prefix_caching=args.prefix_caching,
         max_prefill_tokens=args.max_prefill_tokens,
         max_prefill_prompts=args.max_prefill_prompts,
+        kernel_canary=args.kernel_canary,
         # Text streams to an interactive terminal as it is produced (one prompt; several print in order at the end).
         stream=bool(texts) and len(texts) == 1 and not args.json and _stdout().isatty(),
         started_at=process_start_time(ENTERED_AT),
@@ -427,7 +428,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  stall_timeout=args.stall_timeout, memory_fraction=args.memory_fraction, threads=args.threads,
                  kv_block_size=args.kv_block_size, kv_cache_blocks=args.kv_cache_blocks,
                  prefix_caching=args.prefix_caching, max_prefill_tokens=args.max_prefill_tokens,
-                 max_prefill_prompts=args.max_prefill_prompts, quantization=args.quantization)
+                 max_prefill_prompts=args.max_prefill_prompts, quantization=args.quantization,
+                 grammar_timeout=args.grammar_timeout, kernel_canary=args.kernel_canary)
 
 
 def cmd_save_random(args: argparse.Namespace) -> int:
@@ -641,6 +643,14 @@ def _cache_options(p: argparse.ArgumentParser) -> None:
                         "allows)")
 
 
+def _canary_option(p: argparse.ArgumentParser) -> None:
+    """--no-kernel-canary, as fd run and fd serve take it."""
+    p.add_argument("--no-kernel-canary", dest="kernel_canary", action="store_false",
+                   help="do not check, on each rank before the first request, the plugins' kernels the run calls "
+                        "against fd's native ops (for a platform certified with fd check; default: check, well under "
+                        "a second)")
+
+
 def build_parser(
     commands: Mapping[str, tuple[str, Any, str]] | None = None, architectures: Sequence[str] = ()
 ) -> argparse.ArgumentParser:
@@ -762,10 +772,13 @@ def build_parser(
                         "stops (default: 60)")
     p.add_argument("--allow-non-finite", action="store_true",
                    help="load weights holding NaN or Inf instead of refusing them (experiments only)")
+    _canary_option(p)
     p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION, metavar="F", help=memory_help)
     p.add_argument("--threads", type=_positive, default=None, metavar="N", help=threads_help)
     _cache_options(p)
     p.set_defaults(func=cmd_run)
+
+    from fd_core.config import DEFAULT_GRAMMAR_TIMEOUT_S
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (needs the serve extra)",
                        **models)
@@ -810,6 +823,10 @@ def build_parser(
                         "(default: 60)")
     p.add_argument("--max-connections", type=_positive, default=256, metavar="N",
                    help="most connections held open at once; one more gets 503 and is closed (default: 256)")
+    p.add_argument("--grammar-timeout", type=_seconds, default=DEFAULT_GRAMMAR_TIMEOUT_S, metavar="SECONDS",
+                   help="how long a request's response_format, guided_regex or tool choice may take to compile for "
+                        "the model's tokens (off the event loop); longer gets 400 "
+                        f"(default: {DEFAULT_GRAMMAR_TIMEOUT_S:g})")
     p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
                    help="compute dtype (default: the platform's preferred one, the first it lists; see fd plugins)")
     p.add_argument("--quantization", default=None, choices=tuple(SCHEMES), help=quantization_help)
@@ -820,6 +837,7 @@ def build_parser(
                    help="how long to wait for the other ranks once one has failed (default: 30)")
     p.add_argument("--stall-timeout", type=_seconds, default=60.0, metavar="SECONDS",
                    help="how long a rank may go without progress before the server stops (default: 60)")
+    _canary_option(p)
     p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION, metavar="F", help=memory_help)
     p.add_argument("--threads", type=_positive, default=None, metavar="N", help=threads_help)
     _cache_options(p)

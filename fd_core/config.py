@@ -16,6 +16,9 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 # The share of a device's free memory a run plans weights and KV cache in by default (--memory-fraction):
 # activations, the allocator and the rest of the process need the remainder.
 DEFAULT_MEMORY_FRACTION = 0.9
+# How long compiling one request's grammar for the model's tokens (with its first mask) may take, in seconds of wall
+# time (fd serve --grammar-timeout, LLM(grammar_timeout=...)); llguidance's fuel limits bound its work too.
+DEFAULT_GRAMMAR_TIMEOUT_S = 1.0
 # Rope types the decoders implement; "mrope" is the multimodal name older Qwen-VL configs use.
 _ROPE_TYPES = ("default", "mrope")
 # Settings that live at the top level of a multimodal config.json even when a `text_config` is nested.

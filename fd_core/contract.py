@@ -7,8 +7,8 @@ suites' classes and fixtures. Adding is a minor; removing or changing a meaning 
 working for at least one minor, with one DeprecationWarning naming its replacement and the version that drops it.
 
 A plugin module says which version it was written for in `FD_CONTRACT = "X.Y"` (beside `FD_CAPABILITIES`); none
-said is the first version. Another major is refused when the plugin loads; a newer minor than this fd knows loads
-with a warning.
+said is the first version. A plugin of another major is incompatible: it is skipped with a warning (never registered),
+and refused only when it is the platform a run selects; a newer minor than this fd knows loads with a warning.
 """
 
 from __future__ import annotations
@@ -35,18 +35,21 @@ def declared_contract(module: object) -> tuple[str, bool]:
 
 
 def contract_problem(plugin: str, declared: object) -> str | None:
-    """Why this fd cannot load a plugin declaring `declared` (not a version, or another major), else None."""
-    version, ours = parse_version(declared), parse_version(CONTRACT_VERSION)
-    assert ours is not None
-    if version is None:
+    """Why `declared` is no contract version (the plugin is broken: every run refuses it), else None."""
+    if parse_version(declared) is None:
         return (f"plugin {plugin!r}: FD_CONTRACT = {declared!r} is not a contract version; write it as "
                 f"\"MAJOR.MINOR\", the version of fd's contract the plugin was written for (this fd's is "
                 f"{CONTRACT_VERSION})")
-    if version[0] != ours[0]:
-        return (f"plugin {plugin!r} was written for fd's contract {declared}, and this fd-backends has contract "
-                f"{CONTRACT_VERSION}; install an fd-backends with contract {version[0]}.x, or a release of "
-                f"{plugin!r} written for {ours[0]}.x")
     return None
+
+
+def contract_mismatch(plugin: str, declared: object) -> str | None:
+    """Why a plugin declaring another major cannot run on this fd, with the fix ("it was written for ..."), else None."""
+    version, ours = parse_version(declared), parse_version(CONTRACT_VERSION)
+    if version is None or ours is None or version[0] == ours[0]:
+        return None
+    return (f"it was written for fd's contract {declared}, and this fd-backends has contract {CONTRACT_VERSION}; "
+            f"install an fd-backends with contract {version[0]}.x, or a release of {plugin!r} written for {ours[0]}.x")
 
 
 def contract_warning(plugin: str, declared: object) -> str | None:

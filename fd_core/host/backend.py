@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.detection import Detection
+from fd_core.error_lines import error_line
 from fd_core.errors import ConfigError, NumericsError, PlatformError, PluginError, RequestRefused, in_terms, setting
 from fd_core.graphs import CastVote, GraphBackend, GraphDecision, GraphVote
 from fd_core.host.kernel_table import KernelTable, Ops
@@ -20,11 +21,6 @@ from fd_core.host.selection import call_bounded, hook_timeout
 from fd_core.lifecycle import RANK_END_TIMEOUT_S, EndReason, RankContext
 
 AllReduce = Callable[[Any], Any]
-
-
-def _one_line(exc: BaseException) -> str:
-    """`Type: first line of the message` (a device runtime's errors run over many lines)."""
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
 
 
 def _identity(tensor: Any) -> Any:
@@ -191,7 +187,7 @@ class Backend:
                 caller(rank=rank)
             except Exception as exc:  # noqa: BLE001 - a third party's error, named for whoever must fix it
                 raise PluginError(
-                    f"plugin {name!r}: fd_rank_start raised {_one_line(exc)} on rank {rank.rank}; fix or uninstall "
+                    f"plugin {name!r}: fd_rank_start raised {error_line(exc)} on rank {rank.rank}; fix or uninstall "
                     f"the plugin"
                 ) from exc
         # Bound once: before_step runs before every prefill and decode step.
@@ -208,7 +204,7 @@ class Backend:
                 caller(rank=rank, rows=rows)
             except Exception as exc:  # noqa: BLE001 - named, as rank_start
                 raise PluginError(
-                    f"plugin {name!r}: fd_before_step raised {_one_line(exc)}; fix or uninstall the plugin"
+                    f"plugin {name!r}: fd_before_step raised {error_line(exc)}; fix or uninstall the plugin"
                 ) from exc
 
     def rank_end(self, rank: RankContext, reason: EndReason, timeout: float = RANK_END_TIMEOUT_S) -> list[str]:
@@ -229,7 +225,7 @@ class Backend:
                 problems.append(f"plugin {name!r}: fd_rank_end did not return within {timeout:g} s, and the rank ended "
                                 f"without it; fix the plugin")
             except BaseException as exc:  # noqa: BLE001 - reported; the rank ends either way (SystemExit included)
-                problems.append(f"plugin {name!r}: fd_rank_end raised {_one_line(exc)}; fix the plugin")
+                problems.append(f"plugin {name!r}: fd_rank_end raised {error_line(exc)}; fix the plugin")
         for problem in problems:
             print(f"fd: warning: rank {rank.rank}: {problem}", file=sys.stderr, flush=True)
         return problems

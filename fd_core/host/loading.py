@@ -11,7 +11,7 @@ from typing import Callable, Collection, Iterable, Mapping
 import pluggy
 
 from fd_core import hookspecs
-from fd_core.contract import contract_problem, contract_warning, declared_contract
+from fd_core.contract import contract_mismatch, contract_problem, contract_warning, declared_contract
 from fd_core.detection import Detection
 from fd_core.errors import PluginError
 from fd_core.host.discovery import clashes, discover
@@ -23,8 +23,10 @@ from fd_core.host.selection import detect, hook_timeout, select_platform
 from fd_core.host.validation import validate_module
 from fd_core.markers import PROJECT
 
-# The newer-minor warnings already printed by this process.
+# The contract warnings (a newer minor, another major skipped) already printed by this process.
 _warned: set[str] = set()
+# How a skipped plugin is named in its warning (an extension and a model package may share a name).
+_KIND_NAMES: dict[Kind, str] = {"platform": "platform", "model": "model package", "extension": "extension"}
 
 
 @dataclass
@@ -79,6 +81,18 @@ def _register(pm: pluggy.PluginManager, name: str, module: object) -> None:
         raise PluginError(f"plugin {name!r}: pluggy refused it: {' '.join(str(exc).split())}") from None
 
 
+def _incompatible_selection(records: list[PluginRecord], platform: str, forced: bool) -> str | None:
+    """The one-line refusal when the platform selected (forced or detected) is written for another contract major."""
+    chosen = next((r for r in records if r.kind == "platform" and r.name == platform and r.allowed
+                   and r.error is None and r.module is not None), None)
+    if chosen is None or chosen.incompatible is None:
+        return None
+    if forced:
+        return f"platform {platform!r} is selected (FD_PLATFORM={platform}), but {chosen.incompatible}"
+    return (f"platform {platform!r} detected its hardware and is selected, but {chosen.incompatible}, or set "
+            f"FD_PLATFORM to another platform")
+
+
 def load_plugins(
     env: Mapping[str, str] | None = None, extra: Iterable[tuple[Kind, str, object]] = (), *, strict: bool = True,
     planned: str | None = None, reserved_commands: Collection[str] = (),
@@ -87,7 +101,9 @@ def load_plugins(
 
     With `strict` (every caller but `fd plugins`), a plugin that fails validation or registration,
     or a name two distributions claim, raises a PluginError naming it; without, it is recorded on
-    its record and in `problems`, left out, and the listing goes on. `planned` (a rank's call) is the
+    its record and in `problems`, left out, and the listing goes on. A plugin written for another
+    contract major is skipped with a warning (never validated or registered) and is an error only
+    as the platform selected (forced or detected). `planned` (a rank's call) is the
     platform the planning process selected: only its detection runs again, so that a detection that
     hangs costs its time limit once, in the planning process, not again in every rank.
     `reserved_commands` are the host program's own command names, which a plugin's command may not take.
@@ -99,12 +115,16 @@ def load_plugins(
     for record in records:
         if record.module is None:
             continue
-        # The contract it was written for: another major is refused, a newer minor warned about, before anything else.
+        # The contract it was written for, before anything else: not a version is a broken plugin; another major
+        # makes it incompatible (skipped: its hooks are another contract's); a newer minor is warned about.
         record.contract, record.contract_declared = declared_contract(record.module)
         problem = contract_problem(record.name, record.contract) if record.error is None else None
         if problem is not None:
             record.error = problem
             problems.append(problem)
+            continue
+        record.incompatible = contract_mismatch(record.name, record.contract) if record.error is None else None
+        if record.incompatible is not None:
             continue
         warning = contract_warning(record.name, record.contract)
         if warning is not None and warning not in _warned:  # once a process, however often plugins load
@@ -123,14 +143,30 @@ def load_plugins(
             if planned is not None and record.name != planned:
                 record.detect_error = f"not asked: the run was planned on {planned!r}"
                 continue
-            detect(record, timeout)
+            # An incompatible platform is asked too (quietly): detected at the top, it is what the user's hardware
+            # needs, and the run must say so rather than fall back to another platform.
+            detect(record, timeout, quiet=record.incompatible is not None)
     platform, why = select_platform(records, env)
+    refusal = _incompatible_selection(records, platform, bool(env.get("FD_PLATFORM", "").strip()))
+    if refusal is not None:
+        if strict:
+            raise PluginError(refusal)
+        problems.append(refusal)
     pm = new_plugin_manager()
     for record in records:
         if record.module is None:
             continue
         if record.error is not None:
             record.status = f"failed: {record.error}"
+            continue
+        if record.incompatible is not None:
+            record.status = f"incompatible: {record.incompatible}"
+            skipped = f"{_KIND_NAMES[record.kind]} {record.name!r} is skipped: {record.incompatible}"
+            # Once a process, however often plugins load; not again in a rank (its planning process warned), nor for
+            # the selected platform (refused above instead).
+            if planned is None and skipped not in _warned and (record.kind, record.name) != ("platform", platform):
+                _warned.add(skipped)
+                print(f"fd: warning: {skipped}", file=sys.stderr)
             continue
         if record.kind == "platform":
             record.active = record.name == platform
@@ -152,7 +188,8 @@ def load_plugins(
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
         raise PluginError(" ".join(str(exc).split())) from None
-    registry = ModelRegistry()
+    registry = ModelRegistry(skipped={r.name: r.incompatible for r in records
+                                      if r.kind == "model" and r.incompatible is not None})
     problems += register_models(pm, registry, records)
     commands, command_problems = register_commands(pm, records, reserved_commands)
     problems += command_problems

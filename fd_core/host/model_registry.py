@@ -16,6 +16,9 @@ class ModelRegistry:
     _by_name: dict[str, Architecture] = field(default_factory=dict)
     _aliases: dict[str, str] = field(default_factory=dict)
     _builtin: dict[str, bool] = field(default_factory=dict)
+    # Model packages written for another contract major (name -> "it was written for ...; install ..."): never
+    # registered, so a lookup that fails says why their architectures are missing.
+    skipped: dict[str, str] = field(default_factory=dict)
 
     def add(self, arch: Architecture, *, has_clear_hook: bool, builtin: bool = False) -> None:
         """Register `arch`; a clash blames `arch`'s package, so register built-ins first."""
@@ -59,11 +62,12 @@ class ModelRegistry:
         return self._by_name[key]
 
     def listing(self) -> str:
-        """'registered: name (aliases), ...' for error messages."""
+        """'registered: name (aliases), ...' for error messages, and each model package skipped as incompatible."""
+        skipped = "".join(f"; model package {name!r} is not loaded: {why}" for name, why in self.skipped.items())
         if not self._by_name:
-            return "registered: none (no model package is installed)"
+            return f"registered: none (no model package is installed){skipped}"
         names = [f"{a.name} ({', '.join(a.aliases)})" if a.aliases else a.name for a in self]
-        return "registered: " + ", ".join(names)
+        return "registered: " + ", ".join(names) + skipped
 
     def __contains__(self, name: object) -> bool:
         return name in self._aliases

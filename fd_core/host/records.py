@@ -35,6 +35,9 @@ class PluginRecord:
     detect_error: str | None = None
     # Validation or registration failed: the plugin is listed, never registered, and `fd run` refuses to start.
     error: str | None = None
+    # Written for another contract major ("it was written for ...; install ..."): listed, never registered, and
+    # refused only as the platform a run selects.
+    incompatible: str | None = None
     active: bool = False
     status: str = ""
     # The contract version the plugin was written for (its FD_CONTRACT), and whether it said so.
@@ -62,7 +65,8 @@ class PluginRecord:
             "allowed": self.allowed,
             "hooks": self.hooks,
             "detection": self.detection.to_dict() if self.detection else None,
-            "error": self.load_error or self.error or self.detect_error,
+            "error": self.load_error or self.incompatible or self.error or self.detect_error,
+            "incompatible": self.incompatible is not None,
             "active": self.active,
             "status": self.status,
             "contract": self.contract or None,

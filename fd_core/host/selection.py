@@ -61,7 +61,14 @@ def call_bounded(fn: Callable[[], T], timeout: float, what: str) -> T:
     return box["value"]
 
 
-def detect(record: PluginRecord, timeout: float) -> None:
+def detect(record: PluginRecord, timeout: float, quiet: bool = False) -> None:
+    """Ask the platform's fd_platform_detect (bounded) and keep its answer, or what went wrong, on `record`; a
+    failure is warned about unless `quiet` (a plugin already warned about as incompatible)."""
+
+    def warn(message: str) -> None:
+        if not quiet:
+            print(f"fd: warning: {message}", file=sys.stderr)
+
     fn = impl_function(record.module, "fd_platform_detect")
     if fn is None:
         record.detect_error = "implements no fd_platform_detect; add one so it can be selected"
@@ -70,24 +77,24 @@ def detect(record: PluginRecord, timeout: float) -> None:
         answer = call_bounded(fn, timeout, f"platform {record.name!r}: fd_platform_detect")
     except PluginError as exc:  # it never returned: not detected, and said so
         record.detect_error = str(exc).split(": ", 1)[1]
-        print(f"fd: warning: {exc}", file=sys.stderr)
+        warn(str(exc))
         return
     # A detection that raises (or calls sys.exit) is reported, never fatal.
     except (Exception, SystemExit) as exc:  # noqa: BLE001
         record.detect_error = f"fd_platform_detect raised {type(exc).__name__}: {exc}"
-        print(f"fd: warning: platform {record.name!r}: {record.detect_error}", file=sys.stderr)
+        warn(f"platform {record.name!r}: {record.detect_error}")
         return
     if answer is None:  # the spec allows it: "not my hardware, nothing to say"
         record.detection = Detection(detected=False, reason="fd_platform_detect returned None")
         return
     if not isinstance(answer, Detection):
         record.detect_error = f"fd_platform_detect returned {type(answer).__name__}, expected fd_core.Detection or None"
-        print(f"fd: warning: platform {record.name!r}: {record.detect_error}", file=sys.stderr)
+        warn(f"platform {record.name!r}: {record.detect_error}")
         return
     problem = answer.problem()
     if problem is not None:
         record.detect_error = f"fd_platform_detect returned a Detection with {problem}; fix the plugin"
-        print(f"fd: warning: platform {record.name!r}: {record.detect_error}", file=sys.stderr)
+        warn(f"platform {record.name!r}: {record.detect_error}")
         return
     record.detection = answer
 

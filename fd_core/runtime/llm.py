@@ -7,7 +7,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
-from fd_core.config import ParallelConfig
+from fd_core.config import DEFAULT_GRAMMAR_TIMEOUT_S, ParallelConfig
 from fd_core.errors import ConfigError, RankError
 from fd_core.graphs import CastVote, GraphDecision
 from fd_core.host.backend import Backend
@@ -45,7 +45,8 @@ class LLM:
         stall_timeout: float = DEFAULT_STALL_S, threads: int | None = None, kv_block_size: int | None = None,
         kv_cache_blocks: int | None = None, prefix_caching: bool = True,
         max_prefill_tokens: int | None = None, max_prefill_prompts: int | None = None,
-        quantization: str | None = None,
+        quantization: str | None = None, grammar_timeout: float = DEFAULT_GRAMMAR_TIMEOUT_S,
+        kernel_canary: bool = True,
     ) -> None:
         quiet_paddle_logs()  # before paddle is imported: its C++ logs stay off the caller's terminal
         if graph not in ("auto", "off", "on"):
@@ -55,7 +56,8 @@ class LLM:
                         max_batch=max_batch, progress=progress, platform=platform, memory_fraction=memory_fraction,
                         threads=threads, kv_block_size=kv_block_size, kv_cache_blocks=kv_cache_blocks,
                         prefix_caching=bool(prefix_caching), max_prefill_tokens=max_prefill_tokens,
-                        max_prefill_prompts=max_prefill_prompts, quantization=quantization)
+                        max_prefill_prompts=max_prefill_prompts, quantization=quantization,
+                        grammar_timeout=grammar_timeout, kernel_canary=bool(kernel_canary))
         self._plugins = load_plugins(plugin_env(platform))
         self._backend = Backend(self._plugins)
         # The plan's request is a placeholder: the plugins' fd_check_request is asked about each real one (_request).
@@ -256,7 +258,7 @@ class LLM:
         return build_request(items, sampling or SamplingParams(), arch=plan.architecture(self._plugins),
                              config=plan.config, checkpoint=plan.checkpoint, chat=chat, images=pictures, given=given,
                              memory=plan.memory, backend=self._backend, parallel=ParallelConfig(tp_size=plan.run.tp),
-                             stream=stream)
+                             stream=stream, grammar_timeout=plan.run.grammar_timeout)
 
     # -- lifetime ------------------------------------------------------------------------
     def close(self) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from fd_core.config import ModelConfig, ParallelConfig
+from fd_core.config import DEFAULT_GRAMMAR_TIMEOUT_S, ModelConfig, ParallelConfig
 from fd_core.detection import Detection, affinity_cores
 from fd_core.errors import CheckpointError, ConfigError, FdError, setting
 from fd_core.host.backend import Backend
@@ -95,6 +95,11 @@ class RunConfig:
     # None: the platform's, else fd's (512 tokens; no limit of prompts).
     max_prefill_tokens: int | None = None
     max_prefill_prompts: int | None = None
+    # Seconds a request's grammar may take to compile for the model's tokens before it is refused.
+    grammar_timeout: float = DEFAULT_GRAMMAR_TIMEOUT_S
+    # Each rank checks the non-native kernels the run calls against fd's native ops before its first request
+    # (fd_core.runtime.kernel_checks.kernel_canary); off for a platform certified with `fd check`.
+    kernel_canary: bool = True
 
     def __post_init__(self) -> None:
         # Checked here, where `fd run` and the Python API both pass, in the API's words (the CLI's own
@@ -107,6 +112,9 @@ class RunConfig:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
         if self.max_batch is not None and self.max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1 (prompts decoded together), got {self.max_batch}")
+        timeout = self.grammar_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < float("inf"):
+            raise ConfigError(f"grammar_timeout must be a number of seconds > 0, got {timeout!r:.40}")
 
 
 def run_threads(run: RunConfig, detection: Detection | None = None) -> Threads:

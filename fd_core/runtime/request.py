@@ -10,6 +10,7 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from fd_core.config import DEFAULT_GRAMMAR_TIMEOUT_S
 from fd_core.errors import CheckpointError, ConfigError, FdError, in_terms, package_failure, setting
 from fd_core.runtime.engine.sampling import SamplingParams
 from fd_core.runtime.images import check_picture
@@ -56,7 +57,8 @@ def tokenizer_for(checkpoint: "Checkpoint | None", arch_name: str) -> Tokenizer:
             f"text prompts need a tokenizer, and the {arch_name} preset has none (a checkpoint directory holds "
             f"{' or '.join(TOKENIZER_FILES)}); "
             + in_terms("pass --checkpoint DIR, or token ids with --prompt-ids",
-                       "pass a checkpoint directory with its tokenizer, or token ids as the prompt")
+                       "pass a checkpoint directory with its tokenizer, or token ids as the prompt",
+                       http="send the prompt as token ids (\"prompt\": [1, 2, 3]) to /v1/completions")
         )
     return checkpoint.tokenizer()
 
@@ -70,10 +72,12 @@ def render_messages(
     before the tokenizer does (check_text_length: one too long for the context is refused untokenized)."""
     template = checkpoint.chat_template()
     if template is None:
-        raise CheckpointError(
-            f"{checkpoint.directory} has no chat template (looked for chat_template.jinja, chat_template.json and "
-            f"tokenizer_config.json's chat_template); {instead}"
-        )
+        looked = ("(looked for chat_template.jinja, chat_template.json and tokenizer_config.json's chat_template); "
+                  f"{instead}")
+        # A client is not told where the server keeps its checkpoint, nor which files it looked in.
+        raise CheckpointError(in_terms(f"{checkpoint.directory} has no chat template {looked}",
+                                       f"{checkpoint.directory} has no chat template {looked}",
+                                       http=f"this model has no chat template; {instead}"))
     rendered = render_chat(template, messages, tokenizer.special_tokens(), source=checkpoint.chat_template_file(),
                            tools=tools)
     if check_text is not None:
@@ -99,7 +103,9 @@ def messages_prompt(
     definitions, as the template takes them), each picture's placeholder expanded to its number of tokens."""
     if checkpoint is None or not checkpoint.has_tokenizer():
         raise ConfigError(
-            "chat messages are rendered through a checkpoint's chat template and tokenizer, and this model has none"
+            "chat messages are rendered through a checkpoint's chat template and tokenizer, and this model has none; "
+            + in_terms("pass token ids with --prompt-ids", "pass token ids as the prompt",
+                       http="send the prompt as token ids (\"prompt\": [1, 2, 3]) to /v1/completions")
         )
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) or "content" not in message:
@@ -111,8 +117,9 @@ def messages_prompt(
     def fits(text: str) -> None:
         check_text_length(text, tokenizer, "the conversation with its chat template", arch, config)
 
-    ids = render_messages(tokenizer, checkpoint, messages, "send the prompt as text or token ids instead", tools,
-                          check_text=fits)
+    instead = in_terms("send the prompt as text or token ids instead", "send the prompt as text or token ids instead",
+                       http="send the prompt as text or token ids to /v1/completions instead")
+    ids = render_messages(tokenizer, checkpoint, messages, instead, tools, check_text=fits)
     if images and arch.image_tokens is not None:
         pictures = [check_picture(p, f"images[{index}]") for index, p in enumerate(images)]
         shapes = [(int(p.shape[0]), int(p.shape[1]), int(p.shape[2])) for p in pictures]
@@ -295,13 +302,15 @@ def build_request(
     config: "ModelConfig", checkpoint: "Checkpoint | None", chat: bool = False, images: Sequence[Any] = (),
     given: Sequence[str] = SAMPLING_DEFAULTS, memory: "MemoryPlan | None" = None, backend: "Backend | None" = None,
     parallel: "ParallelConfig | None" = None, stream: bool = False,
+    grammar_timeout: float = DEFAULT_GRAMMAR_TIMEOUT_S,
 ) -> Request:
     """Text prompts (all str) or token-id prompts as a checked Request, with the checkpoint's defaults for the
     sampling fields not in `given` and its end-of-sequence ids. `images` are decoded pictures [C, H, W].
 
     With `memory` (the plan's), a request whose longest sequence needs more KV cache than the capacity is
     refused; with `backend`, every plugin's fd_check_request may refuse it (`parallel` is the run's layout,
-    `stream` whether its text is streamed to the caller as it is produced). Both before any rank sees it."""
+    `stream` whether its text is streamed to the caller as it is produced). Both before any rank sees it. A grammar
+    (SamplingParams.grammar) is compiled for the model's tokens and refused past `grammar_timeout` seconds."""
     images = [check_picture(p, f"images[{index}]") for index, p in enumerate(images)]
     shapes = [(int(p.shape[0]), int(p.shape[1]), int(p.shape[2])) for p in images]
     texts = [p for p in prompts if isinstance(p, str)]
@@ -318,13 +327,9 @@ def build_request(
     outside = [token for token, _ in sampling.bias if token >= config.vocab_size]
     if outside:
         raise ConfigError(f"logit_bias names token id {outside[0]}, outside the vocabulary 0..{config.vocab_size - 1}")
-    if sampling.grammar is not None:
-        if checkpoint is None or not checkpoint.has_tokenizer():
-            raise ConfigError("structured output (a grammar) constrains text, and without the checkpoint's tokenizer "
-                              "there is none; use a checkpoint with a tokenizer, or drop the grammar")
-        from fd_core.runtime.text.grammar import check_grammar
-
-        check_grammar(sampling.grammar)
+    if sampling.grammar is not None and (checkpoint is None or not checkpoint.has_tokenizer()):
+        raise ConfigError("structured output (a grammar) constrains text, and without the checkpoint's tokenizer "
+                          "there is none; use a checkpoint with a tokenizer, or drop the grammar")
     defaults = checkpoint.generation_defaults() if checkpoint is not None else GenerationDefaults()
     try:
         sampling = sampling.with_defaults(defaults.sampling, given)
@@ -338,6 +343,14 @@ def build_request(
     tokenizer_eos = held.role_id("eos_token") if held is not None else None
     if tokenizer_eos is not None and tokenizer_eos not in eos:
         eos.append(tokenizer_eos)
+    if sampling.grammar is not None:
+        # Compiled for the model's tokens here, under its budget, as the engine will: a grammar that fails there (one
+        # that admits nothing, or is past llguidance's limits) is refused before any rank works on it.
+        from fd_core.runtime.text.grammar import check_followable, grammars_for
+
+        assert checkpoint is not None
+        grammars = grammars_for(checkpoint.tokenizer(), config.vocab_size, eos or None)
+        check_followable(sampling.grammar, grammars, grammar_timeout)
     request = Request(tuple(tuple(p) for p in ids), sampling, tuple(eos), tuple(images))
     if memory is not None:
         memory.check_request(request.prompts, sampling.max_new_tokens, config.max_position_embeddings, arch.name)

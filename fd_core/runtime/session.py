@@ -16,7 +16,7 @@ from fd_core.host.loading import PluginSet
 from fd_core.runtime.engine.loop import Completion, Event, Job, jobs_of
 from fd_core.runtime.engine.scheduler import Scheduler, Submission
 from fd_core.runtime.plan import Plan
-from fd_core.runtime.ranks.pool import RankPool
+from fd_core.runtime.ranks.pool import RankPool, step
 from fd_core.runtime.ranks.spawn import DEFAULT_STALL_S, init_rank, launched_rank, run_here
 from fd_core.runtime.ranks.worker import RankWorker, end_reason
 from fd_core.runtime.request import Request
@@ -37,12 +37,13 @@ class InProcess:
 
     def tick(self, adds: Sequence[Job], cancels: Sequence[int]) -> list[Event]:
         """One engine step for the jobs added and keys cancelled since the last."""
-        engine = self._live().engine
+        worker = self._live()
+        engine = worker.engine
         for job in adds:
             engine.add(job)
         for key in cancels:
             engine.cancel(key)
-        events = run_here(engine.step)
+        events = run_here(step, worker)
         if any(e.done is not None for e in events):
             self.info = self._live().describe()
         return events

@@ -16,15 +16,17 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Mapping, Protocol, Sequence, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from fd_core.errors import CheckpointError, ConfigError, FdError, RankError, RequestRefused
+from fd_core.errors import CheckpointError, ConfigError, FdError, RankError, RequestRefused, SequenceError, speaking
 from fd_core.runtime.engine.scheduler import SchedulerClosed
+from fd_core.runtime.text.grammar import GrammarError
 from fd_core.runtime.text.tools import Tools, ToolStream
 from fd_core.serve.connections import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -48,6 +50,9 @@ from fd_core.serve.protocol import (
     read_image,
     usage,
 )
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+FEW_ERRORS = 16  # a body's validation errors listed whole (first_errors)
 
 if TYPE_CHECKING:
     from fd_core.runtime.engine.loop import Completion
@@ -251,28 +256,38 @@ class Server:
             )
 
         @app.post("/v1/completions")
-        async def completions(request: Request, body: CompletionRequest) -> Response:
+        async def completions(request: Request) -> Response:
+            body = await parsed(request, CompletionRequest)
             self.check_model(body.model)
             body.refuse_unsupported()
             prompts = body.prompts()
-            sampling = body.sampling(body.limit())
+            # Off the event loop: a response_format or guided_regex compiles, which may take a while (and has a budget).
+            sampling = await asyncio.to_thread(body.sampling, body.limit())
             echoes = [self.prompt_text(p) for p in prompts] if body.echo else None
             return await self.respond(request, "/v1/completions", [(p, False, ()) for p in prompts], sampling,
-                                      body.stream, body.include_usage, chat=False, echoes=echoes)
+                                      body.stream, body.include_usage, chat=False, echoes=echoes,
+                                      grammar_field=body.grammar_field())
 
         @app.post("/v1/chat/completions")
-        async def chat(request: Request, body: ChatRequest) -> Response:
+        async def chat(request: Request) -> Response:
+            body = await parsed(request, ChatRequest)
             self.check_model(body.model)
             body.refuse_unsupported()
-            tools = body.tool_set(self.engine.chat_template)
-            sampling = body.sampling(body.limit(), tools)
+
+            def settings() -> "tuple[Tools | None, SamplingParams]":
+                # Off the event loop: the tools' schemas and a response_format compile (each within its budget).
+                tools = body.tool_set(self.engine.chat_template)
+                return tools, body.sampling(body.limit(), tools)
+
+            tools, sampling = await asyncio.to_thread(settings)
             turns, urls = self.conversation(body)
             self.check_pictures(len(urls))
             # In a worker thread, as the submission is: a picture takes a tenth of a second or more to decode, which
             # on the event loop every other request would wait for.
             images = await asyncio.to_thread(self.pictures, urls) if urls else ()
             return await self.respond(request, "/v1/chat/completions", [(turns, False, images)], sampling,
-                                      body.stream, body.include_usage, chat=True, tools=tools)
+                                      body.stream, body.include_usage, chat=True, tools=tools,
+                                      grammar_field=body.grammar_field(tools))
 
         return app
 
@@ -375,9 +390,10 @@ class Server:
 
     async def submit(
         self, items: Sequence[tuple[Any, bool, tuple[Any, ...]]], sampling: "SamplingParams",
-        tools: "Tools | None" = None,
+        tools: "Tools | None" = None, grammar_field: str = "response_format",
     ) -> list[Generation]:
-        """Every prompt submitted (checked at once by the engine); one refused withdraws the others."""
+        """Every prompt submitted (checked at once by the engine); one refused withdraws the others. A grammar the
+        model's tokens cannot follow is refused naming `grammar_field`, the request field it came from."""
         generations: list[Generation] = []
         try:
             for index, (prompt, chat, images) in enumerate(items):
@@ -390,6 +406,12 @@ class Server:
         except RequestRefused as exc:
             self.withdraw(generations)
             raise ApiError(400, str(exc), code="request_refused") from None
+        except GrammarError as exc:
+            self.withdraw(generations)
+            message = str(exc)
+            if message.startswith("grammar: "):
+                message = f"{grammar_field}: {message[len('grammar: '):]}"
+            raise ApiError(400, message, param=grammar_field) from None
         except (ConfigError, CheckpointError) as exc:
             self.withdraw(generations)
             raise ApiError(400, str(exc)) from None
@@ -457,31 +479,40 @@ class Server:
         if unfinished and self.draining is None:
             self.metrics.request(endpoint, "cancelled")
 
-    def engine_error(self, exc: BaseException) -> ApiError:
+    def engine_error(self, exc: BaseException, grammar_field: str = "response_format") -> ApiError:
         """What a failure while generating becomes for the client; a failed rank ends the server."""
         if isinstance(exc, ApiError):
             return exc
         if isinstance(exc, (RankError, SchedulerClosed)):
             self.fail(exc)
             return ApiError(503, str(exc), kind="server_error", code="rank_failed")
+        if isinstance(exc, SequenceError):  # this request's own failure: the others in its batch went on
+            message = str(exc)
+            if message.startswith("grammar: "):  # its grammar, named as the client sent it (`grammar_field`)
+                return ApiError(400, f"{grammar_field}: {message[len('grammar: '):]}", param=grammar_field,
+                                code="generation_failed")
+            if exc.request_fault:
+                return ApiError(400, message, code="generation_failed")
+            return ApiError(500, str(exc), kind="server_error", code="generation_failed")
         if isinstance(exc, FdError):
             return ApiError(500, str(exc), kind="server_error")
         return ApiError(500, f"internal error ({type(exc).__name__}: {exc})".replace("\n", " "), kind="server_error")
 
     async def respond(self, request: Request, endpoint: str, items: Sequence[tuple[Any, bool, tuple[Any, ...]]],
                       sampling: "SamplingParams", stream: bool, include_usage: bool, chat: bool,
-                      tools: "Tools | None" = None, echoes: Sequence[str] | None = None) -> Response:
+                      tools: "Tools | None" = None, echoes: Sequence[str] | None = None,
+                      grammar_field: str = "response_format") -> Response:
         count = len(items) * sampling.n  # every choice is a sequence of its own in the queue
         self.admit(count)
         try:
-            generations = await self.submit(items, sampling, tools)
+            generations = await self.submit(items, sampling, tools, grammar_field)
         except BaseException:
             self.admitted -= count
             raise
         ident, created = new_id("chatcmpl" if chat else "cmpl"), now()
         if stream:
             body = self.sse(request, endpoint, generations, ident, created, chat, include_usage, count,
-                            sampling.logprobs is not None, tools, echoes)
+                            sampling.logprobs is not None, tools, echoes, grammar_field)
             return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         collect = asyncio.ensure_future(self.collect(generations))
         watch = asyncio.ensure_future(gone(request))
@@ -502,7 +533,7 @@ class Server:
         error = collect.exception()
         self.release(generations, endpoint, count)
         if error is not None:
-            raise self.engine_error(error) from None
+            raise self.engine_error(error, grammar_field) from None
         self.metrics.request(endpoint, 200)
         return JSONResponse(self.whole(generations, ident, created, chat, sampling.logprobs is not None, tools, echoes))
 
@@ -571,7 +602,8 @@ class Server:
 
     async def sse(self, request: Request, endpoint: str, generations: Sequence[Generation], ident: str, created: int,
                   chat: bool, include_usage: bool, count: int, logprobs: bool = False,
-                  tools: "Tools | None" = None, echoes: Sequence[str] | None = None) -> AsyncIterator[str]:
+                  tools: "Tools | None" = None, echoes: Sequence[str] | None = None,
+                  grammar_field: str = "response_format") -> AsyncIterator[str]:
         """Server-sent events in the OpenAI chunk format, ending with `data: [DONE]`; a client that goes away cancels
         its generations. Asked for, each chunk carries the logprobs of the tokens it brings. With tools, the text from
         a <tool_call> on is held back and sent at the end as the choice's tool_calls. Echoed, a completion choice's
@@ -629,7 +661,7 @@ class Server:
                 raise
             # The headers are sent: the error travels as an event, as OpenAI's does.
             except Exception as exc:  # noqa: BLE001
-                error = self.engine_error(exc)
+                error = self.engine_error(exc, grammar_field)
                 log(f"{error.status} POST {endpoint} (streaming): {error.message}")
                 status = error.status
                 yield f"data: {json.dumps(error.body())}\n\n"
@@ -693,14 +725,21 @@ class ApiGate:
                 response = self.server.answer(request, refused)
                 await response(scope, receive, send)
                 return
+            # What the engine says about the request (in worker threads, which copy this context) is said in the
+            # client's terms: its fields, never the server's paths or flags meant for fd run.
+            with speaking("http"):
+                await self.app(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
     def refusal(self, request: Request) -> ApiError | None:
         """Why an API request is refused before its route (no key, the model loading), or None."""
         key = self.server.api_key
         if key is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            # The scheme is case-insensitive (RFC 9110 section 11.1: "bearer" is "Bearer"), the key is not.
+            scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+            given = credentials.strip(" ") if scheme.lower() == "bearer" else ""
+            if not hmac.compare_digest(given.encode(), key.encode()) or not given:
                 return ApiError(401, "a valid API key is needed: send the header Authorization: Bearer KEY",
                                 kind="authentication_error", code="invalid_api_key",
                                 headers={"WWW-Authenticate": 'Bearer realm="fd serve"'})
@@ -802,6 +841,44 @@ async def gone(request: Request) -> None:
     """Returns once the client has closed the connection (a request without a stream has no other way to see it)."""
     while not await request.is_disconnected():
         await asyncio.sleep(0.25)
+
+
+async def parsed(request: Request, model: type[BodyT]) -> BodyT:
+    """The request's JSON body as `model`, parsed and checked in a worker thread: a large body (a million small
+    objects) takes seconds to parse and check, which on the event loop every other client would wait for. Invalid, the
+    first error alone is raised (as FastAPI's RequestValidationError), counted off the loop too."""
+    raw = await request.body()
+
+    def parse() -> BodyT:
+        try:
+            data = json.loads(raw)
+        except ValueError:  # not JSON, or not UTF-8
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "invalid JSON",
+                                           "input": ""}]) from None
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            first = first_errors(model, data, exc)
+            raise RequestValidationError([{**e, "loc": ("body", *e.get("loc", ()))} for e in first]) from None
+
+    return await asyncio.to_thread(parse)
+
+
+def first_errors(model: type[BaseModel], data: Any, exc: ValidationError) -> list[Any]:
+    """The first of a validation's errors: listing a million of them (one per item of a long list) takes seconds,
+    so past a few the body's lists are cut short and checked again, which finds the first for what it costs to list a
+    few; failing that, the count alone."""
+    if exc.error_count() <= FEW_ERRORS:
+        return exc.errors(include_url=False)[:1]
+    if isinstance(data, dict):
+        short = {k: v[:FEW_ERRORS] if isinstance(v, list) else v for k, v in data.items()}
+        try:
+            model.model_validate(short)
+        except ValidationError as again:
+            if again.error_count() <= FEW_ERRORS:
+                return again.errors(include_url=False)[:1]
+    return [{"type": "value_error", "loc": (), "msg": f"{exc.error_count()} values are invalid; check each field "
+             f"against the API reference", "input": None}]
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:

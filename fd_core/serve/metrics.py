@@ -11,6 +11,9 @@ from typing import Any, Callable, Iterator, Mapping
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # The endpoint label of a request no route matched (a 404, or a 401 before routing): never the raw path.
 UNMATCHED = "unmatched"
+# The probes' and scrapers' routes: not counted, whatever they answer (a 405 to POST /health too), so that a health
+# check every second does not swamp the API's requests.
+UNCOUNTED = frozenset({"/health", "/metrics"})
 # The paged KV cache's counts (rank 0's, as of the last sequence that ended): metric, type, key, help.
 KV_METRICS = (
     ("fd_kv_cache_blocks_total", "gauge", "blocks_total", "KV-cache blocks a rank holds for sequences."),
@@ -67,7 +70,10 @@ class Metrics:
         self.kv_cache = kv_cache
 
     def request(self, endpoint: str, status: int | str) -> None:
-        """One request answered (status: the HTTP code, or "cancelled" for a client that went away)."""
+        """One request answered (status: the HTTP code, or "cancelled" for a client that went away); none on UNCOUNTED
+        routes."""
+        if endpoint in UNCOUNTED:
+            return
         with self.lock:
             key = (endpoint, str(status))
             self.requests[key] = self.requests.get(key, 0) + 1

@@ -28,6 +28,16 @@ if TYPE_CHECKING:
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 DEFAULT_MAX_TOKENS = 16  # the OpenAI completions default
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on /v1/completions' logprobs
+MAX_STOPS = 4  # OpenAI's limit on a request's stop strings
+# The longest stop string a request may send. Each generated token's text is checked for the start of every stop string
+# at its end, which costs the square of the string's length (a 100,000-character one took 0.1 s a token), and streamed
+# text is held back by up to its length; 256 characters is far longer than any delimiter.
+MAX_STOP_CHARS = 256
+# The most digits a logit_bias key may have: ids below 10^10 are far beyond any vocabulary, and a longer key is no id
+# (int() of 10,000 digits raises, and of fewer costs time for nothing).
+MAX_TOKEN_ID_DIGITS = 10
+# The content parts a chat message may hold: its text and its pictures.
+CONTENT_PARTS = ("text", "image_url")
 
 
 # The request fields whose range SamplingParams checks: its message starts with the field's name.
@@ -131,9 +141,21 @@ class Sampling(BaseModel):
         return self.max_completion_tokens or self.max_tokens
 
     def stops(self) -> tuple[str, ...]:
+        """The stop strings: at most MAX_STOPS (OpenAI's limit), each 1 to MAX_STOP_CHARS characters."""
         if self.stop is None:
             return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if len(stops) > MAX_STOPS:
+            raise ApiError(400, f"stop holds {len(stops)} strings, more than the {MAX_STOPS} a request may send "
+                                f"(OpenAI's limit); send at most {MAX_STOPS}", param="stop")
+        for index, stop in enumerate(stops):
+            which = "stop" if isinstance(self.stop, str) else f"stop[{index}]"
+            if not stop:
+                raise ApiError(400, f"{which} is empty; a stop string needs at least one character", param="stop")
+            if len(stop) > MAX_STOP_CHARS:
+                raise ApiError(400, f"{which} is {len(stop)} characters long, more than the {MAX_STOP_CHARS} a stop "
+                                    f"string may have; send a shorter one", param="stop")
+        return stops
 
     def logprob_count(self) -> int | None:
         """How many alternatives each generated token's logprobs list (None: no logprobs asked)."""
@@ -168,9 +190,15 @@ class Sampling(BaseModel):
         """logit_bias with its keys as token ids (OpenAI's JSON keys are strings)."""
         out = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.isdigit():
-                raise ApiError(400, f"logit_bias keys must be token ids (strings of digits, as \"42\"), got "
-                                    f"{key!r:.40}", param="logit_bias")
+            # ASCII only: str.isdigit() and int() also take other scripts' digits ("١٢" is 12) and superscripts
+            # (which int() then refuses), none of which a client means as a token id.
+            if not (key.isascii() and key.isdigit()):
+                raise ApiError(400, f"logit_bias keys must be token ids in ASCII digits (as \"42\"), got "
+                                    f"{shown_text(key)}", param="logit_bias")
+            if len(key) > MAX_TOKEN_ID_DIGITS:
+                raise ApiError(400, f"logit_bias key {shown_text(key)} ({len(key)} digits) is no token id: ids have at "
+                                    f"most {MAX_TOKEN_ID_DIGITS} digits; send ids of the model's vocabulary",
+                               param="logit_bias")
             out[int(key)] = value
         return out
 
@@ -201,6 +229,12 @@ class Sampling(BaseModel):
             message = str(exc)
             raise ApiError(400, message,
                            param=REGEX_FIELD if message.startswith(REGEX_FIELD) else "response_format") from None
+
+    def grammar_field(self, tools: "Tools | None" = None) -> str:
+        """The field whose grammar constrains the output (named when the model's tokens cannot follow it)."""
+        if tools is not None and tools.choice not in ("auto", "none"):
+            return "tool_choice"
+        return "guided_regex" if self.guided_regex is not None else "response_format"
 
     @property
     def include_usage(self) -> bool:
@@ -254,7 +288,9 @@ class ContentPart(BaseModel):
 
     model_config = STRICT
 
-    type: Literal["text", "image_url"]
+    # Any string: a type fd does not read ("input_audio", "file") is refused naming it (message_parts), where a
+    # Literal made pydantic's union report the content as "not a valid string".
+    type: str
     text: str | None = None
     image_url: dict[str, Any] | None = None
 
@@ -351,7 +387,11 @@ def message_parts(message: Message, index: int) -> tuple[str, list[str]]:
     if isinstance(content, str):
         return content, []
     texts, images = [], []
-    for part in content:
+    for number, part in enumerate(content):
+        if part.type not in CONTENT_PARTS:
+            field = f"messages[{index}].content[{number}].type"
+            raise ApiError(400, f"{field} {shown_text(part.type)} is not supported; send \"text\" or \"image_url\" "
+                                f"parts (fd serve reads text and pictures)", param=field)
         if part.type == "text":
             texts.append(part.text or "")
         else:
@@ -392,6 +432,11 @@ def picture_format(head: bytes) -> str | None:
 def described(kind: str | None) -> str:
     """A refused picture as an error message names it: "a GIF picture", or "not a PNG or JPEG picture"."""
     return f"a {kind} picture" if kind else "not a PNG or JPEG picture"
+
+
+def shown_text(text: str, limit: int = 40) -> str:
+    """A client's string as an error message repeats it: quoted, cut to `limit` characters."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 def shown_url(url: str) -> str:

@@ -15,6 +15,7 @@ import pytest
 from fd_core.capabilities import Capabilities
 from fd_core.config import ModelConfig, ParallelConfig
 from fd_core.detection import Detection
+from fd_core.error_lines import error_line
 from fd_core.host.loading import PluginSet, load_plugins, new_plugin_manager
 from fd_core.host.records import impl_function
 from fd_core.host.validation import validate_module
@@ -843,10 +844,9 @@ class ModelTests(_Base):
                 try:
                     got = first_logits(ModelRunner(backend, arch, model_config_for(arch, None, dtype)))
                 except Exception as exc:  # noqa: BLE001 - reported as the platform's claim that does not hold
-                    first = (str(exc).strip().splitlines() or [""])[0][:200]
                     pytest.fail(
                         f"{plugins.platform} claims {dtype} (Detection.dtypes={tuple(hardware.dtypes)}), but "
-                        f"{arch.name} cannot run in it on this platform: {type(exc).__name__}: {first}; make its "
+                        f"{arch.name} cannot run in it on this platform: {error_line(exc)[:200]}; make its "
                         f"kernels run {dtype} or drop it from Detection.dtypes"
                     )
                 finite = bool(np.isfinite(got).all())

@@ -1,5 +1,6 @@
-"""A plugin's declared contract version: another major refused in one line, a newer minor warned about once, none
-declared read as the first version; and a deprecated form that keeps working with one warning."""
+"""A plugin's declared contract version: another major skipped with a warning and listed as incompatible (refused in
+one line only as the platform selected), a newer minor warned about once, none declared read as the first version;
+and a deprecated form that keeps working with one warning."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from typing import Callable
 
 import pytest
 
-from fakedist import run_fd
+from conftest import assert_one_line_error, run_fd
+from fakedist import listing
 from fd_core import CONTRACT_VERSION, Detection
-from fd_core.contract import contract_problem, contract_warning, deprecations
+from fd_core.contract import contract_mismatch, contract_problem, contract_warning, deprecations
 
 PLATFORM = """
 from fd_core import Detection, DeviceMemory, hookimpl
@@ -20,7 +22,7 @@ from fd_core import Detection, DeviceMemory, hookimpl
 
 @hookimpl
 def fd_platform_detect():
-    return Detection(detected=True, priority=-1, reason="a fixture", device="cpu", dist_backend="gloo", {memory})
+    return Detection(detected=True, priority={priority}, reason="a fixture", device="cpu", dist_backend="gloo", {memory})
 
 @hookimpl
 def fd_all_reduce(tensor, group):
@@ -28,8 +30,31 @@ def fd_all_reduce(tensor, group):
 """
 
 
-def _platform(distribution: Callable[..., Path], declaration: str, memory: str = "") -> Path:
-    source = PLATFORM.format(declaration=declaration, memory=memory)
+# Written for contract 2.0: hooks 1.x does not have, or takes other arguments for. Registered, either would fail the run.
+EXTENSION = """
+from fd_core import hookimpl
+FD_CONTRACT = "2.0"
+
+@hookimpl
+def fd_register_kernels(register, contract):
+    raise AssertionError("a plugin of another major must never be registered")
+"""
+
+MODELS = """
+from fd_core import hookimpl
+FD_CONTRACT = "2.0"
+
+@hookimpl
+def fd_register_models(register):
+    raise AssertionError("a model package of another major must never be registered")
+"""
+# What this fd says of a plugin written for contract 2.0 (its record's reason, and the fix).
+MISMATCH = (f"it was written for fd's contract 2.0, and this fd-backends has contract {CONTRACT_VERSION}; install an "
+            f"fd-backends with contract 2.x, or a release of 'versioned' written for 1.x")
+
+
+def _platform(distribution: Callable[..., Path], declaration: str, memory: str = "", priority: int = -1) -> Path:
+    source = PLATFORM.format(declaration=declaration, memory=memory, priority=priority)
     return distribution("fd-versioned", {"versioned": source}, {"fd.platforms": {"versioned": "versioned"}})
 
 
@@ -38,17 +63,62 @@ def _listed(site: Path) -> dict:
     return next(p for p in json.loads(done.stdout)["plugins"] if p["name"] == "versioned")
 
 
-def test_another_major_is_refused_in_one_line_naming_both_versions(distribution: Callable[..., Path]) -> None:
+def test_another_major_is_skipped_with_a_warning_and_listed_as_incompatible(distribution: Callable[..., Path]) -> None:
+    """Installed but not selected, a platform of another major stops no run: it is skipped (never registered) with
+    one warning, and `fd plugins` lists it as incompatible with its reason."""
     site = _platform(distribution, 'FD_CONTRACT = "2.0"')
-    run = run_fd(["run", "--steps", "1"], site)
-    assert run.returncode == 2 and not run.stdout
-    assert run.stderr == (
-        f"fd: error: plugin 'versioned' was written for fd's contract 2.0, and this fd-backends has contract "
-        f"{CONTRACT_VERSION}; install an fd-backends with contract 2.x, or a release of 'versioned' written for 1.x\n"
-    )
+    run = run_fd(["run", "--tp", "1", "--steps", "1", "--json"], site)
+    assert run.returncode == 0, run.stderr
+    assert [line for line in run.stderr.splitlines() if "versioned" in line] == [
+        f"fd: warning: platform 'versioned' is skipped: {MISMATCH}"
+    ]
     record = _listed(site)
-    assert record["contract"] == "2.0" and record["contract_declared"] and not record["active"]
-    assert record["error"].startswith("plugin 'versioned' was written for fd's contract 2.0")
+    assert (record["contract"], record["contract_declared"], record["active"]) == ("2.0", True, False)
+    assert (record["incompatible"], record["error"], record["status"]) == (True, MISMATCH, f"incompatible: {MISMATCH}")
+    text = run_fd(["plugins"], site)
+    assert text.returncode == 0, text.stderr
+    assert listing(text.stdout)["platform plugins"]["versioned"].startswith(
+        f"versioned fd-versioned 0.1.0, contract 2.0 incompatible: {MISMATCH}"
+    )
+    assert text.stdout.startswith("platform: cpu (")
+
+
+def test_another_major_selected_is_refused_in_one_line_naming_both_versions(
+    distribution: Callable[..., Path],
+) -> None:
+    """Forced, certified with `fd check`, or detected at the top priority: one line naming the plugin, its contract,
+    this fd's and the fix, before anything starts."""
+    site = _platform(distribution, 'FD_CONTRACT = "2.0"')
+    forced = run_fd(["run", "--steps", "1"], site, env={"FD_PLATFORM": "versioned"})
+    assert forced.returncode == 2 and not forced.stdout
+    assert forced.stderr == f"fd: error: platform 'versioned' is selected (FD_PLATFORM=versioned), but {MISMATCH}\n"
+    check = run_fd(["check", "versioned"], site, timeout=300)
+    assert_one_line_error(check, f"platform 'versioned' is selected (FD_PLATFORM=versioned), but {MISMATCH}")
+    detected = run_fd(["explain"], _platform(distribution, 'FD_CONTRACT = "2.0"', priority=50))
+    assert detected.returncode == 2 and not detected.stdout
+    assert detected.stderr == (f"fd: error: platform 'versioned' detected its hardware and is selected, but {MISMATCH}, "
+                               f"or set FD_PLATFORM to another platform\n")
+
+
+def test_an_extension_or_model_package_of_another_major_is_skipped(distribution: Callable[..., Path]) -> None:
+    """Neither is registered (their hooks would fail the run); each is warned about once and listed as incompatible,
+    and an architecture asked for that no compatible package registers names the skipped package."""
+    site = distribution("fd-versioned", {"versioned_ext": EXTENSION, "versioned_models": MODELS},
+                        {"fd.plugins": {"versioned": "versioned_ext"}, "fd.models": {"versioned": "versioned_models"}})
+    run = run_fd(["run", "--tp", "1", "--steps", "1", "--json"], site)
+    assert run.returncode == 0, run.stderr
+    assert sorted(line for line in run.stderr.splitlines() if "versioned" in line) == [
+        f"fd: warning: extension 'versioned' is skipped: {MISMATCH}",
+        f"fd: warning: model package 'versioned' is skipped: {MISMATCH}",
+    ]
+    listed = json.loads(run_fd(["plugins", "--json"], site).stdout)
+    records = {p["kind"]: p for p in listed["plugins"] if p["name"] == "versioned"}
+    assert set(records) == {"extension", "model"}
+    for record in records.values():
+        assert (record["incompatible"], record["active"], record["error"]) == (True, False, MISMATCH)
+    assert listed["problems"] == []
+    unknown = run_fd(["run", "--model", "versioned_lm", "--steps", "1"], site)
+    assert_one_line_error(unknown, f"; model package 'versioned' is not loaded: {MISMATCH}", exact=False)
 
 
 def test_a_newer_minor_loads_with_one_warning(distribution: Callable[..., Path]) -> None:
@@ -88,12 +158,15 @@ def test_none_declared_is_the_first_version_and_says_so(distribution: Callable[.
 
 
 def test_the_version_rules() -> None:
-    """Same major, same or older minor: neither refused nor warned; another major or a newer minor: said."""
+    """Same major, same or older minor: neither refused nor warned; another major, a newer minor or no version:
+    said."""
     major, minor = (int(p) for p in CONTRACT_VERSION.split("."))
     for same in (CONTRACT_VERSION, f"{major}.0"):
         assert contract_problem("p", same) is None and contract_warning("p", same) is None
-    assert contract_problem("p", f"{major + 1}.0") and contract_problem("p", f"{major - 1}.9")
-    assert contract_warning("p", f"{major}.{minor + 1}") and contract_problem("p", f"{major}.{minor + 1}") is None
+        assert contract_mismatch("p", same) is None
+    assert contract_mismatch("p", f"{major + 1}.0") and contract_mismatch("p", f"{major - 1}.9")
+    assert contract_problem("p", f"{major + 1}.0") is None and contract_problem("p", "1.0.0")
+    assert contract_warning("p", f"{major}.{minor + 1}") and contract_mismatch("p", f"{major}.{minor + 1}") is None
 
 
 def test_a_deprecated_detection_field_works_with_one_warning_at_the_caller() -> None:

@@ -15,6 +15,7 @@ pytest.importorskip("httpx", reason="FastAPI's test client needs httpx (pip inst
 
 from fastapi.testclient import TestClient  # noqa: E402 - after the skip
 
+from fd_core.errors import CheckpointError  # noqa: E402
 from fd_core.serve.app import Server  # noqa: E402
 from stand_in import Engine, error_of  # noqa: E402
 
@@ -150,3 +151,92 @@ def test_an_impossible_path_is_a_400_not_a_500(url: str) -> None:
         reply = client.post("/v1/chat/completions", json=body)
         error = error_of(reply, 400)
         assert error["param"] == "messages" and len(error["message"]) < 400, error
+
+
+def test_a_content_part_fd_does_not_read_is_named_with_its_type(client: TestClient, engine: Engine) -> None:
+    """Before, pydantic's union error: "messages.0.content: Input should be a valid string (got [...])"."""
+    for kind in ("audio", "input_audio", "file"):
+        body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": kind}]}]}
+        error = error_of(client.post("/v1/chat/completions", json=body), 400)
+        assert error["param"] == "messages[0].content[1].type", error
+        assert error["message"] == (f"messages[0].content[1].type {kind!r} is not supported; send \"text\" or "
+                                    f"\"image_url\" parts (fd serve reads text and pictures)"), error
+    assert engine.submitted == []
+
+
+def test_a_tool_choice_naming_no_offered_tool_lists_a_few_of_them(client: TestClient, engine: Engine) -> None:
+    """Two thousand tools made a 10 KB message listing every name."""
+    tools = [{"type": "function", "function": {"name": f"tool_{i:04d}"}} for i in range(2000)]
+    body = {**CHAT, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}}
+    error = error_of(client.post("/v1/chat/completions", json=body), 400)
+    assert error["param"] == "tool_choice", error
+    assert error["message"] == ("tool_choice names function 'nope', which is not among tools (tool_0000, tool_0001, "
+                                "tool_0002, tool_0003, tool_0004 and 1995 more)"), error
+    assert engine.submitted == []
+
+
+@pytest.mark.parametrize("header, status", [
+    ("Bearer k3y", 200), ("bearer k3y", 200), ("BEARER k3y", 200), ("bEaReR  k3y", 200),
+    ("Bearer K3Y", 401), ("Basic k3y", 401), ("Bearerk3y", 401), ("k3y", 401), ("Bearer", 401), ("Bearer ", 401),
+])
+def test_the_auth_scheme_is_case_insensitive_the_key_is_not(engine: Engine, header: str, status: int) -> None:
+    """RFC 9110 section 11.1: "bearer k3y" is the same credentials as "Bearer k3y" (it was refused with 401)."""
+    with TestClient(Server(engine, name="tiny", api_key="k3y").app) as client:
+        reply = client.post("/v1/completions", json={"prompt": "Hi"}, headers={"Authorization": header})
+        assert reply.status_code == status, (header, reply.text)
+
+
+def test_health_and_metrics_are_never_counted_a_405_neither(client: TestClient) -> None:
+    """docs/serving.md: /health and /metrics are not counted; a POST to them (405) was, under their routes."""
+    assert client.post("/health").status_code == 405 and client.post("/metrics").status_code == 405
+    assert client.get("/health").status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "Hi"}).status_code == 200
+    counted = [line for line in client.get("/metrics").text.splitlines() if line.startswith("fd_requests_total{")]
+    assert counted == ['fd_requests_total{endpoint="/v1/completions",status="200"} 1.0'], counted
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
+    """The tiny preset's checkpoint through the Python API in this process, and the same without its tokenizer."""
+    import shutil
+
+    from fd_core.runtime import LLM
+    from fd_core.serve.tiny import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny")
+    whole = write_tiny_checkpoint(root / "whole")
+    bare = root / "bare"
+    shutil.copytree(whole, bare)
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                 "chat_template.jinja"):
+        (bare / name).unlink(missing_ok=True)
+    with LLM(whole, tp=1) as llm, LLM(bare, tp=1) as tokenless:
+        yield llm, tokenless
+
+
+def test_the_engine_answers_a_client_in_its_terms_without_the_servers_paths(
+    tiny: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fd serve runs under the command line's style (FD_SETTINGS_STYLE=cli), but what the engine says about a request
+    is the client's to read: a 9 M-character message named the server's temporary tokenizer_config.json and told the
+    client to "fix the template"; a model without a tokenizer told it to pass --prompt-ids, naming the directory."""
+    from fd_core.errors import SETTINGS_STYLE_ENV
+    from fd_core.runtime.text.chat import MAX_RENDER_CHARS
+
+    monkeypatch.setenv(SETTINGS_STYLE_ENV, "cli")
+    llm, tokenless = tiny
+    with TestClient(Server(llm, name="tiny").app) as client:
+        huge = {"messages": [{"role": "user", "content": "x" * 9_000_000}], "max_tokens": 2}
+        error = error_of(client.post("/v1/chat/completions", json=huge), 400)
+        assert error["message"] == (f"the messages hold 9000000 characters of text, more than the {MAX_RENDER_CHARS} "
+                                    f"fd renders through a chat template; shorten them"), error
+        assert client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2}).status_code == 200
+    with TestClient(Server(tokenless, name="bare").app) as client:
+        for endpoint, body in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", CHAT)):
+            message = error_of(client.post(endpoint, json={**body, "max_tokens": 2}), 400)["message"]
+            assert "/" not in message.replace("/v1/completions", "") and "--" not in message, message
+            assert "send the prompt as token ids (\"prompt\": [1, 2, 3]) to /v1/completions" in message, message
+        assert client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}).status_code == 200
+    # Outside a request, the process's own style: fd run's words, with the directory.
+    with pytest.raises(CheckpointError, match=r"/bare has no tokenizer .*; pass token ids with --prompt-ids"):
+        tokenless.submit("Hi")

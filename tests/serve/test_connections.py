@@ -200,3 +200,62 @@ def test_the_cli_defaults_are_the_servers() -> None:
     assert (args.header_timeout, args.body_timeout, args.max_connections, args.max_pixels) == (
         DEFAULT_HEADER_TIMEOUT_S, DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_PIXELS)
     assert ServeOptions().header_timeout == DEFAULT_HEADER_TIMEOUT_S
+
+
+CHUNKED = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+           b"transfer-encoding: chunked\r\n")
+
+
+@pytest.mark.parametrize("size, data", [(2**63, b'{"prompt": "a"}\r\n0\r\n\r\n'), (2**64 + 15, b'{"prompt": "a"}'),
+                                        (2**79, b"")], ids=["2^63-with-data", "2^64+15", "2^79-header-alone"])
+def test_a_chunk_size_past_2_63_is_a_400_and_the_connection_closes(port: int, size: int, data: bytes) -> None:
+    """h11 takes chunk sizes of up to 20 hex digits (2^80) and waited for that many bytes (until --body-timeout);
+    RFC 9112 section 7.1: a numeral past what the parser's integers hold is an error."""
+    with connect(port) as conn:
+        start = time.monotonic()
+        conn.sendall(CHUNKED + b"\r\n" + b"%x\r\n" % size + data)
+        status, headers, body = reply(conn)
+        assert status == 400 and headers["connection"] == "close", (status, headers, body)
+        assert body["error"] == {
+            "message": "a chunk of the request's body declares more than 9223372036854775807 bytes (2^63 - 1, the "
+                       "most a 64-bit length holds); send the body in smaller chunks",
+            "type": "invalid_request_error", "param": None, "code": "invalid_http"}
+        assert closed(conn)
+        assert time.monotonic() - start < BODY_S, "refused at the chunk's size, not at --body-timeout"
+
+
+def test_a_chunk_of_2_63_minus_1_is_read_as_any_other(port: int) -> None:
+    """The bound's edge: taken, then the body that does not come gets --body-timeout's 408."""
+    with connect(port) as conn:
+        conn.sendall(CHUNKED + b"\r\n" + b"%x\r\n" % (2**63 - 1) + b'{"prompt": ')
+        status, _, body = reply(conn)
+        assert status == 408 and body["error"]["code"] == "request_timeout", body
+
+
+def test_content_length_with_transfer_encoding_is_a_400_and_the_connection_closes(port: int) -> None:
+    """RFC 9112 section 6.3: both framings on one request is how a second request is smuggled past a proxy; h11 read
+    the body as chunked and kept the connection open for the next (smuggled) request. Now neither is answered."""
+    with connect(port) as conn:
+        conn.sendall(CHUNKED + b"content-length: 15\r\n\r\nf\r\n{\"prompt\": \"a\"}\r\n0\r\n\r\n"
+                     b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        status, headers, body = reply(conn)
+        assert status == 400 and headers["connection"] == "close", (status, headers, body)
+        assert body["error"]["message"] == ("the request has both Content-Length and Transfer-Encoding, which RFC 9112 "
+                                            "section 6.3 makes an error; send one of them"), body
+        assert closed(conn)  # the request after it is never read
+    # Chunked alone is served.
+    with connect(port) as conn:
+        conn.sendall(CHUNKED + b"\r\nf\r\n{\"prompt\": \"a\"}\r\n0\r\n\r\n")
+        status, _, body = reply(conn)
+        assert status == 200 and body["object"] == "text_completion", body
+
+
+def test_a_request_h11_cannot_parse_gets_an_openai_error_saying_why(port: int) -> None:
+    """uvicorn answered "Invalid HTTP request received." as plain text, whatever was wrong."""
+    with connect(port) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip, chunked\r\n\r\n")
+        status, headers, body = reply(conn)
+        assert status == 400 and headers["content-type"] == "application/json", (status, headers)
+        assert body["error"]["message"] == ("the request is not valid HTTP/1.1 (Only Transfer-Encoding: chunked is "
+                                            "supported); send a well-formed request"), body
+        assert closed(conn)

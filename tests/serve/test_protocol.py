@@ -137,3 +137,40 @@ def test_a_token_without_a_tokenizer_is_its_id() -> None:
     legacy = text.completion([TokenLogprob(7, -0.5, ((3, -0.25),))], TextOffsets(text))
     assert legacy == {"tokens": ["token_id:7"], "token_logprobs": [-0.5],
                       "top_logprobs": [{"token_id:3": -0.25, "token_id:7": -0.5}], "text_offset": [0]}
+
+
+@pytest.mark.parametrize("key", ["١٢", "１２", "²", "1" * 10_000, "12345678901", "-1", "1e3", " 12", ""],
+                         ids=["arabic-indic", "fullwidth", "superscript", "10000-digits", "11-digits", "negative",
+                              "exponent", "space", "empty"])
+def test_a_logit_bias_key_is_ascii_digits_or_a_400_naming_it(key: str) -> None:
+    """int() takes other scripts' digits: "١٢" became token 12 in silence, "²" and 10,000 digits raised (a 500)."""
+    from fd_core.serve.protocol import CompletionRequest
+
+    with pytest.raises(ApiError) as refused:
+        CompletionRequest(prompt="Hi", logit_bias={key: 1.0}).sampling(None)
+    assert refused.value.status == 400 and refused.value.param == "logit_bias", refused.value.message
+    assert refused.value.message.startswith("logit_bias key") and len(refused.value.message) < 200
+    taken = CompletionRequest(prompt="Hi", logit_bias={"12": 1.5, "0042": -2}).sampling(None)
+    assert taken.bias == ((12, 1.5), (42, -2.0))
+
+
+def test_stop_strings_are_at_most_four_of_at_most_256_characters() -> None:
+    """OpenAI's limit on their number; fd's on their length: each token's text is searched for the start of every stop
+    string, at a cost of the square of its length."""
+    from fd_core.serve.protocol import MAX_STOP_CHARS, MAX_STOPS, CompletionRequest
+
+    assert (MAX_STOPS, MAX_STOP_CHARS) == (4, 256)
+    widest = ["a" * 256, "b" * 256, "\n", "Ω" * 256]
+    assert CompletionRequest(prompt="Hi", stop=widest).sampling(None).stop == tuple(widest)
+    assert CompletionRequest(prompt="Hi", stop="x" * 256).sampling(None).stop == ("x" * 256,)
+    for stop, words in (
+        (["a", "b", "c", "d", "e"], "stop holds 5 strings, more than the 4 a request may send (OpenAI's limit); send at "
+                                    "most 4"),
+        (["a", "b" * 257], "stop[1] is 257 characters long, more than the 256 a stop string may have; send a shorter "
+                           "one"),
+        ("c" * 100_000, "stop is 100000 characters long, more than the 256 a stop string may have; send a shorter one"),
+        (["a", ""], "stop[1] is empty; a stop string needs at least one character"),
+    ):
+        with pytest.raises(ApiError) as refused:
+            CompletionRequest(prompt="Hi", stop=stop).sampling(None)
+        assert (refused.value.status, refused.value.param, refused.value.message) == (400, "stop", words)

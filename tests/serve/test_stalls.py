@@ -58,6 +58,12 @@ EXPENSIVE = [
     # As many as --max-images admits by default: refused for the model, not their number.
     ("16 pictures to a text-only model", "/v1/chat/completions",
      lambda: {"messages": [{"role": "user", "content": [*pictures(16), {"type": "text", "text": "Hi"}]}]}, 400),
+    # Issue 44: a grammar compiled, and a body of many small values checked, on the event loop.
+    ("a 200k-string enum schema", "/v1/completions",
+     lambda: {"prompt": "Hi", "max_tokens": 2, "response_format": {"type": "json_schema", "json_schema": {
+         "name": "e", "schema": {"enum": [f"s{i}" for i in range(200_000)]}}}}, 400),
+    ("700k small objects where stop strings go", "/v1/completions",
+     lambda: {"prompt": "Hi", "max_tokens": 2, "stop": [{}] * 700_000}, 400),
 ]
 
 
@@ -87,3 +93,52 @@ def test_an_expensive_request_stalls_nobody(server: Served, what: str, endpoint:
     assert answered["seconds"] < PROMPT_S, f"{what} took {answered['seconds']:.1f} s to refuse"
     assert max(waits) < PROMPT_S, f"/health and a small completion waited {max(waits):.1f} s beside {what}"
     assert "\n" not in answered["text"] and len(answered["text"]) < 600, answered["text"]
+
+
+# A schema whose references never bottom out, and a regex whose lexer takes seconds to build (issue 44).
+LOOPING = {"type": "json_schema", "json_schema": {"name": "loop", "schema": {
+    "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}}
+CATASTROPHIC = "(a{1000}){1000}"
+
+
+def stream(server: Served, body: dict[str, Any], out: dict[str, Any]) -> None:
+    """A streamed completion: its events' arrival times and texts, and whether it ended with [DONE]."""
+    times, events = [], []
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as reply:
+        out["status"] = reply.status_code
+        for line in reply.iter_lines():
+            if line.startswith("data: "):
+                times.append(time.monotonic())
+                events.append(line[len("data: "):])
+    out.update(times=times, events=events)
+
+
+def test_a_bad_grammar_ends_nobody_elses_stream(server: Served) -> None:
+    """Three streams beside a looping-$ref request and a catastrophic regex at n=8: each ends with [DONE] and no gap
+    over 5 s; the looping one is a 400 naming response_format in the client's words (before, every stream of the
+    batch ended with its error, and the regex stopped them all for 7-17 s)."""
+    outs: list[dict[str, Any]] = [{} for _ in range(3)]
+    threads = [threading.Thread(target=stream, args=(server, {"prompt": f"Hello {i}", "max_tokens": 24,
+                                                              "ignore_eos": True}, outs[i])) for i in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    looping = httpx.post(server.url + "/v1/completions", timeout=120,
+                         json={"prompt": "Hi", "max_tokens": 4, "response_format": LOOPING, "stream": True})
+    regex = httpx.post(server.url + "/v1/completions", timeout=120,
+                       json={"prompt": "Hi", "max_tokens": 4, "n": 8, "guided_regex": CATASTROPHIC})
+    for t in threads:
+        t.join(120)
+    assert looping.status_code == 400, looping.text
+    error = looping.json()["error"]
+    assert error["param"] == "response_format" and "admits no output at all" in error["message"], error
+    assert "NoExtensionBias" not in looping.text and "Some(" not in looping.text
+    # Refused past its compile budget (1 s), or failing its own choices past llguidance's limits, or run: never at
+    # the others' expense.
+    assert regex.status_code in (200, 400), regex.text
+    if regex.status_code == 400:
+        assert regex.json()["error"]["param"] == "guided_regex", regex.text
+    for out in outs:
+        assert out["status"] == 200 and out["events"][-1] == "[DONE]", out["events"][-3:]
+        gaps = [b - a for a, b in zip(out["times"], out["times"][1:])]
+        assert max(gaps) < 5.0, f"a stream waited {max(gaps):.1f} s beside the bad grammars"

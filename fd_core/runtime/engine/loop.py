@@ -45,7 +45,9 @@ class Completion:
     """One prompt's output: the generated ids, their text (None without a tokenizer), and why it ended.
 
     `finish_reason` is "eos" (an end-of-sequence id, kept as the last id), "stop" (a stop string; the
-    text is cut before it), "length" (max_new_tokens reached) or "cancelled" (its caller cancelled it).
+    text is cut before it), "length" (max_new_tokens reached), "cancelled" (its caller cancelled it) or "error" (what
+    handling this sequence alone failed on: its grammar, its bias, its scoring, its pictures; `failure` says what, and
+    every other sequence of the step went on).
     `logprobs` (when its SamplingParams asked) has one TokenLogprob per id of token_ids, in order;
     `prompt_logprobs` (when asked) one per id of prompt_ids, the first None (nothing comes before it); fewer when
     the sequence was cancelled before its prompt was scored.
@@ -57,15 +59,35 @@ class Completion:
     finish_reason: str
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    failure: "SequenceFailure | None" = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"text": self.text, "ids": self.token_ids, "finish_reason": self.finish_reason,
                                "prompt_tokens": len(self.prompt_ids)}
+        if self.failure is not None:
+            out["error"] = self.failure.message
         if self.logprobs is not None:
             out["logprobs"] = [_logprob_dict(p) for p in self.logprobs]
         if self.prompt_logprobs is not None:
             out["prompt_logprobs"] = [None if p is None else _logprob_dict(p) for p in self.prompt_logprobs]
         return out
+
+
+@dataclass(frozen=True)
+class SequenceFailure:
+    """Why one sequence ended with "error", in one line (plain data: it crosses process boundaries); `request` is True
+    when what the request asked for is at fault (its grammar cannot be followed, say), False for the engine's side."""
+
+    message: str
+    request: bool
+
+    @classmethod
+    def of(cls, exc: BaseException) -> "SequenceFailure":
+        """The one-line failure of `exc`: an FdError's own message, else its type and first line."""
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        first = lines[0] if lines else ""
+        message = first if isinstance(exc, FdError) and first else f"{type(exc).__name__}: {first}".rstrip(": ")
+        return cls(message, isinstance(exc, ConfigError))
 
 
 def _logprob_dict(p: TokenLogprob) -> dict[str, Any]:
@@ -174,6 +196,7 @@ class _Seq:
     # many prompt positions are scored, on every rank alike (position 0 has nothing to score).
     prompt_logprobs: list[TokenLogprob | None] | None = None
     scored: int = 1
+    failure: SequenceFailure | None = None  # what ended it with "error"
 
     @property
     def tokens(self) -> list[int]:
@@ -576,7 +599,17 @@ class Engine:
         self._use_threads(None)
         start_time = time.perf_counter()
         progress.report("prefill")
-        logits = model.prefill(ids, image, batch)
+        if image is None:
+            logits = model.prefill(ids, image, batch)
+        else:
+            # A prompt with pictures is prefilled alone: what its pictures fail on (the vision tower, their
+            # placeholders) is its own, and every rank fails it alike (they hold the same pictures).
+            try:
+                logits = model.prefill(ids, image, batch)
+            except Exception as exc:  # noqa: BLE001 - the sequence ends with it; the others go on
+                self.runner.add_time("prefill", time.perf_counter() - start_time)
+                self._fail(seqs[0], exc, events)
+                return
         self.runner.add_time("prefill", time.perf_counter() - start_time)
         done = []
         for row, chunk in enumerate(chunks):
@@ -588,9 +621,10 @@ class Engine:
                 done.append(row)
         if done:
             finished = [seqs[row] for row in done]
-            picked = self._choose(logits, finished, done)
+            picked = self._choose(logits, finished, done, events)
             for seq, token in zip(finished, picked, strict=True):
-                self._push(seq, token, events)
+                if token is not None:
+                    self._push(seq, token, events)
 
     def _decode(self, seqs: Sequence[_Seq], events: list[Event]) -> None:
         """One token for every sequence whose prompt is done: the captured step of its (batch, table width) bucket
@@ -629,19 +663,20 @@ class Engine:
             self._publish(seq)
         prompting = [row for row, seq in enumerate(seqs) if seq.pending > 0]
         if prompting:
-            self._score(logits, [seqs[row] for row in prompting], prompting)
+            self._score(logits, [seqs[row] for row in prompting], prompting, events)
         at = [row for row, seq in enumerate(seqs) if seq.pending == 0]
         choosing = [seqs[row] for row in at]
-        picked = self._choose(logits, choosing, at) if choosing else []
+        picked = self._choose(logits, choosing, at, events) if choosing else []
         for seq, token in zip(choosing, picked, strict=True):
-            self._push(seq, token, events)
+            if token is not None:
+                self._push(seq, token, events)
         elapsed = time.perf_counter() - start
         self.runner.add_time("decode", elapsed)
         self.decode_s += elapsed
         self.decode_core_s += time.process_time() - core_start
-        self.decoded_tokens += len(choosing)
+        self.decoded_tokens += sum(token is not None for token in picked)
 
-    def _score(self, logits: Any, seqs: Sequence[_Seq], at: Sequence[int]) -> None:
+    def _score(self, logits: Any, seqs: Sequence[_Seq], at: Sequence[int], events: list[Event]) -> None:
         """Stepwise prompts (sequence i at row at[i] of logits [B, vocab]) whose step computed position p: the
         logprob of their prompt's id p + 1 given the ids before it, appended once (a recomputed prompt, after a
         preemption, scores nothing twice)."""
@@ -654,11 +689,13 @@ class Engine:
         asking = [(seq, i) for seq, i in fresh if seq.prompt_logprobs is not None]
         if asking:
             rows = _host_rows(logits, [i for _, i in asking])
-            found = token_logprobs(rows, [seq.ids[seq.computed] for seq, _ in asking],
-                                   [seq.job.sampling.prompt_logprobs or 0 for seq, _ in asking])
+            found = self._each([seq for seq, _ in asking], events, lambda picked: token_logprobs(
+                rows[picked], [seq.ids[seq.computed] for seq, _ in (asking[n] for n in picked)],
+                [seq.job.sampling.prompt_logprobs or 0 for seq, _ in (asking[n] for n in picked)]))
             for (seq, _), logprob in zip(asking, found, strict=True):
-                assert seq.prompt_logprobs is not None
-                seq.prompt_logprobs.append(logprob)
+                if logprob is not None:
+                    assert seq.prompt_logprobs is not None
+                    seq.prompt_logprobs.append(logprob)
 
     def _check_rows(self, logits: Any, at: Sequence[int]) -> None:
         """check_finite on the rows `at` of logits [B, vocab] (the others are padding or not read)."""
@@ -667,10 +704,11 @@ class Engine:
             live[i] = True
         check_finite(logits, self.steps, live)
 
-    def _choose(self, logits: Any, seqs: Sequence[_Seq], at: Sequence[int]) -> list[int]:
+    def _choose(self, logits: Any, seqs: Sequence[_Seq], at: Sequence[int], events: list[Event]) -> list[int | None]:
         """Each sequence's next token from logits [B, vocab] (sequence i at row at[i]) through the Backend's sample op,
         once its rows' logits are known to be finite; a sequence whose sampling asks for logprobs gets the token's
-        appended to its own (the rows that do not ask cost nothing)."""
+        appended to its own (the rows that do not ask cost nothing). None for a sequence that failed on its own (its
+        grammar, bias, sampling or logprobs): it ended with its error, the others go on."""
         start = time.perf_counter()
         self._check_rows(logits, at)
         if self.trace is not None:
@@ -682,34 +720,50 @@ class Engine:
                 self.trace.setdefault(seq.job.key, []).append(rows[i])
         ops = self.runner.backend.ops
         sample = ops.sample
-        processed = {n: row for n, row in self._process(logits, seqs, at)}
+        processed, failed = self._process(logits, seqs, at, events)
+        chosen: list[int | None]
         if not processed and all(seq.job.sampling.greedy for seq in seqs):
             # One call for the whole batch: greedy draws nothing, so the rows need no sampler of their own.
             every = sample(logits, 0.0, 0, 1.0, [0.0] * int(logits.shape[0]))
-            chosen = [int(every[i]) for i in at]
+            chosen = [None if n in failed else int(every[i]) for n, i in enumerate(at)]
         else:
-            chosen = [seq.sampler.choose(processed[n] if n in processed else logits[i : i + 1], sample)[0]
-                      for n, (seq, i) in enumerate(zip(seqs, at, strict=True))]
+            chosen = []
+            for n, (seq, i) in enumerate(zip(seqs, at, strict=True)):
+                if n in failed:
+                    chosen.append(None)
+                    continue
+                try:
+                    chosen.append(seq.sampler.choose(processed[n] if n in processed else logits[i : i + 1], sample)[0])
+                except Exception as exc:  # noqa: BLE001 - the sequence ends with it; the others go on
+                    self._fail(seq, exc, events)
+                    chosen.append(None)
         # Only rank 0 reports them (the others send their tokens alone).
         reporting = self.rank is None or self.rank.rank == 0
-        asking = [(n, seq.logprobs) for n, seq in enumerate(seqs) if seq.logprobs is not None and reporting]
+        asking = [n for n, seq in enumerate(seqs) if seq.logprobs is not None and reporting and chosen[n] is not None]
         if asking:
             # The raw logits of the asking rows only, to the host as float32; the log-softmax in float64 there.
-            rows = _host_rows(logits, [at[n] for n, _ in asking])
-            tops = [seqs[n].job.sampling.logprobs or 0 for n, _ in asking]
-            found = token_logprobs(rows, [chosen[n] for n, _ in asking], tops)
-            for (_, kept), logprob in zip(asking, found, strict=True):
-                kept.append(logprob)
+            rows = _host_rows(logits, [at[n] for n in asking])
+            found = self._each([seqs[n] for n in asking], events, lambda picked: token_logprobs(
+                rows[picked], [chosen[asking[k]] for k in picked],
+                [seqs[asking[k]].job.sampling.logprobs or 0 for k in picked]))
+            for n, logprob in zip(asking, found, strict=True):
+                kept = seqs[n].logprobs
+                if logprob is None:
+                    chosen[n] = None
+                elif kept is not None:
+                    kept.append(logprob)
         self.choose_s += time.perf_counter() - start
         self.choose_calls += 1
         return chosen
 
-    def _process(self, logits: Any, seqs: Sequence[_Seq], at: Sequence[int]) -> list[tuple[int, Any]]:
-        """(index in seqs, its logits row [1, V] as a tensor) for the sequences whose sampling changes the logits
-        before the sample op (penalties through the Backend's apply_penalties op, bias, min_tokens, min_p)."""
+    def _process(self, logits: Any, seqs: Sequence[_Seq], at: Sequence[int],
+                 events: list[Event]) -> tuple[dict[int, Any], set[int]]:
+        """({index in seqs: its logits row [1, V] as a tensor}, the indexes that failed) for the sequences whose
+        sampling changes the logits before the sample op (penalties through the Backend's apply_penalties op, bias,
+        min_tokens, min_p, grammar). A sequence that fails there ends with its own error (_fail)."""
         asking = [n for n, seq in enumerate(seqs) if seq.job.sampling.processed]
         if not asking:
-            return []
+            return {}, set()
         penalties = self.runner.backend.ops.apply_penalties
 
         def penalize(*arrays: Any) -> Any:
@@ -717,24 +771,54 @@ class Engine:
             return penalties(*(host_tensor(a) for a in arrays)).numpy()
 
         chosen = [seqs[n] for n in asking]
-        rows = process_logits(_host_rows(logits, [at[n] for n in asking]), [s.job.sampling for s in chosen],
-                              [s.job.prompt for s in chosen], [s.tokens for s in chosen],
-                              [s.eos for s in chosen], penalize)
-        for i, seq in enumerate(chosen):
+        raw = _host_rows(logits, [at[n] for n in asking])
+        rows = self._each(chosen, events, lambda picked: process_logits(
+            raw[picked], [chosen[k].job.sampling for k in picked], [chosen[k].job.prompt for k in picked],
+            [chosen[k].tokens for k in picked], [chosen[k].eos for k in picked], penalize))
+        out: dict[int, Any] = {}
+        for n, seq, row in zip(asking, chosen, rows, strict=True):
+            if row is None:
+                continue
             if seq.job.sampling.grammar is not None:
-                rows[i] = self._constraint(seq, rows.shape[1]).mask(rows[i])
-        return [(n, host_tensor(rows[i : i + 1])) for i, n in enumerate(asking)]
+                try:
+                    row = self._constraint(seq, int(row.shape[0])).mask(row)
+                except Exception as exc:  # noqa: BLE001 - the sequence ends with it; the others go on
+                    self._fail(seq, exc, events)
+                    continue
+            out[n] = host_tensor(row[None, :])
+        return out, {n for n in asking if n not in out}
+
+    def _each(self, seqs: Sequence[_Seq], events: list[Event], fn: Callable[[list[int]], Sequence[Any]]) -> list[Any]:
+        """fn(indexes) over every sequence at once (one result per index, in order); when that fails, over each alone,
+        so that a sequence it fails for ends with its own error (its result None) and the others get theirs."""
+        try:
+            return list(fn(list(range(len(seqs)))))
+        except Exception:  # noqa: BLE001 - found below, sequence by sequence
+            pass
+        out: list[Any] = []
+        for n, seq in enumerate(seqs):
+            try:
+                out.append(fn([n])[0])
+            except Exception as exc:  # noqa: BLE001 - the sequence ends with it; the others go on
+                self._fail(seq, exc, events)
+                out.append(None)
+        return out
+
+    def _fail(self, seq: _Seq, exc: BaseException, events: list[Event]) -> None:
+        """End `seq` alone with what it failed on (finish_reason "error"); its blocks are freed, the step goes on."""
+        seq.reason, seq.failure = "error", SequenceFailure.of(exc)
+        events.append(self._finish(seq, final=False))
 
     def _constraint(self, seq: _Seq, vocab: int) -> "Constraint":
         """Its grammar's constraint, made at its first token from the engine's Grammars (built once: it reads every
         token of the vocabulary)."""
         if seq.constraint is None:
-            from fd_core.runtime.text.grammar import Grammars
+            from fd_core.runtime.text.grammar import grammars_for
 
             if self.tokenizer is None:
                 raise ConfigError("structured output needs the checkpoint's tokenizer, and it has none")
             if self._grammars is None:
-                self._grammars = Grammars(self.tokenizer, vocab, seq.job.eos_ids or None)
+                self._grammars = grammars_for(self.tokenizer, vocab, seq.job.eos_ids or None)
             seq.constraint = self._grammars.matcher(seq.job.sampling.grammar or "")
         return seq.constraint
 
@@ -743,6 +827,13 @@ class Engine:
         carries the token's logprob data when its sampling asks (_choose appended it)."""
         if self.first_token_at is None:
             self.first_token_at = time.time()
+        try:
+            self._take(seq, token, events)
+        except Exception as exc:  # noqa: BLE001 - its text, stop or grammar state failed: it ends, the others go on
+            if not any(e.key == seq.job.key and e.done is not None for e in events):  # not ended already
+                self._fail(seq, exc, events)
+
+    def _take(self, seq: _Seq, token: int, events: list[Event]) -> None:
         seq.ids.append(token)
         logprob = seq.logprobs[-1] if seq.logprobs else None
         shown = ""
@@ -781,4 +872,4 @@ class Engine:
         logprobs = None if seq.logprobs is None else list(seq.logprobs)
         scored = None if seq.prompt_logprobs is None else list(seq.prompt_logprobs)
         return Event(seq.job.key, None, rest,
-                     Completion(list(seq.job.prompt), seq.tokens, text, seq.reason, logprobs, scored))
+                     Completion(list(seq.job.prompt), seq.tokens, text, seq.reason, logprobs, scored, seq.failure))

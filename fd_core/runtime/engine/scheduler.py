@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Sequence
 
-from fd_core.errors import FdError
+from fd_core.errors import FdError, SequenceError
 from fd_core.runtime.engine.loop import Completion, Event, Job
 from fd_core.runtime.engine.sampling import TokenLogprob
 
@@ -118,7 +118,10 @@ class Submission:
                 self.first_token_at = time.time()
         if event.text or event.logprob is not None:
             self._pieces.put((event.text, event.logprob))
-        if event.done is not None:
+        if event.done is not None and event.done.failure is not None:
+            failure = event.done.failure
+            self.fail(SequenceError(failure.message, failure.request))
+        elif event.done is not None:
             self._completion = event.done
             self._close()
 

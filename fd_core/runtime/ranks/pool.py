@@ -10,7 +10,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Literal, Sequence
 
+from fd_core.error_lines import add_hint
 from fd_core.errors import RankError, setting
+from fd_core.host.failure_hints import dtype_hint
 from fd_core.runtime import progress
 from fd_core.runtime.ranks.spawn import DEFAULT_STALL_S, init_rank, spawn_ranks
 from fd_core.runtime.ranks.worker import RankWorker, end_reason
@@ -96,13 +98,25 @@ def _serve(worker: RankWorker, rank: int, conn: Any) -> dict[str, Any]:
             engine.add(job)
         for key in message[2]:
             engine.cancel(key)
-        events = engine.step()
+        events = step(worker)
         if rank == 0:
             # What the caller reads back (timings) when a sequence ended; not every step.
             info = worker.describe() if any(e.done is not None for e in events) else None
             conn.send(("events", events, info))
         else:
             conn.send(("events", [(e.key, e.done.token_ids) for e in events if e.done is not None], None))
+
+
+def step(worker: RankWorker) -> list["Event"]:
+    """One engine step of `worker`; a failure whose Paddle message is about a dtype carries its likely cause (the
+    kernel or the platform's claim, and the fix) into its one line. Read only once it failed: a step pays nothing."""
+    try:
+        return worker.engine.step()
+    except Exception as exc:
+        hint = dtype_hint(exc, worker.backend, worker.plan.config.dtype)
+        if hint is not None:
+            add_hint(exc, hint)
+        raise
 
 
 class RankPool:

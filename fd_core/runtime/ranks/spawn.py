@@ -20,6 +20,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Literal, Sequence
 
+from fd_core.error_lines import error_line, informative_line
 from fd_core.errors import ConfigError, FdError, PlatformError, RankError, setting
 from fd_core.host.output import plugin_prints_to_stderr
 from fd_core.host.paddle_logs import quiet_paddle_logs
@@ -122,10 +123,12 @@ class RankFailure:
 
 
 def _last_line(trace: str) -> str:
-    lines = [line for line in trace.strip().splitlines() if line.strip()]
-    if not lines:
+    """The exception a traceback ends with, as one line (a multi-line message's informative line)."""
+    start = trace.rfind("Traceback (most recent call last):")  # the last of chained exceptions
+    lines = [line.strip() for line in trace.splitlines() if line.strip()]
+    last = informative_line(trace[start:]) if start >= 0 else lines[-1] if lines else None
+    if last is None:
         return "failed without a message"
-    last = lines[-1].strip()
     # "fd_core.errors.CheckpointError: ..." -> "CheckpointError: ..."
     head, sep, tail = last.partition(": ")
     return f"{head.rsplit('.', 1)[-1]}{sep}{tail}"
@@ -233,7 +236,7 @@ def _call_and_save(fn: Callable[..., Any], out_dir: str, errors_dir: str, parent
                 with open(trace, "w") as f:
                     f.write(traceback.format_exc())
         record = os.path.join(out_dir, f"rank{rank}.failed")
-        message = (f"{type(exc).__name__}: {exc}".splitlines() or [type(exc).__name__])[0]
+        message = error_line(exc)  # the informative line of a multi-line message (Paddle's), and fd's hint
         with contextlib.suppress(OSError):  # without it the parent falls back to Paddle's error queue
             with open(record + ".tmp", "w") as f:
                 json.dump(
@@ -469,7 +472,7 @@ def run_here(fn: Callable[..., Any], *args: Any) -> Any:
         trace = os.path.join(errors_dir, "rank0.traceback")
         with open(trace, "w") as f:
             f.write(traceback.format_exc())
-        message = (f"{type(exc).__name__}: {exc}".splitlines() or [type(exc).__name__])[0]
+        message = error_line(exc)  # the informative line of a multi-line message (Paddle's), and fd's hint
         raise RankError(f"rank 0 failed: {message}; its traceback is in {trace}") from None
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from fd_core.config import ParallelConfig
+from fd_core.detection import DEFAULT_KV_BLOCK_SIZE
 from fd_core.errors import PlatformError
 from fd_core.host.backend import Backend, load_backend
 from fd_core.host.loading import PluginSet, load_plugins
@@ -16,6 +17,7 @@ from fd_core.lifecycle import EndReason, RankContext
 from fd_core.runtime import progress
 from fd_core.runtime.engine.loop import Engine
 from fd_core.runtime.engine.runner import ModelRunner
+from fd_core.runtime.kernel_checks import kernel_canary
 from fd_core.runtime.memory import local_rank, local_ranks
 from fd_core.runtime.plan import Plan, plugin_env
 from fd_core.runtime.procstats import peak_resident_bytes, resident_bytes
@@ -135,6 +137,8 @@ class RankWorker:
             early["spawn"] = max(0.0, rank_start - spawned)
         runner.timings = {**early, **before, "setup": time.time() - entered}
         log(f"loading {arch.name} ({run.checkpoint or 'seeded random weights'}) on {backend.platform}, tp={tp}")
+        if run.kernel_canary:
+            _kernel_canary(runner, plan, context)
         progress.report("loading weights")
         runner.load()
         log(f"loaded {arch.name} on {backend.platform} (tp={tp}) in {runner.timings['load']:.2f}s")
@@ -213,6 +217,22 @@ def end_reason(error: BaseException | None) -> EndReason:
     if error is None:
         return "normal"
     return "signal" if isinstance(error, (Terminated, KeyboardInterrupt)) else "error"
+
+
+def _kernel_canary(runner: ModelRunner, plan: Plan, context: RankContext) -> None:
+    """The model built (not loaded) and the non-native kernels it and the engine call checked against fd's native ops
+    (kernel_checks.kernel_canary), each timed as a phase: before any weight is read, a kernel that differs stops the
+    rank in one line instead of giving plausible, wrong tokens."""
+    progress.report("checking the kernels against fd's native ops")
+    begin = time.perf_counter()
+    # What runner.load() would build first; built here, the model tells which optional ops it calls (experts, a tower).
+    model = runner.model = runner.arch.build_model(runner.config, runner.backend)
+    runner.add_time("build", time.perf_counter() - begin)
+    begin = time.perf_counter()
+    block_size = plan.memory.block_size if plan.memory is not None else DEFAULT_KV_BLOCK_SIZE
+    kernel_canary(runner.backend.ops, runner.backend.platform, runner.config, block_size, tp=context.world_size,
+                  threads=context.threads, model=model)
+    runner.add_time("kernel_canary", time.perf_counter() - begin)
 
 
 def _held_bytes(model: Any) -> int:

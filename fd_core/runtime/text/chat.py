@@ -9,7 +9,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from fd_core.errors import CheckpointError, ConfigError
+from fd_core.errors import CheckpointError, ConfigError, in_terms
 from fd_core.runtime.files import read_text
 from fd_core.runtime.text.tokenizer import JsonReader, read_json
 
@@ -235,6 +235,23 @@ def _environment() -> Any:
     return env
 
 
+def given_chars(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None) -> int:
+    """The characters of text a conversation hands a chat template: its messages' text (a string content, text parts,
+    earlier tool calls as JSON) and its tools as JSON."""
+    total = len(json.dumps(list(tools), default=str)) if tools else 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, (list, tuple)):
+            total += sum(len(part["text"]) for part in content
+                         if isinstance(part, Mapping) and isinstance(part.get("text"), str))
+        calls = message.get("tool_calls") if isinstance(message, Mapping) else None
+        if calls:
+            total += len(json.dumps(calls, default=str))
+    return total
+
+
 def render_chat(
     template: str, messages: Sequence[Mapping[str, Any]], special_tokens: Mapping[str, str],
     add_generation_prompt: bool = True, source: str | Path | None = None,
@@ -245,8 +262,18 @@ def render_chat(
     `source`, the file the template came from, when given)."""
     from jinja2 import TemplateError
 
-    what = f"the chat template in {source}" if source is not None else "the chat template"
-    fix = "fix the template" if source is not None else "fix the checkpoint's chat template"
+    given = given_chars(messages, tools)
+    if given > MAX_RENDER_CHARS:
+        # The caller's text is at fault, not the template: said so before rendering, which would fail on its size
+        # (naming the template's file, which a client of fd serve has no use for).
+        what = "the messages and tools hold" if tools else "the messages hold"
+        raise ConfigError(f"{what} {given} characters of text, more than the {MAX_RENDER_CHARS} fd renders through a "
+                          f"chat template; shorten them")
+    # A client of fd serve is told neither where the server keeps the template nor to fix what it cannot.
+    where = "the chat template" if source is None else f"the chat template in {source}"
+    what = in_terms(where, where, http="the model's chat template")
+    repair = "fix the template" if source is not None else "fix the checkpoint's chat template"
+    fix = in_terms(repair, repair, http="the chat template is at fault: tell the server's operator")
     variables = {"messages": list(messages), "add_generation_prompt": add_generation_prompt,
                  "tools": list(tools) if tools else None,
                  "documents": None, **special_tokens}
@@ -259,7 +286,9 @@ def render_chat(
     except TemplateError as exc:
         raise ConfigError(f"{what} failed to render: {exc}".replace("\n", " ")) from None
     except _TooLarge as exc:
-        raise ConfigError(f"{what} failed to render: {exc}; {fix}") from None
+        # Within the bound on what it was given, the template made more of it: the client may still send less.
+        less = "shorten the messages (if they are short, the chat template is at fault: tell the server's operator)"
+        raise ConfigError(f"{what} failed to render: {exc}; {in_terms(repair, repair, http=less)}") from None
     except RecursionError:
         raise ConfigError(f"{what} failed to render: it recurses without end; {fix}") from None
     except MemoryError:

@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
+import weakref
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -37,6 +41,15 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}  # json_object: any JSON object 
 # otherwise spend its tokens on whitespace, which JSON allows anywhere (a schema's own "x-guidance" options win).
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 SPECIAL_MARK = 0xFF  # llguidance's first byte of a special token's text; never the first byte of UTF-8
+COMPILED_KEPT = 16  # grammars a Grammars keeps compiled (Grammars.matcher)
+
+
+# llguidance's limits for every grammar fd compiles, at request time and in the engine alike: its defaults for the
+# grammar's size and the lexer's states, a smaller lexer fuel a step (a sequence's mask in the shared step costs at
+# most about this), and errors without the grammar's internals (they go to clients).
+LIMITS = {"step_lexer_fuel": 100_000, "verbose_errors": False}
+NOTHING_ALLOWED = ("no token can continue the output (a $ref that only refers to itself, or a pattern that matches "
+                   "nothing, admits no output at all); fix the schema or the pattern")
 
 
 class GrammarError(ConfigError):
@@ -57,12 +70,19 @@ def _llguidance() -> Any:
 
 
 def _one_line(message: str) -> str:
-    """llguidance's message in one line: a regex error's `error: ...` line, else the first line."""
+    """llguidance's message in one line and in a client's terms: a regex error's `error: ...` line, else the first
+    line, with the Rust library's internal names (its error variants, `Some(..)`) put in words."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
     detail = next((line for line in lines if line.startswith("error: ")), None)
     if detail is not None:
         return f"invalid regex: {detail[len('error: '):]}"
-    return lines[0] if lines else "invalid grammar"
+    line = lines[0] if lines else "invalid grammar"
+    if "NoExtensionBias" in line:
+        return NOTHING_ALLOWED
+    if "integer range" in line:
+        return ("an integer bound past what a 64-bit integer holds (-2^63 .. 2^63 - 1) cannot be generated; bound "
+                "integers within that range")
+    return re.sub(r"\bSome\(([^()]*)\)", r"\1", line)
 
 
 def _describe(value: Any) -> str:
@@ -71,9 +91,13 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
+def _limits() -> Any:
+    return _llguidance().LLParserLimits(**LIMITS)
+
+
 def _checked(grammar: str, field: str) -> str:
     """`grammar` once llguidance has compiled it without a tokenizer; a GrammarError naming `field` otherwise."""
-    error = _llguidance().LLMatcher.validate_grammar(grammar)
+    error = _llguidance().LLMatcher.validate_grammar(grammar, limits=_limits())
     if error:
         raise GrammarError(f"{field}: {_one_line(error)}")
     return grammar
@@ -220,15 +244,39 @@ class Grammars:
         vocabulary = _Vocabulary(tokenizer, tokens, self.eos_ids[0] if self.eos_ids else None, special)
         self.lltokenizer: LLTokenizer = llguidance.LLTokenizer(vocabulary)
         self.width = self.lltokenizer.vocab_size  # llguidance's vocabulary (vocab_size, or one more for its EOS)
+        self._lock = threading.Lock()
+        self._compiled: OrderedDict[str, tuple[LLMatcher, float]] = OrderedDict()
 
     def matcher(self, spec: str) -> Constraint:
-        """A new constraint for one sequence, following the grammar `spec` (from constraint_spec)."""
-        llguidance = _llguidance()
-        # log_level 0: a grammar's problems become GrammarError here rather than lines on the server's stderr.
-        matcher = llguidance.LLMatcher(self.lltokenizer, spec, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(f"the grammar cannot constrain this model's tokens: {_one_line(matcher.get_error())}")
-        return Constraint(self, matcher)
+        """A new constraint for one sequence, following the grammar `spec` (from constraint_spec).
+
+        The latest grammars are kept compiled with their first mask computed (their lexer built): the n choices of one
+        request, and a request checked before the engine runs it (check_grammar), compile it once."""
+        with self._lock:
+            kept = self._compiled.get(spec)
+            if kept is not None:
+                self._compiled.move_to_end(spec)
+        if kept is None:
+            start = time.perf_counter()
+            llguidance = _llguidance()
+            # log_level 0: a grammar's problems become GrammarError here rather than lines on the server's stderr.
+            compiled = llguidance.LLMatcher(self.lltokenizer, spec, log_level=0, limits=_limits())
+            if compiled.is_error():
+                raise GrammarError(f"grammar: {_one_line(compiled.get_error())}")
+            first = Constraint(self, compiled.deep_copy())
+            first.allowed()  # its first mask: a grammar that admits nothing fails here
+            with self._lock:
+                self._compiled[spec] = (compiled, time.perf_counter() - start)
+                while len(self._compiled) > COMPILED_KEPT:
+                    self._compiled.popitem(last=False)
+            return first
+        return Constraint(self, kept[0].deep_copy())
+
+    def cost(self, spec: str) -> float | None:
+        """How many seconds compiling `spec` and its first mask took, while it is kept compiled (else None)."""
+        with self._lock:
+            kept = self._compiled.get(spec)
+        return None if kept is None else kept[1]
 
 
 class Constraint:
@@ -257,6 +305,8 @@ class Constraint:
             if len(eos) > 1:
                 allowed[list(eos[1:])] = allowed[eos[0]]
             allowed.flags.writeable = False  # the cached mask is shared by mask() and advance()
+            if not allowed.any():  # nothing may follow, not even EOS: sampling from it would pick any token
+                raise GrammarError(f"grammar: {NOTHING_ALLOWED}")
             self._allowed = allowed
         return self._allowed
 
@@ -284,4 +334,38 @@ class Constraint:
     def _fail_if_broken(self) -> None:
         """A GrammarError once llguidance's matcher has failed (a grammar past its limits); it cannot recover."""
         if self._matcher.is_error():
-            raise GrammarError(f"the output's grammar failed: {_one_line(self._matcher.get_error())}")
+            raise GrammarError(f"grammar: {_one_line(self._matcher.get_error())}")
+
+
+_SHARED: "weakref.WeakKeyDictionary[Tokenizer, dict[tuple[int, tuple[int, ...] | None], Grammars]]" = (
+    weakref.WeakKeyDictionary()
+)
+_SHARED_LOCK = threading.Lock()
+
+
+def grammars_for(tokenizer: Tokenizer, vocab_size: int, eos_ids: Iterable[int] | None = None) -> Grammars:
+    """The one Grammars of this tokenizer, logits width and EOS ids in this process (building one reads every token;
+    the request checks and the engine share it, and so its compiled grammars)."""
+    key = (int(vocab_size), None if eos_ids is None else tuple(eos_ids))
+    with _SHARED_LOCK:
+        found = _SHARED.setdefault(tokenizer, {}).get(key)
+    if found is None:
+        found = Grammars(tokenizer, vocab_size, eos_ids)
+        with _SHARED_LOCK:
+            found = _SHARED[tokenizer].setdefault(key, found)
+    return found
+
+
+def check_followable(spec: str, grammars: Grammars, timeout_s: float) -> None:
+    """A GrammarError unless `spec` compiles for the model's tokens, allows a first token, and did both within
+    `timeout_s` seconds: what the engine would otherwise meet in the shared step, refused before any rank sees it."""
+    start = time.perf_counter()
+    grammars.matcher(spec)
+    # The first compile's time, also when it is kept compiled: a grammar refused once is refused every time.
+    elapsed = grammars.cost(spec) or time.perf_counter() - start
+    if elapsed > timeout_s:
+        raise GrammarError(
+            f"grammar: it took {elapsed:.1f} s to compile for the model's tokens, past the budget of "
+            f"{timeout_s:g} s; simplify the schema or pattern (fewer alternatives, smaller repetition counts), or "
+            f"raise the grammar timeout"
+        )

@@ -471,12 +471,14 @@ def load_tokenizer(directory: str | Path, read: JsonReader = read_json) -> Token
     """
     path = Path(directory)
     if not has_tokenizer(path):
-        raise CheckpointError(
-            f"{path} has no tokenizer (looked for {' and '.join(TOKENIZER_FILES)}); "
-            + in_terms(
-                "pass token ids with --prompt-ids, which needs none", "pass token ids as the prompt, which needs none"
-            )
-        )
+        looked = f"has no tokenizer (looked for {' and '.join(TOKENIZER_FILES)})"
+        # Over HTTP the client is told what to send, not where the server keeps its checkpoint.
+        raise CheckpointError(in_terms(
+            f"{path} {looked}; pass token ids with --prompt-ids, which needs none",
+            f"{path} {looked}; pass token ids as the prompt, which needs none",
+            http="this model has no tokenizer, so it reads no text; send the prompt as token ids "
+                 "(\"prompt\": [1, 2, 3]) to /v1/completions",
+        ))
     name = next(n for n in TOKENIZER_FILES if os.path.lexists(path / n))
     regular_file(path / name, str(path / name))
     config = read(path / "tokenizer_config.json")

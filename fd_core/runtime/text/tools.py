@@ -12,7 +12,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from fd_core.errors import ConfigError
 
@@ -20,6 +20,8 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # OpenAI's rule for a function's name.
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
+# How many tool names a message lists before "and N more".
+SHOWN_NAMES = 5
 
 
 class ToolError(ConfigError):
@@ -139,6 +141,16 @@ def _call(body: str, names: Sequence[str]) -> dict[str, Any] | None:
             "function": {"name": value["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
+def listed(names: Iterable[str]) -> str:
+    """Names as a message lists them: sorted, the first SHOWN_NAMES, then how many more (a request may offer thousands
+    of tools, and the message is one line)."""
+    ordered = sorted(names)
+    if not ordered:
+        return "none"
+    more = len(ordered) - SHOWN_NAMES
+    return ", ".join(ordered[:SHOWN_NAMES]) + (f" and {more} more" if more > 0 else "")
+
+
 def check_tools(tools: Any, choice: Any, template: str | None, parallel: bool = True) -> Tools:
     """A request's `tools` and `tool_choice` as OpenAI defines them, checked: a one-line ToolError naming the field
     otherwise. `template` is the checkpoint's chat template (None: it has none); `parallel` False allows one call."""
@@ -167,8 +179,7 @@ def check_tools(tools: Any, choice: Any, template: str | None, parallel: bool = 
             raise ToolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                             '{"name": ...}}')
         if name not in seen:
-            offered = ", ".join(sorted(seen)) or "none"
-            raise ToolError(f"tool_choice names function {name!r}, which is not among tools ({offered})")
+            raise ToolError(f"tool_choice names function {name!r:.70}, which is not among tools ({listed(seen)})")
         choice = name
     elif choice not in ("none", "auto", "required"):
         raise ToolError(f'tool_choice must be "none", "auto", "required" or a function, got {choice!r:.40}')

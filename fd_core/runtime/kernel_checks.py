@@ -1,0 +1,610 @@
+"""Kernels checked against fd's native ops: the generated cases of every op (random values at a model's sizes and
+odd ones), the comparison at the op's tolerance, and the paged KV cache's scenarios. `fd check`'s kernel suite
+(fd_core.testing.kernels) and the kernel canary every rank runs before its first request (`kernel_canary`) both go
+through this code, so a check a user runs is the check the run made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+from fd_core.config import ModelConfig
+from fd_core.errors import FdError, KernelMismatch, in_terms
+from fd_core.host.kernel_table import KernelTable, Ops
+from fd_core.kernels import OPS, compute_threads, set_compute_threads
+from fd_core.quantization import bits_of, quantize
+
+ODD = 13  # a size no vector unit divides
+# A decode step's one-row product at a published model's size: large enough for a kernel to split it across threads.
+LARGE = 1024
+
+
+def cases(
+    op: str, sizes: Sequence[Mapping[str, int]], dtype: str, seed: int = 0, *, large: bool = True,
+    bits: Sequence[int] = (8, 4),
+) -> Iterator[tuple[str, tuple[Any, ...]]]:
+    """(description, arguments) for `op` at each of `sizes` (hidden, inter, head_dim, heads, kv): random values (not
+    small integers), in `dtype`; `large` adds a published model's sizes (a decode step's one-row product of a large
+    weight), `bits` the quantized products' widths."""
+    import numpy as np
+    import paddle
+
+    rng = np.random.default_rng(seed)
+
+    def t(*shape: int, kind: Any = dtype) -> Any:
+        return paddle.to_tensor(rng.standard_normal(shape).astype("float32")).astype(kind)
+
+    for s in sizes:
+        h, d, heads, kv = s["hidden"], s["head_dim"], s["heads"], s["kv"]
+        if op == "rms_norm":
+            norms: tuple[tuple[int, ...], ...] = ((1, 1, h), (2, 5, h), (3, heads, d))
+            for shape in norms:
+                yield f"x{list(shape)}", (t(*shape), t(shape[-1]), 1e-6)
+                # Rows whose mean square is about epsilon (a hidden state near zero), at the epsilons the published
+                # configs use: there epsilon is half the denominator, so one dropped, 10x or 0.1x off shows.
+                for eps in (1e-6, 1e-5):
+                    small = (t(*shape, kind="float32") * eps ** 0.5).astype(dtype)
+                    yield f"x{list(shape)} of mean square ~ eps={eps:g}", (small, t(shape[-1]), eps)
+        elif op == "add_rms_norm":
+            for shape in ((1, 1, h), (2, 5, h)):
+                yield f"x{list(shape)} + residual", (t(*shape), t(*shape), t(shape[-1]), 1e-6)
+                # A sum of mean square ~ eps (a sublayer's output nearly cancelling the residual stream): epsilon is
+                # then half the denominator, and a norm of x or of the residual alone is far off.
+                for eps in (1e-6, 1e-5):
+                    residual = t(*shape, kind="float32")
+                    near = residual * -1.0 + t(*shape, kind="float32") * eps ** 0.5
+                    yield (f"x{list(shape)} + residual of mean square ~ eps={eps:g}",
+                           (near.astype(dtype), residual.astype(dtype), t(shape[-1]), eps))
+        elif op == "gelu":
+            for approximate in ("none", "tanh", "sigmoid"):
+                # An MLP's activations [rows, intermediate] and a hidden state's [1, 1, H] at each architecture's
+                # size, and odd ones; values spread to +-12: the tanh and sigmoid forms differ from erf's most around
+                # +-2, and every form saturates further out.
+                for shape in ((5, s["inter"]), (1, 1, h), (7, ODD)):
+                    yield f"x{list(shape)} approximate={approximate!r}", (t(*shape) * 4, approximate)
+        elif op == "silu_and_mul":
+            shapes: tuple[tuple[int, ...], ...] = ((1, 1, s["inter"]), (2, 5, s["inter"]), (7, 1, 1, ODD))
+            for shape in shapes:
+                yield f"gate{list(shape)}", (t(*shape), t(*shape))
+        elif op == "rotary_embedding":
+            for layout in ("half", "interleaved"):
+                for batch, length in ((1, 1), (2, 5)):
+                    angles = rng.uniform(-20, 20, (length, d // 2)).astype("float32")
+                    cos, sin = paddle.to_tensor(np.cos(angles)), paddle.to_tensor(np.sin(angles))
+                    yield f"x[{batch}, {heads}, {length}, {d}] {layout}", (t(batch, heads, length, d), cos, sin, layout)
+                    # As the attention layer passes it: a transpose of [B, S, heads, d].
+                    yield (f"x[{batch}, {heads}, {length}, {d}] {layout} (a transposed view)",
+                           (t(batch, length, heads, d).transpose([0, 2, 1, 3]), cos, sin, layout))
+                    # As the decoder passes the tables: one per row [B, 1, S, d/2] (rows at their own positions).
+                    rows = rng.uniform(-20, 20, (batch, 1, length, d // 2)).astype("float32")
+                    yield (f"x[{batch}, {heads}, {length}, {d}] {layout}, "
+                           f"tables per row [{batch}, 1, {length}, {d // 2}]",
+                           (t(batch, heads, length, d), paddle.to_tensor(np.cos(rows)), paddle.to_tensor(np.sin(rows)),
+                            layout))
+        elif op == "attention":
+            for batch, length, total in ((1, 5, 5), (2, 1, 9), (1, 3, 11), (2, 4, 4)):
+                # Causal over the last `length` of `total` positions: what prefill (length == total) and decode pass.
+                offset = total - length
+                allowed = np.arange(total)[None, :] <= offset + np.arange(length)[:, None]
+                mask = paddle.to_tensor(np.where(allowed, 0.0, -np.inf).astype("float32"))
+                yield (f"q[{batch}, {heads}, {length}, {d}] kv[{batch}, {kv}, {total}, {d}]",
+                       (t(batch, heads, length, d), t(batch, kv, total, d), t(batch, kv, total, d), mask))
+                # k and v as the layer passes them: the first `total` positions of a head-major cache [B, kv, T, d].
+                cache_k, cache_v = t(batch, kv, total + 3, d), t(batch, kv, total + 3, d)
+                yield (f"q[{batch}, {heads}, {length}, {d}] kv views of a cache [{batch}, {kv}, {total + 3}, {d}]",
+                       (t(batch, heads, length, d), cache_k[:, :, :total], cache_v[:, :, :total], mask))
+                # The mask as the decoder passes it: each row's own [B, 1, 1, S, T], a large negative number where
+                # masked, row b's first b slots masked too (its left padding in a batch of unequal prompts).
+                padded = np.stack([allowed & (np.arange(total)[None, :] >= b) for b in range(batch)])[:, None, None]
+                rows_mask = paddle.to_tensor(np.where(padded, 0.0, -1e9).astype("float32"))
+                yield (f"q[{batch}, {heads}, {length}, {d}] kv[{batch}, {kv}, {total}, {d}], "
+                       f"mask per row [{batch}, 1, 1, {length}, {total}]",
+                       (t(batch, heads, length, d), t(batch, kv, total, d), t(batch, kv, total, d), rows_mask))
+            yield f"q[1, {heads}, 4, {d}] no mask", (t(1, heads, 4, d), t(1, kv, 4, d), t(1, kv, 4, d), None)
+        elif op == "matmul":
+            inter = s["inter"]
+            yield f"x[1, 1, {h}] @ w[{h}, {inter}]", (t(1, 1, h), t(h, inter), False)
+            yield f"x[2, 5, {h}] @ w[{h}, {inter}]", (t(2, 5, h), t(h, inter), False)
+            # The LM head's: hidden [B, H] @ [H, vocab / tp]
+            yield f"x[1, {h}] @ w[{h}, {inter}]", (t(1, h), t(h, inter), False)
+            yield f"x[1, {h}] @ w[{inter}, {h}]^T", (t(1, h), t(inter, h), True)
+            yield f"x[3, 1, {inter}] @ w[{h}, {inter}]^T", (t(3, 1, inter), t(h, inter), True)
+        elif op == "quant_matmul":
+            inter = s["inter"]
+            for width in bits:
+                for count, (n, k) in ((1, (inter, h)), (5, (h, inter)), (2, (ODD, ODD))):
+                    values, scales = quantize(t(n, k, kind="float32"), width)
+                    yield f"x[{count}, {k}] @ wint{width}[{n}, {k}]^T", (t(count, k), values, scales, width)
+        elif op == "sample":
+            vocab = 50 + s["hidden"]
+            for temperature, top_k, top_p in (
+                (0.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.9, 20, 0.95)
+            ):
+                yield (f"logits[4, {vocab}] temperature={temperature} top_k={top_k} top_p={top_p}",
+                       (t(4, vocab, kind="float32") * 3, temperature, top_k, top_p, rng.random(4).tolist()))
+        elif op == "apply_penalties":
+            vocab = 50 + s["hidden"]
+            # Tokens in the prompt only, in the output only, in both and in neither, on positive and negative logits;
+            # penalties of both signs, and a row that applies none (repetition 1, the others 0).
+            counts = rng.integers(1, 5, (4, vocab)) * (rng.random((4, vocab)) < 0.3)
+            yield (f"logits[4, {vocab}]",
+                   (t(4, vocab, kind="float32") * 3, paddle.to_tensor(rng.random((4, vocab)) < 0.3),
+                    paddle.to_tensor(counts.astype("int32")), paddle.to_tensor([0.5, 0.0, -1.2, 2.0], "float32"),
+                    paddle.to_tensor([0.3, 1.1, 0.0, -0.5], "float32"),
+                    paddle.to_tensor([1.3, 1.0, 0.7, 2.0], "float32")))
+    if large and op == "matmul":
+        # One row against a weight of the size a real model's decode step multiplies by (4.2 M elements: 8 MiB in a
+        # 16-bit dtype, 16 MiB in float32), odd sizes.
+        yield f"x[1, 1, {LARGE}] @ w[{LARGE}, {4 * LARGE + ODD}]", (t(1, 1, LARGE), t(LARGE, 4 * LARGE + ODD), False)
+        yield (f"x[1, 1, {4 * LARGE + ODD}] @ w[{4 * LARGE + ODD}, {LARGE}]",
+               (t(1, 1, 4 * LARGE + ODD), t(4 * LARGE + ODD, LARGE), False))
+        yield f"x[1, {LARGE}] @ w[{LARGE}, {4 * LARGE + ODD}]", (t(1, LARGE), t(LARGE, 4 * LARGE + ODD), False)
+        yield f"x[1, {LARGE}] @ w[{4 * LARGE + ODD}, {LARGE}]^T", (t(1, LARGE), t(4 * LARGE + ODD, LARGE), True)
+    if large and op == "add_rms_norm":
+        # A published model's hidden size (ERNIE-4.5-0.3B's), a decode step's rows.
+        yield f"x[2, 1, {LARGE}] + residual", (t(2, 1, LARGE), t(2, 1, LARGE), t(LARGE), 1e-5)
+    if large and op == "gelu":
+        # A vision tower's MLP at a published width (patches x 4 x 1024 + odd).
+        for approximate in ("none", "tanh", "sigmoid"):
+            yield (f"x[3, {4 * LARGE + ODD}] approximate={approximate!r}",
+                   (t(3, 4 * LARGE + ODD) * 4, approximate))
+    if large and op == "rms_norm":
+        # A published model's hidden size (ERNIE-4.5-0.3B's), with rows near zero as above.
+        for eps in (1e-6, 1e-5):
+            small = (t(2, 1, LARGE, kind="float32") * eps ** 0.5).astype(dtype)
+            yield f"x[2, 1, {LARGE}] of mean square ~ eps={eps:g}", (small, t(LARGE), eps)
+    if op == "moe_experts":
+        yield from _moe_cases(sizes, dtype, rng, large)
+    if large and op == "quant_matmul":
+        for width in bits:
+            values, scales = quantize(t(4 * LARGE + ODD, LARGE, kind="float32"), width)
+            yield (f"x[1, 1, {LARGE}] @ wint{width}[{4 * LARGE + ODD}, {LARGE}]^T",
+                   (t(1, 1, LARGE), values, scales, width))
+
+
+# The mixture of experts' cases: few experts of a small width (the op's cost is E x I x H; the shapes that matter are
+# the hidden sizes, the token counts and the routing), real top-k counts.
+MOE_EXPERTS, MOE_INTERMEDIATE = 8, 2 * ODD + 1
+
+
+def _moe_cases(
+    sizes: Sequence[Mapping[str, int]], dtype: str, rng: Any, large: bool
+) -> Iterator[tuple[str, tuple[Any, ...]]]:
+    """moe_experts at each of the sizes' hidden size (and, `large`, a published model's): a decode step of one token, a
+    few decode rows, a prefill of more tokens than the experts (each expert on its routed tokens), a prefill with some
+    weights exactly 0 (another modality's tokens) and an expert no token chose."""
+    import numpy as np
+    import paddle
+
+    kind: Any = dtype
+
+    def t(*shape: int, scale: float = 1.0) -> Any:
+        return paddle.to_tensor((rng.standard_normal(shape) * scale).astype("float32")).astype(kind)
+
+    def routing(tokens: int, k: int, experts: int, unused: int | None = None) -> tuple[Any, Any]:
+        """k distinct experts a token (never `unused`), weights summing to 1 as the router's renormalised ones."""
+        pool = [e for e in range(experts) if e != unused]
+        chosen = np.stack([rng.choice(pool, k, replace=False) for _ in range(tokens)]).astype(np.int64)
+        weights = rng.random((tokens, k)).astype("float32") + 0.05
+        return paddle.to_tensor(chosen), weights / weights.sum(-1, keepdims=True)
+
+    hiddens = sorted({s["hidden"] for s in sizes} | ({LARGE} if large else set()))
+    e, i = MOE_EXPERTS, MOE_INTERMEDIATE
+    for h in hiddens:
+        # gate and up scaled by 2/sqrt(H): their products about 2 whatever H (silu neither linear nor saturated), the
+        # result about 10 (well inside float16's range; the tolerance's atol small beside it).
+        gate, up, down = t(e, i, h, scale=2 * h ** -0.5), t(e, i, h, scale=2 * h ** -0.5), t(e, h, i)
+        for tokens, k, what in ((1, 2, "a decode step"), (1, 6, "a decode step"), (3, 2, "decode rows"),
+                                (2 * e + 3, 2, "a prefill"), (ODD, 6, "a prefill")):
+            chosen, weights = routing(tokens, k, e)
+            yield (f"x[{tokens}, {h}] experts[{e}, {i}, {h}] top-{k}, {what}",
+                   (t(tokens, h), gate, up, down, chosen, paddle.to_tensor(weights).astype(kind)))
+        # A prefill of text and picture tokens as one modality's experts see it: the other modality's rows at weight
+        # 0 (every choice), some rows with one choice at 0, and expert 0 chosen by no token.
+        tokens, k = 2 * e + 5, 2
+        chosen, weights = routing(tokens, k, e, unused=0)
+        other = rng.random(tokens) < 0.4
+        weights[other] = 0.0
+        weights[~other & (rng.random(tokens) < 0.3), 0] = 0.0
+        yield (f"x[{tokens}, {h}] experts[{e}, {i}, {h}] top-{k}, a prefill with {int(other.sum())} rows at weight 0 "
+               f"and some choices at weight 0",
+               (t(tokens, h), gate, up, down, chosen, paddle.to_tensor(weights).astype(kind)))
+        # The same routing for few tokens (the gathered strategy's): zero weights there too.
+        yield (f"x[2, {h}] experts[{e}, {i}, {h}] top-{k}, decode rows with a choice at weight 0",
+               (t(2, h), gate, up, down, chosen[:2],
+                paddle.to_tensor(np.asarray([[0.0, 1.0], [0.3, 0.7]], dtype="float32")).astype(kind)))
+
+
+def as_numpy(value: Any) -> Any:
+    """A tensor (or anything numpy takes) as float64 numpy."""
+    import numpy as np
+
+    return np.asarray(
+        value.astype("float32").numpy() if hasattr(value, "astype") and hasattr(value, "numpy") else value,
+        dtype=np.float64,
+    )
+
+
+# The names of an op's several results, in order (for a failure's message).
+RESULTS = {"add_rms_norm": ("normed", "summed")}
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return type(value).__name__
+
+
+def compare(op: str, got: Any, want: Any, dtype: str, args: tuple[Any, ...], native: Any) -> str | None:
+    """None when `got` matches the native result `want` at the op's tolerance, else what differs."""
+    import numpy as np
+
+    if op == "sample":
+        got, want = list(got), list(want)
+        if got == want:
+            return None
+        # A draw exactly at a boundary of the cumulative distribution may fall either way.
+        logits, temperature, top_k, top_p, uniform = args
+        if len(got) != len(want):
+            return f"returned {len(got)} tokens for {len(want)} rows"
+        for b, (g, w) in enumerate(zip(got, want, strict=True)):
+            if g != w:
+                near = {native.sample(logits, temperature, top_k, top_p,
+                                      [min(max(u + e, 0.0), 1.0 - 1e-12) for u in uniform])[b]
+                        for e in (-1e-6, 1e-6)}
+                if g not in near:
+                    return f"row {b} chose token {g}, the native op {w}"
+        return None
+    if isinstance(want, tuple):  # several results (add_rms_norm's normed and summed): each compared, named
+        if not isinstance(got, (tuple, list)) or len(got) != len(want):
+            return f"returned {_kind(got)}, the native op a tuple of {len(want)}"
+        names = RESULTS.get(op, ())
+        for n, (g, w) in enumerate(zip(got, want, strict=True)):
+            problem = compare(op, g, w, dtype, args, native)
+            if problem:
+                return f"result {n}{f' ({names[n]})' if n < len(names) else ''}: {problem}"
+        return None
+    if not hasattr(got, "shape") or not hasattr(got, "dtype"):
+        return f"returned {_kind(got)}, the native op a tensor"
+    if tuple(got.shape) != tuple(want.shape) or str(got.dtype) != str(want.dtype):
+        return f"returned {got.dtype}{list(got.shape)}, the native op {want.dtype}{list(want.shape)}"
+    rtol, atol = OPS[op].tolerances[dtype]
+    a, b = as_numpy(got), as_numpy(want)
+    bad = ~np.isclose(a, b, rtol=rtol, atol=atol) | (np.isfinite(a) != np.isfinite(b))
+    if not bad.any():
+        return None
+    index = tuple(int(i) for i in np.argwhere(bad)[0])
+    error = float(np.nanmax(np.abs(a - b)))
+    return (
+        f"largest error {error:.3g} (rtol {rtol:g}, atol {atol:g}); "
+        f"first difference at {list(index)}: {a[index]:.6g}, native {b[index]:.6g}"
+    )
+
+
+# The ops that touch the paged KV cache: their layout is the platform's, so they are checked together (the platform's
+# allocate, write and attention against the native ones), never one against the other's layout.
+CACHE_OPS = ("allocate_kv_cache", "write_kv_cache", "paged_attention", "paged_prefill_attention")
+
+
+@dataclass(frozen=True)
+class CacheCase:
+    """One paged-cache scenario: sequences of `lengths` positions in blocks of `block_size` (their tables drawn at
+    random from a pool of `blocks`, rows `shared` sharing their first full blocks), then `new` tokens a row attending
+    through them (1: a decode step; more: a prefill chunk after the cached prefix)."""
+
+    name: str
+    lengths: tuple[int, ...]
+    new: int
+    block_size: int
+    blocks: int
+    shared: int = 0
+
+
+CACHE_CASES = (
+    CacheCase("decode, rows of different lengths, a partial last block", (7, 1, 20), 1, 4, 24),
+    CacheCase("decode, two rows sharing their first blocks", (12, 14), 1, 4, 16, shared=2),
+    CacheCase("prefill chunk after a cached prefix, rows of different lengths", (9, 3, 16), 5, 4, 32),
+    CacheCase("prefill from position 0 (no prefix), blocks of 16", (0, 0), 17, 16, 8),
+    CacheCase("decode, one block a row at block size 64", (63, 1), 1, 64, 6),
+)
+
+
+def cache_layout(case: CacheCase, seed: int) -> tuple[Any, Any, Any]:
+    """(block tables [B, W] with the null block 0 as padding, each row's positions' slots, context lengths) for
+    `case`: non-contiguous blocks drawn at random, a row's first `shared` full blocks the first row's."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    total = [n + case.new for n in case.lengths]
+    need = [-(-t // case.block_size) for t in total]
+    width = max(need)
+    free = list(rng.permutation(np.arange(1, case.blocks)))
+    tables = np.zeros((len(total), width), dtype=np.int64)
+    for row, count in enumerate(need):
+        for i in range(count):
+            tables[row, i] = tables[0, i] if row and i < case.shared else free.pop()
+    slots = [[int(tables[row, p // case.block_size]) * case.block_size + p % case.block_size for p in range(t)]
+             for row, t in enumerate(total)]
+    return tables, slots, np.asarray(total, dtype=np.int64)
+
+
+def run_cache_case(ops: Any, case: CacheCase, dtype: str, kv_heads: int, heads: int, dim: int, seed: int,
+                   graphs: Any = None) -> Any:
+    """The case through `ops` (allocate, write the prefix and the new tokens, attend); with `graphs`, the new tokens'
+    write and attention run inside a graph captured through it (and replayed). Returns the attention's result as float64
+    numpy."""
+    import numpy as np
+    import paddle
+
+    rng = np.random.default_rng(seed)
+    tables, slots, total = cache_layout(case, seed)
+    rows = len(total)
+    k_cache, v_cache = ops.allocate_kv_cache(case.blocks, case.block_size, kv_heads, dim, dtype)
+
+    def t(*shape: int) -> Any:
+        return paddle.to_tensor(rng.standard_normal(shape).astype("float32")).astype(dtype)  # type: ignore[arg-type]
+
+    keys = [t(int(n), kv_heads, dim) for n in total]
+    values = [t(int(n), kv_heads, dim) for n in total]
+    prefix = [int(n) - case.new for n in total]
+    # The cached prefix (a shared block written by every row that holds it, with the first row's values).
+    for row in range(rows):
+        if prefix[row]:
+            at = paddle.to_tensor(np.asarray(slots[row][: prefix[row]], dtype=np.int64))
+            key, value = keys[row][: prefix[row]], values[row][: prefix[row]]
+            if row and case.shared:
+                overlap = min(prefix[row], case.shared * case.block_size)
+                key = paddle.concat([keys[0][:overlap], key[overlap:]]) if overlap else key
+                value = paddle.concat([values[0][:overlap], value[overlap:]]) if overlap else value
+            ops.write_kv_cache(key, value, k_cache, v_cache, at)
+    new_keys = paddle.concat([keys[row][prefix[row]:] for row in range(rows)])
+    new_values = paddle.concat([values[row][prefix[row]:] for row in range(rows)])
+    new_slots = paddle.to_tensor(
+        np.asarray([s for row in range(rows) for s in slots[row][prefix[row]:]], dtype=np.int64)
+    )
+    table = paddle.to_tensor(tables)
+    if case.new == 1:
+        q = t(rows, heads, dim)
+        lens = paddle.to_tensor(total)
+
+        def step(q: Any, key: Any, value: Any, k: Any, v: Any, at: Any, table: Any, lens: Any) -> Any:
+            ops.write_kv_cache(key, value, k, v, at)
+            return ops.paged_attention(q, k, v, table, lens)
+
+        inputs = [q, new_keys, new_values, k_cache, v_cache, new_slots, table, lens]
+    else:
+        q = t(rows, case.new, heads, dim)
+        starts = paddle.to_tensor(np.asarray(prefix, dtype=np.int64))
+
+        def step(q: Any, key: Any, value: Any, k: Any, v: Any, at: Any, table: Any, lens: Any) -> Any:
+            ops.write_kv_cache(key, value, k, v, at)
+            return ops.paged_prefill_attention(q, k, v, table, lens)
+
+        inputs = [q, new_keys, new_values, k_cache, v_cache, new_slots, table, starts]
+    if graphs is None:
+        out = step(*inputs)
+    else:
+        from fd_core.graphs import capture_scope
+
+        with capture_scope():
+            graphs.capture(("fd-check", case.name), step, inputs)
+        out = graphs.replay(("fd-check", case.name), inputs)
+    return as_numpy(out)
+
+
+def first_line(exc: Exception) -> str:
+    """An exception's message's first line (Paddle's add a multi-line hint), or its type's name."""
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+
+def on_threads(threads: int, kernel: Any, args: tuple[Any, ...]) -> Any:
+    """kernel(*args) with compute_threads() at `threads`, as the engine sets it for a phase."""
+    held = compute_threads()
+    set_compute_threads(threads)
+    try:
+        return kernel(*args)
+    finally:
+        set_compute_threads(held)
+
+
+def copies(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The arguments with every tensor cloned: what a reference is computed on, and what the inputs are checked
+    against after a kernel ran."""
+    return tuple(a.clone() if hasattr(a, "clone") else a for a in args)
+
+
+def changed(args: tuple[Any, ...], before: tuple[Any, ...]) -> str | None:
+    """Which input the kernel wrote into, if any (the ops are pure: inputs must come back as they were)."""
+    import numpy as np
+
+    for index, (now, then) in enumerate(zip(args, before, strict=True)):
+        if hasattr(now, "numpy") and not np.array_equal(as_numpy(now), as_numpy(then), equal_nan=True):
+            return f"the kernel wrote into its argument {index + 1}"
+    return None
+
+
+# -- the kernel canary: each rank, before its first request ---------------------------------------------------------
+
+# The most elements of a weight a canary case multiplies by: a model's intermediate width is cut to it, so that a
+# large model's check stays a fraction of a second (larger weights, and every thread count, are `fd check`'s).
+CANARY_WEIGHT_ELEMENTS = 1 << 20
+# Odd sizes beside the run's own: a kernel's tail loop (a size no vector unit divides) runs on them.
+ODD_SIZES = {"hidden": ODD, "inter": 2 * ODD + 1, "head_dim": 6, "heads": 6, "kv": 2}
+# The ops no decoder calls: the canary checks them when the built model holds their kernel (a vision tower's
+# attention and GELU, a mixture's routed experts).
+HELD_ONLY = ("attention", "gelu", "moe_experts")
+
+
+def rank_sizes(config: ModelConfig, tp: int = 1) -> dict[str, int]:
+    """One rank's sizes of `config`'s decoder: hidden, inter, head_dim, heads and kv heads (the inter width and the
+    heads split over `tp`), the inter width cut to CANARY_WEIGHT_ELEMENTS // hidden."""
+    hidden = config.hidden_size
+    inter = max(1, config.intermediate_size // tp)
+    return {"hidden": hidden, "inter": min(inter, max(ODD, CANARY_WEIGHT_ELEMENTS // hidden)),
+            "head_dim": config.resolved_head_dim, "heads": max(1, config.num_attention_heads // tp),
+            "kv": max(1, config.num_key_value_heads // tp)}
+
+
+def canary_cache_cases(block_size: int) -> tuple[CacheCase, ...]:
+    """The paged cache at the run's block size, across block boundaries: decode tokens at a block's last and first
+    positions, a prefill chunk crossing a boundary after a prefix, and one of more than a block from position 0."""
+    b = block_size
+
+    def case(name: str, lengths: tuple[int, ...], new: int) -> CacheCase:
+        # Every row's blocks drawn from a pool with a few to spare (tables not contiguous), plus the null block.
+        return CacheCase(name, lengths, new, b, sum(-(-(n + new) // b) for n in lengths) + 3)
+
+    return (
+        case(f"decode at a block's last and first positions (blocks of {b})", (b - 1, 2 * b - 1, b, 1), 1),
+        case(f"prefill of 3 across a block boundary after a prefix (blocks of {b})", (max(0, b - 2), 0, 2 * b - 1), 3),
+        case(f"prefill of {b + 1} from position 0 (blocks of {b})", (0,), b + 1),
+    )
+
+
+def held_ops(model: Any, ops: Ops, names: Iterable[str]) -> set[str]:
+    """Which of the ops `names` the built `model` holds the kernel of: as an attribute of one of its layers, or of a
+    helper object a layer holds (a product, a mixture's experts), two objects down. A model that is not a Paddle layer
+    (no `sublayers`) is taken to hold them all."""
+    names = list(names)
+    sublayers = getattr(model, "sublayers", None)
+    if not callable(sublayers):
+        return set(names)
+    wanted: dict[int, str] = {}
+    for name in names:
+        wanted[id(getattr(ops, name))] = wanted[id(ops.prepared(name))] = name
+    found: set[str] = set()
+    seen: set[int] = set()
+    todo = [(layer, 0) for layer in sublayers(include_self=True)]
+    while todo:
+        obj, depth = todo.pop()
+        for value in vars(obj).values():
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if id(item) in wanted:
+                    found.add(wanted[id(item)])
+                elif depth < 2 and id(item) not in seen and _helper(item):
+                    seen.add(id(item))
+                    todo.append((item, depth + 1))
+    return found
+
+
+def _helper(value: Any) -> bool:
+    """A model package's own plain object (not a layer, which sublayers() gives, nor a tensor, function, class or
+    fd's own objects: the Backend and its ops would lead everywhere)."""
+    import types
+
+    if isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
+        return False
+    root = (type(value).__module__ or "").split(".")[0]
+    return hasattr(value, "__dict__") and root not in ("builtins", "paddle", "numpy", "fd_core") and not hasattr(
+        value, "sublayers"
+    )
+
+
+def canary_ops(ops: Ops, config: ModelConfig, model: Any = None) -> list[str]:
+    """The ops a non-native kernel serves that the run calls, in fd's order: every one a decoder or the engine calls;
+    quant_matmul when the run quantizes; attention, gelu and moe_experts when the built model holds their kernel
+    (every one of them without a model)."""
+    ours = [op for op in OPS if not ops.native(op) and (op != "quant_matmul" or config.quantization)]
+    optional = [op for op in ours if op in HELD_ONLY]
+    held = held_ops(model, ops, optional) if model is not None else set(optional)
+    return [op for op in ours if op not in HELD_ONLY or op in held]
+
+
+def kernel_canary(
+    ops: Ops, platform: str, config: ModelConfig, block_size: int, *, tp: int = 1, threads: int = 1,
+    model: Any = None,
+) -> list[str]:
+    """Every non-native kernel the run calls (canary_ops) once against the native op, on small cases at one rank's
+    sizes of `config` and odd ones, in its dtype (its quantization's width), on `threads` compute threads, and the
+    paged cache's ops at `block_size` across block boundaries. Returns the ops checked; the first that differs raises
+    KernelMismatch naming its plugin, the op, the case and the error."""
+    from fd_core import native_ops
+
+    checked = canary_ops(ops, config, model)
+    if not checked:
+        return checked
+    sizes = [rank_sizes(config, tp), ODD_SIZES]
+    held = compute_threads()
+    # The count the engine gives the kernels in every phase of this run: a kernel that splits its work divides it so.
+    set_compute_threads(threads)
+    try:
+        for op in checked:
+            if op not in CACHE_OPS:
+                _canary_op(ops, op, sizes, config, platform, native_ops)
+        if any(op in CACHE_OPS for op in checked):
+            _canary_cache(ops, sizes[0], config.dtype, block_size, platform, native_ops)
+    finally:
+        set_compute_threads(held)
+    return checked
+
+
+def _canary_op(
+    ops: Ops, op: str, sizes: list[dict[str, int]], config: ModelConfig, platform: str, native: Any
+) -> None:
+    """`op`'s kernel in use (its weights prepared as the shared layers prepare them) against the native op."""
+    # sample and apply_penalties take float32 logits whatever the compute dtype.
+    dtype = config.dtype if config.dtype in OPS[op].dtypes else OPS[op].dtypes[0]
+    bits = (bits_of(config.quantization),) if config.quantization else (8, 4)
+    for what, args in cases(op, sizes, dtype, large=False, bits=bits):
+        try:
+            want = getattr(native, op)(*copies(args))
+        except Exception:  # noqa: BLE001 - fd's reference cannot run this case on this build: fd check says so
+            continue
+        before = copies(args)
+        try:
+            # A kernel with a prepare function is called through it, as a layer's loaded weights are.
+            got = getattr(ops, op)(*args)
+        except FdError:
+            raise  # already one line naming the plugin (a prepare function's wrong answer)
+        except Exception as exc:  # noqa: BLE001 - the kernel's own error, reported with its case
+            problem: str | None = f"raised {type(exc).__name__}: {first_line(exc)}"
+        else:
+            problem = compare(op, got, want, dtype, args, native) or changed(args, before)
+        if problem:
+            raise _mismatch(op, [ops.providers[op]], f"{dtype} {what}: {problem}", platform)
+
+
+def _canary_cache(ops: Ops, size: Mapping[str, int], dtype: str, block_size: int, platform: str, native: Any) -> None:
+    """The platform's cache ops together (allocate, write, attend; their layout is the platform's) against the native
+    ones, at one rank's heads and head size; which op is named depends on which kinds of case fail, as in fd check."""
+    if dtype not in OPS["paged_attention"].dtypes:
+        return
+    reference = Ops(KernelTable(), native)
+    kv, heads, dim = size["kv"], size["heads"], size["head_dim"]
+    failures: list[tuple[CacheCase, str]] = []
+    for index, case in enumerate(canary_cache_cases(block_size)):
+        want = run_cache_case(reference, case, dtype, kv, heads, dim, seed=index)
+        try:
+            got = run_cache_case(ops, case, dtype, kv, heads, dim, seed=index)
+        except FdError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the kernels' own error, reported with its case
+            failures.append((case, f"raised {type(exc).__name__}: {first_line(exc)}"))
+            continue
+        problem = compare("paged_attention", got, want, dtype, (), native)
+        if problem:
+            failures.append((case, problem))
+    if not failures:
+        return
+    kinds = {case.new == 1 for case, _ in failures}
+    # Decode cases read through paged_attention, prefill cases through paged_prefill_attention; both failing points at
+    # what they share, the cache's writes or its layout.
+    suspects = (("paged_attention",) if kinds == {True} else ("paged_prefill_attention",) if kinds == {False}
+                else ("write_kv_cache", "allocate_kv_cache"))
+    named = [op for op in suspects if not ops.native(op)] or [op for op in CACHE_OPS if not ops.native(op)]
+    case, problem = failures[0]
+    shown = f"{dtype} {case.name}, {heads} heads over {kv} kv heads of {dim}: {problem}"
+    raise _mismatch(" or ".join(named), [ops.providers[op] for op in named], shown, platform)
+
+
+def _mismatch(op: str, plugins: Sequence[str], detail: str, platform: str) -> KernelMismatch:
+    """One line: the plugin(s), the op, the case and its error, and the fixes."""
+    distinct = list(dict.fromkeys(plugins))
+    who = ("plugin " if len(distinct) == 1 else "plugins ") + " and ".join(repr(p) for p in distinct)
+    skip = in_terms("pass --no-kernel-canary", "pass LLM(kernel_canary=False)")
+    return KernelMismatch(
+        f"{who}: the {op} kernel differs from fd's native op in the kernel canary before the first request: {detail}; "
+        f"run `fd check {platform}` to see every failing case and fix or uninstall {who.split(' ', 1)[1]}, or {skip} "
+        f"to run without this check"
+    )
