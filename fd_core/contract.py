@@ -44,7 +44,7 @@ def contract_problem(plugin: str, declared: object) -> str | None:
 
 
 def contract_mismatch(plugin: str, declared: object) -> str | None:
-    """Why a plugin declaring another major cannot run on this fd, with the fix ("it was written for ..."), else None."""
+    """Why a plugin declaring another major cannot run on this fd, and the fix ("it was written for ..."), else None."""
     version, ours = parse_version(declared), parse_version(CONTRACT_VERSION)
     if version is None or ours is None or version[0] == ours[0]:
         return None

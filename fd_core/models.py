@@ -76,6 +76,10 @@ class CausalModel(Protocol):
         the rows it prefills with pictures. The keys and values go through the `write_kv_cache` op and attention
         through `paged_prefill_attention`."""
 
+    # Optional (contract 1.5): `prefill_every(input_ids, batch)` runs new tokens [B, S] (text only) as `prefill` does
+    # and returns the logits of every new position [B, S, vocab]; the engine then scores a prompt
+    # (SamplingParams.prompt_logprobs) in its prefill chunks. A model without it is scored a token a decode step.
+
     def decode_step(self, token_ids: Any, batch: "KVBatch") -> Any:
         """One token per row [B, 1] at position batch.starts[b] of its sequence; return logits [B, vocab]. Each row
         attends through its own block table only (`paged_attention`), so a padding row (null block) changes no other

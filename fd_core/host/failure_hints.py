@@ -38,7 +38,8 @@ def dtype_hint(exc: BaseException, backend: Backend, dtype: str) -> str | None:
     if missing is not None and missing.group(2) == dtype:
         op, claimed = missing.group(1), backend.detection.dtypes
         others = [d for d in claimed if d != dtype] or ["float32"]
-        claim = f", yet platform {platform!r} claims {dtype} (Detection.dtypes={tuple(claimed)})" if dtype in claimed else ""
+        claim = (f", yet platform {platform!r} claims {dtype} (Detection.dtypes={tuple(claimed)})"
+                 if dtype in claimed else "")
         return (f"Paddle has no {dtype} {op} here{claim}; pass {setting('dtype', others[0])}, or {check} and drop "
                 f"from its Detection.dtypes what it cannot run")
     if missing is None and not _MISMATCH.search(text):

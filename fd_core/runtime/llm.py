@@ -135,36 +135,44 @@ class LLM:
     def submit(
         self, prompt: Prompt | Sequence[Mapping[str, Any]], sampling: SamplingParams | None = None, *,
         chat: bool = False, images: Sequence[Any] = (), tools: Sequence[Mapping[str, Any]] | None = None,
+        share: int | None = None,
     ) -> Submission:
         """Queue one prompt (text, token ids, or chat messages: a list of {"role", "content"} mappings rendered through
         the checkpoint's chat template, offered `tools`: OpenAI's function definitions, as the template takes them)
         and return at once; it joins the running batch at the next step boundary.
 
         Thread-safe. The request is checked first: a bad one raises ConfigError (or RequestRefused) here, before it
-        queues.
+        queues. Submissions given the same `share` (new_share()) count as one request for the batch's fair shares:
+        while others wait, one request holds at most half the batch's slots and half a step's prefill tokens.
         """
         if sampling is not None and sampling.n > 1:
             raise ConfigError(f"submit() returns one Submission, and n={sampling.n} asks for several; use "
                               "submit_choices()")
-        return self.submit_choices(prompt, sampling, chat=chat, images=images, tools=tools)[0]
+        return self.submit_choices(prompt, sampling, chat=chat, images=images, tools=tools, share=share)[0]
+
+    def new_share(self) -> int:
+        """A share for submit() and submit_choices() calls that make one request together (a fair share of the batch,
+        as one call's choices have)."""
+        return self._session.new_share()
 
     def submit_choices(
         self, prompt: Prompt | Sequence[Mapping[str, Any]], sampling: SamplingParams | None = None, *,
         chat: bool = False, images: Sequence[Any] = (), tools: Sequence[Mapping[str, Any]] | None = None,
+        share: int | None = None,
     ) -> list[Submission]:
         """As submit(), one Submission for each of the prompt's sampling.n choices (which share its cached blocks)."""
         if not isinstance(prompt, str) and prompt and isinstance(prompt[0], Mapping):
             pictures = self._pictures(images)
             messages: Sequence[Mapping[str, Any]] = prompt  # type: ignore[assignment]  # narrowed by the check above
             ids = self._chat_ids(messages, pictures, tools)
-            return self._submit(self._request(ids, sampling, False, pictures, stream=True))
+            return self._submit(self._request(ids, sampling, False, pictures, stream=True), share)
         if tools:
             raise ConfigError("tools are offered through the chat template: pass chat messages (a list of {\"role\", "
                               "\"content\"} mappings) with them")
         if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
             raise ConfigError("submit() takes one prompt; call it once per prompt")
         text_or_ids: Prompt = prompt  # type: ignore[assignment]  # not messages: checked above
-        return self._submit(self._request(text_or_ids, sampling, chat, images, stream=True))
+        return self._submit(self._request(text_or_ids, sampling, chat, images, stream=True), share)
 
     def _pictures(self, images: Sequence[Any]) -> tuple[Any, ...]:
         """Pictures as arrays [C, H, W]: paths read and checked, arrays as given."""
@@ -227,12 +235,12 @@ class LLM:
 
         return pieces()
 
-    def _submit(self, request: Request) -> list[Submission]:
+    def _submit(self, request: Request, share: int | None = None) -> list[Submission]:
         if self._closed:
             raise ConfigError("this LLM is closed; create a new one")
         if self.error is not None:
             raise RankError(f"this LLM's ranks failed earlier ({self.error}); create a new one")
-        return self._session.submit(jobs_of(request))
+        return self._session.submit(jobs_of(request), share)
 
     def _request(
         self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None, chat: bool, images: Sequence[Any],

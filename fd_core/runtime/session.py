@@ -140,9 +140,14 @@ class Session:
         return self.scheduler.error or self.driver.error
 
     # -- generating ------------------------------------------------------------------------
-    def submit(self, jobs: Sequence[Job]) -> list[Submission]:
-        """Queue jobs from any thread; they join the running batch at the next step boundary."""
-        return self.scheduler.submit(jobs)
+    def submit(self, jobs: Sequence[Job], share: int | None = None) -> list[Submission]:
+        """Queue jobs from any thread; they join the running batch at the next step boundary (one request for the
+        engine's fair shares, with the other jobs of `share` from new_share())."""
+        return self.scheduler.submit(jobs, share)
+
+    def new_share(self) -> int:
+        """A request's share, for submit()s that make one request together."""
+        return self.scheduler.new_share()
 
     def generate(self, request: Request, on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
         """Every prompt's completion, in order; `on_text(prompt index, text)` as text is produced. Interrupted

@@ -111,8 +111,10 @@ class Submitter(Protocol):
 
     def submit_choices(
         self, prompt: Any, sampling: "SamplingParams | None" = None, *, chat: bool = False, images: Sequence[Any] = (),
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None, share: int | None = None,
     ) -> Sequence[Submission]: ...
+
+    def new_share(self) -> int: ...
 
     def queued(self) -> int: ...
 
@@ -148,8 +150,11 @@ class Loading:
 
     def submit_choices(
         self, prompt: Any, sampling: "SamplingParams | None" = None, *, chat: bool = False, images: Sequence[Any] = (),
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None, share: int | None = None,
     ) -> Sequence[Submission]:
+        raise still_loading()
+
+    def new_share(self) -> int:
         raise still_loading()
 
     def queued(self) -> int:
@@ -396,11 +401,13 @@ class Server:
         model's tokens cannot follow is refused naming `grammar_field`, the request field it came from."""
         generations: list[Generation] = []
         try:
+            share = self.engine.new_share()  # the request's prompts and choices: one fair share of the batch
             for index, (prompt, chat, images) in enumerate(items):
                 # In a worker thread: the template, the tokenizer and the plugins' gates must not stall the other
                 # streams.
                 choices = await asyncio.to_thread(self.engine.submit_choices, prompt, sampling, chat=chat,
-                                                  images=images, tools=None if tools is None else tools.for_template())
+                                                  images=images, tools=None if tools is None else tools.for_template(),
+                                                  share=share)
                 # OpenAI's choice index: prompt by prompt, n choices each.
                 generations += [Generation(index * sampling.n + j, s, index) for j, s in enumerate(choices)]
         except RequestRefused as exc:
@@ -793,6 +800,14 @@ class BodyLimit:
                              code="request_timeout", headers={"Connection": "close"})
             await self.server.answer(Request(scope), error)(scope, receive, send)
             return
+        except asyncio.CancelledError:
+            # The server is ending (a second signal, or past its graceful shutdown) before the body came: the client
+            # is told so, where uvicorn would log the cancellation as a crash (a traceback) and answer a bare 500.
+            error = ApiError(503, f"the server is {self.server.draining or 'stopping'} and the request body was not "
+                                  f"whole ({size} bytes came); retry once the server is back", kind="server_error",
+                             code="unavailable", headers={"Connection": "close"})
+            await self.server.answer(Request(scope), error)(scope, receive, send)
+            return
         if outcome == "large":
             await self.refuse(scope, receive, send, None)
         if outcome != "whole":  # refused, or nobody to answer
@@ -953,6 +968,9 @@ class ServeOptions:
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as fd's other commands exit
 EXIT_TERMINATED = 143  # 128 + SIGTERM
+# After a second signal, how long the cancelled requests have to tell their clients (the engine's next step) before the
+# server ends: cut at once, a stream ended without its error event, and its task's cancellation was logged as a crash.
+STOP_NOW_S = 2.0
 
 
 def address(sock: socket.socket) -> str:
@@ -1093,13 +1111,28 @@ class Http:
             with contextlib.suppress(RuntimeError):  # the loop has closed: the server is ending already
                 loop.call_soon_threadsafe(self.on_signal, signum)
 
+    async def stop_now(self) -> None:
+        """After a second signal: the cancelled requests' clients are told so (each stream's error event goes out at
+        the engine's next step), for up to STOP_NOW_S, then the server ends without waiting for anything else."""
+        end = time.monotonic() + STOP_NOW_S
+        while self.server.admitted and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        self.http.force_exit = True
+        self.stop()
+
     def on_signal(self, signum: int) -> None:
         """On the event loop: the first signal drains, a second cancels what runs and ends the server at once."""
         server = self.server
         if self.received:
             server.withdraw(list(server.active), "cancelled: the server was told to stop at once (a second signal)")
-            self.http.force_exit = True
-            self.stop()
+            if len(self.received) > 1:  # a third: no more waiting for anyone
+                self.http.force_exit = True
+                self.stop()
+                return
+            self.received.append(signum)
+            task = asyncio.get_running_loop().create_task(self.stop_now())
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
             return
         self.received.append(signum)
         name = "SIGTERM" if signum == signal.SIGTERM else "SIGINT"

@@ -78,7 +78,8 @@ def protocol_class(limits: ConnectionLimits, log: Any) -> type[asyncio.Protocol]
                 event = super().next_event()
             except h11.RemoteProtocolError as exc:
                 reason = " ".join(str(exc).split())[:SHOWN_REASON] or "malformed"
-                self.refusal = self.refusal or f"the request is not valid HTTP/1.1 ({reason}); send a well-formed request"
+                self.refusal = self.refusal or (f"the request is not valid HTTP/1.1 ({reason}); send a well-formed "
+                                                "request")
                 raise
             if isinstance(event, h11.Request):
                 names = {name for name, _ in event.headers}  # h11 gives them in lower case

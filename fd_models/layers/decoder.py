@@ -219,10 +219,11 @@ class CausalLM(nn.Layer):
 
     def prefill_embeds(
         self, embeds: paddle.Tensor, batch: KVBatch, rope_positions: Any = None,
-        deepstack: Sequence[paddle.Tensor] = (), vision_mask: Any = None,
+        deepstack: Sequence[paddle.Tensor] = (), vision_mask: Any = None, every: bool = False,
     ) -> paddle.Tensor:
         """Run embeds [B, S, H] (row b's first batch.lengths[b] real, the rest padding) into the cache at the positions
-        and slots `batch` gives; return the logits of each row's last new token [B, vocab].
+        and slots `batch` gives; return the logits of each row's last new token [B, vocab] (`every`: of every new
+        position, [B, S, vocab], padding positions included).
 
         `rope_positions` [3, S] or [3, B, S] (M-RoPE over pictures), `deepstack` and `vision_mask` come with pictures
         (see
@@ -242,6 +243,8 @@ class CausalLM(nn.Layer):
                       prefix_lens=as_int64(starts))
         mask = None if vision_mask is None else host_tensor(np.asarray(vision_mask, dtype=bool))
         hidden = self.model(embeds, rope, step, caches, deepstack, mask)
+        if every:
+            return self.lm_head(hidden.reshape([rows * length, -1])).reshape([rows, length, -1])
         last = as_int64(np.asarray(batch.lengths, dtype=np.int64) - 1 + np.arange(rows) * length)
         return self.lm_head(paddle.gather(hidden.reshape([rows * length, -1]), last))
 
@@ -255,6 +258,11 @@ class CausalLM(nn.Layer):
                 "prefill needs a KVBatch saying where the tokens go (fd_models.layers.rows.Rows makes one)"
             )
         return self.prefill_embeds(self.model.embed_tokens(as_int64(input_ids)), batch)
+
+    def prefill_every(self, input_ids: Any, batch: KVBatch) -> paddle.Tensor:
+        """As prefill (text only), returning the logits of every new position [B, S, vocab]: a prompt scored in one
+        prefill (CausalModel.prefill_every)."""
+        return self.prefill_embeds(self.model.embed_tokens(as_int64(input_ids)), batch, every=True)
 
     def decode_step(self, token_ids: Any, batch: KVBatch) -> paddle.Tensor:
         """One token per row [B, 1] at position batch.starts[b] of its sequence; replays the graph captured for this

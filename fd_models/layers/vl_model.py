@@ -53,6 +53,12 @@ class PictureTextModel(nn.Layer):
         params.release_weights(self)
 
     # -- prefill and decode --------------------------------------------------------------
+    def prefill_every(self, input_ids: Any, batch: KVBatch) -> paddle.Tensor:
+        """As prefill for a prompt without pictures, returning the logits of every new position [B, S, vocab]
+        (CausalModel.prefill_every: a prompt scored in one prefill)."""
+        ids = as_int64(input_ids)
+        return self.language_model.prefill_embeds(self.language_model.model.embed_tokens(ids), batch, every=True)
+
     def prefill(self, input_ids: Any, image: Any = None, batch: KVBatch | None = None) -> paddle.Tensor:
         """Run the new tokens [B, S] (with the picture(s) at their placeholders: see `batch_pictures`) into the cache
         where `batch` says; the logits of each row's last new token [B, vocab].

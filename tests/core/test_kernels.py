@@ -220,9 +220,10 @@ def example_kernels(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged_tokens(
     example_kernels: Path, tmp_path: Path,
 ) -> None:
-    # With penalties, so that its apply_penalties runs too.
+    # With penalties, so that its apply_penalties runs too; without the kernel canary, whose calls of every kernel
+    # would leave the trace below whether or not the model calls them.
     args = ["run", "--tp", "2", "--max-new-tokens", "6", "--prompt-ids", "5,6,7,8", "--repetition-penalty", "1.3",
-            "--presence-penalty", "0.5", "--json"]
+            "--presence-penalty", "0.5", "--json", "--no-kernel-canary"]
     plain = run_fd(args, timeout=300)
     assert plain.returncode == 0, plain.stderr
     trace = tmp_path / "trace"

@@ -179,6 +179,41 @@ def test_the_python_api_refuses_in_its_own_terms_and_kernel_canary_false_runs(in
         assert len(llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))[0].token_ids) == 2
 
 
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fd-example-kernels"
+
+
+@pytest.mark.parametrize("broken, op", [(None, None), ("add_rms_norm", "add_rms_norm"), ("moe_experts", "moe_experts"),
+                                        ("paged_attention", "paged_attention"), ("quant_matmul", "quant_matmul"),
+                                        ("apply_penalties", "apply_penalties")])
+def test_the_example_extensions_kernels_pass_and_each_of_its_breakages_is_refused_by_its_op(
+    install_plugin: Any, monkeypatch: pytest.MonkeyPatch, broken: str | None, op: str | None
+) -> None:
+    """examples/fd-example-kernels: its own kernels (a paged cache in a layout of its own, prepared and quantized
+    products, experts) pass; each of its FD_EXAMPLE_KERNELS_BREAK mutations that are wrong at load is refused, naming
+    the op (the stale-after-reload ones are fd check's to catch)."""
+    import sys
+
+    from fd_core.host.backend import Backend
+    from fd_core.runtime.kernel_checks import kernel_canary
+
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    install_plugin("fd-example-kernels", {}, {"fd.plugins": {"example-kernels": "fd_example_kernels.plugin"}})
+    if broken:
+        monkeypatch.setenv("FD_EXAMPLE_KERNELS_BREAK", broken)
+    try:
+        backend = Backend(load_plugins({}))
+        assert backend.ops.providers["paged_attention"] == backend.ops.providers["moe_experts"] == "example-kernels"
+        if op is None:
+            checked = kernel_canary(backend.ops, backend.platform, _tiny("wint4"), 16, threads=2)
+            assert {"add_rms_norm", "moe_experts", "write_kv_cache", "quant_matmul", "apply_penalties"} <= set(checked)
+            return
+        with pytest.raises(KernelMismatch, match=rf"^plugin 'example-kernels': the {op} kernel differs "):
+            kernel_canary(backend.ops, backend.platform, _tiny("wint4"), 16)
+    finally:
+        for name in [m for m in sys.modules if m.startswith("fd_example_kernels")]:
+            del sys.modules[name]
+
+
 # `fd run` with one broken kernel, chosen by FDTEST_BROKEN (its BROKEN key).
 RUN_PLUGIN = (
     "import os\n\nfrom fd_core import hookimpl, native_ops\n\n"

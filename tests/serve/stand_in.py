@@ -44,11 +44,14 @@ class Engine:
         self.images: list[Sequence[Any]] = []
 
     def submit_choices(self, prompt: Any, sampling: Any = None, *, chat: bool = False,
-                       images: Sequence[Any] = (), tools: Any = None) -> Any:
+                       images: Sequence[Any] = (), tools: Any = None, share: int | None = None) -> Any:
         self.submitted.append(sampling)
         self.prompts.append(prompt)
         self.images.append(images)
         return [Answered() for _ in range(sampling.n)]
+
+    def new_share(self) -> int:
+        return 0
 
     def queued(self) -> int:
         return 0

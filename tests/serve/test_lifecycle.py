@@ -151,3 +151,105 @@ def test_sigterm_under_load_drains_cancels_and_exits_143_leaving_nothing(server:
     assert "cancelling 2 generation(s) still running after 3 s" in server.stderr
     assert "Traceback" not in server.stderr, server.stderr
     assert left_over(server.marker) == []
+
+
+class Endless:
+    """A submission that generates until cancelled; like the engine's, the cancel takes effect at its next step,
+    `step_s` later."""
+
+    prompt_tokens = 2
+    first_token_at = None
+    prompt_ids = (1, 2)
+    prompt_logprobs = None
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.cancelled = threading.Event()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def pieces(self) -> Iterator[Any]:
+        from types import SimpleNamespace
+
+        while not self.cancelled.wait(0.02):
+            yield SimpleNamespace(text="x", logprobs=())
+        time.sleep(self.step_s)
+
+    def result(self, timeout: float | None = None) -> Any:
+        from types import SimpleNamespace
+
+        self.cancelled.wait(timeout)
+        return SimpleNamespace(prompt_ids=[1, 2], token_ids=[5], text="x", finish_reason="cancelled", logprobs=None)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+def test_a_second_signal_ends_every_stream_with_an_error_event_and_logs_no_traceback(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """fd's Http in this process over an engine whose cancels take 0.3 s (its next step), two streams running and two
+    requests whose bodies are half sent. Before, the second signal ended the server at once: the streams were cut
+    without their error event, and the half-sent requests' cancellation was logged as a crash (a traceback each) and
+    answered with a bare 500."""
+    import json
+    import socket
+
+    from fd_core.serve.app import Http, ServeOptions, Server, bind
+    from stand_in import Engine
+
+    class Slow(Engine):
+        def submit_choices(self, prompt: Any, sampling: Any = None, **kwargs: Any) -> Any:
+            return [Endless(0.3) for _ in range(sampling.n)]
+
+    sock = bind("127.0.0.1", 0)
+    http = Http(Server(Slow(), name="tiny", body_timeout=60), sock,
+                ServeOptions(header_timeout=60, body_timeout=60, shutdown_timeout=60))
+    http.start()
+    port = int(sock.getsockname()[1])
+    body = json.dumps({"prompt": "Once", "stream": True, "max_tokens": LONG}).encode()
+    streams, halves = [], []
+    try:
+        for _ in range(2):
+            conn = socket.create_connection(("127.0.0.1", port), timeout=20)
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            streams.append(conn)
+            first = b""
+            while b"data: {" not in first:  # streaming
+                chunk = conn.recv(65536)
+                assert chunk, first
+                first += chunk
+        for _ in range(2):
+            conn = socket.create_connection(("127.0.0.1", port), timeout=20)
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: 100\r\n\r\n{\"prompt\": ")
+            halves.append(conn)
+        time.sleep(0.3)  # the half bodies' headers are read: their requests wait for the rest
+        http.forward(signal.SIGTERM, None)  # what the signal handler does: the drain starts
+        wait_for(lambda: http.server.draining is not None, 5, "the drain")
+        http.forward(signal.SIGTERM, None)  # and a second: stop at once
+        http.thread.join(15)
+        assert not http.thread.is_alive(), "the server did not end after the second signal"
+        answers = []
+        for conn in streams + halves:
+            data = b""
+            while chunk := conn.recv(65536):
+                data += chunk
+            answers.append(data)
+    finally:
+        http.close()
+        sock.close()
+        for conn in streams + halves:
+            conn.close()
+    for data in answers[:2]:  # each stream's last event is its error, and no [DONE]
+        events = [line for line in data.split(b"\r\n") if line.startswith(b"data: ")]
+        assert b"[DONE]" not in data and json.loads(events[-1][6:])["error"]["message"] == (
+            "cancelled: the server was told to stop at once (a second signal)"), data[-400:]
+    for data in answers[2:]:  # each half-sent request is told why, in the OpenAI format
+        assert data.startswith(b"HTTP/1.1 503 "), data
+        assert (b"the server is shutting down (SIGTERM) and the request body was not whole (11 bytes came); retry once "
+                b"the server is back") in data, data
+    log = capfd.readouterr().err
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log

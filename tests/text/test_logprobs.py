@@ -65,8 +65,9 @@ def plugins() -> PluginSet:
     return load_plugins()
 
 
-def _engine(plugins: PluginSet, max_batch: int = 4) -> Engine:
-    """The tiny ERNIE-4.5 preset on an engine of its own (as tests/text/test_continuous_batching.py builds it)."""
+def _engine(plugins: PluginSet, max_batch: int = 4, by_step: bool = False) -> Engine:
+    """The tiny ERNIE-4.5 preset on an engine of its own (as tests/text/test_continuous_batching.py builds it);
+    `by_step`: as a model package without prefill_every (contract 1.5) is run, scoring a prompt a decode step."""
     from fd_core.host.backend import Backend
     from fd_core.runtime.engine.runner import ModelRunner
     from fd_core.runtime.plan import model_config_for
@@ -75,6 +76,8 @@ def _engine(plugins: PluginSet, max_batch: int = 4) -> Engine:
     runner = ModelRunner(Backend(plugins), arch, model_config_for(arch, None), graph="off")
     runner.load()
     runner.decide()
+    if by_step:
+        runner.model.prefill_every = None  # type: ignore[union-attr]
     memory = MemoryPlan(1.0, runner.config.dtype, 1, 0, 1, block_size=16, blocks=12, blocks_from="the test")
     return Engine(runner, max_batch=max_batch, memory=memory)
 
@@ -243,12 +246,14 @@ def _check_scored(scored: list[TokenLogprob | None] | None, prompt: list[int], o
         assert [v for _, v in logprob.top] == pytest.approx([expected[t] for t, _ in logprob.top], abs=1e-4)
 
 
-def test_prompt_logprobs_score_each_token_as_a_prefill_of_its_prefix_would(plugins: PluginSet) -> None:
+@pytest.mark.parametrize("by_step", [False, True], ids=["in-the-prefill", "a-token-a-step"])
+def test_prompt_logprobs_score_each_token_as_a_prefill_of_its_prefix_would(plugins: PluginSet, by_step: bool) -> None:
     """Beside a plain sequence and a chunk of another prompt, and after the same prompt's blocks were cached: every
     prompt token scored, against a prefill of each prefix (the oracle); the tokens generated are those of the same
-    request without the field; the cached prefix was not used (it would skip positions)."""
+    request without the field; the cached prefix was not used (it would skip positions). Scored in its prefill
+    (prefill_every), and a token a decode step (a model without it)."""
     oracle = _prefix_oracle(plugins, PROMPT)
-    engine = _engine(plugins)
+    engine = _engine(plugins, by_step=by_step)
     plain = SamplingParams(max_new_tokens=6, ignore_eos=True)
     first, _ = _run(engine, [Job(0, tuple(PROMPT), plain)])  # caches the prompt's first full block
     hits = engine.kv_stats()["prefix_cache_hit_tokens"]
@@ -267,7 +272,8 @@ def test_prompt_logprobs_score_each_token_as_a_prefill_of_its_prefix_would(plugi
     assert completion.to_dict()["prompt_logprobs"][0] is None
 
 
-def test_a_preempted_scoring_prompt_scores_each_token_once(plugins: PluginSet) -> None:
+@pytest.mark.parametrize("by_step", [False, True], ids=["in-the-prefill", "a-token-a-step"])
+def test_a_preempted_scoring_prompt_scores_each_token_once(plugins: PluginSet, by_step: bool) -> None:
     from fd_core.host.backend import Backend
     from fd_core.runtime.engine.runner import ModelRunner
     from fd_core.runtime.plan import model_config_for
@@ -276,8 +282,11 @@ def test_a_preempted_scoring_prompt_scores_each_token_once(plugins: PluginSet) -
     runner = ModelRunner(Backend(plugins), arch, model_config_for(arch, None), graph="off")
     runner.load()
     runner.decide()
-    # Four blocks of 16: the long sequence admitted first grows into the scoring one's blocks, which gives them up.
-    engine = Engine(runner, max_batch=4,
+    if by_step:
+        runner.model.prefill_every = None  # type: ignore[union-attr]
+    # Four blocks of 16: the long sequence admitted first grows into the scoring one's blocks, which gives them up
+    # (prefilled 8 tokens a step, so that scoring in the prefill takes steps too).
+    engine = Engine(runner, max_batch=4, max_prefill_tokens=8,
                     memory=MemoryPlan(1.0, runner.config.dtype, 1, 0, 1, block_size=16, blocks=4, blocks_from="test"))
     long = Job(0, tuple(range(100, 130)), SamplingParams(max_new_tokens=30, ignore_eos=True))
     scoring = Job(1, tuple(PROMPT), SamplingParams(max_new_tokens=3, ignore_eos=True, prompt_logprobs=2))

@@ -162,3 +162,45 @@ def test_an_error_completion_fails_its_own_submission() -> None:
     assert raised.value.request_fault and pickle.loads(pickle.dumps(raised.value)).request_fault
     with pytest.raises(SequenceError):
         list(mine)
+
+
+# -- fair shares: one request cannot hold the batch ------------------------------------------------------------------
+def _first_token_step(engine: Engine, jobs: list[Job], late: list[Job], after: int) -> tuple[dict[int, int], dict]:
+    """Run `jobs`, add `late` after `after` steps; each key's step of its first token, and every completion."""
+    for job in jobs:
+        engine.add(job)
+    first: dict[int, int] = {}
+    done: dict[int, Completion] = {}
+    step = 0
+    while engine.pending or late:
+        if step == after:
+            for job in late:
+                engine.add(job)
+            late = []
+        for event in engine.step():
+            if event.token is not None:
+                first.setdefault(event.key, step)
+            if event.done is not None:
+                done[event.key] = event.done
+        step += 1
+    return first, done
+
+
+def test_a_request_of_many_sequences_leaves_room_for_the_next(plugins: PluginSet, checkpoint: Path) -> None:
+    """A request of 4 choices on a batch of 4 (n=4, 40 tokens each) and one of long prompts filling the prefill budget,
+    then a short request: it gets its first token within a few steps (before, it waited for a slot, 40 steps), and
+    every sequence gets the tokens it gets alone."""
+    engine = _engine(plugins, checkpoint)
+    engine.max_batch, engine.max_prefill_tokens = 4, 64
+    many = [Job(i, (3, 4, 5), SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=1.0, seed=1, n=4),
+                index=i, group=0, owner=0) for i in range(4)]
+    short = Job(9, (7, 8), SamplingParams(max_new_tokens=3, ignore_eos=True), owner=9)
+    alone = _run(engine, list(many)) | _run(engine, [short])
+    first, done = _first_token_step(engine, many, [short], after=2)
+    assert first[9] <= 4, f"the short request's first token came at step {first[9]}"
+    assert {k: c.token_ids for k, c in done.items()} == {k: c.token_ids for k, c in alone.items()}
+    # Long prompts (4 x 300 tokens, 64 a step): the short one's prompt is prefilled beside them, not after them.
+    prompts = [Job(20 + i, tuple(range(10 + i, 310 + i)), SamplingParams(max_new_tokens=2, ignore_eos=True),
+                   owner=20) for i in range(2)]
+    first, _ = _first_token_step(engine, prompts, [short], after=1)
+    assert first[9] <= 3 < min(first[k] for k in (20, 21)), first

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
 
+from fd_core.error_lines import error_line
 from fd_core.errors import ConfigError, FdError, NumericsError
 from fd_core.kernels import set_compute_threads
 from fd_core.kvcache import KVBatch
@@ -38,6 +39,9 @@ if TYPE_CHECKING:
 # The shortest span (in positions) a decode step is captured for; wider block tables take the next power of two.
 MIN_CAPTURED_POSITIONS = 64
 PAD_ID = 0
+# The most prompt tokens of a scored prompt (SamplingParams.prompt_logprobs) one step prefills: its logits come back
+# for every position ([tokens, vocab] float32: 75 MB at 128 tokens of a 150k vocabulary).
+SCORED_CHUNK = 128
 
 
 @dataclass
@@ -83,10 +87,10 @@ class SequenceFailure:
 
     @classmethod
     def of(cls, exc: BaseException) -> "SequenceFailure":
-        """The one-line failure of `exc`: an FdError's own message, else its type and first line."""
+        """The one-line failure of `exc`: an FdError's own message, else its type and the informative line of its
+        message (error_line: Paddle's multi-line reports open with boilerplate)."""
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        first = lines[0] if lines else ""
-        message = first if isinstance(exc, FdError) and first else f"{type(exc).__name__}: {first}".rstrip(": ")
+        message = lines[0] if isinstance(exc, FdError) and lines else error_line(exc)
         return cls(message, isinstance(exc, ConfigError))
 
 
@@ -107,6 +111,8 @@ class Job:
     index: int = 0
     # The key of its prompt's first choice when the prompt asks for several (SamplingParams.n), else None.
     group: int | None = None
+    # The request it belongs to (its prompts and choices share one fair share of the batch; None: a request alone).
+    owner: int | None = None
 
 
 @dataclass(frozen=True)
@@ -125,10 +131,10 @@ class Event:
 
 def jobs_of(request: Request, first_key: int = 0) -> list[Job]:
     """One job per choice of each prompt of `request` (SamplingParams.n, prompt by prompt), keyed first_key,
-    first_key + 1, ...; choice j of prompt i has index i * n + j (its sampler's seed)."""
+    first_key + 1, ...; choice j of prompt i has index i * n + j (its sampler's seed); all owned by first_key."""
     n = request.sampling.n
     return [Job(first_key + i * n + j, tuple(p), request.sampling, tuple(request.eos_ids), tuple(request.images),
-                i * n + j, first_key + i * n if n > 1 else None)
+                i * n + j, first_key + i * n if n > 1 else None, first_key)
             for i, p in enumerate(request.prompts) for j in range(n)]
 
 
@@ -197,6 +203,8 @@ class _Seq:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     scored: int = 1
     failure: SequenceFailure | None = None  # what ended it with "error"
+    # Its prompt is scored a token a decode step: the model has no prefill_every (else it is scored in its prefill).
+    by_step: bool = False
 
     @property
     def tokens(self) -> list[int]:
@@ -207,10 +215,15 @@ class _Seq:
         return len(self.ids) - self.computed
 
     @property
-    def stepwise(self) -> bool:
-        """Whether it still runs its prompt a token a step: the prompt's logprobs are asked and not all scored (a
-        prefill gives the logits of its last position only)."""
+    def scoring(self) -> bool:
+        """Whether its prompt's logprobs are asked and not all scored yet."""
         return self.job.sampling.prompt_logprobs is not None and self.scored < len(self.job.prompt)
+
+    @property
+    def stepwise(self) -> bool:
+        """Whether it still runs its prompt a token a step: scoring, with a model whose prefill gives the logits of
+        each row's last position only (no prefill_every)."""
+        return self.by_step and self.scoring
 
     @property
     def cacheable(self) -> bool:
@@ -373,9 +386,10 @@ class Engine:
         scoring = job.sampling.prompt_logprobs is not None
         # build_request refuses it first (here, on the engine's thread, it would fail the whole step).
         assert not (scoring and job.images), "prompt_logprobs with pictures"
+        by_step = scoring and not callable(getattr(self.runner.model, "prefill_every", None))
         self._waiting.append(
             _Seq(job, Sampler(job.sampling, [job.index]), text, eos, list(job.prompt), order=0, logprobs=logprobs,
-                 prompt_logprobs=[None] if scoring else None)
+                 prompt_logprobs=[None] if scoring else None, by_step=by_step)
         )
 
     def cancel(self, key: int) -> None:
@@ -450,11 +464,28 @@ class Engine:
         self.preemptions += 1
 
     def _schedule(self) -> tuple[list[_Chunk], list[_Seq]]:
-        """This step's prefill chunks and decode sequences, their blocks allocated."""
+        """This step's prefill chunks and decode sequences, their blocks allocated.
+
+        Fair shares: while another request's sequence waits or prefills, one request (Job.owner: its n choices, its
+        prompts) holds at most half the batch's slots (its latest sequences past that are preempted, to be recomputed)
+        and prefills at most half the step's prompt tokens, so that a short request behind a large one (eight
+        1,000-token prompts scored, n=8) starts within a few steps."""
         budget = self.max_prefill_tokens
         prefills: list[_Chunk] = []
         decodes: list[_Seq] = []
         pictures = False
+        slots = max(1, self.max_batch // 2)
+        half = max(1, self.max_prefill_tokens // 2)
+        held: dict[int | None, int] = {}
+        for seq in self._running:
+            held[seq.job.owner] = held.get(seq.job.owner, 0) + 1
+        # A request past its share while another waits gives its latest sequences back (recomputed when readmitted).
+        for seq in reversed(list(self._running)):
+            owner = seq.job.owner
+            if held[owner] > slots and any(w.job.owner != owner for w in self._waiting):
+                self._preempt(seq)
+                held[owner] -= 1
+        spent: dict[int | None, int] = {}
         # Running sequences first, in admission order; the latest admitted gives its blocks up when they run out.
         index = 0
         while index < len(self._running):
@@ -467,8 +498,10 @@ class Engine:
                     continue  # a prompt with pictures is prefilled alone, whole
                 take = seq.pending
             else:
-                take = min(seq.pending, budget)
-                if take == 0 or self._prompts_full(prefills):
+                take = min(seq.pending, budget, SCORED_CHUNK if seq.scoring else budget)
+                if self._contested(seq.job.owner):
+                    take = min(take, half - spent.get(seq.job.owner, 0))
+                if take <= 0 or self._prompts_full(prefills):
                     index += 1
                     continue
             need = self._blocks_for(seq, seq.computed + take)
@@ -489,10 +522,17 @@ class Engine:
                 prefills.append(_Chunk(seq, take))
                 pictures = pictures or bool(seq.job.images)
                 budget -= min(budget, take)
+                spent[seq.job.owner] = spent.get(seq.job.owner, 0) + take
             index += 1
-        # Then the waiting, in order, while the batch, the budget and the blocks allow: nothing overtakes.
-        while self._waiting and len(self._running) < self.max_batch and not pictures:
-            seq = self._waiting[0]
+        # Then the waiting, in order, while the batch, the budget and the blocks allow: nothing overtakes, but a
+        # request past its share of the slots while another request waits, which goes first.
+        index = 0
+        while index < len(self._waiting) and len(self._running) < self.max_batch and not pictures:
+            seq = self._waiting[index]
+            owner = seq.job.owner
+            if held.get(owner, 0) >= slots and any(w.job.owner != owner for w in self._waiting):
+                index += 1
+                continue
             if seq.job.images and prefills:
                 break
             if (not seq.job.images and budget <= 0) or self._prompts_full(prefills):
@@ -500,16 +540,18 @@ class Engine:
             if self._sibling_prefilling(seq, prefills):
                 break  # next step, once its prompt's blocks are published, it finds them cached
             hits = self._lookup(seq)
-            take = 1 if seq.stepwise else seq.pending if seq.job.images else min(seq.pending, budget)
+            take = (1 if seq.stepwise else seq.pending if seq.job.images
+                    else min(seq.pending, budget, SCORED_CHUNK if seq.scoring else budget))
             need = self._blocks_for(seq, seq.computed + take)
             if need > self.pool.available:
                 self.pool.free(hits)
                 seq.blocks, seq.computed, seq.hashes = [], 0, []
                 break
             seq.blocks += self.pool.allocate(need)
-            self._waiting.popleft()
+            del self._waiting[index]
             seq.admitted, seq.order = True, next(self._order)
             self._running.append(seq)
+            held[owner] = held.get(owner, 0) + 1
             if seq.pending == 1 or seq.stepwise:  # all but its last token found cached, or a token a step
                 decodes.append(seq)
             else:
@@ -517,6 +559,11 @@ class Engine:
                 budget -= min(budget, take)
                 pictures = bool(seq.job.images)
         return prefills, decodes
+
+    def _contested(self, owner: int | None) -> bool:
+        """Whether a sequence of another request than `owner` waits, or has prompt tokens to prefill."""
+        return (any(seq.job.owner != owner for seq in self._waiting)
+                or any(seq.job.owner != owner and seq.pending > 1 for seq in self._running))
 
     def _sibling_prefilling(self, seq: _Seq, prefills: Sequence[_Chunk]) -> bool:
         """Whether another choice of its prompt is prefilling this step and it has a full block to share."""
@@ -532,7 +579,7 @@ class Engine:
     def _lookup(self, seq: _Seq) -> list[int]:
         """Its prompt's leading full blocks found cached (held now), set as its first blocks and computed; a sequence
         always computes at least its last token, so the last block of a whole-block prompt is computed again."""
-        if not (self.prefix_caching and seq.cacheable) or seq.stepwise:  # a stepwise prompt needs every position
+        if not (self.prefix_caching and seq.cacheable) or seq.scoring:  # a scored prompt needs every position
             return []
         full = (len(seq.ids) - 1) // self.block_size
         hashes: list[bytes] = []
@@ -577,8 +624,17 @@ class Engine:
             self.runner.backend.before_step(self.rank, rows)
 
     def _prefill(self, chunks: Sequence[_Chunk], events: list[Event]) -> None:
-        """The step's prompt chunks, right-padded into one batch (a prompt with pictures alone, whole); a chunk that
-        finishes its sequence's pending tokens gives it its next token."""
+        """The step's prompt chunks, right-padded into one batch (a prompt with pictures alone, whole), the chunks of
+        scored prompts in a batch of their own that returns every position's logits; a chunk that finishes its
+        sequence's pending tokens gives it its next token."""
+        scored = [c for c in chunks if c.seq.scoring and not c.seq.by_step]
+        plain = [c for c in chunks if not (c.seq.scoring and not c.seq.by_step)]
+        if plain:
+            self._prefill_batch(plain, events, every=False)
+        if scored:
+            self._prefill_batch(scored, events, every=True)
+
+    def _prefill_batch(self, chunks: Sequence[_Chunk], events: list[Event], every: bool) -> None:
         import numpy as np
 
         model = self.runner.model
@@ -599,7 +655,9 @@ class Engine:
         self._use_threads(None)
         start_time = time.perf_counter()
         progress.report("prefill")
-        if image is None:
+        if every:
+            logits = self._scored_prefill(chunks, ids, batch, events)
+        elif image is None:
             logits = model.prefill(ids, image, batch)
         else:
             # A prompt with pictures is prefilled alone: what its pictures fail on (the vision tower, their
@@ -614,6 +672,8 @@ class Engine:
         done = []
         for row, chunk in enumerate(chunks):
             seq = chunk.seq
+            if seq.failure is not None:  # ended while its prompt was scored: its blocks are gone
+                continue
             seq.computed += chunk.count
             seq.rope_delta = int(batch.rope_deltas[row])
             self._publish(seq)
@@ -625,6 +685,44 @@ class Engine:
             for seq, token in zip(finished, picked, strict=True):
                 if token is not None:
                     self._push(seq, token, events)
+
+    def _scored_prefill(self, chunks: Sequence[_Chunk], ids: Any, batch: KVBatch, events: list[Event]) -> Any:
+        """Scored prompts' chunks through the model's prefill_every: each position's logits score the prompt's next
+        id (once: a prompt recomputed after a preemption scores nothing twice); the last positions' logits [B, vocab]
+        returned for the rows that finish their prompts."""
+        import numpy as np
+        import paddle
+
+        model = self.runner.model
+        every = model.prefill_every(ids, batch)  # type: ignore[union-attr]
+        rows, width = int(every.shape[0]), int(every.shape[1])
+        last = (np.asarray(batch.lengths, dtype=np.int64) - 1) + np.arange(rows, dtype=np.int64) * width
+        reporting = self.rank is None or self.rank.rank == 0
+        asking: list[tuple[_Seq, int, list[int]]] = []  # (sequence, its row, the positions it scores now)
+        for row, chunk in enumerate(chunks):
+            seq, start = chunk.seq, chunk.seq.computed
+            prompt = len(seq.job.prompt)
+            # Position p's logits score prompt id p + 1, for the ids not scored yet.
+            fresh = [p for p in range(start, start + chunk.count) if seq.scored <= p + 1 < prompt]
+            if fresh:
+                seq.scored = fresh[-1] + 2
+                if reporting and seq.prompt_logprobs is not None:
+                    asking.append((seq, row, fresh))
+        for seq, row, fresh in asking:
+            start = fresh[0] - int(batch.starts[row])
+            host = _host_rows(every[row], range(start, start + len(fresh)))
+            check_finite(host, self.steps, [True] * len(fresh))
+            tokens, tops = [seq.ids[p + 1] for p in fresh], [seq.job.sampling.prompt_logprobs or 0] * len(fresh)
+
+            def score(_: list[int], h: Any = host, t: list[int] = tokens, k: list[int] = tops) -> list[Any]:
+                return [token_logprobs(h, t, k)]
+
+            found = self._each([seq], events, score)
+            if found[0] is not None:
+                assert seq.prompt_logprobs is not None
+                seq.prompt_logprobs.extend(found[0])
+        flat = every.reshape([rows * width, int(every.shape[2])])
+        return paddle.gather(flat, host_tensor(last))
 
     def _decode(self, seqs: Sequence[_Seq], events: list[Event]) -> None:
         """One token for every sequence whose prompt is done: the captured step of its (batch, table width) bucket
@@ -744,7 +842,7 @@ class Engine:
             # The raw logits of the asking rows only, to the host as float32; the log-softmax in float64 there.
             rows = _host_rows(logits, [at[n] for n in asking])
             found = self._each([seqs[n] for n in asking], events, lambda picked: token_logprobs(
-                rows[picked], [chosen[asking[k]] for k in picked],
+                rows[picked], [int(chosen[asking[k]] or 0) for k in picked],
                 [seqs[asking[k]].job.sampling.logprobs or 0 for k in picked]))
             for n, logprob in zip(asking, found, strict=True):
                 kept = seqs[n].logprobs
@@ -772,9 +870,9 @@ class Engine:
 
         chosen = [seqs[n] for n in asking]
         raw = _host_rows(logits, [at[n] for n in asking])
-        rows = self._each(chosen, events, lambda picked: process_logits(
+        rows = self._each(chosen, events, lambda picked: list(process_logits(
             raw[picked], [chosen[k].job.sampling for k in picked], [chosen[k].job.prompt for k in picked],
-            [chosen[k].tokens for k in picked], [chosen[k].eos for k in picked], penalize))
+            [chosen[k].tokens for k in picked], [chosen[k].eos for k in picked], penalize)))
         out: dict[int, Any] = {}
         for n, seq, row in zip(asking, chosen, rows, strict=True):
             if row is None:

@@ -159,6 +159,7 @@ class Scheduler:
         self._tick = tick
         self._fatal = fatal
         self._keys = itertools.count()
+        self._shares = itertools.count()
         self._lock = threading.Condition()
         self._new: list[Pending] = []
         self._cancels: list[int] = []
@@ -169,20 +170,29 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, jobs: Sequence[Job]) -> list[Submission]:
-        """Queue jobs (their keys replaced by the scheduler's own); they join the running batch together at the next
-        step boundary."""
+    def submit(self, jobs: Sequence[Job], share: int | None = None) -> list[Submission]:
+        """Queue jobs (their keys replaced by the scheduler's own, and their groups with them); they join the running
+        batch together at the next step boundary. They are one request for the engine's fair shares (Job.owner): with
+        the other jobs of `share` (from new_share()), or, None, by themselves."""
         with self._lock:
             self._check_open()
+            keys = {job.key: next(self._keys) for job in jobs}
+            owner = next(self._shares) if share is None else share
             out = []
             for job in jobs:
-                key = next(self._keys)
+                key = keys[job.key]
+                group = None if job.group is None else keys.get(job.group, key)
                 submission = Submission(key, len(job.prompt), self.cancel, job.prompt)
-                self._new.append(Pending(replace(job, key=key), submission))
+                self._new.append(Pending(replace(job, key=key, group=group, owner=owner), submission))
                 self._live[key] = submission
                 out.append(submission)
             self._lock.notify_all()
             return out
+
+    def new_share(self) -> int:
+        """A new request's share: submit() calls given it count as one request for the engine's fair shares."""
+        with self._lock:
+            return next(self._shares)
 
     def call(self, fn: Callable[[], Any]) -> "Future[Any]":
         """Run `fn` on the scheduler's thread at the next step boundary (a weight reload, a report: what must not
