@@ -183,7 +183,8 @@ class Sampling(BaseModel):
                 grammar=self.grammar(tools),
             )
         except ConfigError as exc:
-            message = str(exc)
+            # SamplingParams names its own field; the client sent max_tokens.
+            message = str(exc).replace("max_new_tokens", "max_tokens")
             raise ApiError(400, message, param=next((f for f in CHECKED if message.startswith(f)), None)) from None
 
     def bias(self) -> dict[int, float]:

@@ -301,6 +301,54 @@ class ModelSuite:
                 f"(prefill's or decode_step's block tables, slots or positions)"
             )
 
+    def test_a_prompt_scored_in_its_prefill_equals_one_scored_a_step(
+        self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]
+    ) -> None:
+        """A model's prefill_every (contract 1.5, optional): a prompt's logprobs scored in its prefill chunks (every
+        position's logits) equal those scored a token a decode step (the path a model without it takes), position by
+        position, and so do the tokens after it; chunks of 3 tokens, so that positions cross chunks."""
+        from fd_core.host.backend import Backend
+        from fd_core.runtime.engine.loop import Engine
+        from fd_core.runtime.engine.runner import ModelRunner
+        from fd_core.runtime.engine.sampling import SamplingParams
+        from fd_core.runtime.request import Request
+
+        if config_index:
+            pytest.skip("checked on the preset only: positions do not depend on the sizes")
+        plan = self._plan(plugins, architecture, config_index, source, graph="off")
+        runner = ModelRunner(Backend(plugins), architecture, plan.config, plan.run.checkpoint, graph="off")
+        runner.load()
+        runner.decide()
+        model = runner.model
+        if not callable(getattr(model, "prefill_every", None)):
+            pytest.skip(f"{architecture.name} has no prefill_every: its prompts are scored a token a decode step")
+        prompt = tuple(list(_prompt(architecture, config_index)) * 2)
+        request = Request((prompt,), SamplingParams(max_new_tokens=4, ignore_eos=True, prompt_logprobs=3))
+
+        def scored(by_step: bool) -> Any:
+            engine = Engine(runner, max_batch=2, max_prefill_tokens=3, prefix_caching=False)
+            if by_step:
+                engine.runner.model.prefill_every = None  # type: ignore[union-attr]
+            try:
+                return engine.generate(request)[0]
+            finally:
+                if by_step:
+                    del engine.runner.model.prefill_every  # type: ignore[union-attr]
+
+        every, step = scored(False), scored(True)
+        assert every.token_ids == step.token_ids, (
+            f"{architecture.name}: after a prompt scored in its prefill the tokens are {every.token_ids}, scored a "
+            f"step {step.token_ids}"
+        )
+        assert len(every.prompt_logprobs) == len(prompt) == len(step.prompt_logprobs)
+        for position, (a, b) in enumerate(zip(every.prompt_logprobs[1:], step.prompt_logprobs[1:], strict=True), 1):
+            assert a.token == b.token == prompt[position]
+            assert abs(a.logprob - b.logprob) <= 1e-3 and [t for t, _ in a.top] == [t for t, _ in b.top], (
+                f"{architecture.name}: prefill_every scores prompt position {position} as {a.logprob:.5f} "
+                f"(top {[t for t, _ in a.top]}), a decode step as {b.logprob:.5f} (top {[t for t, _ in b.top]}): "
+                f"its logits [B, S, vocab] are not each position's (off by one, or padding's)"
+            )
+
     def test_shared_prefixes_chunks_and_preemption_keep_the_tokens(
         self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]
     ) -> None:

@@ -174,3 +174,13 @@ def test_stop_strings_are_at_most_four_of_at_most_256_characters() -> None:
         with pytest.raises(ApiError) as refused:
             CompletionRequest(prompt="Hi", stop=stop).sampling(None)
         assert (refused.value.status, refused.value.param, refused.value.message) == (400, "stop", words)
+
+
+def test_a_sampling_error_names_the_clients_field_not_the_engines() -> None:
+    """SamplingParams calls it max_new_tokens; the request sent max_tokens (or nothing: OpenAI's default 16)."""
+    from fd_core.serve.protocol import CompletionRequest
+
+    with pytest.raises(ApiError) as refused:
+        CompletionRequest(prompt="Hi", min_tokens=30).sampling(None)
+    assert (refused.value.param, refused.value.message) == ("min_tokens",
+                                                            "min_tokens must be in 0..max_tokens (16), got 30")

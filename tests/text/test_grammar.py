@@ -265,3 +265,20 @@ def test_the_grammar_engine_does_not_import_torch(tokenizer_dirs: dict[str, Path
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout == "[]\n", done.stderr
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "minimum": -2**63, "maximum": -2**63},
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": -2**63 + 5, "maximum": -2**63 + 9}}},
+    {"type": "number", "exclusiveMaximum": 1e300},
+], ids=["at -2^63", "nested near -2^63", "a float bound"])
+def test_a_numeric_bound_past_what_json_exchanges_is_refused_before_llguidance(schema: dict[str, Any]) -> None:
+    """llguidance 1.9.1 ends the process with SIGSEGV on an integer range near -2^63 (a client could crash fd serve
+    with one request): such bounds are refused first, naming the field. In a subprocess, as the crash would be."""
+    code = ("import json, sys\nfrom fd_core.runtime.text.grammar import GrammarError, constraint_spec\n"
+            "try:\n    constraint_spec({'type': 'json_schema', 'json_schema': {'name': 'n', 'schema': json.loads("
+            "sys.argv[1])}})\nexcept GrammarError as exc:\n    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(schema)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-500:])
+    assert done.stdout.startswith("response_format.json_schema.schema: ") and "2^53 - 1" in done.stdout, done.stdout

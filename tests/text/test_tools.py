@@ -183,3 +183,14 @@ def test_a_schema_with_definitions_is_enforced_through_its_references(tokenizer_
     for seed in range(4):
         _, calls = tools.parse(_walk(tools, tokenizer, seed))
         assert [json.loads(c["function"]["arguments"]) for c in calls] in ([{"unit": "m"}], [{"unit": "ft"}])
+
+
+def test_a_tool_schema_bound_near_minus_two_to_the_63_is_refused_not_crashed() -> None:
+    """A required tool choice compiles its parameters' schema: a bound past 2^53 - 1 is refused naming tools before
+    llguidance sees it (llguidance 1.9.1 crashes the process on integer ranges near -2^63)."""
+    from fd_core.runtime.text.grammar import GrammarError
+
+    tool = {"type": "function", "function": {"name": "count", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": -2**63, "maximum": -2**63}}}}}
+    with pytest.raises(GrammarError, match=r"^tools: minimum -9223372036854775808 is past"):
+        check_tools([tool], "required", CHAT_TEMPLATE).grammar()

@@ -113,6 +113,31 @@ def lark_grammar(lark: str, field: str = "grammar") -> str:
     return _checked(_llguidance().LLMatcher.grammar_from_lark(lark), field)
 
 
+# The numeric bounds of a JSON schema, and the largest magnitude fd passes on: the integers JSON exchanges exactly
+# (RFC 8259, section 6). llguidance 1.9.1 crashes the process (SIGSEGV) on an integer range near -2^63.
+BOUND_KEYWORDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+MAX_BOUND = 2**53 - 1
+
+
+def check_schema_numbers(schema: Any, field: str) -> None:
+    """A GrammarError naming `field` when a numeric bound anywhere in `schema` is past +-(2^53 - 1)."""
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Mapping):
+            for key, value in node.items():
+                if (key in BOUND_KEYWORDS and isinstance(value, (int, float)) and not isinstance(value, bool)
+                        and abs(value) > MAX_BOUND):
+                    shown = str(value) if isinstance(value, int) else f"{value:g}"
+                    raise GrammarError(
+                        f"{field}: {key} {shown} is past -(2^53 - 1) .. 2^53 - 1, the integers JSON exchanges "
+                        f"exactly; bound numbers within that range"
+                    )
+                stack.append(value)
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
 def _schema_grammar(schema: Mapping[str, Any], field: str) -> str:
     """The llguidance grammar of a JSON schema."""
     try:
@@ -122,6 +147,7 @@ def _schema_grammar(schema: Mapping[str, Any], field: str) -> str:
         raise GrammarError(f"{field} holds NaN or Infinity, which JSON has no value for") from None
     except TypeError as exc:  # a non-JSON value from a Python caller (the HTTP server's JSON has none)
         raise GrammarError(f"{field} is not JSON: {exc}") from None
+    check_schema_numbers(schema, field)
     try:
         grammar = _llguidance().LLMatcher.grammar_from_json_schema(text, defaults=JSON_LAYOUT)
     except ValueError as exc:

@@ -57,7 +57,7 @@ class Tools:
         it), or None ("auto" and "none" leave the text free)."""
         if self.choice in ("auto", "none"):
             return None
-        from fd_core.runtime.text.grammar import JSON_LAYOUT, lark_grammar
+        from fd_core.runtime.text.grammar import JSON_LAYOUT, check_schema_numbers, lark_grammar
 
         chosen = self.tools if self.choice == "required" else [t for t in self.tools if t["function"]["name"]
                                                               == self.choice]
@@ -70,6 +70,7 @@ class Tools:
         schema = {"x-guidance": JSON_LAYOUT, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
         if definitions:
             schema["$defs"] = definitions
+        check_schema_numbers(schema, "tools")
         repeat = "+" if self.choice == "required" and self.parallel else ""
         lark = (f'start: call{repeat}\ncall: "{OPEN}\\n" body "\\n{CLOSE}" "\\n"?\n'
                 f"body: %json {json.dumps(schema)}")
