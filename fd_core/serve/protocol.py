@@ -445,10 +445,12 @@ def shown_url(url: str) -> str:
     return repr(url if len(url) <= SHOWN_URL else url[:SHOWN_URL] + "...")
 
 
-def read_image(url: str, roots: Sequence[Path], charge: "Callable[[int], None] | None" = None) -> Any:
+def read_image(url: str, roots: Sequence[Path], charge: "Callable[[int], None] | None" = None,
+               decode: bool = True) -> Any:
     """A picture from a data URL (base64 PNG or JPEG) or a file path under one of `roots`, as an array [C, H, W] in
     [0, 1]. Only PNG and JPEG are decoded: the format is decided from the first bytes, before any decoder sees them.
-    `charge(pixels)` is told its size from its header before it is decoded (and may refuse it)."""
+    `charge(pixels)` is told its size from its header before it is decoded (and may refuse it); `decode` False: None
+    once it is checked and charged, nothing decoded."""
     import numpy as np
     from PIL import Image, UnidentifiedImageError
 
@@ -485,6 +487,8 @@ def read_image(url: str, roots: Sequence[Path], charge: "Callable[[int], None] |
                 raise too_large(f"{height}x{width}, ")
             if charge is not None:
                 charge(width * height)
+            if not decode:
+                return None
             picture = image.convert("RGB")
         except Image.DecompressionBombError:  # more than twice the bound: PIL refuses it from the header itself
             raise too_large("") from None
@@ -525,6 +529,8 @@ def read_image(url: str, roots: Sequence[Path], charge: "Callable[[int], None] |
     pixels = header_pixels(str(path))
     if charge is not None and pixels is not None:
         charge(pixels)
+    if not decode:
+        return None
     try:
         return load_image(str(path))
     except (ConfigError, OSError) as exc:
