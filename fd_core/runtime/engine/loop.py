@@ -5,11 +5,12 @@ sampling, and per-sequence stopping at end-of-sequence ids, stop strings or the 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import count
-from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Sequence
 
 from fd_core.error_lines import error_line
 from fd_core.errors import ConfigError, FdError, NumericsError
@@ -42,6 +43,14 @@ PAD_ID = 0
 # The most prompt tokens of a scored prompt (SamplingParams.prompt_logprobs) one step prefills: its logits come back
 # for every position ([tokens, vocab] float32: 75 MB at 128 tokens of a 150k vocabulary).
 SCORED_CHUNK = 128
+# At tp > 1, every this many steps (the first included) each rank fingerprints what every all-reduce of the step's
+# eager model calls returned (their sums and absolute sums, in float64) and the session compares them across ranks:
+# an all-reduce's result is the same tensor on every rank, so a rank whose all-reduce returns something else (a stale
+# buffer, its own partial) is told even when the tokens agree. A captured step's replay is not fingerprinted.
+FINGERPRINT_EVERY = 8
+# How far two ranks' fingerprints may differ, relative to the absolute sum: an all-reduce that sums in another order on
+# each rank (any platform's may) moves them by rounding only.
+FINGERPRINT_RTOL = 1e-5
 
 
 @dataclass
@@ -161,6 +170,24 @@ def check_finite(logits: Any, step: int, live: Sequence[bool]) -> None:
             f"the inputs or the platform's kernels or all-reduce produce non-finite numbers (fd check tests the "
             f"all-reduce)"
         )
+
+
+def fingerprint(tensor: Any) -> tuple[float, float]:
+    """The sum and the absolute sum of a tensor (or an array), in float64: two numbers every rank's copy of an
+    all-reduce's result gives alike (compared across ranks, Engine.fingerprint_every)."""
+    import numpy as np
+
+    if hasattr(tensor, "astype") and hasattr(tensor, "numpy"):  # a tensor: reduced where it is, two numbers travel
+        x = tensor.astype("float64")
+        return float(x.sum().numpy()), float(x.abs().sum().numpy())
+    x = np.asarray(tensor, dtype=np.float64)
+    return float(x.sum()), float(np.abs(x).sum())
+
+
+def fingerprints_agree(a: tuple[int, float, float], b: tuple[int, float, float]) -> bool:
+    """Whether two ranks' fingerprints of one step agree (FINGERPRINT_RTOL of the absolute sum)."""
+    tolerance = FINGERPRINT_RTOL * max(abs(a[2]), abs(b[2]), 1e-30)
+    return a[0] == b[0] and abs(a[1] - b[1]) <= tolerance and abs(a[2] - b[2]) <= tolerance
 
 
 def _host_rows(logits: Any, rows: Sequence[int]) -> Any:
@@ -304,6 +331,10 @@ class Engine:
     # When a dict: every sequence's logits of each token it chose (float64 numpy rows by key), for checks that compare
     # the ways of computing a sequence (prefix hits, chunks, preemption) more closely than their tokens.
     trace: dict[int, list[Any]] | None = None
+    # Every this many steps (0: never) the results of the step's all-reduces are fingerprinted into `fingerprint`:
+    # (step, their sum, their absolute sum), which the session compares across ranks (FINGERPRINT_EVERY).
+    fingerprint_every: int = 0
+    fingerprint: tuple[int, float, float] | None = None
     _waiting: deque[_Seq] = field(default_factory=deque)
     _running: list[_Seq] = field(default_factory=list)  # in admission order
     _cancelled: set[int] = field(default_factory=set)
@@ -617,6 +648,33 @@ class Engine:
     def _slot(self, seq: _Seq, position: int) -> int:
         return seq.blocks[position // self.block_size] * self.block_size + position % self.block_size
 
+    @contextlib.contextmanager
+    def _fingerprinting(self) -> Iterator[None]:
+        """On a fingerprinted step (fingerprint_every), every all-reduce the model calls adds its result's sum and
+        absolute sum to `fingerprint`; the Backend's all-reduce is itself again afterwards."""
+        if not self.fingerprint_every or self.steps % self.fingerprint_every:
+            yield
+            return
+        backend = self.runner.backend
+        real = backend.all_reduce
+        sums = [0.0, 0.0]
+
+        def fingerprinted(tensor: Any) -> Any:
+            out = real(tensor)
+            found = fingerprint(out)
+            sums[0] += found[0]
+            sums[1] += found[1]
+            return out
+
+        backend.all_reduce = fingerprinted
+        try:
+            yield
+        finally:
+            backend.all_reduce = real
+        before = self.fingerprint if self.fingerprint is not None and self.fingerprint[0] == self.steps else None
+        self.fingerprint = (self.steps, sums[0] + (before[1] if before else 0.0),
+                            sums[1] + (before[2] if before else 0.0))
+
     def _use_threads(self, rows: int | None) -> None:
         """Compute the coming prefill (`rows` None) or decode step of `rows` rows on its phase's threads."""
         if self.rank is not None:
@@ -655,19 +713,20 @@ class Engine:
         self._use_threads(None)
         start_time = time.perf_counter()
         progress.report("prefill")
-        if every:
-            logits = self._scored_prefill(chunks, ids, batch, events)
-        elif image is None:
-            logits = model.prefill(ids, image, batch)
-        else:
-            # A prompt with pictures is prefilled alone: what its pictures fail on (the vision tower, their
-            # placeholders) is its own, and every rank fails it alike (they hold the same pictures).
-            try:
+        with self._fingerprinting():
+            if every:
+                logits = self._scored_prefill(chunks, ids, batch, events)
+            elif image is None:
                 logits = model.prefill(ids, image, batch)
-            except Exception as exc:  # noqa: BLE001 - the sequence ends with it; the others go on
-                self.runner.add_time("prefill", time.perf_counter() - start_time)
-                self._fail(seqs[0], exc, events)
-                return
+            else:
+                # A prompt with pictures is prefilled alone: what its pictures fail on (the vision tower, their
+                # placeholders) is its own, and every rank fails it alike (they hold the same pictures).
+                try:
+                    logits = model.prefill(ids, image, batch)
+                except Exception as exc:  # noqa: BLE001 - the sequence ends with it; the others go on
+                    self.runner.add_time("prefill", time.perf_counter() - start_time)
+                    self._fail(seqs[0], exc, events)
+                    return
         self.runner.add_time("prefill", time.perf_counter() - start_time)
         done = []
         for row, chunk in enumerate(chunks):
@@ -755,7 +814,9 @@ class Engine:
         batch = KVBatch(tables, starts, np.ones(rows, dtype=np.int64), slots, deltas)
         start, core_start = time.perf_counter(), time.process_time()
         progress.report("decode")
-        logits = model.decode_step(tokens, batch)
+        # A captured step is replayed, not called: nothing to fingerprint (nor to trace a wrapper into).
+        with self._fingerprinting() if captured is None else contextlib.nullcontext():
+            logits = model.decode_step(tokens, batch)
         for seq in seqs:
             seq.computed += 1
             self._publish(seq)

@@ -14,6 +14,7 @@ from fd_core.error_lines import add_hint
 from fd_core.errors import RankError, setting
 from fd_core.host.failure_hints import dtype_hint
 from fd_core.runtime import progress
+from fd_core.runtime.engine.loop import fingerprints_agree
 from fd_core.runtime.ranks.spawn import DEFAULT_STALL_S, init_rank, spawn_ranks
 from fd_core.runtime.ranks.worker import RankWorker, end_reason
 
@@ -22,6 +23,11 @@ if TYPE_CHECKING:
     from fd_core.runtime.plan import Plan
 
 POLL_S = 0.2
+
+
+def _shown(printed: tuple[int, float, float] | None) -> str:
+    """A rank's fingerprint as a message shows it."""
+    return "none" if printed is None else f"({printed[1]:.6g}, {printed[2]:.6g})"
 
 
 def serve_rank(plan: "Plan", pipes: Sequence[Any]) -> dict[str, Any]:
@@ -99,12 +105,14 @@ def _serve(worker: RankWorker, rank: int, conn: Any) -> dict[str, Any]:
         for key in message[2]:
             engine.cancel(key)
         events = step(worker)
+        # Every few steps at tp > 1, the step's logits fingerprinted: compared by the caller across ranks.
+        printed, engine.fingerprint = engine.fingerprint, None
         if rank == 0:
             # What the caller reads back (timings) when a sequence ended; not every step.
             info = worker.describe() if any(e.done is not None for e in events) else None
-            conn.send(("events", events, info))
+            conn.send(("events", events, info, printed))
         else:
-            conn.send(("events", [(e.key, e.done.token_ids) for e in events if e.done is not None], None))
+            conn.send(("events", [(e.key, e.done.token_ids) for e in events if e.done is not None], None, printed))
 
 
 def step(worker: RankWorker) -> list["Event"]:
@@ -136,6 +144,7 @@ class RankPool:
         theirs = tuple(end for _, end in pairs)
         self.error: BaseException | None = None
         self.aborted = False
+        self.platform = plan.platform
         # Set by abort(): the spawning thread stops every rank, even before they are ready
         self.stop = threading.Event()
         self.pids: list[int] = []
@@ -198,12 +207,23 @@ class RankPool:
     def tick(self, adds: Sequence["Job"], cancels: Sequence[int]) -> list["Event"]:
         """One engine step on every rank for the jobs added and keys cancelled since the last; rank 0's events."""
         answers = self._each(("tick", list(adds), list(cancels)), "events")
-        events, info = answers[0][1:]
+        events, info, printed = answers[0][1:]
         ended = {e.key: e.done.token_ids for e in events if e.done is not None}
         for rank, answer in enumerate(answers[1:], 1):
             if dict(answer[1]) != ended:
                 raise RankError(
                     f"rank {rank} generated different tokens than rank 0 (or ended other sequences); the ranks disagree"
+                )
+            theirs = answer[3]
+            if (printed is None) != (theirs is None) or (
+                printed is not None and theirs is not None and not fingerprints_agree(printed, theirs)
+            ):
+                at = printed[0] if printed else theirs[0] if theirs else "?"
+                raise RankError(
+                    f"rank {rank}'s all-reduce results at step {at} "
+                    f"differ from rank 0's (sum and absolute sum {_shown(theirs)} against {_shown(printed)}), though "
+                    f"the tokens agree: an all-reduce must return the same tensor on every rank; run fd check "
+                    f"{self.platform} (its all-reduce checks)"
                 )
         if info is not None:
             self.info = info
