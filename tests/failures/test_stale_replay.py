@@ -1,5 +1,6 @@
-"""`fd run` never gives silently wrong tokens from a graph backend whose replay does not compute from its inputs: the
-first replay of each captured step is compared with the eager step it replaces (failure modes, round 4)."""
+"""`fd run` never gives silently wrong tokens from a graph backend whose replay does not compute from its inputs, or
+loses the KV-cache write the step makes in place: the first replay of each captured step is compared with the eager
+step it replaces, its output and the state it writes (failure modes, rounds 4 and 5)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,27 @@ def fd_graph_backend(parallel_config):
 
 def _platform(distribution: Any) -> Path:
     return distribution("fd-stale", {"fdtest_stale": STALE}, {"fd.platforms": {"stale": "fdtest_stale"}})
+
+
+# The same, except that its replay computes from its inputs but on copies of the float tensors it is given (the KV
+# caches): its output is right, and the step's cache write is lost.
+LOST_WRITE = STALE.replace('''    def replay(self, key, inputs):
+        return self.first[key]''', '''    def replay(self, key, inputs):
+        import paddle
+
+        copies = [paddle.assign(x) if x.dtype == paddle.float32 else x for x in inputs]
+        return self.inner.replay(key, copies)''')
+
+
+def test_a_replay_that_loses_its_cache_write_stops_the_run_naming_the_platform(distribution: Any) -> None:
+    """Its outputs equal the eager step's (the round 4 check passed it, and later tokens were wrong with exit 0); the
+    state the step writes does not."""
+    assert LOST_WRITE != STALE
+    platform = distribution("fd-lost-write", {"fdtest_lost": LOST_WRITE}, {"fd.platforms": {"lost": "fdtest_lost"}})
+    run = run_fd(["run", "--tp", "1", "--graph", "on", "--steps", "6"], platform, {"FD_PLATFORM": "lost"},
+                 timeout=300)
+    assert_one_line_error(run, "platform 'lost': its graph backend's first replay of (1, 4) did not write the state "
+                               "the eager step writes in place", exact=False)
 
 
 def test_a_stale_replay_stops_the_run_naming_the_platform(distribution: Any) -> None:

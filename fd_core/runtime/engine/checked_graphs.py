@@ -1,6 +1,8 @@
 """The platform's graph backend as the runtime uses it: each captured key's first replay is compared with the
 captured function run eagerly on the same inputs, so a replay that does not compute from its inputs (the capture's
-stale output, say) stops the run naming the platform instead of giving wrong tokens with exit 0."""
+stale output, say) stops the run naming the platform instead of giving wrong tokens with exit 0. The state the step
+writes in place (the KV cache) is compared too: a replay that returns the right output but loses its cache write
+would give wrong tokens from the next step on."""
 
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ from fd_core.graphs import GraphBackend
 # static program or a device graph may fuse or reorder sums (a 16-bit logit's own rounding is 2^-8 or 2^-11 of it);
 # a stale output is off by the logits' own size.
 REPLAY_TOLERANCE = {"float32": 1e-3, "float16": 4e-3, "bfloat16": 3e-2}
+# How much of what a step writes in place the eager step may still change after the replay: rounding moves a tiny
+# share of it (a replay fuses or reorders sums), a lost write all of it.
+STATE_SHARE = 0.25
 
 
 class CheckedGraphs:
@@ -33,13 +38,21 @@ class CheckedGraphs:
         self._unchecked.add(key)
 
     def replay(self, key: Hashable, inputs: Sequence[Any]) -> Any:
+        if key not in self._unchecked:
+            return self.inner.replay(key, inputs)
+        self._unchecked.discard(key)
+        start = time.perf_counter()
+        before = _sums(inputs)
+        self.seconds += time.perf_counter() - start
         out = self.inner.replay(key, inputs)
-        if key in self._unchecked:
-            self._unchecked.discard(key)
-            start = time.perf_counter()
-            # Eagerly, on the same inputs: its cache writes are the replay's own values at the same slots.
-            self._compare(key, out, self._fns[key](*inputs))
-            self.seconds += time.perf_counter() - start
+        start = time.perf_counter()
+        replayed = _sums(inputs)
+        # Eagerly, on the same inputs: its cache writes are the replay's own values at the same slots, so the state
+        # moves from `replayed` only where the replay wrote something else (or nothing).
+        eager = self._fns[key](*inputs)
+        self._compare(key, out, eager)
+        self._compare_state(key, before, replayed, _sums(inputs))
+        self.seconds += time.perf_counter() - start
         return out
 
     def has(self, key: Hashable) -> bool:
@@ -71,6 +84,38 @@ class CheckedGraphs:
                 f"it replaces (largest difference {error:.3g} at values up to {scale:.3g}): a replay that does not "
                 f"compute from its inputs would give wrong tokens; fix its fd_graph_backend, or run with --graph off"
             )
+
+
+    def _compare_state(self, key: Hashable, before: list[tuple[float, float] | None],
+                       replayed: list[tuple[float, float] | None], eager: list[tuple[float, float] | None]) -> None:
+        """Each input the step writes in place (the caches) holds after the replay what it holds after the eager step:
+        by their sums and absolute sums, what the eager step changed after the replay must be a rounding of what the
+        step writes (a lost write changes it by the whole of it)."""
+        for index, (b, r, e) in enumerate(zip(before, replayed, eager, strict=True)):
+            if b is None or r is None or e is None:
+                continue
+            written = abs(e[0] - b[0]) + abs(e[1] - b[1])
+            left = abs(e[0] - r[0]) + abs(e[1] - r[1])
+            if left > STATE_SHARE * written and left > 1e-12 * max(abs(e[1]), 1.0):
+                raise PlatformError(
+                    f"platform {self.platform!r}: its graph backend's first replay of {key} did not write the state "
+                    f"the eager step writes in place (input {index}, a KV cache: {left:.3g} of the step's "
+                    f"{written:.3g} was left to the eager step), so the next steps would read stale keys and values; "
+                    f"fix its fd_graph_backend (a replay writes into the tensors it is given), or run with --graph off"
+                )
+
+
+def _sums(inputs: Sequence[Any]) -> list[tuple[float, float] | None]:
+    """Each float tensor input's sum and absolute sum, in float64 (None for the others: ids, positions, tables)."""
+    out: list[tuple[float, float] | None] = []
+    for value in inputs:
+        dtype = str(getattr(value, "dtype", "")).replace("paddle.", "")
+        if dtype in REPLAY_TOLERANCE and hasattr(value, "astype"):
+            x = value.astype("float64")
+            out.append((float(x.sum().numpy()), float(x.abs().sum().numpy())))
+        else:
+            out.append(None)
+    return out
 
 
 def _dtype(value: Any) -> str:
