@@ -60,9 +60,9 @@ class SamplingParams:
 
     `prompt_logprobs` None scores no prompt; k (0 to 20) gives the completion's prompt_logprobs: for each prompt token
     after the first, its log-probability given the tokens before it and the k most likely there (the raw logits'
-    log-softmax, as `logprobs`); the first token's entry is None. The model's prefill returns the last position's
-    logits only, so such a prompt is run a token a step through the decode step, beside the running batch, and finds
-    no cached prefix: it costs a decode step per prompt token (docs/python-api.md). Text prompts only.
+    log-softmax, as `logprobs`); the first token's entry is None. Such a prompt finds no cached prefix; it is scored in
+    its prefill chunks (at most 128 tokens a step) through the model's prefill_every, or, for a model without it, a
+    token a decode step (docs/python-api.md). Text prompts only.
     """
 
     max_new_tokens: int = 16
