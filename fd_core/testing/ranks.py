@@ -198,6 +198,46 @@ def _graph_case(backend: Any, dtype: Any, rank: int) -> dict[str, Any]:
     return graph
 
 
+# The entry of `graph_dtypes` that asks for a model captured at tp=2 with the platform's kernels (its outcome is
+# "graph-model"): an all-reduce alone captures, where a kernel's strided output fed to it fails only in a model.
+MODEL_GRAPH = "model"
+
+
+def _model_graph_case(backend: Any) -> dict[str, Any]:
+    """A text architecture's tiny preset on this rank's Backend (the platform's kernels), its decode step captured
+    (graph "on") and replayed: its greedy tokens against the same model eager."""
+    from fd_core.config import ModelConfig
+    from fd_core.error_lines import error_line
+    from fd_core.host.backend import Backend
+    from fd_core.host.kernel_table import KernelTable
+    from fd_core.runtime.engine.loop import Engine
+    from fd_core.runtime.engine.runner import ModelRunner
+    from fd_core.runtime.plan import model_config_for
+    from fd_core.runtime.request import Request
+
+    own = Backend(backend.plugins, backend.parallel, kernels=KernelTable())
+    decision = own.graph_decision(ModelConfig(architecture="conformance_probe"), requested="on")
+    outcome: dict[str, Any] = {"allowed": decision.allowed, "summary": decision.summary()}
+    arch = next((a for a in backend.plugins.registry if a.graph_capable and not a.multimodal), None)
+    if not decision.allowed or arch is None:
+        return outcome
+    outcome["architecture"] = arch.name
+    request = Request.greedy([[5, 1, 4, 2, 3]], 4)
+
+    def tokens(graph: str) -> list[int]:
+        runner = ModelRunner(backend, arch, model_config_for(arch, None), graph=graph)
+        runner.load()
+        runner.decide()
+        return Engine(runner, max_batch=2).generate(request)[0].token_ids
+
+    outcome["eager"] = tokens("off")
+    try:
+        outcome["captured"] = tokens("on")
+    except Exception as exc:  # noqa: BLE001 - the capture's or the replay's error, for this check
+        outcome["error"] = error_line(exc)
+    return outcome
+
+
 def all_reduce_on_rank(
     platform: str, cases: Sequence[Case], graph_dtypes: Sequence[str], out_dir: str
 ) -> dict[str, Any]:
@@ -226,10 +266,11 @@ def all_reduce_on_rank(
             note({"case": case.name, **_run_case(backend, case, rank, world)})
         for dtype in graph_dtypes:
             name = f"graph-{dtype}"
-            progress.report(f"all-reduce inside a captured graph ({dtype})")
+            model = dtype == MODEL_GRAPH
+            progress.report("a model captured at tp=2" if model else f"all-reduce inside a captured graph ({dtype})")
             note({"start": name})
             try:
-                outcome = _graph_case(backend, dtype, rank)
+                outcome = _model_graph_case(backend) if model else _graph_case(backend, dtype, rank)
             except Exception as exc:  # noqa: BLE001 - the vote's, the capture's or the replay's error, for this check
                 outcome = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
             note({"case": name, **outcome})

@@ -361,9 +361,13 @@ class AllReduceTests(_Base):
             for name, shape, dtype, layout, calls in ALL_REDUCE_CASES
             if dtype in capabilities.dtypes
         )
+        from fd_core.testing.ranks import MODEL_GRAPH
+
         graph_dtypes: tuple[str, ...] = ()
         if capabilities.graphs and 2 in capabilities.graph_world_sizes:
             graph_dtypes = tuple(d for d in capabilities.graph_dtypes if d in capabilities.dtypes)
+            if "float32" in capabilities.dtypes:
+                graph_dtypes += (MODEL_GRAPH,)
         return _two_rank_results(platform_name, cases, graph_dtypes)
 
     @pytest.mark.parametrize("case", CASE_IDS)
@@ -429,6 +433,30 @@ class AllReduceTests(_Base):
                     assert np.allclose(got, want, rtol=rtol), (
                         f"{where}: {side} gives {got.reshape(-1)[:4].tolist()}..., expected 12 in every element"
                     )
+
+
+    def test_a_model_captured_at_tp2_with_the_kernels_gives_the_eager_tokens(
+        self, two_ranks: _RankRun, capabilities: Capabilities, platform_name: str
+    ) -> None:
+        """A text architecture's tiny preset at tp=2 on the platform with its kernels, its decode step captured and
+        replayed on both ranks: the eager tokens. A kernel whose output only a capture refuses (a strided view fed to
+        the all-reduce) fails here rather than in `fd run --tp 2 --graph on`."""
+        from fd_core.testing.ranks import MODEL_GRAPH
+
+        if not capabilities.graphs or 2 not in capabilities.graph_world_sizes or "float32" not in capabilities.dtypes:
+            pytest.skip(f"{platform_name}: graphs are not captured at tp=2 in float32 (capabilities)")
+        for rank, got in enumerate(_outcomes(two_ranks, f"graph-{MODEL_GRAPH}", platform_name)):
+            if not got.get("allowed", True):
+                pytest.skip(f"{platform_name} does not capture graphs at tp=2: {got['summary']}")
+            if "architecture" not in got and "error" not in got:
+                pytest.skip("no text architecture that captures graphs is registered")
+            where = (f"{platform_name}: {got.get('architecture', 'a model')} at tp=2 with the platform's kernels, its "
+                     f"decode step captured, on rank {rank}")
+            assert "error" not in got, (
+                f"{where} failed: {got['error']}; a kernel's output the capture refuses (a strided view, another "
+                f"dtype) fails `fd run --tp 2 --graph on` the same way: fix the kernel"
+            )
+            assert got["captured"] == got["eager"], f"{where}: tokens {got['captured']}, eager {got['eager']}"
 
 
 @pytest.mark.usefixtures("started_rank")

@@ -107,3 +107,51 @@ def test_a_graph_clear_hook_that_clears_nothing_is_caught(tmp_path) -> None:
     done = run_fd(["check", "cpu", "-k", "really_clears"], path=root, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "fd_clear_graphs returned True but the graphs are still captured" in done.stdout
+
+
+STRIDED = """
+from fd_core import Detection, hookimpl
+from fd_plugins.cpu import platform as cpu
+from fd_plugins.cpu.platform import (  # noqa: F401
+    FD_CAPABILITIES, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility,
+)
+
+FD_CONTRACT = "1.2"
+
+
+@hookimpl
+def fd_platform_detect():
+    return Detection(detected=True, priority=-5, reason="emulated", device="cpu", dist_backend="gloo")
+
+
+@hookimpl
+def fd_all_reduce(tensor, group):
+    return cpu.fd_all_reduce(tensor, group)
+
+
+def strided_matmul(x, weight, transpose_weight=False):
+    import paddle
+
+    # The right values as a transposed view: eager runs and the kernel checks take it; a capture that feeds it to the
+    # all-reduce refuses it.
+    rows = x.reshape([-1, x.shape[-1]])
+    out = paddle.matmul(weight, rows, transpose_x=not transpose_weight, transpose_y=True).T
+    return out if len(x.shape) == 2 else out.reshape([*x.shape[:-1], out.shape[-1]])
+
+
+@hookimpl
+def fd_register_kernels(register):
+    register("matmul", strided_matmul)
+"""
+
+
+def test_a_product_returning_a_strided_view_fails_the_tp2_capture_check(tmp_path) -> None:
+    """Before, `fd check` passed it and `fd run --tp 2 --graph on` crashed at capture (issue 44)."""
+    root = make_distribution(tmp_path / "strided", "strided-chip", {"strided_chip": STRIDED},
+                             {"fd.platforms": {"stridedchip": "strided_chip"}})
+    done = run_fd(["check", "stridedchip", "-k", "captured_at_tp2 or every_kernel_in_use"], path=root, timeout=600)
+    assert done.returncode == 1, done.stdout + done.stderr
+    rows = {line.split()[1]: line for line in done.stdout.splitlines() if line.startswith("  ")}
+    assert rows["test_every_kernel_in_use_matches_the_native_op"].split()[0] == "passed"  # its values are right
+    row = rows["test_a_model_captured_at_tp2_with_the_kernels_gives_the_eager_tokens"]
+    assert row.split()[0] == "failed" and "stridedchip: ernie4_5 at tp=2" in row and "viewed Tensor" in row, row
