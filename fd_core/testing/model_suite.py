@@ -141,6 +141,19 @@ class ModelSuite:
         )
         return plan_run(run, plugins)
 
+    def _runner(
+        self, plugins: PluginSet, arch: Architecture, index: int, source: Mapping[str, Any], graph: str
+    ) -> Any:
+        """A ModelRunner of the architecture's plan on the platform, loaded and decided (graph "auto" or "off")."""
+        from fd_core.host.backend import Backend
+        from fd_core.runtime.engine.runner import ModelRunner
+
+        plan = self._plan(plugins, arch, index, source, graph=graph)
+        runner = ModelRunner(Backend(plugins), arch, plan.config, plan.run.checkpoint, graph=graph)
+        runner.load()
+        runner.decide()
+        return runner
+
     def _tp1(
         self, plugins: PluginSet, arch: Architecture, index: int, source: Mapping[str, Any], graph: str
     ) -> dict[str, Any]:
@@ -266,18 +279,13 @@ class ModelSuite:
         """Continuous batching through the engine (graphs where allowed): prompts prefilled into their own blocks while
         others decode (two of unequal lengths together), each at its own position, one into blocks another left:
         each gives its tokens alone."""
-        from fd_core.host.backend import Backend
         from fd_core.runtime.engine.loop import Engine, Job
-        from fd_core.runtime.engine.runner import ModelRunner
         from fd_core.runtime.engine.sampling import SamplingParams
         from fd_core.runtime.request import Request
 
         if config_index:
             pytest.skip("checked on the preset only: rows and positions do not depend on the sizes")
-        plan = self._plan(plugins, architecture, config_index, source, graph="auto")
-        runner = ModelRunner(Backend(plugins), architecture, plan.config, plan.run.checkpoint, graph="auto")
-        runner.load()
-        runner.decide()
+        runner = self._runner(plugins, architecture, config_index, source, "auto")
         engine = Engine(runner, max_batch=4)
         base = list(_prompt(architecture, config_index))
         prompts = [base, base[:3], base[::-1][:4], base[1:], base[:2]]
@@ -307,18 +315,13 @@ class ModelSuite:
         """A model's prefill_every (contract 1.5, optional): a prompt's logprobs scored in its prefill chunks (every
         position's logits) equal those scored a token a decode step (the path a model without it takes), position by
         position, and so do the tokens after it; chunks of 3 tokens, so that positions cross chunks."""
-        from fd_core.host.backend import Backend
         from fd_core.runtime.engine.loop import Engine
-        from fd_core.runtime.engine.runner import ModelRunner
         from fd_core.runtime.engine.sampling import SamplingParams
         from fd_core.runtime.request import Request
 
         if config_index:
             pytest.skip("checked on the preset only: positions do not depend on the sizes")
-        plan = self._plan(plugins, architecture, config_index, source, graph="off")
-        runner = ModelRunner(Backend(plugins), architecture, plan.config, plan.run.checkpoint, graph="off")
-        runner.load()
-        runner.decide()
+        runner = self._runner(plugins, architecture, config_index, source, "off")
         model = runner.model
         if not callable(getattr(model, "prefill_every", None)):
             pytest.skip(f"{architecture.name} has no prefill_every: its prompts are scored a token a decode step")
@@ -358,20 +361,15 @@ class ModelSuite:
         sequences preempted when the pool runs out (and recomputed) against room for all."""
         import numpy as np
 
-        from fd_core.host.backend import Backend
         from fd_core.runtime.engine.loop import Engine
-        from fd_core.runtime.engine.runner import ModelRunner
         from fd_core.runtime.engine.sampling import SamplingParams
         from fd_core.runtime.memory import MemoryPlan
         from fd_core.runtime.request import Request
 
         if config_index:
             pytest.skip("checked on the preset only: blocks and chunks do not depend on the sizes")
-        plan = self._plan(plugins, architecture, config_index, source, graph="auto")
-        runner = ModelRunner(Backend(plugins), architecture, plan.config, plan.run.checkpoint, graph="auto")
-        runner.load()
-        runner.decide()
-        vocab = int(plan.config.vocab_size)
+        runner = self._runner(plugins, architecture, config_index, source, "auto")
+        vocab = int(runner.config.vocab_size)
         # Tokens drawn at random: a prompt of a few repeated tokens would hold the same values at every period, and a
         # sequence reading the wrong positions of it would go unnoticed.
         draw = np.random.default_rng(0).integers(1, vocab, size=200).tolist()
@@ -416,7 +414,7 @@ class ModelSuite:
         # latest admitted are preempted and recomputed.
         short = Request(tuple(tuple(draw[60 + 30 * i: 90 + 30 * i]) for i in range(3)), sampling)
         want_tokens, want, _ = run(short, prefix_caching=False)
-        tight = MemoryPlan(1.0, plan.config.dtype, 1, 0, 1, block_size=16, blocks=6, blocks_from="the suite")
+        tight = MemoryPlan(1.0, runner.config.dtype, 1, 0, 1, block_size=16, blocks=6, blocks_from="the suite")
         tokens, got, engine = run(short, memory=tight, prefix_caching=False)
         assert engine.preemptions > 0, f"{architecture.name}: a pool of 6 blocks preempted nothing"
         problem = differs(got, want) or (None if tokens == want_tokens else "the tokens differ")

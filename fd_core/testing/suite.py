@@ -435,7 +435,7 @@ class AllReduceTests(_Base):
                     )
 
 
-    def test_a_model_captured_at_tp2_with_the_kernels_gives_the_eager_tokens(
+    def test_a_model_captured_at_tp2_gives_the_eager_tokens(
         self, two_ranks: _RankRun, capabilities: Capabilities, platform_name: str
     ) -> None:
         """A text architecture's tiny preset at tp=2 on the platform with its kernels, its decode step captured and
