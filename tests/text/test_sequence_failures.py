@@ -204,3 +204,31 @@ def test_a_request_of_many_sequences_leaves_room_for_the_next(plugins: PluginSet
                    owner=20) for i in range(2)]
     first, _ = _first_token_step(engine, prompts, [short], after=1)
     assert first[9] <= 3 < min(first[k] for k in (20, 21)), first
+
+
+def test_a_picture_the_vision_tower_fails_on_ends_its_sequence_alone(plugins: PluginSet) -> None:
+    """A prompt with pictures is prefilled alone: a picture the model refuses (four channels, past the request checks
+    here) ends that sequence with its error while the text prompts beside it get their tokens alone."""
+    import numpy as np
+
+    from fd_core.host.backend import Backend
+    from fd_core.runtime.engine.runner import ModelRunner
+    from fd_core.runtime.plan import model_config_for
+    from fd_core.runtime.request import Request
+
+    arch = plugins.registry.get("qwen3_vl")
+    runner = ModelRunner(Backend(plugins), arch, model_config_for(arch, None), graph="off")
+    runner.load()
+    runner.decide()
+    engine = Engine(runner, max_batch=4)
+    config = runner.config
+    count = arch.image_tokens(config, (3, 64, 64))  # type: ignore[misc]
+    with_picture = (1, 2, *[int(config.extra["image_token_id"])] * count, 5, 6)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    texts = [Job(0, (1, 2, 3, 4), params), Job(2, (9, 8, 7), params)]
+    alone = {j.key: engine.generate(Request((j.prompt,), j.sampling))[0].token_ids for j in texts}
+    bad = np.random.default_rng(0).random((4, 64, 64), dtype=np.float32)  # RGBA: not what the processor takes
+    done = _run(engine, [texts[0], Job(1, with_picture, params, (), (bad,)), texts[1]])
+    assert {k: done[k].token_ids for k in alone} == alone
+    assert done[1].finish_reason == "error" and done[1].failure is not None and "\n" not in done[1].failure.message
+    assert engine.pending == 0 and engine.pool.used == 0
