@@ -503,7 +503,11 @@ class Server:
                                 code="generation_failed")
             if exc.request_fault:
                 return ApiError(400, message, code="generation_failed")
-            return ApiError(500, str(exc), kind="server_error", code="generation_failed")
+            # The engine's own failure (a kernel, a processor): its detail goes to the server's log, not the client.
+            log(f"a sequence failed on the engine's side: {message}")
+            return ApiError(500, "the engine failed while generating this request's answer (the others in its batch "
+                                 "went on); the server's log says why; retry, or report it to the server's operator",
+                            kind="server_error", code="generation_failed")
         if isinstance(exc, FdError):
             return ApiError(500, str(exc), kind="server_error")
         return ApiError(500, f"internal error ({type(exc).__name__}: {exc})".replace("\n", " "), kind="server_error")

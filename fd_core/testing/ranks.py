@@ -272,6 +272,8 @@ def all_reduce_on_rank(
             try:
                 outcome = _model_graph_case(backend) if model else _graph_case(backend, dtype, rank)
             except Exception as exc:  # noqa: BLE001 - the vote's, the capture's or the replay's error, for this check
-                outcome = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+                from fd_core.error_lines import error_line
+
+                outcome = {"error": error_line(exc)}
             note({"case": name, **outcome})
     return {"rank": rank, "world": world}

@@ -313,3 +313,29 @@ def test_prompt_logprobs_with_pictures_are_refused_when_the_request_is_built(plu
     with pytest.raises(ConfigError, match=r"^prompt_logprobs scores text prompts only"):
         build_request([[1, 2, 3]], SamplingParams(prompt_logprobs=1), arch=arch, config=model_config_for(arch, None),
                       checkpoint=None, images=[np.zeros((3, 32, 32), dtype=np.float32)])
+
+
+def test_a_package_that_overrides_prefill_is_not_scored_through_an_inherited_prefill_every() -> None:
+    """A model package written before contract 1.5 that subclasses fd's decoder and overrides prefill would otherwise
+    be scored through the base class's prefill_every, past its own prefill: it is scored a token a step."""
+    from fd_core.runtime.engine.loop import scores_in_prefill
+
+    class Base:
+        def prefill(self) -> None: ...
+
+        def prefill_every(self) -> None: ...
+
+    class Overrides(Base):
+        def prefill(self) -> None: ...
+
+    class Both(Overrides):
+        def prefill_every(self) -> None: ...
+
+    class Plain:
+        def prefill(self) -> None: ...
+
+    assert scores_in_prefill(Base()) and not scores_in_prefill(Overrides()) and scores_in_prefill(Both())
+    assert not scores_in_prefill(Plain())
+    plain = Base()
+    plain.prefill_every = None  # type: ignore[assignment,method-assign]
+    assert not scores_in_prefill(plain)

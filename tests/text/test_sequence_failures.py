@@ -232,3 +232,34 @@ def test_a_picture_the_vision_tower_fails_on_ends_its_sequence_alone(plugins: Pl
     assert {k: done[k].token_ids for k in alone} == alone
     assert done[1].finish_reason == "error" and done[1].failure is not None and "\n" not in done[1].failure.message
     assert engine.pending == 0 and engine.pool.used == 0
+
+
+def test_the_scheduler_makes_each_submit_call_one_request_unless_told_a_share() -> None:
+    """What the engine's fair shares see: a submit call's jobs share one owner (its choices' group remapped with their
+    keys), another call another owner, and calls given one share() the same owner (fd serve's prompts of one HTTP
+    request)."""
+    from fd_core.runtime.engine.scheduler import Scheduler
+
+    seen: list[Job] = []
+
+    def tick(adds: Any, cancels: Any) -> list[Any]:
+        seen.extend(adds)
+        from fd_core.runtime.engine.loop import Event
+
+        return [Event(job.key, None, "", Completion(list(job.prompt), [], "", "length")) for job in adds]
+
+    scheduler = Scheduler(tick)
+    try:
+        choices = [Job(0, (1,), SamplingParams(n=2), group=0), Job(1, (1,), SamplingParams(n=2), group=0)]
+        first = scheduler.submit(choices)
+        second = scheduler.submit([Job(0, (2,))])
+        share = scheduler.new_share()
+        third = scheduler.submit([Job(0, (3,))], share) + scheduler.submit([Job(0, (4,))], share)
+        for s in first + second + third:
+            s.result(timeout=10)
+    finally:
+        scheduler.close()
+    owners = {job.prompt: job.owner for job in seen}
+    assert seen[0].owner == seen[1].owner != owners[(2,)]
+    assert owners[(3,)] == owners[(4,)] == share and len({owners[(2,)], share, seen[0].owner}) == 3
+    assert seen[0].group == seen[1].group == seen[0].key and seen[1].key != seen[0].key

@@ -13,7 +13,7 @@ from itertools import count
 from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Sequence
 
 from fd_core.error_lines import error_line
-from fd_core.errors import ConfigError, FdError, NumericsError
+from fd_core.errors import CheckpointError, ConfigError, FdError, NumericsError
 from fd_core.kernels import set_compute_threads
 from fd_core.kvcache import KVBatch
 from fd_core.lifecycle import RankContext
@@ -43,14 +43,18 @@ PAD_ID = 0
 # The most prompt tokens of a scored prompt (SamplingParams.prompt_logprobs) one step prefills: its logits come back
 # for every position ([tokens, vocab] float32: 75 MB at 128 tokens of a 150k vocabulary).
 SCORED_CHUNK = 128
+# The most scored prompts one step prefills: with SCORED_CHUNK, what bounds the logits a scored prefill returns
+# ([rows, chunk, vocab], padding included: 300 MB at 4 x 128 positions of a 150k vocabulary in float32).
+SCORED_ROWS = 4
 # At tp > 1, every this many steps (the first included) each rank fingerprints what every all-reduce of the step's
 # eager model calls returned (their sums and absolute sums, in float64) and the session compares them across ranks:
 # an all-reduce's result is the same tensor on every rank, so a rank whose all-reduce returns something else (a stale
 # buffer, its own partial) is told even when the tokens agree. A captured step's replay is not fingerprinted.
 FINGERPRINT_EVERY = 8
-# How far two ranks' fingerprints may differ, relative to the absolute sum: an all-reduce that sums in another order on
-# each rank (any platform's may) moves them by rounding only.
-FINGERPRINT_RTOL = 1e-5
+# How far two ranks' fingerprints may differ, relative to the absolute sum, by the run's dtype: an all-reduce gives
+# every rank the same tensor, but one that sums in another order on each rank would move them by rounding only; a
+# stale or partial result moves them by its own size.
+FINGERPRINT_RTOL = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-2}
 
 
 @dataclass
@@ -172,6 +176,20 @@ def check_finite(logits: Any, step: int, live: Sequence[bool]) -> None:
         )
 
 
+def scores_in_prefill(model: Any) -> bool:
+    """Whether a prompt is scored in `model`'s prefill: it has prefill_every (contract 1.5), defined by its own class
+    or one below where its prefill is, so a package that overrides prefill and inherits prefill_every from fd's
+    decoder (written before 1.5) is scored a token a step, through its own prefill's path."""
+    if not callable(getattr(model, "prefill_every", None)):
+        return False
+    mro = type(model).__mro__
+
+    def owner(name: str) -> int:
+        return next((i for i, cls in enumerate(mro) if name in vars(cls)), len(mro))
+
+    return owner("prefill_every") <= owner("prefill")
+
+
 def fingerprint(tensor: Any) -> tuple[float, float]:
     """The sum and the absolute sum of a tensor (or an array), in float64: two numbers every rank's copy of an
     all-reduce's result gives alike (compared across ranks, Engine.fingerprint_every)."""
@@ -184,9 +202,9 @@ def fingerprint(tensor: Any) -> tuple[float, float]:
     return float(x.sum()), float(np.abs(x).sum())
 
 
-def fingerprints_agree(a: tuple[int, float, float], b: tuple[int, float, float]) -> bool:
-    """Whether two ranks' fingerprints of one step agree (FINGERPRINT_RTOL of the absolute sum)."""
-    tolerance = FINGERPRINT_RTOL * max(abs(a[2]), abs(b[2]), 1e-30)
+def fingerprints_agree(a: tuple[int, float, float], b: tuple[int, float, float], dtype: str = "float32") -> bool:
+    """Whether two ranks' fingerprints of one step agree (FINGERPRINT_RTOL of the absolute sum, by the dtype)."""
+    tolerance = FINGERPRINT_RTOL.get(dtype, FINGERPRINT_RTOL["bfloat16"]) * max(abs(a[2]), abs(b[2]), 1e-30)
     return a[0] == b[0] and abs(a[1] - b[1]) <= tolerance and abs(a[2] - b[2]) <= tolerance
 
 
@@ -417,7 +435,7 @@ class Engine:
         scoring = job.sampling.prompt_logprobs is not None
         # build_request refuses it first (here, on the engine's thread, it would fail the whole step).
         assert not (scoring and job.images), "prompt_logprobs with pictures"
-        by_step = scoring and not callable(getattr(self.runner.model, "prefill_every", None))
+        by_step = scoring and not scores_in_prefill(self.runner.model)
         self._waiting.append(
             _Seq(job, Sampler(job.sampling, [job.index]), text, eos, list(job.prompt), order=0, logprobs=logprobs,
                  prompt_logprobs=[None] if scoring else None, by_step=by_step)
@@ -532,7 +550,8 @@ class Engine:
                 take = min(seq.pending, budget, SCORED_CHUNK if seq.scoring else budget)
                 if self._contested(seq.job.owner):
                     take = min(take, half - spent.get(seq.job.owner, 0))
-                if take <= 0 or self._prompts_full(prefills):
+                full = seq.scoring and not seq.by_step and sum(c.seq.scoring for c in prefills) >= SCORED_ROWS
+                if take <= 0 or self._prompts_full(prefills) or full:
                     index += 1
                     continue
             need = self._blocks_for(seq, seq.computed + take)
@@ -573,6 +592,13 @@ class Engine:
             hits = self._lookup(seq)
             take = (1 if seq.stepwise else seq.pending if seq.job.images
                     else min(seq.pending, budget, SCORED_CHUNK if seq.scoring else budget))
+            if not (seq.stepwise or seq.job.images) and self._contested(owner):
+                take = min(take, half - spent.get(owner, 0))
+                if take <= 0:
+                    index += 1
+                    continue
+            if seq.scoring and not seq.by_step and sum(c.seq.scoring for c in prefills) >= SCORED_ROWS:
+                break  # the step's scored rows are full: their logits come back for every position
             need = self._blocks_for(seq, seq.computed + take)
             if need > self.pool.available:
                 self.pool.free(hits)
@@ -588,6 +614,7 @@ class Engine:
             else:
                 prefills.append(_Chunk(seq, take))
                 budget -= min(budget, take)
+                spent[owner] = spent.get(owner, 0) + take
                 pictures = bool(seq.job.images)
         return prefills, decodes
 
@@ -723,7 +750,7 @@ class Engine:
                 # placeholders) is its own, and every rank fails it alike (they hold the same pictures).
                 try:
                     logits = model.prefill(ids, image, batch)
-                except Exception as exc:  # noqa: BLE001 - the sequence ends with it; the others go on
+                except (ValueError, ConfigError, CheckpointError) as exc:  # what pictures are refused with
                     self.runner.add_time("prefill", time.perf_counter() - start_time)
                     self._fail(seqs[0], exc, events)
                     return
@@ -767,19 +794,16 @@ class Engine:
                 seq.scored = fresh[-1] + 2
                 if reporting and seq.prompt_logprobs is not None:
                     asking.append((seq, row, fresh))
+        # Every rank checks what it scores (a rank that stopped alone would leave the others waiting); only rank 0
+        # computes the logprobs it reports, which fail no sequence (the ranks' decisions stay the same).
+        for row, chunk in enumerate(chunks):
+            check_finite(every[row, : chunk.count], self.steps, [True] * chunk.count)
         for seq, row, fresh in asking:
             start = fresh[0] - int(batch.starts[row])
             host = _host_rows(every[row], range(start, start + len(fresh)))
-            check_finite(host, self.steps, [True] * len(fresh))
-            tokens, tops = [seq.ids[p + 1] for p in fresh], [seq.job.sampling.prompt_logprobs or 0] * len(fresh)
-
-            def score(_: list[int], h: Any = host, t: list[int] = tokens, k: list[int] = tops) -> list[Any]:
-                return [token_logprobs(h, t, k)]
-
-            found = self._each([seq], events, score)
-            if found[0] is not None:
-                assert seq.prompt_logprobs is not None
-                seq.prompt_logprobs.extend(found[0])
+            assert seq.prompt_logprobs is not None
+            seq.prompt_logprobs.extend(token_logprobs(host, [seq.ids[p + 1] for p in fresh],
+                                                      [seq.job.sampling.prompt_logprobs or 0] * len(fresh)))
         flat = every.reshape([rows * width, int(every.shape[2])])
         return paddle.gather(flat, host_tensor(last))
 
@@ -822,7 +846,7 @@ class Engine:
             self._publish(seq)
         prompting = [row for row, seq in enumerate(seqs) if seq.pending > 0]
         if prompting:
-            self._score(logits, [seqs[row] for row in prompting], prompting, events)
+            self._score(logits, [seqs[row] for row in prompting], prompting)
         at = [row for row, seq in enumerate(seqs) if seq.pending == 0]
         choosing = [seqs[row] for row in at]
         picked = self._choose(logits, choosing, at, events) if choosing else []
@@ -835,7 +859,7 @@ class Engine:
         self.decode_core_s += time.process_time() - core_start
         self.decoded_tokens += sum(token is not None for token in picked)
 
-    def _score(self, logits: Any, seqs: Sequence[_Seq], at: Sequence[int], events: list[Event]) -> None:
+    def _score(self, logits: Any, seqs: Sequence[_Seq], at: Sequence[int]) -> None:
         """Stepwise prompts (sequence i at row at[i] of logits [B, vocab]) whose step computed position p: the
         logprob of their prompt's id p + 1 given the ids before it, appended once (a recomputed prompt, after a
         preemption, scores nothing twice)."""
@@ -848,13 +872,11 @@ class Engine:
         asking = [(seq, i) for seq, i in fresh if seq.prompt_logprobs is not None]
         if asking:
             rows = _host_rows(logits, [i for _, i in asking])
-            found = self._each([seq for seq, _ in asking], events, lambda picked: token_logprobs(
-                rows[picked], [seq.ids[seq.computed] for seq, _ in (asking[n] for n in picked)],
-                [seq.job.sampling.prompt_logprobs or 0 for seq, _ in (asking[n] for n in picked)]))
+            found = token_logprobs(rows, [seq.ids[seq.computed] for seq, _ in asking],
+                                   [seq.job.sampling.prompt_logprobs or 0 for seq, _ in asking])
             for (seq, _), logprob in zip(asking, found, strict=True):
-                if logprob is not None:
-                    assert seq.prompt_logprobs is not None
-                    seq.prompt_logprobs.append(logprob)
+                assert seq.prompt_logprobs is not None
+                seq.prompt_logprobs.append(logprob)
 
     def _check_rows(self, logits: Any, at: Sequence[int]) -> None:
         """check_finite on the rows `at` of logits [B, vocab] (the others are padding or not read)."""
@@ -896,20 +918,18 @@ class Engine:
                 except Exception as exc:  # noqa: BLE001 - the sequence ends with it; the others go on
                     self._fail(seq, exc, events)
                     chosen.append(None)
-        # Only rank 0 reports them (the others send their tokens alone).
+        # Only rank 0 reports them (the others send their tokens alone); computing them fails no sequence, so every
+        # rank ends the same sequences.
         reporting = self.rank is None or self.rank.rank == 0
         asking = [n for n, seq in enumerate(seqs) if seq.logprobs is not None and reporting and chosen[n] is not None]
         if asking:
             # The raw logits of the asking rows only, to the host as float32; the log-softmax in float64 there.
             rows = _host_rows(logits, [at[n] for n in asking])
-            found = self._each([seqs[n] for n in asking], events, lambda picked: token_logprobs(
-                rows[picked], [int(chosen[asking[k]] or 0) for k in picked],
-                [seqs[asking[k]].job.sampling.logprobs or 0 for k in picked]))
+            found = token_logprobs(rows, [int(chosen[n] or 0) for n in asking],
+                                   [seqs[n].job.sampling.logprobs or 0 for n in asking])
             for n, logprob in zip(asking, found, strict=True):
                 kept = seqs[n].logprobs
-                if logprob is None:
-                    chosen[n] = None
-                elif kept is not None:
+                if kept is not None:
                     kept.append(logprob)
         self.choose_s += time.perf_counter() - start
         self.choose_calls += 1

@@ -3,6 +3,7 @@ step per tick over its pipe, and weight reloads and reports when asked."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -14,7 +15,7 @@ from fd_core.error_lines import add_hint
 from fd_core.errors import RankError, setting
 from fd_core.host.failure_hints import dtype_hint
 from fd_core.runtime import progress
-from fd_core.runtime.engine.loop import fingerprints_agree
+from fd_core.runtime.engine.loop import FINGERPRINT_EVERY, fingerprints_agree
 from fd_core.runtime.ranks.spawn import DEFAULT_STALL_S, init_rank, spawn_ranks
 from fd_core.runtime.ranks.worker import RankWorker, end_reason
 
@@ -80,6 +81,9 @@ def _end_on_sigterm(started: list[Any]) -> None:
 def _serve(worker: RankWorker, rank: int, conn: Any) -> dict[str, Any]:
     """serve_rank's loop: the session's messages until it says close (or goes away)."""
     engine = worker.engine
+    # The session compares what every rank's all-reduces returned every few steps (a launcher's ranks compare
+    # nothing, so they pay nothing).
+    engine.fingerprint_every = FINGERPRINT_EVERY
     conn.send(("ready", {**worker.describe(), "pid": os.getpid()}))
     while True:
         try:
@@ -121,7 +125,9 @@ def step(worker: RankWorker) -> list["Event"]:
     try:
         return worker.engine.step()
     except Exception as exc:
-        hint = dtype_hint(exc, worker.backend, worker.plan.config.dtype)
+        hint = None
+        with contextlib.suppress(Exception):  # a hint that fails must not hide the failure it explains
+            hint = dtype_hint(exc, worker.backend, worker.plan.config.dtype)
         if hint is not None:
             add_hint(exc, hint)
         raise
@@ -145,6 +151,7 @@ class RankPool:
         self.error: BaseException | None = None
         self.aborted = False
         self.platform = plan.platform
+        self.dtype = plan.config.dtype
         # Set by abort(): the spawning thread stops every rank, even before they are ready
         self.stop = threading.Event()
         self.pids: list[int] = []
@@ -216,7 +223,7 @@ class RankPool:
                 )
             theirs = answer[3]
             if (printed is None) != (theirs is None) or (
-                printed is not None and theirs is not None and not fingerprints_agree(printed, theirs)
+                printed is not None and theirs is not None and not fingerprints_agree(printed, theirs, self.dtype)
             ):
                 at = printed[0] if printed else theirs[0] if theirs else "?"
                 raise RankError(

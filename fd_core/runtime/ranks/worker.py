@@ -15,7 +15,7 @@ from fd_core.host.backend import Backend, load_backend
 from fd_core.host.loading import PluginSet, load_plugins
 from fd_core.lifecycle import EndReason, RankContext
 from fd_core.runtime import progress
-from fd_core.runtime.engine.loop import FINGERPRINT_EVERY, Engine
+from fd_core.runtime.engine.loop import Engine
 from fd_core.runtime.engine.runner import ModelRunner
 from fd_core.runtime.kernel_checks import kernel_canary
 from fd_core.runtime.memory import local_rank, local_ranks
@@ -148,8 +148,7 @@ class RankWorker:
         assert settings is not None, "plan_run resolves the settings"
         engine = Engine(runner, tokenizer, settings.max_batch, memory=plan.memory, rank=context,
                         max_prefill_tokens=settings.max_prefill_tokens,
-                        max_prefill_prompts=settings.max_prefill_prompts, prefix_caching=run.prefix_caching,
-                        fingerprint_every=FINGERPRINT_EVERY if tp > 1 else 0)
+                        max_prefill_prompts=settings.max_prefill_prompts, prefix_caching=run.prefix_caching)
         return cls(rank, tp, plan, backend, runner, engine, log, context, started, entry_rss)
 
     def end(self, reason: EndReason = "normal") -> None:

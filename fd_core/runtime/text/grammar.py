@@ -120,14 +120,17 @@ MAX_BOUND = 2**53 - 1
 
 
 def check_schema_numbers(schema: Any, field: str) -> None:
-    """A GrammarError naming `field` when a numeric bound anywhere in `schema` is past +-(2^53 - 1)."""
+    """A GrammarError naming `field` when a numeric bound of an integer schema (or one of no type) anywhere in
+    `schema` is past +-(2^53 - 1): llguidance makes those integer ranges."""
     stack: list[Any] = [schema]
     while stack:
         node = stack.pop()
         if isinstance(node, Mapping):
+            kind = node.get("type")
+            integer = kind is None or kind == "integer" or (isinstance(kind, list) and "integer" in kind)
             for key, value in node.items():
-                if (key in BOUND_KEYWORDS and isinstance(value, (int, float)) and not isinstance(value, bool)
-                        and abs(value) > MAX_BOUND):
+                if (integer and key in BOUND_KEYWORDS and isinstance(value, (int, float))
+                        and not isinstance(value, bool) and abs(value) > MAX_BOUND):
                     shown = str(value) if isinstance(value, int) else f"{value:g}"
                     raise GrammarError(
                         f"{field}: {key} {shown} is past -(2^53 - 1) .. 2^53 - 1, the integers JSON exchanges "
@@ -271,7 +274,8 @@ class Grammars:
         self.lltokenizer: LLTokenizer = llguidance.LLTokenizer(vocabulary)
         self.width = self.lltokenizer.vocab_size  # llguidance's vocabulary (vocab_size, or one more for its EOS)
         self._lock = threading.Lock()
-        self._compiled: OrderedDict[str, tuple[LLMatcher, float]] = OrderedDict()
+        # spec -> (its matcher at the start, the seconds compiling it and its first mask took, that mask)
+        self._compiled: OrderedDict[str, tuple[LLMatcher, float, np.ndarray]] = OrderedDict()
 
     def matcher(self, spec: str) -> Constraint:
         """A new constraint for one sequence, following the grammar `spec` (from constraint_spec).
@@ -289,14 +293,15 @@ class Grammars:
             compiled = llguidance.LLMatcher(self.lltokenizer, spec, log_level=0, limits=_limits())
             if compiled.is_error():
                 raise GrammarError(f"grammar: {_one_line(compiled.get_error())}")
-            first = Constraint(self, compiled.deep_copy())
-            first.allowed()  # its first mask: a grammar that admits nothing fails here
+            # Its first mask, on the kept matcher itself (its state stays the start): a grammar that admits nothing
+            # fails here, and every sequence of it starts from this mask instead of computing it again.
+            first = Constraint(self, compiled).allowed()
+            kept = (compiled, time.perf_counter() - start, first)
             with self._lock:
-                self._compiled[spec] = (compiled, time.perf_counter() - start)
+                self._compiled[spec] = kept
                 while len(self._compiled) > COMPILED_KEPT:
                     self._compiled.popitem(last=False)
-            return first
-        return Constraint(self, kept[0].deep_copy())
+        return Constraint(self, kept[0].deep_copy(), kept[2])
 
     def cost(self, spec: str) -> float | None:
         """How many seconds compiling `spec` and its first mask took, while it is kept compiled (else None)."""
@@ -308,14 +313,15 @@ class Grammars:
 class Constraint:
     """One sequence's constraint: which tokens may come next, and the tokens chosen so far."""
 
-    def __init__(self, grammars: Grammars, matcher: LLMatcher) -> None:
+    def __init__(self, grammars: Grammars, matcher: LLMatcher, first: np.ndarray | None = None) -> None:
         import llguidance.numpy
 
         self.grammars = grammars
         self._matcher = matcher
         self._fill = llguidance.numpy.fill_next_token_bitmask
         self._bits = llguidance.numpy.allocate_token_bitmask(1, grammars.width)
-        self._allowed: np.ndarray | None = None  # this step's mask, until a token is consumed
+        # This step's mask, until a token is consumed (`first`: the start's, computed once for the grammar).
+        self._allowed: np.ndarray | None = first
 
     def allowed(self) -> np.ndarray:
         """A read-only bool array [vocab_size]: the tokens that keep the output valid (EOS only once it is complete)."""
