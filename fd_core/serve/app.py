@@ -16,18 +16,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Mapping, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Mapping, Protocol, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from fd_core.errors import CheckpointError, ConfigError, FdError, RankError, RequestRefused, SequenceError, speaking
 from fd_core.runtime.engine.scheduler import SchedulerClosed
 from fd_core.runtime.text.grammar import GrammarError
 from fd_core.runtime.text.tools import Tools, ToolStream
+from fd_core.serve.bodies import parsed
 from fd_core.serve.connections import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
@@ -50,9 +50,7 @@ from fd_core.serve.protocol import (
     read_image,
     usage,
 )
-
-BodyT = TypeVar("BodyT", bound=BaseModel)
-FEW_ERRORS = 16  # a body's validation errors listed whole (first_errors)
+from fd_core.serve.tokenizer_routes import TOKENIZER_PATHS, add_tokenizer_routes
 
 if TYPE_CHECKING:
     from fd_core.runtime.engine.loop import Completion
@@ -90,7 +88,7 @@ class Submission(Protocol):
 
     def __iter__(self) -> Iterator[str]: ...
 
-    def pieces(self) -> Iterator["Piece"]: ...
+    def pieces(self, every_token: bool = False) -> Iterator["Piece"]: ...
 
     def result(self, timeout: float | None = None) -> "Completion": ...
 
@@ -260,6 +258,8 @@ class Server:
                 {"object": "list", "data": [{"id": self.name, "object": "model", "created": 0, "owned_by": "fd"}]}
             )
 
+        add_tokenizer_routes(app, self)
+
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
             body = await parsed(request, CompletionRequest)
@@ -271,7 +271,7 @@ class Server:
             echoes = [self.prompt_text(p) for p in prompts] if body.echo else None
             return await self.respond(request, "/v1/completions", [(p, False, ()) for p in prompts], sampling,
                                       body.stream, body.include_usage, chat=False, echoes=echoes,
-                                      grammar_field=body.grammar_field())
+                                      grammar_field=body.grammar_field(), token_ids=body.return_token_ids)
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Response:
@@ -292,9 +292,14 @@ class Server:
             images = await asyncio.to_thread(self.pictures, urls) if urls else ()
             return await self.respond(request, "/v1/chat/completions", [(turns, False, images)], sampling,
                                       body.stream, body.include_usage, chat=True, tools=tools,
-                                      grammar_field=body.grammar_field(tools))
+                                      grammar_field=body.grammar_field(tools), token_ids=body.return_token_ids)
 
         return app
+
+    @property
+    def chat_template(self) -> str | None:
+        """The served checkpoint's chat template (None: none)."""
+        return self.engine.chat_template
 
     def answer(self, request: Request, error: ApiError) -> Response:
         """An error response in the OpenAI format, logged in one line and counted."""
@@ -439,7 +444,9 @@ class Server:
                 g.cancelled = reason
             g.submission.cancel()
 
-    async def events(self, generations: Sequence[Generation]) -> AsyncIterator[tuple[Generation, "Piece | None"]]:
+    async def events(
+        self, generations: Sequence[Generation], every_token: bool = False,
+    ) -> AsyncIterator[tuple[Generation, "Piece | None"]]:
         """(generation, new text with its tokens' logprobs) as the engine produces it, then (generation, None) when it
         is done; errors re-raised."""
         loop = asyncio.get_running_loop()
@@ -452,7 +459,7 @@ class Server:
                     loop.call_soon_threadsafe(queue.put_nowait, (generation, kind, value))
 
             try:
-                for piece in generation.submission.pieces():
+                for piece in generation.submission.pieces(every_token):
                     put("text", piece)
                 put("done", generation.submission.result())
             except BaseException as exc:  # noqa: BLE001 - carried to the event loop, which answers the client
@@ -515,7 +522,9 @@ class Server:
     async def respond(self, request: Request, endpoint: str, items: Sequence[tuple[Any, bool, tuple[Any, ...]]],
                       sampling: "SamplingParams", stream: bool, include_usage: bool, chat: bool,
                       tools: "Tools | None" = None, echoes: Sequence[str] | None = None,
-                      grammar_field: str = "response_format") -> Response:
+                      grammar_field: str = "response_format", token_ids: bool = False) -> Response:
+        """The request's answer, streamed or whole; `token_ids` (return_token_ids): each choice (and each streamed
+        chunk) carries its tokens' ids, as a checkpoint without a tokenizer's streamed chunks always do."""
         count = len(items) * sampling.n  # every choice is a sequence of its own in the queue
         self.admit(count)
         try:
@@ -525,8 +534,10 @@ class Server:
             raise
         ident, created = new_id("chatcmpl" if chat else "cmpl"), now()
         if stream:
+            # Without a tokenizer every token's text is empty: its id is what the client reads, a chunk per token.
+            ids = token_ids or self.tokens.tokenizer is None
             body = self.sse(request, endpoint, generations, ident, created, chat, include_usage, count,
-                            sampling.logprobs is not None, tools, echoes, grammar_field)
+                            sampling.logprobs is not None, tools, echoes, grammar_field, ids)
             return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         collect = asyncio.ensure_future(self.collect(generations))
         watch = asyncio.ensure_future(gone(request))
@@ -549,7 +560,11 @@ class Server:
         if error is not None:
             raise self.engine_error(error, grammar_field) from None
         self.metrics.request(endpoint, 200)
-        return JSONResponse(self.whole(generations, ident, created, chat, sampling.logprobs is not None, tools, echoes))
+        answer = self.whole(generations, ident, created, chat, sampling.logprobs is not None, tools, echoes)
+        if token_ids:
+            for shown, g in zip(answer["choices"], generations, strict=True):
+                shown["token_ids"] = list(g.completion.token_ids) if g.completion is not None else []
+        return JSONResponse(answer)
 
     async def collect(self, generations: Sequence[Generation]) -> None:
         """Every generation run to its end (their completions kept on them)."""
@@ -617,11 +632,12 @@ class Server:
     async def sse(self, request: Request, endpoint: str, generations: Sequence[Generation], ident: str, created: int,
                   chat: bool, include_usage: bool, count: int, logprobs: bool = False,
                   tools: "Tools | None" = None, echoes: Sequence[str] | None = None,
-                  grammar_field: str = "response_format") -> AsyncIterator[str]:
+                  grammar_field: str = "response_format", token_ids: bool = False) -> AsyncIterator[str]:
         """Server-sent events in the OpenAI chunk format, ending with `data: [DONE]`; a client that goes away cancels
         its generations. Asked for, each chunk carries the logprobs of the tokens it brings. With tools, the text from
         a <tool_call> on is held back and sent at the end as the choice's tool_calls. Echoed, a completion choice's
-        first chunk is its prompt (with its tokens' logprobs), once they are scored."""
+        first chunk is its prompt (with its tokens' logprobs), once they are scored. With `token_ids` (or logprobs) a
+        chunk comes for every token, even one that completes no character, carrying its id in `token_ids`."""
         kind = "chat.completion.chunk" if chat else "text_completion"
         offsets = {g.index: TextOffsets(self.tokens) for g in generations}  # each choice's text offsets go on
         held = {g.index: ToolStream(tools) for g in generations} if tools is not None else {}
@@ -633,12 +649,13 @@ class Server:
         def choice(index: int, text: str | None, reason: str | None, first: bool = False,
                    piece: "Piece | None" = None) -> dict[str, Any]:
             shown = self.logprobs(chat, piece.logprobs, offsets[index]) if logprobs and piece is not None else None
+            ids = {"token_ids": list(piece.token_ids)} if token_ids and piece is not None else {}
             if not chat:
-                return {"index": index, "text": text or "", "logprobs": shown, "finish_reason": reason}
+                return {"index": index, "text": text or "", "logprobs": shown, "finish_reason": reason, **ids}
             delta: dict[str, Any] = (
                 {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
             )
-            return {"index": index, "delta": delta, "logprobs": shown, "finish_reason": reason}
+            return {"index": index, "delta": delta, "logprobs": shown, "finish_reason": reason, **ids}
 
         status: int | str = 200
         try:
@@ -646,7 +663,7 @@ class Server:
                 yield chunk([choice(g.index, None, None, first=True) for g in generations])
             try:
                 echoed: set[int] = set()
-                async for generation, piece in self.events(generations):
+                async for generation, piece in self.events(generations, token_ids or logprobs):
                     if echoes is not None and generation.index not in echoed:
                         echoed.add(generation.index)
                         text, shown = self.echo(generation, echoes, logprobs, offsets[generation.index])
@@ -655,7 +672,7 @@ class Server:
                     stream = held.get(generation.index)
                     if piece is not None:
                         text = piece.text if stream is None else stream.feed(piece.text)
-                        if text or stream is None or logprobs:
+                        if text or stream is None or logprobs or token_ids:
                             yield chunk([choice(generation.index, text, None, piece=piece)])
                         continue
                     c = generation.completion
@@ -722,15 +739,16 @@ class Server:
 
 
 class ApiGate:
-    """The API (/v1/...) needs the key, then a loaded model (503 while it loads, before the body is read or
-    checked); /health and /metrics stay open for probes and scrapers. Plain ASGI (not BaseHTTPMiddleware), so that
-    a route still sees its client disconnect."""
+    """The API (/v1/... and the tokenizer's routes) needs the key, then a loaded model (503 while it loads, before the
+    body is read or checked); /health and /metrics stay open for probes and scrapers. Plain ASGI (not
+    BaseHTTPMiddleware), so that a route still sees its client disconnect."""
 
     def __init__(self, app: Any, server: Server) -> None:
         self.app, self.server = app, server
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and str(scope.get("path", "")).startswith("/v1"):
+        path = str(scope.get("path", ""))
+        if scope["type"] == "http" and (path.startswith("/v1") or path in TOKENIZER_PATHS):
             request = Request(scope, receive)
             refused = self.refusal(request)
             if refused is not None:
@@ -863,44 +881,6 @@ async def gone(request: Request) -> None:
     """Returns once the client has closed the connection (a request without a stream has no other way to see it)."""
     while not await request.is_disconnected():
         await asyncio.sleep(0.25)
-
-
-async def parsed(request: Request, model: type[BodyT]) -> BodyT:
-    """The request's JSON body as `model`, parsed and checked in a worker thread: a large body (a million small
-    objects) takes seconds to parse and check, which on the event loop every other client would wait for. Invalid, the
-    first error alone is raised (as FastAPI's RequestValidationError), counted off the loop too."""
-    raw = await request.body()
-
-    def parse() -> BodyT:
-        try:
-            data = json.loads(raw)
-        except ValueError:  # not JSON, or not UTF-8
-            raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "invalid JSON",
-                                           "input": ""}]) from None
-        try:
-            return model.model_validate(data)
-        except ValidationError as exc:
-            first = first_errors(model, data, exc)
-            raise RequestValidationError([{**e, "loc": ("body", *e.get("loc", ()))} for e in first]) from None
-
-    return await asyncio.to_thread(parse)
-
-
-def first_errors(model: type[BaseModel], data: Any, exc: ValidationError) -> list[Any]:
-    """The first of a validation's errors: listing a million of them (one per item of a long list) takes seconds,
-    so past a few the body's lists are cut short and checked again, which finds the first for what it costs to list a
-    few; failing that, the count alone."""
-    if exc.error_count() <= FEW_ERRORS:
-        return exc.errors(include_url=False)[:1]
-    if isinstance(data, dict):
-        short = {k: v[:FEW_ERRORS] if isinstance(v, list) else v for k, v in data.items()}
-        try:
-            model.model_validate(short)
-        except ValidationError as again:
-            if again.error_count() <= FEW_ERRORS:
-                return again.errors(include_url=False)[:1]
-    return [{"type": "value_error", "loc": (), "msg": f"{exc.error_count()} values are invalid; check each field "
-             f"against the API reference", "input": None}]
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:

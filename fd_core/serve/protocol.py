@@ -88,6 +88,8 @@ class Sampling(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)  # not in OpenAI's API; vLLM and others take it
     ignore_eos: bool = False  # nor this (vLLM's): generate max_tokens whatever the model says, for benchmarks and tests
+    # vLLM's: each choice, and each streamed chunk, carries its tokens' ids (`token_ids`); a chunk comes per token.
+    return_token_ids: bool = False
     seed: int | None = Field(default=None, ge=0)
     stop: str | list[str] | None = None
     stream: bool = False

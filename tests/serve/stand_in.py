@@ -18,7 +18,7 @@ class Answered:
     def __iter__(self) -> Iterator[str]:
         return iter(())
 
-    def pieces(self) -> Iterator[Any]:
+    def pieces(self, every_token: bool = False) -> Iterator[Any]:
         return iter(())
 
     def result(self, timeout: float | None = None) -> Any:

@@ -169,11 +169,11 @@ class Endless:
     def __iter__(self) -> Iterator[str]:
         return iter(())
 
-    def pieces(self) -> Iterator[Any]:
+    def pieces(self, every_token: bool = False) -> Iterator[Any]:
         from types import SimpleNamespace
 
         while not self.cancelled.wait(0.02):
-            yield SimpleNamespace(text="x", logprobs=())
+            yield SimpleNamespace(text="x", logprobs=(), token_ids=(5,))
         time.sleep(self.step_s)
 
     def result(self, timeout: float | None = None) -> Any:

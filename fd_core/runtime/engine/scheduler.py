@@ -26,12 +26,14 @@ class SchedulerClosed(FdError):
 
 @dataclass(frozen=True)
 class Piece:
-    """New text of a sequence with the logprob data of the tokens chosen since the previous piece (empty when its
-    sampling asked for none). A token that completes no character yet (half of one, an end-of-sequence id) rides with
-    the next piece; the last piece may have no text, only the logprobs of the last tokens."""
+    """New text of a sequence with the ids and the logprob data (empty when its sampling asked for none) of the tokens
+    chosen since the previous piece. A token that completes no character yet (half of one, an end-of-sequence id)
+    rides with the next piece, unless the pieces are asked for every token; the last piece may have no text, only
+    the last tokens."""
 
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
+    token_ids: tuple[int, ...] = ()
 
 
 class Submission:
@@ -56,26 +58,31 @@ class Submission:
     def __iter__(self) -> Iterator[str]:
         """The new text pieces as they are produced (blocking); ends when the sequence ends; raises the failure that
         ended it."""
-        for text, _ in self._steps():
+        for text, _, _ in self._steps():
             if text:
                 yield text
 
-    def pieces(self) -> Iterator[Piece]:
-        """The new text as it is produced, each Piece with the logprob data of the tokens chosen since the previous one
-        (blocking); ends when the sequence ends; raises the failure that ended it. Iterate this or the submission
-        itself, not both."""
+    def pieces(self, every_token: bool = False) -> Iterator[Piece]:
+        """The new text as it is produced, each Piece with the ids and the logprob data of the tokens chosen since the
+        previous one (blocking); `every_token`: a Piece for each token, its text possibly empty (a client reading ids,
+        or a checkpoint without a tokenizer, sees each token as it comes). Ends when the sequence ends; raises the
+        failure that ended it. Iterate this or the submission itself, not both."""
         held: list[TokenLogprob] = []
-        for text, logprob in self._steps():
+        ids: list[int] = []
+        for text, logprob, token in self._steps():
             if logprob is not None:
                 held.append(logprob)
-            if text:
-                yield Piece(text, tuple(held))
-                held = []
-        if held:
-            yield Piece("", tuple(held))
+            if token is not None:
+                ids.append(token)
+            if text or (every_token and token is not None):
+                yield Piece(text, tuple(held), tuple(ids))
+                held, ids = [], []
+        if held or ids:
+            yield Piece("", tuple(held), tuple(ids))
 
-    def _steps(self) -> Iterator[tuple[str, TokenLogprob | None]]:
-        """Each step's (new text, the token's logprob data) as it arrives; raises the failure that ended it."""
+    def _steps(self) -> Iterator[tuple[str, TokenLogprob | None, int | None]]:
+        """Each step's (new text, the token's logprob data, the token) as it arrives; raises the failure that ended
+        it."""
         while True:
             step = self._pieces.get()
             if step is _END:
@@ -116,8 +123,8 @@ class Submission:
             self.generated_tokens += 1
             if self.first_token_at is None:
                 self.first_token_at = time.time()
-        if event.text or event.logprob is not None:
-            self._pieces.put((event.text, event.logprob))
+        if event.text or event.logprob is not None or event.token is not None:
+            self._pieces.put((event.text, event.logprob, event.token))
         if event.done is not None and event.done.failure is not None:
             failure = event.done.failure
             self.fail(SequenceError(failure.message, failure.request))
