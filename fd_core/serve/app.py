@@ -271,7 +271,8 @@ class Server:
             echoes = [self.prompt_text(p) for p in prompts] if body.echo else None
             return await self.respond(request, "/v1/completions", [(p, False, ()) for p in prompts], sampling,
                                       body.stream, body.include_usage, chat=False, echoes=echoes,
-                                      grammar_field=body.grammar_field(), token_ids=body.return_token_ids)
+                                      grammar_field=body.grammar_field(), token_ids=body.return_token_ids,
+                                      scoring=body.scoring_only)
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Response:
@@ -522,9 +523,11 @@ class Server:
     async def respond(self, request: Request, endpoint: str, items: Sequence[tuple[Any, bool, tuple[Any, ...]]],
                       sampling: "SamplingParams", stream: bool, include_usage: bool, chat: bool,
                       tools: "Tools | None" = None, echoes: Sequence[str] | None = None,
-                      grammar_field: str = "response_format", token_ids: bool = False) -> Response:
+                      grammar_field: str = "response_format", token_ids: bool = False,
+                      scoring: bool = False) -> Response:
         """The request's answer, streamed or whole; `token_ids` (return_token_ids): each choice (and each streamed
-        chunk) carries its tokens' ids, as a checkpoint without a tokenizer's streamed chunks always do."""
+        chunk) carries its tokens' ids, as a checkpoint without a tokenizer's streamed chunks always do; `scoring`
+        (echo with max_tokens 0): the prompts scored, the one token generated after each not shown."""
         count = len(items) * sampling.n  # every choice is a sequence of its own in the queue
         self.admit(count)
         try:
@@ -537,7 +540,7 @@ class Server:
             # Without a tokenizer every token's text is empty: its id is what the client reads, a chunk per token.
             ids = token_ids or self.tokens.tokenizer is None
             body = self.sse(request, endpoint, generations, ident, created, chat, include_usage, count,
-                            sampling.logprobs is not None, tools, echoes, grammar_field, ids)
+                            sampling.logprobs is not None, tools, echoes, grammar_field, ids and not scoring, scoring)
             return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         collect = asyncio.ensure_future(self.collect(generations))
         watch = asyncio.ensure_future(gone(request))
@@ -560,10 +563,10 @@ class Server:
         if error is not None:
             raise self.engine_error(error, grammar_field) from None
         self.metrics.request(endpoint, 200)
-        answer = self.whole(generations, ident, created, chat, sampling.logprobs is not None, tools, echoes)
+        answer = self.whole(generations, ident, created, chat, sampling.logprobs is not None, tools, echoes, scoring)
         if token_ids:
             for shown, g in zip(answer["choices"], generations, strict=True):
-                shown["token_ids"] = list(g.completion.token_ids) if g.completion is not None else []
+                shown["token_ids"] = list(g.completion.token_ids) if g.completion is not None and not scoring else []
         return JSONResponse(answer)
 
     async def collect(self, generations: Sequence[Generation]) -> None:
@@ -594,8 +597,10 @@ class Server:
 
     def whole(
         self, generations: Sequence[Generation], ident: str, created: int, chat: bool, logprobs: bool = False,
-        tools: "Tools | None" = None, echoes: Sequence[str] | None = None,
+        tools: "Tools | None" = None, echoes: Sequence[str] | None = None, scoring: bool = False,
     ) -> dict[str, Any]:
+        """The whole answer; `scoring` (echo with max_tokens 0): each choice is its prompt alone, with its logprobs, and
+        the token the engine chose after it is not shown (nor counted)."""
         choices: list[dict[str, Any]] = []
         prompt_tokens = completion_tokens = 0
         counted: set[int] = set()
@@ -605,8 +610,8 @@ class Server:
             if g.prompt not in counted:  # a prompt's n choices count its tokens once, as OpenAI's usage does
                 counted.add(g.prompt)
                 prompt_tokens += len(c.prompt_ids)
-            completion_tokens += len(c.token_ids)
-            reason = FINISH_REASONS.get(c.finish_reason, c.finish_reason)
+            completion_tokens += 0 if scoring else len(c.token_ids)
+            reason = "length" if scoring else FINISH_REASONS.get(c.finish_reason, c.finish_reason)
             # Echoed, the answer's logprobs are shown after the prompt's, their offsets going on (below).
             shown = self.logprobs(chat, c.logprobs if logprobs and echoes is None else None)
             if chat:
@@ -621,9 +626,12 @@ class Server:
             elif echoes is not None:
                 offsets = TextOffsets(self.tokens)
                 text, echoed = self.echo(g, echoes, logprobs, offsets)
-                shown = None if echoed is None else joined(echoed, self.logprobs(chat, c.logprobs, offsets))
-                choices.append({"index": g.index, "text": text + (c.text or ""), "logprobs": shown,
-                                "finish_reason": reason})
+                if scoring:
+                    shown = echoed
+                else:
+                    shown = None if echoed is None else joined(echoed, self.logprobs(chat, c.logprobs, offsets))
+                    text += c.text or ""
+                choices.append({"index": g.index, "text": text, "logprobs": shown, "finish_reason": reason})
             else:
                 choices.append({"index": g.index, "text": c.text or "", "logprobs": shown, "finish_reason": reason})
         return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
@@ -632,7 +640,8 @@ class Server:
     async def sse(self, request: Request, endpoint: str, generations: Sequence[Generation], ident: str, created: int,
                   chat: bool, include_usage: bool, count: int, logprobs: bool = False,
                   tools: "Tools | None" = None, echoes: Sequence[str] | None = None,
-                  grammar_field: str = "response_format", token_ids: bool = False) -> AsyncIterator[str]:
+                  grammar_field: str = "response_format", token_ids: bool = False,
+                  scoring: bool = False) -> AsyncIterator[str]:
         """Server-sent events in the OpenAI chunk format, ending with `data: [DONE]`; a client that goes away cancels
         its generations. Asked for, each chunk carries the logprobs of the tokens it brings. With tools, the text from
         a <tool_call> on is held back and sent at the end as the choice's tool_calls. Echoed, a completion choice's
@@ -670,6 +679,8 @@ class Server:
                         yield chunk([{"index": generation.index, "text": text, "logprobs": shown,
                                       "finish_reason": None}])
                     stream = held.get(generation.index)
+                    if piece is not None and scoring:
+                        continue  # the token chosen after a scored prompt is not the answer: there is none
                     if piece is not None:
                         text = piece.text if stream is None else stream.feed(piece.text)
                         if text or stream is None or logprobs or token_ids:
@@ -677,7 +688,7 @@ class Server:
                         continue
                     c = generation.completion
                     assert c is not None
-                    reason = FINISH_REASONS.get(c.finish_reason, c.finish_reason)
+                    reason = "length" if scoring else FINISH_REASONS.get(c.finish_reason, c.finish_reason)
                     if stream is not None:
                         content, calls = stream.finish()
                         if content:
@@ -699,7 +710,8 @@ class Server:
                 return
             if include_usage:
                 done = {g.prompt: g.completion for g in generations if g.completion is not None}
-                generated = sum(len(g.completion.token_ids) for g in generations if g.completion is not None)
+                generated = 0 if scoring else sum(len(g.completion.token_ids) for g in generations
+                                                  if g.completion is not None)
                 yield chunk([], usage=usage(sum(len(c.prompt_ids) for c in done.values()), generated))
             yield "data: [DONE]\n\n"
         finally:

@@ -83,8 +83,8 @@ class Sampling(BaseModel):
     model_config = STRICT
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: only with completions' echo (the prompt scored)
+    temperature: float | None = Field(default=None, ge=0, le=2)  # OpenAI's range
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=0)  # not in OpenAI's API; vLLM and others take it
     ignore_eos: bool = False  # nor this (vLLM's): generate max_tokens whatever the model says, for benchmarks and tests
@@ -115,6 +115,12 @@ class Sampling(BaseModel):
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+    # Accepted and ignored, as `user`: fd's prefix cache finds shared prefixes by their content (no key needed), and
+    # fd keeps no record of who asked.
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
     TAKES_TOOLS: ClassVar[bool] = False
@@ -137,9 +143,29 @@ class Sampling(BaseModel):
         if self.prediction is not None:
             raise ApiError(400, "prediction (predicted outputs) is not supported by fd serve; drop the field",
                            param="prediction")
+        if self.web_search_options is not None:
+            raise ApiError(400, "web_search_options: fd serve does not search the web; drop the field",
+                           param="web_search_options")
+        if self.verbosity is not None:
+            raise ApiError(400, "verbosity: fd serve has no verbosity control (the answer's length is max_tokens' "
+                                "and the model's); drop the field", param="verbosity")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true (as OpenAI's API answers); drop it "
+                                "or stream", param="stream_options")
+
+    @property
+    def scoring_only(self) -> bool:
+        """Whether the request asks for its prompt's logprobs alone (completions' echo with max_tokens 0)."""
+        return False
 
     def limit(self) -> int | None:
-        """The most tokens to generate: max_completion_tokens (the chat API's newer name) or max_tokens."""
+        """The most tokens to generate: max_completion_tokens (the chat API's newer name) or max_tokens; max_tokens 0
+        (scoring only) generates one token, which the answer does not show."""
+        if self.max_completion_tokens is None and self.max_tokens == 0:
+            if not self.scoring_only:
+                raise ApiError(400, "max_tokens must be at least 1 (0 is taken only with echo on /v1/completions: the "
+                                    "prompt scored, nothing generated)", param="max_tokens")
+            return 1
         return self.max_completion_tokens or self.max_tokens
 
     def stops(self) -> tuple[str, ...]:
@@ -262,6 +288,10 @@ class CompletionRequest(Sampling):
             raise ApiError(400, f"logprobs must be in 0..{MAX_COMPLETION_LOGPROBS} on /v1/completions (OpenAI's "
                                 f"limit), got {self.logprobs}", param="logprobs")
         return self.logprobs
+
+    @property
+    def scoring_only(self) -> bool:
+        return self.echo and self.max_tokens == 0 and self.max_completion_tokens is None
 
     def prompt_logprob_count(self) -> int | None:
         # Echoed with logprobs, the prompt's tokens are listed with theirs (what loglikelihood evaluation reads).

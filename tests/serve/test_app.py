@@ -77,7 +77,7 @@ def test_the_message_says_what_was_sent_and_what_to_send(client: TestClient) -> 
 
 def test_integers_are_still_numbers(client: TestClient, engine: Engine) -> None:
     reply = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "temperature": 1, "top_p": 1,
-                                                 "seed": 4, "stream_options": {"include_usage": False}})
+                                                 "seed": 4, "stream": True, "stream_options": {"include_usage": False}})
     assert reply.status_code == 200, reply.text
     sampling = engine.submitted[-1]
     assert (sampling.max_new_tokens, sampling.temperature, sampling.top_p, sampling.seed) == (3, 1.0, 1.0, 4)
@@ -240,3 +240,29 @@ def test_the_engine_answers_a_client_in_its_terms_without_the_servers_paths(
     # Outside a request, the process's own style: fd run's words, with the directory.
     with pytest.raises(CheckpointError, match=r"/bare has no tokenizer .*; pass token ids with --prompt-ids"):
         tokenless.submit("Hi")
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("web_search_options", {}, "does not search the web"),
+    ("verbosity", "low", "no verbosity control"),
+    ("stream_options", {"include_usage": True}, "only allowed with stream: true"),
+    ("temperature", 2.5, "less than or equal to 2"),
+])
+def test_openai_fields_fd_does_not_serve_are_refused_not_ignored(
+    client: TestClient, engine: Engine, field: str, value: Any, says: str
+) -> None:
+    """Issue 49: these were accepted and silently ignored (OpenAI answers 400 for stream_options without stream, and
+    takes temperatures up to 2)."""
+    for path, body in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", dict(CHAT))):
+        error = error_of(client.post(path, json={**body, field: value}), 400)
+        assert error["param"] == field and says in error["message"], error
+
+
+def test_prompt_cache_key_and_safety_identifier_are_accepted_and_change_nothing(
+    client: TestClient, engine: Engine
+) -> None:
+    plain = client.post("/v1/completions", json={"prompt": "Hi", "seed": 1})
+    keyed = client.post("/v1/completions", json={"prompt": "Hi", "seed": 1, "prompt_cache_key": "k",
+                                                 "safety_identifier": "user-1"})
+    assert plain.status_code == keyed.status_code == 200, keyed.text
+    assert engine.submitted[-1] == engine.submitted[-2]

@@ -108,3 +108,25 @@ def test_return_token_ids_gives_every_chunks_ids_and_the_whole_answers(llms: dic
     assert [i for c in streamed for i in c["token_ids"]] == want.token_ids
     assert "".join(c["text"] for c in streamed) == want.text
     assert len(streamed) == len(want.token_ids)  # a chunk a token, one that completes no character included
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(llms: dict[str, LLM]) -> None:
+    """What evaluation harnesses send for log-likelihoods (issue 49): the prompt and its logprobs, nothing generated.
+    The logprobs are the Python API's prompt_logprobs (themselves checked against transformers in
+    tests/models/test_reference.py)."""
+    prompt = "Hello world, the quick brown fox"
+    want = llms["text"].generate(prompt, SamplingParams(max_new_tokens=1, prompt_logprobs=1))[0].prompt_logprobs
+    assert want is not None
+    body = {"prompt": prompt, "echo": True, "max_tokens": 0, "logprobs": 1}
+    with _client(llms["text"]) as client:
+        whole = client.post("/v1/completions", json=body).json()
+        chunks = _chunks(client, {**body, "stream_options": {"include_usage": True}})
+        refused = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 0})
+    choice = whole["choices"][0]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert whole["usage"]["completion_tokens"] == 0
+    scored = choice["logprobs"]["token_logprobs"]
+    assert scored[0] is None and scored[1:] == pytest.approx([p.logprob for p in want[1:]], abs=1e-6)
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert "".join(texts) == prompt and chunks[-1]["usage"]["completion_tokens"] == 0
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
