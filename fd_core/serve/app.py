@@ -913,7 +913,10 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     if first.get("type") == "missing":
         return ApiError(400, f"{param or 'the body'}: a required field is missing", param=param)
     shown = json.dumps(given)[:80] if isinstance(given, (int, float, str, bool, list)) else ""
-    message = f"{param or 'the body'}: {first.get('msg', 'invalid')}" + (f" (got {shown})" if shown else "")
+    said = str(first.get("msg", "invalid")).removeprefix("Value error, ")  # a validator's own sentence, as it wrote it
+    if first.get("type") == "value_error":
+        shown = ""  # the sentence names what is wrong; the value may be a whole body
+    message = f"{param or 'the body'}: {said}" + (f" (got {shown})" if shown else "")
     # The request models are strict: "10" is not taken for 10, nor true for 1. Said for a field of one type only
     # (a union's first member is not all it takes).
     expected = EXPECTED.get(str(first.get("type")))

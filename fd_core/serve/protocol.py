@@ -15,7 +15,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Mapping, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fd_core.errors import ConfigError
 from fd_core.runtime.engine.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
@@ -274,6 +274,19 @@ class CompletionRequest(Sampling):
     """POST /v1/completions: a prompt (text, token ids, or a list of either) and how to continue it."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_kind_of_prompt(cls, value: Any) -> Any:
+        """A list mixing text and token ids is named as such (pydantic would say only "a valid string")."""
+        if isinstance(value, list) and value:
+            kinds = ["text" if isinstance(v, str) else "ids" if isinstance(v, (list, int)) else "other" for v in value]
+            if "text" in kinds and "ids" in kinds:
+                raise ValueError(
+                    f"a list of prompts holds all strings or all token-id lists, not both (item "
+                    f"{kinds.index('text')} is text, item {kinds.index('ids')} token ids); send one kind per request"
+                )
+        return value
     # How many alternatives each generated token's logprobs list, 0..5 (None: no logprobs).
     logprobs: int | None = Field(default=None, strict=True)
     echo: bool = False

@@ -266,3 +266,11 @@ def test_prompt_cache_key_and_safety_identifier_are_accepted_and_change_nothing(
                                                  "safety_identifier": "user-1"})
     assert plain.status_code == keyed.status_code == 200, keyed.text
     assert engine.submitted[-1] == engine.submitted[-2]
+
+
+def test_a_prompt_list_mixing_text_and_ids_is_named_as_such(client: TestClient) -> None:
+    """Issue 49: it was "prompt.0: Input should be a valid string"."""
+    error = error_of(client.post("/v1/completions", json={"prompt": ["Hello", [1, 2, 3]]}), 400)
+    assert error["param"] == "prompt" and error["message"] == (
+        "prompt: a list of prompts holds all strings or all token-id lists, not both (item 0 is text, item 1 token "
+        "ids); send one kind per request"), error
