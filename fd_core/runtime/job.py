@@ -38,9 +38,12 @@ def run_plan(
                  start_method=start_method) as session:
         log(f"generating for {len(plan.request.prompts)} prompt(s)")
         first = session.generate(plan.request, on_text)
-        if run.progress:
+        # The request's speed, before any reload cycle generates again (the report says this one, as the log does).
+        speed = None
+        if run.progress or run.reload_cycles:
             head = session.reports()[0]
-            log(f"generated {sum(len(c.token_ids) for c in first)} tokens at {head['tokens_per_s']:.1f} tokens/s")
+            speed = head["tokens_per_s"]
+            log(f"generated {sum(len(c.token_ids) for c in first)} tokens at {speed:.1f} tokens/s")
             log(f"first token {head['time_to_first_token_s']:.2f}s after start")
         cycles = []
         for cycle in range(run.reload_cycles):
@@ -62,6 +65,8 @@ def run_plan(
         reports = session.reports()
     head = reports[0]
     head.update({"tokens": first[0].token_ids, "outputs": [c.to_dict() for c in first], "reload_cycles": cycles})
+    if speed is not None:
+        head["tokens_per_s"] = speed
     _add_wall_time(head, run.started_at)
     return reports
 

@@ -165,6 +165,11 @@ def test_run_labels_phase_totals_after_reload_cycles_and_shows_no_vote_under_gra
     assert "graph: static off: disabled by request (--graph off)\ntokens: " in done.stdout  # no vote line between
     plain = run_fd(["run", "--tp", "1", "--steps", "2", "--graph", "off"])
     assert re.search(r"^phases: start ", plain.stdout, re.M), plain.stdout
+    # One speed: the request's, on stderr and in the report alike (issue 49: the report gave the cycles' too).
+    logged = re.search(r"generated \d+ tokens at ([\d.]+) tokens/s", done.stderr)
+    reported = re.search(r"^speed: ([\d.]+) tokens/s", done.stdout, re.M)
+    assert logged and reported and abs(float(logged.group(1)) - float(reported.group(1))) <= 0.06, (
+        done.stderr, done.stdout)
 
 
 NOISE = re.compile(r"Warning|ccache|^[IWE]\d{4} \d\d:\d\d", re.M)  # a Python warning or a glog line
