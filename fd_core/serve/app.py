@@ -424,10 +424,7 @@ class Server:
             raise ApiError(400, str(exc), code="request_refused") from None
         except GrammarError as exc:
             self.withdraw(generations)
-            message = str(exc)
-            if message.startswith("grammar: "):
-                message = f"{grammar_field}: {message[len('grammar: '):]}"
-            raise ApiError(400, message, param=grammar_field) from None
+            raise ApiError(400, named_field(str(exc), grammar_field), param=grammar_field) from None
         except (ConfigError, CheckpointError) as exc:
             self.withdraw(generations)
             raise ApiError(400, str(exc)) from None
@@ -506,9 +503,8 @@ class Server:
             return ApiError(503, str(exc), kind="server_error", code="rank_failed")
         if isinstance(exc, SequenceError):  # this request's own failure: the others in its batch went on
             message = str(exc)
-            if message.startswith("grammar: "):  # its grammar, named as the client sent it (`grammar_field`)
-                return ApiError(400, f"{grammar_field}: {message[len('grammar: '):]}", param=grammar_field,
-                                code="generation_failed")
+            if message.startswith(GRAMMAR_PREFIX):  # its grammar, named as the client sent it (`grammar_field`)
+                return ApiError(400, named_field(message, grammar_field), param=grammar_field, code="generation_failed")
             if exc.request_fault:
                 return ApiError(400, message, code="generation_failed")
             # The engine's own failure (a kernel, a processor): its detail goes to the server's log, not the client.
@@ -893,6 +889,14 @@ async def gone(request: Request) -> None:
     """Returns once the client has closed the connection (a request without a stream has no other way to see it)."""
     while not await request.is_disconnected():
         await asyncio.sleep(0.25)
+
+
+GRAMMAR_PREFIX = "grammar: "  # how the engine's grammar errors begin: the field SamplingParams.grammar
+
+
+def named_field(message: str, field: str) -> str:
+    """A grammar error as the client sent the grammar: "grammar: ..." as "response_format: ...", say."""
+    return f"{field}: {message.removeprefix(GRAMMAR_PREFIX)}" if message.startswith(GRAMMAR_PREFIX) else message
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:

@@ -171,19 +171,24 @@ def _run_case(backend: Any, case: Case, rank: int, world: int) -> dict[str, Any]
     return outcome
 
 
-def _graph_case(backend: Any, dtype: Any, rank: int) -> dict[str, Any]:
-    """An all-reduce captured inside a graph, replayed, against eager."""
-    import paddle
-
+def _own_graph_decision(backend: Any) -> dict[str, Any]:
+    """Whether the platform captures graphs here ("allowed", with its "summary"), asked of its own graphs: an
+    extension's uncapturable kernel (which refuses --graph on) is not the platform's."""
     from fd_core.config import ModelConfig
     from fd_core.host.backend import Backend
     from fd_core.host.kernel_table import KernelTable
 
-    # The platform's own graphs: an extension's uncapturable kernel (which refuses --graph on) is not the platform's.
     own = Backend(backend.plugins, backend.parallel, kernels=KernelTable())
     decision = own.graph_decision(ModelConfig(architecture="conformance_probe"), requested="on")
-    graph: dict[str, Any] = {"allowed": decision.allowed, "summary": decision.summary()}
-    if not decision.allowed:
+    return {"allowed": decision.allowed, "summary": decision.summary()}
+
+
+def _graph_case(backend: Any, dtype: Any, rank: int) -> dict[str, Any]:
+    """An all-reduce captured inside a graph, replayed, against eager."""
+    import paddle
+
+    graph = _own_graph_decision(backend)
+    if not graph["allowed"]:
         return graph
     weight = paddle.full([4, 4], float(rank + 1)).astype(dtype)
 
@@ -206,20 +211,15 @@ MODEL_GRAPH = "model"
 def _model_graph_case(backend: Any) -> dict[str, Any]:
     """A text architecture's tiny preset on this rank's Backend (the platform's kernels), its decode step captured
     (graph "on") and replayed: its greedy tokens against the same model eager."""
-    from fd_core.config import ModelConfig
     from fd_core.error_lines import error_line
-    from fd_core.host.backend import Backend
-    from fd_core.host.kernel_table import KernelTable
     from fd_core.runtime.engine.loop import Engine
     from fd_core.runtime.engine.runner import ModelRunner
     from fd_core.runtime.plan import model_config_for
     from fd_core.runtime.request import Request
 
-    own = Backend(backend.plugins, backend.parallel, kernels=KernelTable())
-    decision = own.graph_decision(ModelConfig(architecture="conformance_probe"), requested="on")
-    outcome: dict[str, Any] = {"allowed": decision.allowed, "summary": decision.summary()}
+    outcome = _own_graph_decision(backend)
     arch = next((a for a in backend.plugins.registry if a.graph_capable and not a.multimodal), None)
-    if not decision.allowed or arch is None:
+    if not outcome["allowed"] or arch is None:
         return outcome
     outcome["architecture"] = arch.name
     request = Request.greedy([[5, 1, 4, 2, 3]], 4)

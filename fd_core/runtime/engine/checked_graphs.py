@@ -112,23 +112,27 @@ class CheckedGraphs:
                 )
 
 
+def float_sums(value: Any) -> tuple[float, float]:
+    """A tensor's (or an array's) sum and absolute sum, in float64, a slice of SUM_CHUNK elements at a time: a whole KV
+    cache widened to float64 at once would need twice its memory. A tensor is reduced where it is (two numbers
+    travel); the replay's state check and the engine's cross-rank fingerprint both read it."""
+    import numpy as np
+
+    if not (hasattr(value, "astype") and hasattr(value, "numpy")):  # an array: on the host already
+        array = np.asarray(value, dtype=np.float64)
+        return float(array.sum()), float(np.abs(array).sum())
+    flat = value.reshape([-1])
+    total = magnitude = 0.0
+    for begin in range(0, int(flat.shape[0]), SUM_CHUNK):
+        x = flat[begin : begin + SUM_CHUNK].astype("float64")
+        total, magnitude = total + float(x.sum().numpy()), magnitude + float(x.abs().sum().numpy())
+    return total, magnitude
+
+
 def _sums(inputs: Sequence[Any]) -> list[tuple[float, float] | None]:
-    """Each float tensor input's sum and absolute sum, in float64 (None for the others: ids, positions, tables), a
-    slice of SUM_CHUNK elements at a time: a whole KV cache widened to float64 at once would need twice its memory."""
-    out: list[tuple[float, float] | None] = []
-    for value in inputs:
-        dtype = str(getattr(value, "dtype", "")).replace("paddle.", "")
-        if dtype not in REPLAY_TOLERANCE or not hasattr(value, "astype"):
-            out.append(None)
-            continue
-        flat = value.reshape([-1])
-        total = magnitude = 0.0
-        for begin in range(0, int(flat.shape[0]), SUM_CHUNK):
-            x = flat[begin : begin + SUM_CHUNK].astype("float64")
-            total += float(x.sum().numpy())
-            magnitude += float(x.abs().sum().numpy())
-        out.append((total, magnitude))
-    return out
+    """Each float tensor input's float_sums (None for the others: ids, positions, tables)."""
+    return [float_sums(value) if str(getattr(value, "dtype", "")).replace("paddle.", "") in REPLAY_TOLERANCE
+            and hasattr(value, "astype") else None for value in inputs]
 
 
 def _dtype(value: Any) -> str:

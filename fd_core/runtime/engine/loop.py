@@ -20,6 +20,7 @@ from fd_core.lifecycle import RankContext
 from fd_core.models import host_tensor
 from fd_core.runtime import progress
 from fd_core.runtime.engine.blocks import NULL_BLOCK, BlockPool, block_hash
+from fd_core.runtime.engine.checked_graphs import float_sums
 from fd_core.runtime.engine.runner import ModelRunner
 from fd_core.runtime.engine.sampling import (
     Sampler,
@@ -190,18 +191,6 @@ def scores_in_prefill(model: Any) -> bool:
     return owner("prefill_every") <= owner("prefill")
 
 
-def fingerprint(tensor: Any) -> tuple[float, float]:
-    """The sum and the absolute sum of a tensor (or an array), in float64: two numbers every rank's copy of an
-    all-reduce's result gives alike (compared across ranks, Engine.fingerprint_every)."""
-    import numpy as np
-
-    if hasattr(tensor, "astype") and hasattr(tensor, "numpy"):  # a tensor: reduced where it is, two numbers travel
-        x = tensor.astype("float64")
-        return float(x.sum().numpy()), float(x.abs().sum().numpy())
-    x = np.asarray(tensor, dtype=np.float64)
-    return float(x.sum()), float(np.abs(x).sum())
-
-
 def fingerprints_agree(a: tuple[int, float, float], b: tuple[int, float, float], dtype: str = "float32") -> bool:
     """Whether two ranks' fingerprints of one step agree (FINGERPRINT_RTOL of the absolute sum, by the dtype)."""
     tolerance = FINGERPRINT_RTOL.get(dtype, FINGERPRINT_RTOL["bfloat16"]) * max(abs(a[2]), abs(b[2]), 1e-30)
@@ -269,6 +258,11 @@ class _Seq:
         """Whether it still runs its prompt a token a step: scoring, with a model whose prefill gives the logits of
         each row's last position only (no prefill_every)."""
         return self.by_step and self.scoring
+
+    @property
+    def scored_in_prefill(self) -> bool:
+        """Whether its prompt is still to be scored in its prefill chunks (through the model's prefill_every)."""
+        return self.scoring and not self.by_step
 
     @property
     def cacheable(self) -> bool:
@@ -547,11 +541,10 @@ class Engine:
                     continue  # a prompt with pictures is prefilled alone, whole
                 take = seq.pending
             else:
-                take = min(seq.pending, budget, SCORED_CHUNK if seq.scoring else budget)
+                take = self._chunk(seq, budget)
                 if self._contested(seq.job.owner):
                     take = min(take, half - spent.get(seq.job.owner, 0))
-                full = seq.scoring and not seq.by_step and sum(c.seq.scoring for c in prefills) >= SCORED_ROWS
-                if take <= 0 or self._prompts_full(prefills) or full:
+                if take <= 0 or self._prompts_full(prefills) or self._scored_rows_full(seq, prefills):
                     index += 1
                     continue
             need = self._blocks_for(seq, seq.computed + take)
@@ -590,15 +583,14 @@ class Engine:
             if self._sibling_prefilling(seq, prefills):
                 break  # next step, once its prompt's blocks are published, it finds them cached
             hits = self._lookup(seq)
-            take = (1 if seq.stepwise else seq.pending if seq.job.images
-                    else min(seq.pending, budget, SCORED_CHUNK if seq.scoring else budget))
+            take = 1 if seq.stepwise else seq.pending if seq.job.images else self._chunk(seq, budget)
             if not (seq.stepwise or seq.job.images) and self._contested(owner):
                 take = min(take, half - spent.get(owner, 0))
                 if take <= 0:
                     index += 1
                     continue
-            if seq.scoring and not seq.by_step and sum(c.seq.scoring for c in prefills) >= SCORED_ROWS:
-                break  # the step's scored rows are full: their logits come back for every position
+            if self._scored_rows_full(seq, prefills):
+                break
             need = self._blocks_for(seq, seq.computed + take)
             if need > self.pool.available:
                 self.pool.free(hits)
@@ -617,6 +609,15 @@ class Engine:
                 spent[owner] = spent.get(owner, 0) + take
                 pictures = bool(seq.job.images)
         return prefills, decodes
+
+    def _chunk(self, seq: _Seq, budget: int) -> int:
+        """How many of a text prompt's pending tokens the step may prefill within `budget` (a scored prompt's at most
+        SCORED_CHUNK: its logits come back for every position)."""
+        return min(seq.pending, budget, SCORED_CHUNK if seq.scoring else budget)
+
+    def _scored_rows_full(self, seq: _Seq, prefills: Sequence[_Chunk]) -> bool:
+        """Whether `seq` is to be scored in its prefill and the step already prefills SCORED_ROWS such prompts."""
+        return seq.scored_in_prefill and sum(c.seq.scored_in_prefill for c in prefills) >= SCORED_ROWS
 
     def _contested(self, owner: int | None) -> bool:
         """Whether a sequence of another request than `owner` waits, or has prompt tokens to prefill."""
@@ -688,7 +689,7 @@ class Engine:
 
         def fingerprinted(tensor: Any) -> Any:
             out = real(tensor)
-            found = fingerprint(out)
+            found = float_sums(out)  # every rank's copy of an all-reduce's result gives the same two numbers
             sums[0] += found[0]
             sums[1] += found[1]
             return out
@@ -712,8 +713,8 @@ class Engine:
         """The step's prompt chunks, right-padded into one batch (a prompt with pictures alone, whole), the chunks of
         scored prompts in a batch of their own that returns every position's logits; a chunk that finishes its
         sequence's pending tokens gives it its next token."""
-        scored = [c for c in chunks if c.seq.scoring and not c.seq.by_step]
-        plain = [c for c in chunks if not (c.seq.scoring and not c.seq.by_step)]
+        scored = [c for c in chunks if c.seq.scored_in_prefill]
+        plain = [c for c in chunks if not c.seq.scored_in_prefill]
         if plain:
             self._prefill_batch(plain, events, every=False)
         if scored:
@@ -921,16 +922,15 @@ class Engine:
         # Only rank 0 reports them (the others send their tokens alone); computing them fails no sequence, so every
         # rank ends the same sequences.
         reporting = self.rank is None or self.rank.rank == 0
-        asking = [n for n, seq in enumerate(seqs) if seq.logprobs is not None and reporting and chosen[n] is not None]
+        asking = [(n, token, kept) for n, (seq, token) in enumerate(zip(seqs, chosen, strict=True))
+                  if (kept := seq.logprobs) is not None and token is not None and reporting]
         if asking:
             # The raw logits of the asking rows only, to the host as float32; the log-softmax in float64 there.
-            rows = _host_rows(logits, [at[n] for n in asking])
-            found = token_logprobs(rows, [int(chosen[n] or 0) for n in asking],
-                                   [seqs[n].job.sampling.logprobs or 0 for n in asking])
-            for n, logprob in zip(asking, found, strict=True):
-                kept = seqs[n].logprobs
-                if kept is not None:
-                    kept.append(logprob)
+            rows = _host_rows(logits, [at[n] for n, _, _ in asking])
+            found = token_logprobs(rows, [token for _, token, _ in asking],
+                                   [seqs[n].job.sampling.logprobs or 0 for n, _, _ in asking])
+            for (_, _, kept), logprob in zip(asking, found, strict=True):
+                kept.append(logprob)
         self.choose_s += time.perf_counter() - start
         self.choose_calls += 1
         return chosen

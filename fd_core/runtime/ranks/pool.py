@@ -109,7 +109,7 @@ def _serve(worker: RankWorker, rank: int, conn: Any) -> dict[str, Any]:
         for key in message[2]:
             engine.cancel(key)
         events = step(worker)
-        # Every few steps at tp > 1, the step's logits fingerprinted: compared by the caller across ranks.
+        # Every few steps, what the step's all-reduces returned, summed: compared by the caller across ranks.
         printed, engine.fingerprint = engine.fingerprint, None
         if rank == 0:
             # What the caller reads back (timings) when a sequence ended; not every step.

@@ -103,11 +103,6 @@ def _checked(grammar: str, field: str) -> str:
     return grammar
 
 
-def check_grammar(grammar: str) -> str:
-    """`grammar` (SamplingParams.grammar) once llguidance has compiled it; a one-line GrammarError otherwise."""
-    return _checked(grammar, "grammar")
-
-
 def lark_grammar(lark: str, field: str = "grammar") -> str:
     """A Lark grammar in llguidance's dialect (JSON schemas inside it as `%json {...}`) as a checked grammar."""
     return _checked(_llguidance().LLMatcher.grammar_from_lark(lark), field)
@@ -281,7 +276,7 @@ class Grammars:
         """A new constraint for one sequence, following the grammar `spec` (from constraint_spec).
 
         The latest grammars are kept compiled with their first mask computed (their lexer built): the n choices of one
-        request, and a request checked before the engine runs it (check_grammar), compile it once."""
+        request, and a request checked before the engine runs it (check_followable), compile it once."""
         with self._lock:
             kept = self._compiled.get(spec)
             if kept is not None:
