@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence, TextIO
 from fd_core.config import COMPUTE_DTYPES
 from fd_core.contract import CONTRACT_VERSION
 from fd_core.errors import SETTINGS_STYLE_ENV, ConfigError, FdError, install_hint
-from fd_core.quantization import SCHEMES
+from fd_core.quantization import DEFAULT_GROUPS, SCHEMES, scheme_groups
 
 # When fd's entry point was imported: a run's clock starts here if the process was created long
 # before, for something else, and exec'd fd (see procstats.process_start_time).
@@ -177,7 +177,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     plugins = load_plugins()
     backend = load_backend(ParallelConfig(tp_size=args.tp), plugins=plugins)
     run = RunConfig(model=args.model, tp=args.tp, checkpoint=args.checkpoint, dtype=args.dtype,
-                    quantization=args.quantization, graph=args.graph,
+                    quantization=args.quantization, quantization_group=args.quantization_group, graph=args.graph,
                     memory_fraction=args.memory_fraction, threads=args.threads, kv_block_size=args.kv_block_size,
                     kv_cache_blocks=args.kv_cache_blocks, prefix_caching=args.prefix_caching,
                     max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens,
@@ -219,8 +219,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     lines += [f"  {vote.line()}" for vote in decision.votes]
     if decision.allowed:
         lines.append(capture_line(capture))
-    quantized = (f"; linear layers {config.quantization} (quant_matmul, weights quantized at load)"
-                 if config.quantization else "")
+    quantized = (f"; linear layers {config.quantization} {scheme_groups(config.quantization_group)} (quant_matmul, "
+                 f"weights quantized at load)" if config.quantization else "")
     lines += [f"dtype: {config.dtype}{quantized}", threads_line(threads.to_dict()), f"memory: {memory.summary()}",
               kv_cache_line(kv), "settings (each the option's, the platform's or fd's default):"]
     lines += [f"  {line}" for line in settings.lines()]
@@ -335,6 +335,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         checkpoint=args.checkpoint,
         dtype=args.dtype,
         quantization=args.quantization,
+        quantization_group=args.quantization_group,
         graph=args.graph,
         reload_cycles=args.reload_cycles,
         seed=args.seed,
@@ -429,7 +430,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  kv_block_size=args.kv_block_size, kv_cache_blocks=args.kv_cache_blocks,
                  prefix_caching=args.prefix_caching, max_prefill_tokens=args.max_prefill_tokens,
                  max_prefill_prompts=args.max_prefill_prompts, quantization=args.quantization,
-                 grammar_timeout=args.grammar_timeout, kernel_canary=args.kernel_canary)
+                 quantization_group=args.quantization_group, grammar_timeout=args.grammar_timeout,
+                 kernel_canary=args.kernel_canary)
 
 
 def cmd_save_random(args: argparse.Namespace) -> int:
@@ -678,9 +680,12 @@ def build_parser(
 
     memory_help = (f"the share of each device's free memory for weights and KV cache, in (0, 1]; the cache's capacity "
                    f"(batch x context) is what the weights leave (default: {DEFAULT_MEMORY_FRACTION})")
-    quantization_help = ("weight-only quantization of the linear layers at load, per output channel: wint8 (int8 "
-                         "weights) or wint4 (4-bit); embeddings, norms, routers and vision towers stay in the compute "
-                         "dtype (default: none)")
+    quantization_help = ("weight-only quantization of the linear layers at load: wint8 (int8 weights) or wint4 "
+                         "(4-bit), a scale per group of inputs (--quantization-group); embeddings, norms, routers and "
+                         "vision towers stay in the compute dtype (default: none)")
+    group_help = (f"inputs one scale of --quantization covers, or 0 for one scale per output channel (default: "
+                  f"{', '.join(f'{g} for {s}' for s, g in DEFAULT_GROUPS.items())}; a weight whose inputs are no "
+                  f"multiple of it is quantized per output channel)")
     threads_help = ("compute threads per rank (default: the platform's threads variable if the user set it "
                     "(fd explain names it), else the cores this process may use (affinity mask, cgroup quota) "
                     "shared among the ranks on this host)")
@@ -706,6 +711,7 @@ def build_parser(
     p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
                    help="compute dtype, as fd run takes it (default: the platform's preferred one)")
     p.add_argument("--quantization", default=None, choices=tuple(SCHEMES), help=quantization_help)
+    p.add_argument("--quantization-group", type=int, default=None, metavar="N", help=group_help)
     p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION, metavar="F", help=memory_help)
     p.add_argument("--threads", type=_positive, default=None, metavar="N", help=threads_help)
     _cache_options(p)
@@ -758,6 +764,7 @@ def build_parser(
     p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
                    help="compute dtype (default: the platform's preferred one, the first it lists; see fd plugins)")
     p.add_argument("--quantization", default=None, choices=tuple(SCHEMES), help=quantization_help)
+    p.add_argument("--quantization-group", type=int, default=None, metavar="N", help=group_help)
     p.add_argument("--graph", choices=("auto", "on", "off"), default="auto", help=graph_help)
     p.add_argument("--reload-cycles", type=_non_negative, default=0, metavar="N",
                    help="weight-update cycles after the first run (default: 0)")
@@ -830,6 +837,7 @@ def build_parser(
     p.add_argument("--dtype", default=None, choices=COMPUTE_DTYPES,
                    help="compute dtype (default: the platform's preferred one, the first it lists; see fd plugins)")
     p.add_argument("--quantization", default=None, choices=tuple(SCHEMES), help=quantization_help)
+    p.add_argument("--quantization-group", type=int, default=None, metavar="N", help=group_help)
     p.add_argument("--graph", choices=("auto", "on", "off"), default="auto", help=graph_help)
     p.add_argument("--seed", type=_non_negative, default=0, metavar="N",
                    help="seeds the tiny preset's random weights (default: 0)")

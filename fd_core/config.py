@@ -71,6 +71,9 @@ class ModelConfig:
     # Weight-only quantization of the decoder's linear layers at load (fd_core.quantization.SCHEMES; contract 1.1):
     # set by the runner from --quantization, never read from config.json.
     quantization: str | None = None
+    # Its group size (contract 1.6): inputs a scale covers (fd_core.quantization.group_for), 0 per output channel; set
+    # by the runner from --quantization-group or the scheme's default.
+    quantization_group: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -108,7 +111,7 @@ class ModelConfig:
                 f"config.json (or to the architecture's config_defaults, as the reference config class defines them)"
             )
         _refuse_unimplemented(settings, source)
-        known = {f.name for f in fields(cls)} - {"architecture", "extra", "dtype", "quantization"}
+        known = {f.name for f in fields(cls)} - {"architecture", "extra", "dtype", "quantization", "quantization_group"}
         kwargs = {k: v for k, v in settings.items() if k in known}
         kwargs["rope_theta"] = _rope_theta(settings, source)
         if "use_bias" in settings:
@@ -165,6 +168,12 @@ class ModelConfig:
                 f"{setting('quantization', self.quantization)} is not a quantization fd has; choose one of "
                 f"{', '.join(SCHEMES)} (or none)"
             )
+        if isinstance(self.quantization_group, bool) or not isinstance(self.quantization_group, int) \
+                or self.quantization_group < 0:
+            raise ConfigError(
+                f"{setting('quantization-group', self.quantization_group)} is not a group size; give the inputs a "
+                f"scale covers (a positive integer, 32 or 128 say) or 0 for one scale per output channel"
+            )
 
     def estimated_bytes(self, batch_size: int, max_len: int) -> int:
         """Weights (the decoder's dense parts; experts and vision towers not counted) and the KV cache, all ranks
@@ -186,11 +195,11 @@ class ModelConfig:
         replicated = (2 * self.num_hidden_layers + 1) * self.hidden_size  # each layer's two norms and the final one
         if self.quantization is None:
             return (-(-(linear + embeddings) // tp) + replicated) * self.dtype_width
-        # Quantized linear weights: a byte a value (half that at 4 bits) and a float32 scale per output row (about
-        # one per hidden_size values); embeddings and norms stay in the compute dtype.
+        # Quantized linear weights: a byte a value (half that at 4 bits) and a float32 scale per group of inputs (per
+        # output row: about one per hidden_size values); embeddings and norms stay in the compute dtype.
         bits = SCHEMES[self.quantization]
         values = -(-linear // tp)
-        quantized = values * bits // 8 + 4 * values // self.hidden_size
+        quantized = values * bits // 8 + 4 * values // (self.quantization_group or self.hidden_size)
         return quantized + (-(-embeddings // tp) + replicated) * self.dtype_width
 
     def cache_bytes_per_token(self, tp: int) -> int:

@@ -15,6 +15,8 @@ from typing import Mapping
 
 NATIVE = "native"  # the provider name of the native implementations
 FLOATS = ("float32", "bfloat16", "float16")
+# The widest block of x's columns a quant_matmul kernel may round to int8 with one scale (contract 1.6).
+QUANT_X_BLOCK = 256
 
 
 @dataclass(frozen=True)
@@ -111,8 +113,14 @@ OPS: dict[str, Op] = {op.name: op for op in (
        "x [..., K] times the transpose of the weight-only quantized matrix [N, K] (fd_core.quantization): row n of "
        "the matrix is the int8 values of weight's row n (bits 8: weight [N, K], values in [-127, 127]; bits 4: "
        "weight [N, ceil(K / 2)], two values in [-7, 7] a byte, column 2j in the low four bits of byte j and 2j + 1 in "
-       "the high four, two's complement) times scales[n] (float32 [N]); [..., N] in x's dtype, summed in float32 or "
-       "wider; the linear layers' product under --quantization wint8 or wint4",
+       "the high four, two's complement) times their scale: scales float32 [N] (one a row), or [N, G'] (contract "
+       "1.6: G' groups of K / G' consecutive columns, group g of row n scaled by scales[n, g]); [..., N] in x's "
+       "dtype, summed in float32 or wider; the linear layers' product under --quantization wint8 or wint4. A kernel "
+       "may round x to int8 first (as llama.cpp's q8_0 products do), symmetrically per block of b consecutive "
+       "columns starting at a multiple of b (b a power of two of at most QUANT_X_BLOCK that divides the group size "
+       "when the scales are grouped), at scale max|x_block| / 127: its result "
+       "may then differ from the exact product by up to sum_k |w[n, k]| max|x_block(k)| / 254 (half a step of each "
+       "rounded x) beyond the tolerance",
        # Looser than matmul's: a kernel may apply the scales after the sum, or dequantize in the compute dtype.
        tolerances={"float32": (1e-4, 1e-4), "float16": (4e-3, 4e-3), "bfloat16": (3e-2, 3e-2)},
        prepared=("weight", "scales")),

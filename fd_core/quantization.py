@@ -1,21 +1,37 @@
-"""Weight-only quantization (contract 1.1): the schemes `--quantization` names and fd's quantized form of a weight,
-which the `quant_matmul` op takes and a platform's preparation may repack into its own.
+"""Weight-only quantization (contract 1.1; groups 1.6): the schemes `--quantization` names and fd's quantized form of
+a weight, which the `quant_matmul` op takes and a platform's preparation may repack into its own.
 
-A weight [N, K] (N outputs, K inputs) is quantized per output channel, symmetrically: scales[n] is the largest
-|w[n, k]| over k divided by the scheme's largest level (127 for wint8, 7 for wint4), and each value is
-round(w / scales[n]) as an int8. wint4 packs two values a byte along K (column 2j in the low four bits of byte j,
-2j + 1 in the high four; an odd K is padded with a zero), so it holds half of wint8's bytes. An all-zero row gets
-scale 1 (its values are zero either way).
+A weight [N, K] (N outputs, K inputs) is quantized symmetrically, per group of G consecutive inputs of each output
+(contract 1.6) or per output channel (G = K: the 1.1 form): a group's scale is its largest |w[n, k]| divided by the
+scheme's largest level (127 for wint8, 7 for wint4), and each value is round(w / scale) as an int8. The scales are
+float32 [N, K / G] (group g of row n covers columns [gG, (g + 1)G)), or [N] per output channel. A weight whose K is
+not a multiple of G is quantized per output channel. wint4 packs two values a byte along K (column 2j in the low four
+bits of byte j, 2j + 1 in the high four; an odd K is padded with a zero), so it holds half of wint8's bytes. An
+all-zero group gets scale 1 (its values are zero either way).
+
+Each scheme has a default group size (DEFAULT_GROUPS, `--quantization-group` chooses another, 0 per output channel):
+4 bits per channel lose too much (none of 32 greedy tokens of ERNIE-4.5-0.3B equal float32's), and groups of 32 are
+llama.cpp's q4_0 and q8_0 blocks.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from fd_core.contract import deprecated
+
 # --quantization NAME -> bits a weight value holds.
 SCHEMES = {"wint8": 8, "wint4": 4}
 # The largest level of each width: symmetric, so -127..127 and -7..7 (-128 and -8 are never produced).
 LEVELS = {8: 127, 4: 7}
+# --quantization NAME -> the group size used unless --quantization-group says otherwise (0: per output channel).
+DEFAULT_GROUPS = {"wint8": 128, "wint4": 32}
+
+
+def group_for(columns: int, group: int) -> int:
+    """The group a weight of `columns` inputs is quantized in: `group`, or `columns` (per output channel) when `group`
+    is 0 or does not divide it."""
+    return group if group > 0 and columns % group == 0 else columns
 
 
 def bits_of(scheme: str) -> int:
@@ -23,14 +39,35 @@ def bits_of(scheme: str) -> int:
     return SCHEMES[scheme]
 
 
-def quantized_bytes(rows: int, columns: int, bits: int) -> int:
-    """Bytes of an [rows, columns] weight in fd's quantized form: the values and the float32 scales."""
-    return rows * (columns if bits == 8 else (columns + 1) // 2) + 4 * rows
+def scheme_groups(group: int) -> str:
+    """How a run's weights are grouped, as fd explain and fd run say it."""
+    return f"in groups of {group}" if group else "per output channel"
 
 
-def quantize(weight: Any, bits: int, transpose_weight: bool = True) -> tuple[Any, Any]:
-    """(values int8, scales float32 [N]) of a float weight: [N, K] when `transpose_weight` (as `x @ weight^T` uses
-    it), else [K, N] (as `x @ weight` does); the values are [N, K] (bits 8) or [N, ceil(K / 2)] (bits 4) either way."""
+def kernel_group(ops: Any, group: int) -> int:
+    """The group size the quant_matmul kernel in use (of `ops`, fd_core.host.kernel_table.Ops) is given: `group`, or 0
+    (per output channel) for a kernel written for a contract before 1.6, which knows per-channel scales only (one
+    DeprecationWarning says so)."""
+    if group and not ops.written_for("quant_matmul", "1.6"):
+        deprecated(f"plugin {ops.providers['quant_matmul']!r}: a quant_matmul kernel taking per-channel scales only "
+                   f"(contract {ops.contracts['quant_matmul']})",
+                   "scales [N] or [N, groups] (contract 1.6); its weights are quantized per output channel meanwhile",
+                   "2.0")
+        return 0
+    return group
+
+
+def quantized_bytes(rows: int, columns: int, bits: int, group: int = 0) -> int:
+    """Bytes of an [rows, columns] weight in fd's quantized form: the values and the float32 scales (one per group of
+    `group` columns; 0: one a row)."""
+    groups = columns // group_for(columns, group)
+    return rows * (columns if bits == 8 else (columns + 1) // 2) + 4 * rows * groups
+
+
+def quantize(weight: Any, bits: int, transpose_weight: bool = True, group: int = 0) -> tuple[Any, Any]:
+    """(values int8, scales float32) of a float weight: [N, K] when `transpose_weight` (as `x @ weight^T` uses it),
+    else [K, N] (as `x @ weight` does); the values are [N, K] (bits 8) or [N, ceil(K / 2)] (bits 4) either way, the
+    scales [N, K / G] in groups of G = group_for(K, group) inputs, or [N] per output channel (G = K)."""
     import paddle
 
     if bits not in LEVELS:
@@ -38,10 +75,15 @@ def quantize(weight: Any, bits: int, transpose_weight: bool = True) -> tuple[Any
     w = weight.astype("float32")
     if not transpose_weight:
         w = w.transpose([1, 0])
-    peak = paddle.max(paddle.abs(w), axis=1)
+    rows, columns = w.shape
+    size = group_for(columns, group)
+    blocks = w.reshape([rows, columns // size, size])
+    peak = paddle.max(paddle.abs(blocks), axis=2)
     scales = paddle.where(peak > 0, peak / LEVELS[bits], paddle.ones_like(peak))
-    levels = paddle.clip(paddle.round(w / scales.unsqueeze(1)), -LEVELS[bits], LEVELS[bits])
-    values = levels.astype("int8")
+    levels = paddle.clip(paddle.round(blocks / scales.unsqueeze(2)), -LEVELS[bits], LEVELS[bits])
+    values = levels.astype("int8").reshape([rows, columns])
+    if size == columns:
+        scales = scales.reshape([rows])
     return (values if bits == 8 else pack_int4(values)), scales
 
 
@@ -69,7 +111,13 @@ def dequantize(values: Any, scales: Any, bits: int, columns: int | None = None) 
     (by default twice the bytes a row)."""
     if bits == 4:
         values = unpack_int4(values, 2 * values.shape[1] if columns is None else columns)
-    return values.astype("float32") * scales.astype("float32").unsqueeze(1)
+    wide = values.astype("float32")
+    scales = scales.astype("float32")
+    if len(scales.shape) == 1:
+        return wide * scales.unsqueeze(1)
+    rows, width = wide.shape
+    groups = scales.shape[1]
+    return (wide.reshape([rows, groups, width // groups]) * scales.unsqueeze(2)).reshape([rows, width])
 
 
 def _int8(value: int) -> Any:

@@ -7,6 +7,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from fd_core.contract import CONTRACT_VERSION, parse_version
 from fd_core.errors import PluginError
 from fd_core.host.suggest import edit_distance
 from fd_core.kernels import NATIVE, OPS
@@ -22,6 +23,9 @@ class Kernel:
     capturable: bool = True
     # Transforms a weight once, when it loads, into what `fn` receives (fd_core.kernels.Op.prepared); None: as is.
     prepare: Callable[..., Any] | None = None
+    # The contract version its plugin was written for (FD_CONTRACT): what the kernel may be given (a quant_matmul
+    # kernel of a plugin before 1.6 is given per-channel scales only).
+    contract: str = "1.0"
 
 
 def nearest_op(name: str) -> str:
@@ -170,6 +174,9 @@ class Ops:
 
     def __init__(self, table: KernelTable, native: Any) -> None:
         self.providers = table.providers()
+        # The contract version each op's kernel was written for (this fd's own for a native op).
+        self.contracts = {name: (k.contract if (k := table.chosen(name)) is not None else CONTRACT_VERSION)
+                          for name in OPS}
         self._kernels: dict[str, Callable[..., Any]] = {}
         self._prepares: dict[str, Callable[..., Any]] = {}
         for name in OPS:
@@ -186,6 +193,10 @@ class Ops:
             # rms_norm kernel keeps serving every norm of the decoder). Exactly the op's semantics, as the native
             # add_rms_norm is the add, then the native rms_norm.
             self.add_rms_norm = _add_then(self.rms_norm)
+
+    def written_for(self, name: str, version: str) -> bool:
+        """Whether the kernel in use for `name` was written for contract `version` or later (a native op always)."""
+        return (parse_version(self.contracts[name]) or (1, 0)) >= (parse_version(version) or (1, 0))
 
     def native(self, name: str) -> bool:
         """Whether `name` runs the native implementation."""

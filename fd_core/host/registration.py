@@ -8,6 +8,7 @@ from typing import Any, Callable, Collection
 
 import pluggy
 
+from fd_core.contract import FIRST_VERSION
 from fd_core.errors import PluginError
 from fd_core.host.kernel_table import KernelTable, check_kernel
 from fd_core.host.model_registry import ModelRegistry
@@ -110,6 +111,7 @@ def register_kernels(pm: pluggy.PluginManager, records: list[PluginRecord]) -> t
     """The active platform's and each extension's fd_register_kernels; a model package may not provide kernels."""
     table = KernelTable()
     kinds = {r.name: r.kind for r in records if r.module is not None and r.active}
+    contracts = {r.name: r.contract for r in records if r.module is not None and r.active}
 
     def register_for(owner: str) -> Callable[..., None]:
         kind = kinds.get(owner, "extension")
@@ -122,7 +124,9 @@ def register_kernels(pm: pluggy.PluginManager, records: list[PluginRecord]) -> t
                     f"plugin {owner!r}: a model package may not register kernels; "
                     "put them in a platform or an fd.plugins extension"
                 )
-            table.add(check_kernel(owner, op, fn, capturable, prepare), from_platform=kind == "platform")
+            kernel = replace(check_kernel(owner, op, fn, capturable, prepare),
+                                         contract=contracts.get(owner) or FIRST_VERSION)
+            table.add(kernel, from_platform=kind == "platform")
 
         return register
 

@@ -12,7 +12,7 @@ from fd_core.config import ModelConfig
 from fd_core.errors import FdError, KernelMismatch, in_terms
 from fd_core.host.kernel_table import KernelTable, Ops
 from fd_core.kernels import OPS, compute_threads, set_compute_threads
-from fd_core.quantization import bits_of, quantize
+from fd_core.quantization import DEFAULT_GROUPS, bits_of, quantize
 
 ODD = 13  # a size no vector unit divides
 # A decode step's one-row product at a published model's size: large enough for a kernel to split it across threads.
@@ -115,6 +115,14 @@ def cases(
                 for count, (n, k) in ((1, (inter, h)), (5, (h, inter)), (2, (ODD, ODD))):
                     values, scales = quantize(t(n, k, kind="float32"), width)
                     yield f"x[{count}, {k}] @ wint{width}[{n}, {k}]^T", (t(count, k), values, scales, width)
+                # In groups (contract 1.6): the scheme's default group, and a group size no power of two.
+                group = DEFAULT_GROUPS[f"wint{width}"]
+                if h % group == 0:
+                    values, scales = quantize(t(inter, h, kind="float32"), width, group=group)
+                    yield (f"x[3, {h}] @ wint{width}[{inter}, {h}]^T in groups of {group}",
+                           (t(3, h), values, scales, width))
+                values, scales = quantize(t(ODD, 96, kind="float32"), width, group=24)
+                yield f"x[2, 96] @ wint{width}[{ODD}, 96]^T in groups of 24", (t(2, 96), values, scales, width)
         elif op == "sample":
             vocab = 50 + s["hidden"]
             for temperature, top_k, top_p in (
@@ -140,6 +148,12 @@ def cases(
                (t(1, 1, 4 * LARGE + ODD), t(4 * LARGE + ODD, LARGE), False))
         yield f"x[1, {LARGE}] @ w[{LARGE}, {4 * LARGE + ODD}]", (t(1, LARGE), t(LARGE, 4 * LARGE + ODD), False)
         yield f"x[1, {LARGE}] @ w[{4 * LARGE + ODD}, {LARGE}]^T", (t(1, LARGE), t(4 * LARGE + ODD, LARGE), True)
+        # A decode step of several rows, and a prefill chunk's, against the same weights.
+        yield f"x[8, 1, {LARGE}] @ w[{4 * LARGE + ODD}, {LARGE}]^T", (t(8, 1, LARGE), t(4 * LARGE + ODD, LARGE), True)
+        yield f"x[2, 37, {LARGE}] @ w[{LARGE}, {4 * LARGE + ODD}]", (t(2, 37, LARGE), t(LARGE, 4 * LARGE + ODD), False)
+        # An LM head's over a vocabulary of 17k (64 MiB in float32: a weight a kernel may read in place), 4 rows.
+        yield (f"x[4, {LARGE}] @ w[{LARGE}, {16 * LARGE + ODD}]",
+               (t(4, LARGE), t(LARGE, 16 * LARGE + ODD), False))
     if large and op == "add_rms_norm":
         # A published model's hidden size (ERNIE-4.5-0.3B's), a decode step's rows.
         yield f"x[2, 1, {LARGE}] + residual", (t(2, 1, LARGE), t(2, 1, LARGE), t(LARGE), 1e-5)
@@ -160,6 +174,11 @@ def cases(
             values, scales = quantize(t(4 * LARGE + ODD, LARGE, kind="float32"), width)
             yield (f"x[1, 1, {LARGE}] @ wint{width}[{4 * LARGE + ODD}, {LARGE}]^T",
                    (t(1, 1, LARGE), values, scales, width))
+            # The scheme's default groups, a decode step of several rows.
+            group = DEFAULT_GROUPS[f"wint{width}"]
+            values, scales = quantize(t(4 * LARGE + ODD, LARGE, kind="float32"), width, group=group)
+            yield (f"x[8, 1, {LARGE}] @ wint{width}[{4 * LARGE + ODD}, {LARGE}]^T in groups of {group}",
+                   (t(8, 1, LARGE), values, scales, width))
 
 
 # The mixture of experts' cases: few experts of a small width (the op's cost is E x I x H; the shapes that matter are
@@ -249,6 +268,35 @@ def _abs_product(args: tuple[Any, ...]) -> Any:
     return np.matmul(xs, ws.T if transpose else ws)
 
 
+def rounded_x_bound(x: Any, values: Any, scales: Any, bits: int) -> Any:
+    """How far quant_matmul's result may be off when a kernel rounds x to int8 per block (fd_core.kernels.OPS'
+    quant_matmul): sum over k of |w[n, k]| max|x| over k's widest allowed block / 254, as float64 [rows, N].
+
+    The widest block is QUANT_X_BLOCK, or the largest power of two dividing the group size when smaller; every
+    narrower block a kernel may use (a power of two, starting at a multiple of its size) lies inside one of them."""
+    import numpy as np
+
+    from fd_core.kernels import QUANT_X_BLOCK
+    from fd_core.quantization import dequantize
+
+    xs = np.abs(as_numpy(x))
+    columns = xs.shape[-1]
+    xs = xs.reshape(-1, columns)
+    w = np.abs(as_numpy(dequantize(values, scales, bits, columns)))
+    block = QUANT_X_BLOCK
+    if len(scales.shape) > 1:
+        group = columns // scales.shape[1]
+        block = min(block, group & -group)  # the largest power of two dividing the group size
+    blocks = -(-columns // block)
+    padded_x = np.zeros((xs.shape[0], blocks * block))
+    padded_x[:, :columns] = xs
+    padded_w = np.zeros((w.shape[0], blocks * block))
+    padded_w[:, :columns] = w
+    peaks = padded_x.reshape(xs.shape[0], blocks, block).max(axis=2)
+    sums = padded_w.reshape(w.shape[0], blocks, block).sum(axis=2)
+    return peaks @ sums.T / 254
+
+
 def compare(op: str, got: Any, want: Any, dtype: str, args: tuple[Any, ...], native: Any) -> str | None:
     """None when `got` matches the native result `want` at the op's tolerance, else what differs."""
     import numpy as np
@@ -289,6 +337,9 @@ def compare(op: str, got: Any, want: Any, dtype: str, args: tuple[Any, ...], nat
         # A K-term sum ordered otherwise rounds by its terms' size, not its result's: where they cancel (a result of
         # 0.03 from terms summing to 2,600 in magnitude at K = 4,109) rounding alone passes atol.
         allowed = allowed + SUM_RTOL.get(dtype, 0.0) * _abs_product(args)
+    if op == "quant_matmul":
+        # x rounded to int8 per block, as the op allows (contract 1.6): half a step of each rounded x, times |w|.
+        allowed = allowed + rounded_x_bound(*args).reshape(b.shape)
     with np.errstate(invalid="ignore"):  # inf - inf: equal infinities are compared by a == b
         bad = ~((np.abs(a - b) <= allowed) | (a == b)) | (np.isfinite(a) != np.isfinite(b))
     if not bad.any():

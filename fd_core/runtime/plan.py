@@ -15,6 +15,7 @@ from fd_core.errors import CheckpointError, ConfigError, FdError, setting
 from fd_core.host.backend import Backend
 from fd_core.host.loading import PluginSet, load_plugins
 from fd_core.models import Architecture
+from fd_core.quantization import DEFAULT_GROUPS
 from fd_core.runtime.checkpoint import Checkpoint
 from fd_core.runtime.engine.sampling import SamplingParams
 from fd_core.runtime.images import load_image
@@ -47,6 +48,9 @@ class RunConfig:
     dtype: str | None = None
     # Weight-only quantization of the linear layers at load: "wint8", "wint4" or None (fd_core.quantization).
     quantization: str | None = None
+    # Its group size (inputs a scale covers; 0 per output channel); None: the scheme's default
+    # (fd_core.quantization.DEFAULT_GROUPS).
+    quantization_group: int | None = None
     graph: str = "auto"
     reload_cycles: int = 0
     # Seeds a preset's random weights and the sampler.
@@ -279,8 +283,12 @@ def plan_model(run: RunConfig, plugins: PluginSet, backend: Backend) -> ModelPla
     arch, checkpoint = model_and_checkpoint(run.model, run.checkpoint, plugins)
     config = model_config_for(arch, checkpoint, compute_dtype(run.dtype, backend))
     settings = run_settings(run, backend, config.dtype)
+    if run.quantization_group is not None and run.quantization is None:
+        raise ConfigError(f"{setting('quantization-group')} sizes the groups of a quantization: give "
+                          f"{setting('quantization')} too, or drop it")
     if run.quantization is not None:
-        config = config.with_overrides(quantization=run.quantization)
+        group = DEFAULT_GROUPS.get(run.quantization, 0) if run.quantization_group is None else run.quantization_group
+        config = config.with_overrides(quantization=run.quantization, quantization_group=group)
         config.check()
         if not arch.quantizable:
             raise ConfigError(

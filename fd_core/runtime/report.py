@@ -6,6 +6,7 @@ import json
 from typing import Any, Mapping, Sequence
 
 from fd_core.graphs import CastVote
+from fd_core.quantization import scheme_groups
 from fd_core.runtime.memory import MemoryPlan
 
 
@@ -71,7 +72,8 @@ def summary_lines(results: Sequence[Mapping[str, Any]], verbose: bool = False) -
     lines = [
         f"platform: {result['platform']}   model: {result['model']}   tp: {result['tp']}"
         + (f"   dtype: {result['dtype']}" if "dtype" in result else "")
-        + (f", linear layers {result['quantization']}" if result.get("quantization") else ""),
+        + (f", linear layers {result['quantization']} {scheme_groups(result.get('quantization_group') or 0)}"
+           if result.get("quantization") else ""),
         f"kernels: {kernel_line(result['kernels'])}",
         *([threads_line(result["threads"])] if result.get("threads") else []),
         f"graph: {graph['summary']}",
@@ -117,7 +119,8 @@ def as_json(results: Sequence[Mapping[str, Any]]) -> str:
             "time_to_first_token_s", "timings_s", "reload_cycles", "rss_bytes", "peak_rss_bytes")
     data = {k: results[0][k] for k in keys}
     # The compute dtype, and the memory plan: weights per rank, KV-cache capacity (tokens), the fraction.
-    data.update({k: results[0][k] for k in ("dtype", "quantization", "memory", "threads", "decode_step_ms")
+    data.update({k: results[0][k] for k in ("dtype", "quantization", "quantization_group", "memory", "threads",
+                                            "decode_step_ms")
                  if k in results[0]})
     if "wall_s" in results[0]:
         data["wall_s"] = results[0]["wall_s"]

@@ -948,7 +948,7 @@ class ModelTests(_Base):
         the old weights is the kernels' fault, whatever the architecture)."""
         from fd_core.host.backend import Backend
         from fd_core.host.kernel_table import KernelTable
-        from fd_core.quantization import SCHEMES
+        from fd_core.quantization import DEFAULT_GROUPS, SCHEMES, kernel_group
         from fd_core.runtime.engine.loop import Engine
         from fd_core.runtime.engine.runner import ModelRunner
         from fd_core.runtime.plan import model_config_for
@@ -960,8 +960,9 @@ class ModelTests(_Base):
         request = Request.greedy([[5, 1, 4, 2, 3], [7, 7, 2]], 6)
         quantizable = [arch for arch in platform_architectures(plugins) if arch.quantizable]
         for arch in quantizable:
-            for scheme in SCHEMES:
-                config = model_config_for(arch, None).with_overrides(quantization=scheme)
+            # Each scheme per output channel and in its default groups (as the kernel in use is given them).
+            for scheme, group in [(s, g) for s in SCHEMES for g in (0, kernel_group(backend.ops, DEFAULT_GROUPS[s]))]:
+                config = model_config_for(arch, None).with_overrides(quantization=scheme, quantization_group=group)
                 runner = ModelRunner(backend, arch, config)
                 runner.load()
                 runner.decide()
@@ -978,7 +979,8 @@ class ModelTests(_Base):
                     want.append([c.token_ids for c in Engine(reference).generate(request)])
                 reloaded = len(want) > 1
                 assert got == want and (not reloaded or want[0] != want[1]), (
-                    f"{arch.name} under --quantization {scheme} on {backend.platform}: greedy tokens {got[0]}"
+                    f"{arch.name} under --quantization {scheme} --quantization-group {group} on {backend.platform}: "
+                    f"greedy tokens {got[0]}"
                     + (f", after a reload of other weights {got[1]}" if reloaded else "")
                     + f" (kernels {backend.kernels.providers()}), but the native path (fd's quantizer, the native "
                     f"quant_matmul, eager) gives {want[0]}" + (f", then {want[1]}" if reloaded else "")

@@ -167,7 +167,8 @@ class CausalLM(nn.Layer):
     def load_weights(self, shards: Mapping[str, np.ndarray]) -> None:
         """Assign this rank's shards to the parameters (restoring released storage), each linear weight prepared for
         its kernel (and quantized, under config.quantization) as it loads."""
-        params.load_weights(self, shards, after=prepare_after_load(self.config.quantization))
+        after = prepare_after_load(self.config.quantization, self.config.quantization_group)
+        params.load_weights(self, shards, after=after)
 
     def release_weights(self) -> None:
         """Free parameter storage; load_weights restores it."""

@@ -17,7 +17,7 @@ from typing import Any
 import paddle
 from paddle import nn
 
-from fd_core.quantization import bits_of, quantize
+from fd_core.quantization import bits_of, kernel_group, quantize
 
 # What a prepared weight's buffer is named after its parameter: `{attr}_prepared_{i}` (params.release_weights frees
 # them with the parameters).
@@ -49,12 +49,13 @@ class Product:
     def __call__(self, x: paddle.Tensor) -> paddle.Tensor:
         return self.kernel(x, *_resolved(self.layer, self.args))
 
-    def prepare(self, quantization: str | None) -> None:
-        """After the parameter is loaded: quantize and / or prepare it for the kernel in use, once."""
+    def prepare(self, quantization: str | None, group: int = 0) -> None:
+        """After the parameter is loaded: quantize (in groups of `group` inputs, 0 per output channel) and / or prepare
+        it for the kernel in use, once."""
         param = getattr(self.layer, self.attr)
         if quantization is not None and self.quantizable:
             bits = bits_of(quantization)
-            values, scales = quantize(param, bits, self.transpose_weight)
+            values, scales = quantize(param, bits, self.transpose_weight, kernel_group(self.ops, group))
             args = self.ops.prepare("quant_matmul", values, scales, bits)
             kernel = self.ops.prepared("quant_matmul")
         elif self.ops.prepares("matmul"):
@@ -63,14 +64,15 @@ class Product:
         else:
             return
         self.kernel, self.args = kernel, self._hold(args)
-        if self.release and all(name != self.attr for name, _ in self.args):
+        if self.release and all(name != self.attr and not getattr(value, "reads_weight", False)
+                                for name, value in self.args):
             param._clear_data()  # the kernel reads only what was prepared from it
 
     def _hold(self, values: tuple[Any, ...]) -> tuple[tuple[str | None, Any], ...]:
         return tuple(_hold(self.layer, self.attr, i, value) for i, value in enumerate(values))
 
-    def loaded(self, param: paddle.Tensor, quantization: str | None) -> None:
-        self.prepare(quantization)
+    def loaded(self, param: paddle.Tensor, quantization: str | None, group: int = 0) -> None:
+        self.prepare(quantization, group)
 
 
 class ExpertProducts:
@@ -91,7 +93,7 @@ class ExpertProducts:
     def __call__(self, x: paddle.Tensor, chosen: paddle.Tensor, weights: paddle.Tensor) -> paddle.Tensor:
         return self.kernel(x, *_resolved(self.layer, self.args), chosen, weights)
 
-    def loaded(self, param: paddle.Tensor, quantization: str | None) -> None:
+    def loaded(self, param: paddle.Tensor, quantization: str | None, group: int = 0) -> None:
         self.filled.update(attr for attr in self.attrs if getattr(self.layer, attr) is param)
         if len(self.filled) < len(self.attrs):
             return
@@ -132,12 +134,13 @@ def _hold(layer: nn.Layer, attr: str, index: int, value: Any) -> tuple[str | Non
     return name, None
 
 
-def prepare_after_load(quantization: str | None) -> Any:
+def prepare_after_load(quantization: str | None, group: int = 0) -> Any:
     """The `after` function params.load_weights calls with each parameter it filled: prepares its product, if any."""
 
     def after(param: paddle.Tensor) -> None:
         product = getattr(param, "fd_product", None)
         if product is not None:
-            product.loaded(param, quantization)
+            product.loaded(param, quantization, group)
 
     return after
+

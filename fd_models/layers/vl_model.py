@@ -47,7 +47,8 @@ class PictureTextModel(nn.Layer):
     def load_weights(self, shards: Mapping[str, Any]) -> None:
         """As the text model's: each linear weight prepared (and quantized, under config.quantization) as it loads."""
         params.load_weights(self, shards, self.renames,
-                            after=prepare_after_load(self.language_model.config.quantization))
+                            after=prepare_after_load(self.language_model.config.quantization,
+                                                     self.language_model.config.quantization_group))
 
     def release_weights(self) -> None:
         params.release_weights(self)

@@ -78,3 +78,23 @@ def host_memory(root: Path = Path("/")) -> DeviceMemory | None:
         total = min(total, limit)
         free = min(free, max(0, limit - (usage or 0)))
     return DeviceMemory(total=total, free=min(free, total))
+
+
+def return_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere).
+
+    Loading frees each float weight once its product is prepared, while glibc's adaptive mmap threshold has grown
+    with the large blocks freed before: later weights come from the heap, whose freed pages stay resident until
+    trimmed (measured: about 500 MiB of ERNIE-4.5-0.3B's load, held for the whole run).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        trim = None
+    if trim is not None:
+        trim(0)

@@ -11,7 +11,7 @@ from fd_plugins.cpu.memory import host_memory
 from fd_plugins.cpu.threads import apply_threads, phase_threads, users_threads_env
 
 # The version of fd's plugin contract this plugin was written for (fd_core.contract).
-FD_CONTRACT = "1.2"
+FD_CONTRACT = "1.6"
 
 # What the conformance suite checks; float16 is summed in float32 (see fd_all_reduce).
 FD_CAPABILITIES = Capabilities(
@@ -60,8 +60,12 @@ def fd_platform_detect() -> Detection:
 
 @hookimpl
 def fd_rank_start(rank: RankContext) -> None:
-    """Size Paddle's thread pools for the rank's compute threads before it loads a weight."""
+    """Size Paddle's thread pools, and the pool MLAS's products will share, for the rank's compute threads before it
+    loads a weight."""
+    from fd_plugins.cpu.mlas import set_threads
+
     apply_threads(rank.threads)
+    set_threads(rank.threads)
 
 
 @hookimpl
@@ -118,8 +122,11 @@ def _is_eager(tensor: Any) -> bool:
 
 @hookimpl
 def fd_clean_memory_fragments(state_dict: dict[str, Any] | None) -> None:
-    """The CPU allocator returns freed blocks itself; collecting cycles frees what they hold."""
+    """Collect cycles (freeing what they hold), then return the C heap's free pages to the system."""
+    from fd_plugins.cpu.memory import return_freed_memory
+
     gc.collect()
+    return_freed_memory()
 
 
 # Above this much dense weight per rank (what a decode step reads), a static program gains nothing
@@ -129,8 +136,17 @@ STATIC_GAIN_WEIGHT_BYTES = 64 << 20
 
 @hookimpl
 def fd_graph_eligibility(model_config: ModelConfig, parallel_config: ParallelConfig, graph_mode: str) -> GraphVote:
-    """Static graphs trace every model; they pay only for small models at tp=1,
-    so auto skips the rest (--graph on captures)."""
+    """Vetoed for a model whose products MLAS runs; else static graphs pay only for small models at tp=1, so auto
+    skips the rest (--graph on captures)."""
+    from fd_plugins.cpu.mlas import MLAS_MIN_BYTES, serves_model
+
+    if serves_model(largest_weight_bytes(model_config, parallel_config.tp_size), model_config.dtype):
+        # Its products of weights this large run on ONNX Runtime's MLAS kernels (fd_plugins.cpu.mlas), outside Paddle:
+        # a static program cannot call them.
+        return GraphVote.veto(
+            f"its products of weights of {MLAS_MIN_BYTES >> 20} MiB or more run on ONNX Runtime's MLAS kernels, "
+            "which a Paddle static program cannot hold"
+        )
     weights = model_config.weight_bytes_per_rank(parallel_config.tp_size)
     if weights > STATIC_GAIN_WEIGHT_BYTES:
         # A step that reads this much weight is bound by memory, not op dispatch: at ERNIE-4.5-0.3B
@@ -151,6 +167,15 @@ def fd_graph_eligibility(model_config: ModelConfig, parallel_config: ParallelCon
     return GraphVote.ok("paddle static graph traces the model")
 
 
+def largest_weight_bytes(model_config: ModelConfig, tp: int) -> int:
+    """float32 bytes of a rank's largest linear weight of the decoder (the LM head's, as a rule), from the sizes."""
+    head_dim = model_config.resolved_head_dim
+    hidden = model_config.hidden_size
+    largest = max(model_config.vocab_size * hidden, model_config.intermediate_size * hidden,
+                  model_config.num_attention_heads * head_dim * hidden)
+    return -(-largest // tp) * 4
+
+
 @hookimpl
 def fd_graph_backend(parallel_config: ParallelConfig) -> Any:
     """A static-graph backend."""
@@ -162,10 +187,10 @@ def fd_graph_backend(parallel_config: ParallelConfig) -> Any:
 @hookimpl
 def fd_register_kernels(register: Any) -> None:
     from fd_plugins.cpu.kernels import add_rms_norm, rms_norm, rotary_embedding
-    from fd_plugins.cpu.products import matmul, prepare_quant, quant_matmul
+    from fd_plugins.cpu.products import matmul, prepare_matmul, prepare_quant, quant_matmul
 
     register("rms_norm", rms_norm)
     register("add_rms_norm", add_rms_norm)
     register("rotary_embedding", rotary_embedding)
-    register("matmul", matmul)
+    register("matmul", matmul, prepare=prepare_matmul)
     register("quant_matmul", quant_matmul, prepare=prepare_quant)

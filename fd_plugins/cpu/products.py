@@ -121,11 +121,28 @@ def _cores() -> int:
     return usable_cores(affinity_cores(), cgroup_cpu_limit())
 
 
+def prepare_matmul(weight: Any, transpose_weight: bool) -> Any:
+    """A weight MLAS serves (fd_plugins.cpu.mlas.serves) as its prepared product; any other weight as it is."""
+    from fd_plugins.cpu.memory import return_freed_memory
+    from fd_plugins.cpu.mlas import MlasProduct, serves
+
+    if not serves(weight):
+        return weight
+    # The weight prepared before this one has just been released: its pages go back now, so that loading holds one
+    # float weight at a time beyond the packed ones (fd_plugins.cpu.memory.return_freed_memory).
+    return_freed_memory()
+    return MlasProduct(weight, transpose_weight)
+
+
 def matmul(x: Any, weight: Any, transpose_weight: bool) -> Any:
-    """x [..., K] @ weight [K, N] (or weight [N, K] transposed): a one-row product on every
-    compute thread, else Paddle's."""
+    """x [..., K] @ weight [K, N] (or weight [N, K] transposed): through MLAS for a weight prepared for it, else a
+    one-row product on every compute thread, else Paddle's."""
     import paddle
 
+    from fd_plugins.cpu.mlas import MlasProduct
+
+    if isinstance(weight, MlasProduct):
+        return weight(x)
     parts = split_count(x, weight)
     if parts < 2:
         return paddle.matmul(x, weight, transpose_y=transpose_weight)
@@ -149,10 +166,22 @@ QUANT_BLOCK_ROWS = 256
 
 
 def prepare_quant(weight: Any, scales: Any, bits: int) -> tuple[Any, Any]:
-    """fd's quantized form in this kernel's layout: wint8 as it is; wint4 repacked so that byte j of a row holds
-    columns j (low four bits) and j + ceil(K / 2) (high four), so a block unpacks into two halves of the row with two
-    shifts each and no interleaving."""
-    if bits == 8:
+    """fd's quantized form as this kernel takes it: MLAS's product (fd_plugins.cpu.mlas.MlasQuantProduct, no scales
+    beside it) where MLAS serves the weight; else Paddle's blocks: wint8 as it is, wint4 repacked so that byte j of a
+    row holds columns j (low four bits) and j + ceil(K / 2) (high four), so a block unpacks into two halves of the row
+    with two shifts each and no interleaving; the scales per output channel (Paddle's blocks take no groups: a grouped
+    weight is dequantized whole, as the native op does)."""
+    from fd_plugins.cpu.memory import return_freed_memory
+    from fd_plugins.cpu.mlas import MlasQuantProduct, quant_block
+
+    rows = weight.shape[0]
+    groups = 1 if len(scales.shape) == 1 else scales.shape[1]
+    columns = weight.shape[1] * (2 if bits == 4 else 1)
+    block = quant_block(rows, columns, groups)
+    if block is not None:
+        return_freed_memory()  # as prepare_matmul does
+        return MlasQuantProduct(weight, scales, bits, block), None
+    if groups > 1 or bits == 8:
         return weight, scales
     import paddle
 
@@ -184,11 +213,18 @@ def _quant_rows(x32: Any, weight: Any, bits: int, start: int, stop: int) -> Any:
 
 
 def quant_matmul(x: Any, weight: Any, scales: Any, bits: int) -> Any:
-    """x [..., K] times the prepared quantized weight [N, K] transposed, a block of output rows at a time: each
+    """x [..., K] times the prepared quantized weight [N, K] transposed: through MLAS where prepared for it; else a
     block's values are widened to float32 and multiplied, the scales applied once to the result (never the whole
     weight dequantized); a one-row product's blocks are shared among the compute threads, as matmul's are."""
     import paddle
 
+    from fd_core.native_ops import quant_matmul as dequantized
+    from fd_plugins.cpu.mlas import MlasQuantProduct
+
+    if isinstance(weight, MlasQuantProduct):
+        return weight(x)
+    if len(scales.shape) > 1:  # grouped, and no MLAS block for it
+        return dequantized(x, weight, scales, bits)
     x32 = x if x.dtype == paddle.float32 else x.astype("float32")
     rows = weight.shape[0]
     parts = min(split_count(x, weight, element_bytes=4), rows)

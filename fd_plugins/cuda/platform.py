@@ -8,7 +8,7 @@ from fd_core import Detection, GraphVote, ModelConfig, ParallelConfig, hookimpl
 from fd_plugins.cuda.build import CPU_DISTRIBUTION, INSTALL_DOC, installed, paddle_build
 
 # The version of fd's plugin contract this plugin was written for (fd_core.contract).
-FD_CONTRACT = "1.1"
+FD_CONTRACT = "1.6"
 
 GPU_DISTRIBUTION = "paddlepaddle-gpu"
 # Public PyPI stops at paddlepaddle-gpu 2.6.2; the 3.x builds come from Paddle's index, one per CUDA version.

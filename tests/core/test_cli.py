@@ -18,7 +18,7 @@ def test_plugins_lists_cpu_active_and_the_others_not_detected_with_the_reason() 
     assert done.stdout.startswith("platform: cpu (")
     assert max(map(len, done.stdout.splitlines())) <= 100  # wrapped for a terminal
     row = listing(done.stdout)["platform plugins"]
-    assert row["cpu"].startswith("cpu fd-backends 0.1.0, contract 1.2 active: ")
+    assert row["cpu"].startswith("cpu fd-backends 0.1.0, contract 1.6 active: ")
     # exact: tests/docs/test_install.py
     assert "not active: not detected: paddle is the CPU build (paddlepaddle " in row["cuda"]
     assert "not active: not detected: paddle-iluvatar-gpu is not installed" in row["iluvatar"]
@@ -44,7 +44,7 @@ def test_plugins_json_has_every_field() -> None:
     assert set(cuda) == {"name", "kind", "module", "distribution", "version", "builtin", "allowed", "hooks",
                          "detection", "error", "incompatible", "active", "status", "kernels", "contract",
                          "contract_declared"}
-    assert data["contract_version"] == "1.5" and (cuda["contract"], cuda["contract_declared"]) == ("1.1", True)
+    assert data["contract_version"] == "1.6" and (cuda["contract"], cuda["contract_declared"]) == ("1.6", True)
     assert by_name["cpu"]["kernels"] == ["add_rms_norm", "matmul", "quant_matmul", "rms_norm", "rotary_embedding"] and cuda["kernels"] == []
     assert (cuda["kind"] == "platform" and cuda["builtin"] and not cuda["active"]
             and cuda["detection"]["detected"] is False)

@@ -48,6 +48,52 @@ def test_quantize_gives_the_documented_form(bits: int, shape: tuple[int, int], t
     assert np.all(np.abs(back - rows) <= want_scales[:, None] / 2 + 1e-6)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_in_groups_gives_the_documented_form(bits: int) -> None:
+    """Contract 1.6: each group of G columns quantized as its own row would be (the per-row oracle on [N * K / G, G]);
+    a K that G does not divide is quantized per output channel."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((5, 96)).astype(np.float32)
+    w[1, 24:48] = 0.0  # an all-zero group: scale 1, values 0
+    values, scales = quantize(paddle.to_tensor(w), bits, group=24)
+    level = 127 if bits == 8 else 7
+    peak = np.abs(w.reshape(5, 4, 24)).max(axis=2)
+    want_scales = np.where(peak > 0, peak / level, 1.0)
+    np.testing.assert_allclose(scales.numpy(), want_scales, rtol=1e-6)
+    levels = np.clip(np.round(w.reshape(5, 4, 24) / want_scales[:, :, None]), -level, level).reshape(5, 96)
+    want_values = levels.astype(np.int8)
+    if bits == 4:  # two a byte, the even column in the low four bits
+        low, high = want_values[:, 0::2].view(np.uint8) & 0xF, want_values[:, 1::2].view(np.uint8) & 0xF
+        want_values = (low | (high << 4)).view(np.int8)
+    np.testing.assert_array_equal(values.numpy(), want_values)
+    back = dequantize(values, scales, bits, 96).numpy()
+    assert np.all(np.abs(back - w) <= np.repeat(want_scales, 24, axis=1) / 2 + 1e-6)
+    _, channel_scales = quantize(paddle.to_tensor(w[:, :90]), bits, group=24)
+    assert list(channel_scales.shape) == [5]
+
+
+def test_a_quant_kernel_written_before_groups_is_given_per_channel_weights(recwarn: pytest.WarningsRecorder) -> None:
+    """The deprecation of contract 1.6: a quant_matmul kernel of a plugin written for 1.5 knows per-channel scales only,
+    so it is given those (one DeprecationWarning naming the plugin); one written for 1.6 gets the groups."""
+    from fd_core.quantization import kernel_group
+
+    class Old:
+        providers = {"quant_matmul": "oldchip"}
+        contracts = {"quant_matmul": "1.5"}
+
+        def written_for(self, op: str, version: str) -> bool:
+            return False
+
+    class New(Old):
+        def written_for(self, op: str, version: str) -> bool:
+            return True
+
+    assert kernel_group(New(), 32) == 32 and kernel_group(Old(), 0) == 0
+    assert kernel_group(Old(), 32) == 0
+    messages = [str(w.message) for w in recwarn if issubclass(w.category, DeprecationWarning)]
+    assert any("'oldchip'" in m and "per-channel" in m for m in messages), messages
+
+
 def test_the_native_quant_matmul_is_the_product_with_the_dequantized_weight() -> None:
     from fd_core.native_ops import quant_matmul
 
@@ -233,6 +279,6 @@ def test_fd_run_and_explain_say_the_linear_layers_are_quantized() -> None:
     report = json.loads(done.stdout)
     assert report["quantization"] == "wint4" and report["kernels"]["quant_matmul"] == "cpu"
     explained = run_fd(["explain", "--tp", "1", "--quantization", "wint8"])
-    assert "dtype: float32; linear layers wint8 (quant_matmul, weights quantized at load)" in explained.stdout
+    assert "dtype: float32; linear layers wint8 in groups of 128 (quant_matmul, weights quantized at load)" in explained.stdout
     refused = run_fd(["run", "--quantization", "int8"])
     assert refused.returncode == 2 and "--quantization: invalid choice: 'int8'" in refused.stderr

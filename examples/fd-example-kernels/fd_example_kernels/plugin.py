@@ -13,7 +13,7 @@ from fd_core import hookimpl
 from fd_example_kernels import moe, paged, weights
 
 # The version of fd's plugin contract this plugin was written for (fd_core.contract).
-FD_CONTRACT = "1.4"
+FD_CONTRACT = "1.6"
 
 _seen: set[str] = set()
 

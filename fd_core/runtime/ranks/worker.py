@@ -178,6 +178,7 @@ class RankWorker:
             "timings_s": {k: round(v, 4) for k, v in self._timings().items()},
             "dtype": self.plan.config.dtype,
             "quantization": self.plan.config.quantization,
+            "quantization_group": self.plan.config.quantization_group if self.plan.config.quantization else None,
             "threads": self.plan.threads.to_dict() if self.plan.threads is not None else None,
             "memory": self.plan.memory.to_dict() if self.plan.memory is not None else None,
             "kv_cache": self.engine.kv_stats(),

@@ -257,6 +257,35 @@ def test_quantized_weights_are_repacked_by_paddles_weight_quantize_then_served_b
     quantized.device_arch.cache_clear()
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_weights_in_groups_keep_their_groups_through_weight_quantize_and_weight_only_linear(
+    monkeypatch: pytest.MonkeyPatch, bits: int
+) -> None:
+    """Contract 1.6's groups: 64 and 128 are repacked in the same groups (weight_quantize runs for real; its scales are
+    fd's) and weight_only_linear is told the group size; groups of 32 stay in fd's form. The capability and
+    weight_only_linear are substituted (recorded, checked against the installed Paddle's signatures). Not on a GPU."""
+    from fd_core.quantization import quantize
+    from fd_plugins.cuda import quantized
+
+    quantized.device_arch.cache_clear()
+    monkeypatch.setattr(paddle.device.cuda, "get_device_capability", lambda device=None: (8, 0))
+    weight = paddle.to_tensor(np.random.default_rng(3).standard_normal((32, 256)).astype("float32"))
+    for group in (64, 128):
+        values, scales = quantize(weight, bits, group=group)
+        packed, packed_scales = quantized.prepare(values, scales, bits)
+        assert list(packed_scales.shape) == [256 // group, 32]
+        np.testing.assert_allclose(packed_scales.astype("float32").numpy(), scales.numpy().T, rtol=1e-3)
+        log: list = []
+        substitute(monkeypatch, paddle.nn.quant, "weight_only_linear", log, result=paddle.zeros([2, 32], "float16"))
+        quantized.quant_matmul(paddle.ones([2, 256]), packed, packed_scales, bits)
+        [(_, _, kwargs)] = log
+        assert kwargs["group_size"] == group
+    values, scales = quantize(weight, bits, group=32)
+    kept = quantized.prepare(values, scales, bits)
+    assert kept[0] is values and kept[1] is scales
+    quantized.device_arch.cache_clear()
+
+
 def test_an_odd_k_at_four_bits_is_repacked_with_its_padding_and_the_activations_padded_to_match(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
