@@ -177,7 +177,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     plugins = load_plugins()
     backend = load_backend(ParallelConfig(tp_size=args.tp), plugins=plugins)
     run = RunConfig(model=args.model, tp=args.tp, checkpoint=args.checkpoint, dtype=args.dtype,
-                    quantization=args.quantization, quantization_group=args.quantization_group, graph=args.graph,
+                    quantization=args.quantization, quantization_group=args.quantization_group,
+                    float_embeddings=args.float_embeddings, graph=args.graph,
                     memory_fraction=args.memory_fraction, threads=args.threads, kv_block_size=args.kv_block_size,
                     kv_cache_blocks=args.kv_cache_blocks, prefix_caching=args.prefix_caching,
                     max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens,
@@ -219,7 +220,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     lines += [f"  {vote.line()}" for vote in decision.votes]
     if decision.allowed:
         lines.append(capture_line(capture))
-    quantized = (f"; linear layers {config.quantization} {scheme_groups(config.quantization_group)} (quant_matmul, "
+    layers = "linear layers" if config.float_embeddings else "linear layers and LM head"
+    quantized = (f"; {layers} {config.quantization} {scheme_groups(config.quantization_group)} (quant_matmul, "
                  f"weights quantized at load)" if config.quantization else "")
     lines += [f"dtype: {config.dtype}{quantized}", threads_line(threads.to_dict()), f"memory: {memory.summary()}",
               kv_cache_line(kv), "settings (each the option's, the platform's or fd's default):"]
@@ -336,6 +338,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         quantization=args.quantization,
         quantization_group=args.quantization_group,
+        float_embeddings=args.float_embeddings,
         graph=args.graph,
         reload_cycles=args.reload_cycles,
         seed=args.seed,
@@ -430,7 +433,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  kv_block_size=args.kv_block_size, kv_cache_blocks=args.kv_cache_blocks,
                  prefix_caching=args.prefix_caching, max_prefill_tokens=args.max_prefill_tokens,
                  max_prefill_prompts=args.max_prefill_prompts, quantization=args.quantization,
-                 quantization_group=args.quantization_group, grammar_timeout=args.grammar_timeout,
+                 quantization_group=args.quantization_group, float_embeddings=args.float_embeddings,
+                 grammar_timeout=args.grammar_timeout,
                  kernel_canary=args.kernel_canary)
 
 
@@ -680,9 +684,11 @@ def build_parser(
 
     memory_help = (f"the share of each device's free memory for weights and KV cache, in (0, 1]; the cache's capacity "
                    f"(batch x context) is what the weights leave (default: {DEFAULT_MEMORY_FRACTION})")
-    quantization_help = ("weight-only quantization of the linear layers at load: wint8 (int8 weights) or wint4 "
-                         "(4-bit), a scale per group of inputs (--quantization-group); embeddings, norms, routers and "
-                         "vision towers stay in the compute dtype (default: none)")
+    quantization_help = ("weight-only quantization of the linear layers and the LM head at load: wint8 (int8 "
+                         "weights) or wint4 (4-bit), a scale per group of inputs (--quantization-group); a tied "
+                         "embedding looks tokens up in the head's quantized table; norms, routers and vision towers "
+                         "stay in the compute dtype (default: none)")
+    float_help = "under --quantization, keep the embedding table and the LM head in the compute dtype"
     group_help = (f"inputs one scale of --quantization covers, or 0 for one scale per output channel (default: "
                   f"{', '.join(f'{g} for {s}' for s, g in DEFAULT_GROUPS.items())}; a weight whose inputs are no "
                   f"multiple of it is quantized per output channel)")
@@ -712,6 +718,7 @@ def build_parser(
                    help="compute dtype, as fd run takes it (default: the platform's preferred one)")
     p.add_argument("--quantization", default=None, choices=tuple(SCHEMES), help=quantization_help)
     p.add_argument("--quantization-group", type=int, default=None, metavar="N", help=group_help)
+    p.add_argument("--float-embeddings", action="store_true", help=float_help)
     p.add_argument("--memory-fraction", type=float, default=DEFAULT_MEMORY_FRACTION, metavar="F", help=memory_help)
     p.add_argument("--threads", type=_positive, default=None, metavar="N", help=threads_help)
     _cache_options(p)
@@ -765,6 +772,7 @@ def build_parser(
                    help="compute dtype (default: the platform's preferred one, the first it lists; see fd plugins)")
     p.add_argument("--quantization", default=None, choices=tuple(SCHEMES), help=quantization_help)
     p.add_argument("--quantization-group", type=int, default=None, metavar="N", help=group_help)
+    p.add_argument("--float-embeddings", action="store_true", help=float_help)
     p.add_argument("--graph", choices=("auto", "on", "off"), default="auto", help=graph_help)
     p.add_argument("--reload-cycles", type=_non_negative, default=0, metavar="N",
                    help="weight-update cycles after the first run (default: 0)")
@@ -838,6 +846,7 @@ def build_parser(
                    help="compute dtype (default: the platform's preferred one, the first it lists; see fd plugins)")
     p.add_argument("--quantization", default=None, choices=tuple(SCHEMES), help=quantization_help)
     p.add_argument("--quantization-group", type=int, default=None, metavar="N", help=group_help)
+    p.add_argument("--float-embeddings", action="store_true", help=float_help)
     p.add_argument("--graph", choices=("auto", "on", "off"), default="auto", help=graph_help)
     p.add_argument("--seed", type=_non_negative, default=0, metavar="N",
                    help="seeds the tiny preset's random weights (default: 0)")

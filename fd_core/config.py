@@ -74,6 +74,9 @@ class ModelConfig:
     # Its group size (contract 1.6): inputs a scale covers (fd_core.quantization.group_for), 0 per output channel; set
     # by the runner from --quantization-group or the scheme's default.
     quantization_group: int = 0
+    # Whether --quantization leaves the embedding table and the LM head in the compute dtype (--float-embeddings);
+    # else the head is quantized with the linear layers and a tied embedding looks tokens up in its quantized form.
+    float_embeddings: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -111,7 +114,8 @@ class ModelConfig:
                 f"config.json (or to the architecture's config_defaults, as the reference config class defines them)"
             )
         _refuse_unimplemented(settings, source)
-        known = {f.name for f in fields(cls)} - {"architecture", "extra", "dtype", "quantization", "quantization_group"}
+        known = {f.name for f in fields(cls)} - {"architecture", "extra", "dtype", "quantization", "quantization_group",
+                                                  "float_embeddings"}
         kwargs = {k: v for k, v in settings.items() if k in known}
         kwargs["rope_theta"] = _rope_theta(settings, source)
         if "use_bias" in settings:
@@ -198,6 +202,14 @@ class ModelConfig:
         # Quantized linear weights: a byte a value (half that at 4 bits) and a float32 scale per group of inputs (per
         # output row: about one per hidden_size values); embeddings and norms stay in the compute dtype.
         bits = SCHEMES[self.quantization]
+        table = self.vocab_size * self.hidden_size
+        if not self.float_embeddings:
+            # The LM head quantized with the linear layers; a tied table's quantized form is held once more for the
+            # embedding's lookup (the head's product may be in the platform's own layout); an untied embedding stays.
+            linear += table
+            embeddings -= table
+            if self.tie_word_embeddings:
+                linear, embeddings = linear + table, embeddings
         values = -(-linear // tp)
         quantized = values * bits // 8 + 4 * values // (self.quantization_group or self.hidden_size)
         return quantized + (-(-embeddings // tp) + replicated) * self.dtype_width

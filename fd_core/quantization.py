@@ -72,9 +72,25 @@ def quantize(weight: Any, bits: int, transpose_weight: bool = True, group: int =
 
     if bits not in LEVELS:
         raise ValueError(f"quantize: bits must be 8 or 4, got {bits!r}")
-    w = weight.astype("float32")
-    if not transpose_weight:
-        w = w.transpose([1, 0])
+    rows = weight.shape[0] if transpose_weight else weight.shape[1]
+    # A block of output rows at a time: the float temporaries of an LM head (a vocabulary of rows) stay small.
+    step = max(1, QUANTIZE_ELEMENTS // max(1, weight.shape[1] if transpose_weight else weight.shape[0]))
+    parts = [_quantized_rows(weight[a:a + step] if transpose_weight else weight[:, a:a + step].transpose([1, 0]),
+                             bits, group) for a in range(0, rows, step)]
+    if len(parts) == 1:
+        return parts[0]
+    return paddle.concat([p[0] for p in parts]), paddle.concat([p[1] for p in parts])
+
+
+# Elements of a weight quantize() turns into fd's form at once.
+QUANTIZE_ELEMENTS = 1 << 22
+
+
+def _quantized_rows(w: Any, bits: int, group: int) -> tuple[Any, Any]:
+    """fd's form of rows [n, K] of a weight (quantize)."""
+    import paddle
+
+    w = w.astype("float32")
     rows, columns = w.shape
     size = group_for(columns, group)
     blocks = w.reshape([rows, columns // size, size])

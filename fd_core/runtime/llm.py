@@ -45,7 +45,7 @@ class LLM:
         stall_timeout: float = DEFAULT_STALL_S, threads: int | None = None, kv_block_size: int | None = None,
         kv_cache_blocks: int | None = None, prefix_caching: bool = True,
         max_prefill_tokens: int | None = None, max_prefill_prompts: int | None = None,
-        quantization: str | None = None, quantization_group: int | None = None,
+        quantization: str | None = None, quantization_group: int | None = None, float_embeddings: bool = False,
         grammar_timeout: float = DEFAULT_GRAMMAR_TIMEOUT_S,
         kernel_canary: bool = True,
     ) -> None:
@@ -58,7 +58,7 @@ class LLM:
                         threads=threads, kv_block_size=kv_block_size, kv_cache_blocks=kv_cache_blocks,
                         prefix_caching=bool(prefix_caching), max_prefill_tokens=max_prefill_tokens,
                         max_prefill_prompts=max_prefill_prompts, quantization=quantization,
-                        quantization_group=quantization_group,
+                        quantization_group=quantization_group, float_embeddings=bool(float_embeddings),
                         grammar_timeout=grammar_timeout, kernel_canary=bool(kernel_canary))
         self._plugins = load_plugins(plugin_env(platform))
         self._backend = Backend(self._plugins)

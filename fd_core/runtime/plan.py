@@ -51,6 +51,8 @@ class RunConfig:
     # Its group size (inputs a scale covers; 0 per output channel); None: the scheme's default
     # (fd_core.quantization.DEFAULT_GROUPS).
     quantization_group: int | None = None
+    # Keep the embedding and the LM head in the compute dtype under --quantization.
+    float_embeddings: bool = False
     graph: str = "auto"
     reload_cycles: int = 0
     # Seeds a preset's random weights and the sampler.
@@ -286,9 +288,13 @@ def plan_model(run: RunConfig, plugins: PluginSet, backend: Backend) -> ModelPla
     if run.quantization_group is not None and run.quantization is None:
         raise ConfigError(f"{setting('quantization-group')} sizes the groups of a quantization: give "
                           f"{setting('quantization')} too, or drop it")
+    if run.float_embeddings and run.quantization is None:
+        raise ConfigError(f"{setting('float-embeddings')} keeps the embeddings out of a quantization: give "
+                          f"{setting('quantization')} too, or drop it")
     if run.quantization is not None:
         group = DEFAULT_GROUPS.get(run.quantization, 0) if run.quantization_group is None else run.quantization_group
-        config = config.with_overrides(quantization=run.quantization, quantization_group=group)
+        config = config.with_overrides(quantization=run.quantization, quantization_group=group,
+                                       float_embeddings=bool(run.float_embeddings))
         config.check()
         if not arch.quantizable:
             raise ConfigError(

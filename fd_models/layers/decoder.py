@@ -143,7 +143,8 @@ class CausalLM(nn.Layer):
         self.ctx = ctx
         self.model = TextModel(config, ctx, options)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, ctx, tied, config.dtype)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, ctx, tied, config.dtype,
+                                      quantizable=not config.float_embeddings)
         self._caches: list[paddle.Tensor] | None = None
         self._graphs: GraphBackend | None = None
         self.block_size = 0

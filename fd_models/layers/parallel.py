@@ -14,8 +14,9 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from fd_core import WeightSpec
+from fd_core.quantization import dequantize
 from fd_models.layers.params import new_columns_param, new_param
-from fd_models.layers.products import Product
+from fd_models.layers.products import Product, hold
 
 
 class _Linear(nn.Layer):
@@ -81,10 +82,27 @@ class VocabParallelEmbedding(nn.Layer):
         tp, rank = ctx.parallel.tp_size, ctx.parallel.tp_rank
         self.local_vocab = vocab_size // tp
         self.start = rank * self.local_vocab
+        self.hidden_size, self.dtype_name = hidden_size, dtype
         new_columns_param(self, [("weight", WeightSpec((vocab_size, hidden_size), 0, dtype))], tp)
+        # Once a tied LM head's quantization hands the table over (hold_quantized): the names of its buffers (values,
+        # scales) and the bits; None while the table is float.
+        self.quantized: tuple[str, str, int] | None = None
+
+    def hold_quantized(self, values: paddle.Tensor, scales: paddle.Tensor, bits: int) -> None:
+        """The table in fd's quantized form, as the tied LM head's quantization made it ([vocab / tp, hidden] values,
+        one token's row each, and their scales): tokens are looked up by row and dequantized, and the float table is
+        released. Held as buffers (written in place on a reload), so a captured step reads them."""
+        held = [hold(self, "quantized_table", index, value)[0] for index, value in enumerate((values, scales))]
+        self.quantized = (str(held[0]), str(held[1]), bits)
 
     def _lookup(self, ids: paddle.Tensor) -> paddle.Tensor:
         """ids [...] (each a column of this rank's table) -> their vectors [..., hidden]."""
+        if self.quantized is not None:
+            values, scales, bits = self.quantized
+            flat = ids.reshape([-1])
+            rows = dequantize(paddle.gather(getattr(self, values), flat, axis=0),
+                              paddle.gather(getattr(self, scales), flat, axis=0), bits, self.hidden_size)
+            return rows.astype(self.dtype_name).reshape([*ids.shape, self.hidden_size])
         columns = paddle.gather(self.weight, ids.reshape([-1]), axis=1)  # [hidden, n]
         return columns.transpose([1, 0]).reshape([*ids.shape, self.weight.shape[0]])
 
@@ -107,7 +125,8 @@ class ParallelLMHead(nn.Layer):
     """
 
     def __init__(
-        self, hidden_size: int, vocab_size: int, ctx: Any, tied: VocabParallelEmbedding | None, dtype: str = "float32"
+        self, hidden_size: int, vocab_size: int, ctx: Any, tied: VocabParallelEmbedding | None, dtype: str = "float32",
+        quantizable: bool = False,
     ) -> None:
         super().__init__()
         self.ctx = ctx
@@ -115,10 +134,13 @@ class ParallelLMHead(nn.Layer):
         if tied is None:
             # Held [hidden, vocab / tp] as the embedding is (see VocabParallelEmbedding): x @ W, the faster product.
             new_columns_param(self, [("weight", WeightSpec((vocab_size, hidden_size), 0, dtype))], ctx.parallel.tp_size)
-        # Not quantized (--quantization keeps the head in the compute dtype); a tied table stays for the embedding. (A
-        # Product is no layer: the tied embedding is not registered, and named, a second time here.)
-        self.product = (Product(self, "weight", False, ctx, quantizable=False) if tied is None
-                        else Product(tied, "weight", False, ctx, quantizable=False, release=False))
+        # Quantized with the linear layers when `quantizable` (a run's --quantization, unless --float-embeddings): a
+        # tied table's quantized form then serves the embedding too (hold_quantized), which releases its float table;
+        # else it stays for the embedding. (A Product is no layer: the tied embedding is not registered, and named, a
+        # second time here.)
+        self.product = (Product(self, "weight", False, ctx, quantizable=quantizable) if tied is None
+                        else Product(tied, "weight", False, ctx, quantizable=quantizable, release=False,
+                                     on_quantized=tied.hold_quantized))
 
     def forward(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """hidden [B, H] -> float32 logits [B, vocab] on every rank."""

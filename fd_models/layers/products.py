@@ -12,7 +12,7 @@ With the native kernels and no quantization nothing is prepared, copied or relea
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import paddle
 from paddle import nn
@@ -29,7 +29,7 @@ class Product:
 
     def __init__(
         self, layer: nn.Layer, attr: str, transpose_weight: bool, ctx: Any, quantizable: bool = True,
-        release: bool = True,
+        release: bool = True, on_quantized: Callable[[paddle.Tensor, paddle.Tensor, int], None] | None = None,
     ) -> None:
         self.layer, self.attr, self.transpose_weight = layer, attr, transpose_weight
         self.ops = ctx.ops
@@ -38,6 +38,9 @@ class Product:
         # Whether the parameter's storage is released once prepared: not when another layer reads it too (a tied LM
         # head's weight is the embedding's table).
         self.release = release
+        # Given fd's quantized form of the weight once made (values, scales, bits), before the kernel's preparation:
+        # the layer that shares the weight (a tied embedding) keeps its own use of it, and the weight is released.
+        self.on_quantized = on_quantized
         param = getattr(layer, attr)
         # How the loader finds this product after filling the parameter (params.load_weights' `after`).
         param.fd_product = self
@@ -56,20 +59,24 @@ class Product:
         if quantization is not None and self.quantizable:
             bits = bits_of(quantization)
             values, scales = quantize(param, bits, self.transpose_weight, kernel_group(self.ops, group))
+            shared = self.on_quantized is not None
+            if shared:
+                self.on_quantized(values, scales, bits)  # type: ignore[misc]
             args = self.ops.prepare("quant_matmul", values, scales, bits)
             kernel = self.ops.prepared("quant_matmul")
         elif self.ops.prepares("matmul"):
+            shared = False
             args = self.ops.prepare("matmul", param, self.transpose_weight)
             kernel = self.ops.prepared("matmul")
         else:
             return
         self.kernel, self.args = kernel, self._hold(args)
-        if self.release and all(name != self.attr and not getattr(value, "reads_weight", False)
+        if (self.release or shared) and all(name != self.attr and not getattr(value, "reads_weight", False)
                                 for name, value in self.args):
             param._clear_data()  # the kernel reads only what was prepared from it
 
     def _hold(self, values: tuple[Any, ...]) -> tuple[tuple[str | None, Any], ...]:
-        return tuple(_hold(self.layer, self.attr, i, value) for i, value in enumerate(values))
+        return tuple(hold(self.layer, self.attr, i, value) for i, value in enumerate(values))
 
     def loaded(self, param: paddle.Tensor, quantization: str | None, group: int = 0) -> None:
         self.prepare(quantization, group)
@@ -104,7 +111,7 @@ class ExpertProducts:
         # The routing is per call: the preparation takes the weights only (Op.prepare_args).
         values = self.ops.prepare("moe_experts", *weights, None, None)[:3]
         self.kernel = self.ops.prepared("moe_experts")
-        self.args = tuple(_hold(self.layer, attr, 0, value) for attr, value in zip(self.attrs, values, strict=True))
+        self.args = tuple(hold(self.layer, attr, 0, value) for attr, value in zip(self.attrs, values, strict=True))
         kept = {name for name, _ in self.args}
         for attr, param in zip(self.attrs, weights, strict=True):
             if attr not in kept:
@@ -117,11 +124,11 @@ def _resolved(layer: nn.Layer, args: tuple[tuple[str | None, Any], ...]) -> list
     return [value if name is None else getattr(layer, name) for name, value in args]
 
 
-def _hold(layer: nn.Layer, attr: str, index: int, value: Any) -> tuple[str | None, Any]:
+def hold(layer: nn.Layer, attr: str, index: int, value: Any) -> tuple[str | None, Any]:
     """A prepared value as the kernel gets it: (the layer's tensor name, None), or (None, a non-tensor as is). A
     tensor is held as a buffer of the layer named after its parameter: the same object load after load (a traced
     program holds it), its storage replaced."""
-    if value is getattr(layer, attr):
+    if value is getattr(layer, attr, None):
         return attr, None
     if not isinstance(value, paddle.Tensor):
         return None, value

@@ -84,9 +84,10 @@ def serves(weight: Any) -> bool:
     installed."""
     import paddle
 
-    if weight.dtype != paddle.float32 or len(weight.shape) != 2 or not available():
+    # The size first: ONNX Runtime is imported only for a weight it would serve (a tiny model never imports it).
+    if weight.dtype != paddle.float32 or len(weight.shape) != 2 or math.prod(weight.shape) * 4 < MLAS_MIN_BYTES:
         return False
-    return math.prod(weight.shape) * 4 >= MLAS_MIN_BYTES
+    return available()
 
 
 # The block sizes MLAS's quantized product takes (MatMulNBits' block_size): a group of one of these is its block; a
@@ -98,7 +99,7 @@ PER_CHANNEL_BLOCK = 32
 def quant_block(rows: int, columns: int, groups: int) -> int | None:
     """The MLAS block of a quantized weight [rows, columns] in `groups` groups a row (1: per output channel), or None
     where MLAS does not serve it (a group size it has no kernel for, or a weight below MLAS_MIN_BYTES as float32)."""
-    if not available() or rows * columns * 4 < MLAS_MIN_BYTES:
+    if rows * columns * 4 < MLAS_MIN_BYTES or not available():
         return None
     if groups == 1:
         return PER_CHANNEL_BLOCK

@@ -12,7 +12,7 @@ import paddle
 import pytest
 
 from fd_core.host.loading import load_plugins
-from fd_core.quantization import dequantize, quantize
+from fd_core.quantization import bits_of, dequantize, quantize, quantized_bytes
 from fd_core.testing import ModelSuite
 
 ARCHS = ["ernie4_5", "ernie4_5_vl", "qwen3_vl"]
@@ -70,6 +70,23 @@ def test_quantize_in_groups_gives_the_documented_form(bits: int) -> None:
     assert np.all(np.abs(back - w) <= np.repeat(want_scales, 24, axis=1) / 2 + 1e-6)
     _, channel_scales = quantize(paddle.to_tensor(w[:, :90]), bits, group=24)
     assert list(channel_scales.shape) == [5]
+
+
+@pytest.mark.parametrize("transpose", [True, False])
+def test_a_weight_quantized_a_block_of_rows_at_a_time_is_quantized_as_whole(
+    monkeypatch: pytest.MonkeyPatch, transpose: bool
+) -> None:
+    """quantize() takes a large weight (an LM head) in blocks of rows, so that its float temporaries stay small: the
+    blocks' form is the whole weight's."""
+    import fd_core.quantization as quantization
+
+    w = paddle.to_tensor(np.random.default_rng(5).standard_normal((37, 64)).astype(np.float32))
+    whole = [quantize(w, bits, transpose, group) for bits in (8, 4) for group in (0, 16)]
+    monkeypatch.setattr(quantization, "QUANTIZE_ELEMENTS", 5 * 64)
+    blocks = [quantize(w, bits, transpose, group) for bits in (8, 4) for group in (0, 16)]
+    for (values, scales), (want_values, want_scales) in zip(blocks, whole, strict=True):
+        np.testing.assert_array_equal(values.numpy(), want_values.numpy())
+        np.testing.assert_array_equal(scales.numpy(), want_scales.numpy())
 
 
 def test_a_quant_kernel_written_before_groups_is_given_per_channel_weights(recwarn: pytest.WarningsRecorder) -> None:
@@ -154,9 +171,10 @@ def test_weights_are_prepared_once_per_load_and_never_in_a_step_or_a_replay(quan
     runner.load()
     runner.decide()
     assert runner.decision is not None and runner.decision.allowed
-    # qkv, o, gate_up and down of each layer (quantized when asked), and the LM head (never quantized).
+    # qkv, o, gate_up and down of each layer, and the LM head (each quantized when asked).
     linear = 4 * config.num_hidden_layers
-    once = Counter({"quant_matmul": linear, "matmul": 1} if quantization else {"matmul": linear + 1})
+    # The LM head is quantized with the linear layers (its table tied: the embedding looks tokens up in that form).
+    once = Counter({"quant_matmul": linear + 1} if quantization else {"matmul": linear + 1})
     assert Counter(calls) == once
     request = Request.greedy([[5, 1, 4, 2, 3], [7, 7, 2]], 8)
     got = [c.token_ids for c in Engine(runner).generate(request)]
@@ -165,7 +183,10 @@ def test_weights_are_prepared_once_per_load_and_never_in_a_step_or_a_replay(quan
     assert model is not None
     attention = model.model.layers[0].self_attn
     assert not attention.qkv._is_initialized() and attention.qkv_prepared_0._is_initialized()
-    assert model.model.embed_tokens.weight._is_initialized()  # the tied head's table: the embedding reads it too
+    # The tied head's table: the embedding reads it too, float, or in the head's quantized form (the float released).
+    embedding = model.model.embed_tokens
+    assert embedding.weight._is_initialized() == (quantization is None)
+    assert (embedding.quantized is None) == (quantization is None)
     runner.seed = 1  # other weights, reloaded into the same model
     runner.reload()
     assert Counter(calls) == once + once
@@ -180,8 +201,9 @@ def test_weights_are_prepared_once_per_load_and_never_in_a_step_or_a_replay(quan
 
 
 def test_a_quantized_model_holds_a_quarter_of_its_linear_weights_bytes() -> None:
-    """wint8 against float32 on the ernie4_5 preset: the linear weights' bytes as held (values and scales), the
-    parameters they came from released; the memory plan counts the same bytes."""
+    """wint8 against float32 on the ernie4_5 preset: the weights' bytes as held (values and scales), the parameters they
+    came from released; the memory plan counts the same bytes. By default the tied LM head is quantized too and the
+    embedding looks tokens up in its quantized table (its float table released); --float-embeddings keeps both float."""
     from fd_core.host.backend import Backend
     from fd_core.runtime.engine.runner import ModelRunner
     from fd_core.runtime.plan import model_config_for
@@ -189,22 +211,61 @@ def test_a_quantized_model_holds_a_quarter_of_its_linear_weights_bytes() -> None
     backend = Backend(load_plugins({}))
     arch = backend.plugins.registry.get("ernie4_5")
     held = {}
-    for scheme in (None, "wint8", "wint4"):
-        config = model_config_for(arch, None).with_overrides(quantization=scheme)
+    for scheme, float_embeddings in ((None, False), ("wint8", True), ("wint4", True), ("wint8", False),
+                                     ("wint4", False)):
+        config = model_config_for(arch, None).with_overrides(quantization=scheme, float_embeddings=float_embeddings)
         runner = ModelRunner(backend, arch, config, graph="off")
         runner.load()
         model = runner.model
         assert model is not None
-        tensors = [*model.parameters(), *model.buffers()]
-        held[scheme] = sum(t.numel().item() * t.element_size() for t in tensors if t._is_initialized())
+        # Each storage once (a tied table's quantized form may be both the embedding's and the head's).
+        tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()] if t._is_initialized()}
+        held[scheme, float_embeddings] = sum(t.numel().item() * t.element_size() for t in tensors.values())
         planned = config.weight_bytes_per_rank(1)
-        assert abs(held[scheme] - planned) <= 0.05 * planned, (scheme, held[scheme], planned)
+        # The plan counts a quantized tied table twice (the embedding's form and the head's, which a platform may
+        # repack); where the kernel takes fd's form as it is, the two are one storage.
+        spare = 0 if scheme is None or float_embeddings else quantized_bytes(
+            config.vocab_size, config.hidden_size, bits_of(scheme))
+        assert planned - spare - 0.05 * planned <= held[scheme, float_embeddings] <= 1.05 * planned, (
+            scheme, float_embeddings, held, planned)
     float_config = model_config_for(arch, None)
     embeddings = float_config.vocab_size * float_config.hidden_size * 4
-    linear32 = held[None] - embeddings
+    float32 = held[None, False]
+    linear32 = float32 - embeddings
     # A byte a value plus a float32 scale per output row; half a byte at 4 bits.
-    assert held["wint8"] - embeddings < 0.3 * linear32
-    assert held["wint4"] - embeddings < 0.18 * linear32
+    assert held["wint8", True] - embeddings < 0.3 * linear32
+    assert held["wint4", True] - embeddings < 0.18 * linear32
+    # (At wint4 the cpu kernel repacks a tiny table: the head's copy and the embedding's are two storages.)
+    assert held["wint8", False] < 0.3 * float32 and held["wint4", False] < 0.2 * float32
+
+
+def test_a_tied_embedding_looks_tokens_up_in_the_heads_quantized_table() -> None:
+    """Under --quantization the tied table is quantized once, by the LM head's product: the embedding of token t is
+    row t of that form dequantized (fd_core.quantization.dequantize), and the float table holds no storage."""
+    from fd_core.host.backend import Backend
+    from fd_core.quantization import dequantize
+    from fd_core.runtime.engine.runner import ModelRunner
+    from fd_core.runtime.plan import model_config_for
+
+    backend = Backend(load_plugins({}))
+    arch = backend.plugins.registry.get("ernie4_5")
+    float_runner = ModelRunner(backend, arch, model_config_for(arch, None), graph="off")
+    float_runner.load()
+    assert float_runner.model is not None
+    table = float_runner.model.model.embed_tokens.weight.numpy()  # [hidden, vocab]: the float weights, seed 0
+    for bits, scheme in ((8, "wint8"), (4, "wint4")):
+        config = model_config_for(arch, None).with_overrides(quantization=scheme, quantization_group=32)
+        runner = ModelRunner(backend, arch, config, graph="off")
+        runner.load()
+        assert runner.model is not None
+        embedding = runner.model.model.embed_tokens
+        assert embedding.quantized is not None and not embedding.weight._is_initialized()
+        values, scales = quantize(paddle.to_tensor(table), bits, transpose_weight=False, group=32)
+        ids = paddle.to_tensor([[3, 0, 511], [7, 7, 42]])
+        want = dequantize(values, scales, bits, table.shape[0]).numpy()[ids.numpy()]
+        np.testing.assert_array_equal(embedding(ids).numpy(), want)
+        # Within half a step of each group of the float table.
+        assert np.abs(want - table.T[ids.numpy()]).max() <= np.abs(table).max() / (127 if bits == 8 else 7)
 
 
 def test_the_quality_check_fails_a_quantizer_whose_scales_are_off(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -219,11 +280,11 @@ def test_the_quality_check_fails_a_quantizer_whose_scales_are_off(monkeypatch: p
     suite.test_quantized_logits_stay_near_the_reference(plugins, arch, 0, "wint8", figures.__setitem__)
     assert figures["figures"].startswith("wint8: logits cosine min 0.99")
 
-    def doubled(weight: Any, bits: int, transpose_weight: bool = True) -> tuple[Any, Any]:
+    def doubled(weight: Any, bits: int, transpose_weight: bool = True, group: int = 0) -> tuple[Any, Any]:
         values, scales = quantize(weight, bits, transpose_weight)
         return values, scales * 2
 
-    def inputs_axis(weight: Any, bits: int, transpose_weight: bool = True) -> tuple[Any, Any]:
+    def inputs_axis(weight: Any, bits: int, transpose_weight: bool = True, group: int = 0) -> tuple[Any, Any]:
         values, _ = quantize(weight, bits, transpose_weight)
         w = weight.astype("float32") if transpose_weight else weight.astype("float32").transpose([1, 0])
         peak = paddle.max(paddle.abs(w), axis=0)  # over the outputs: one per input column
@@ -279,6 +340,6 @@ def test_fd_run_and_explain_say_the_linear_layers_are_quantized() -> None:
     report = json.loads(done.stdout)
     assert report["quantization"] == "wint4" and report["kernels"]["quant_matmul"] == "cpu"
     explained = run_fd(["explain", "--tp", "1", "--quantization", "wint8"])
-    assert "dtype: float32; linear layers wint8 in groups of 128 (quant_matmul, weights quantized at load)" in explained.stdout
+    assert "dtype: float32; linear layers and LM head wint8 in groups of 128 (quant_matmul" in explained.stdout
     refused = run_fd(["run", "--quantization", "int8"])
     assert refused.returncode == 2 and "--quantization: invalid choice: 'int8'" in refused.stderr

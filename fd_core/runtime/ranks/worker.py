@@ -179,6 +179,7 @@ class RankWorker:
             "dtype": self.plan.config.dtype,
             "quantization": self.plan.config.quantization,
             "quantization_group": self.plan.config.quantization_group if self.plan.config.quantization else None,
+            "float_embeddings": self.plan.config.float_embeddings,
             "threads": self.plan.threads.to_dict() if self.plan.threads is not None else None,
             "memory": self.plan.memory.to_dict() if self.plan.memory is not None else None,
             "kv_cache": self.engine.kv_stats(),
