@@ -13,8 +13,10 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,9 +33,16 @@ CONFIG = ROOT / "benchmarks" / "configs" / "ernie-4.5-0.3b.json"
 BEFORE = "91dfbf0"
 
 
+def _scratch(prefix: str) -> Path:
+    """A new temporary directory, removed when the process exits (a checkpoint of the real size is 700 MiB)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def _checkpoint(smoke: bool) -> Path:
     """A random checkpoint of the benchmark's size (bfloat16 storage, as published), written once."""
-    root = Path(tempfile.mkdtemp(prefix="fd-bench-paged-"))
+    root = _scratch("fd-bench-paged-")
     checkpoint = root / "checkpoint"
     save = [sys.executable, "-m", "fd_core.cli", "save-random", "--dtype", "bfloat16", str(checkpoint)]
     save[4:4] = ["--model", "ernie4_5"] if smoke else ["--config", str(CONFIG)]
@@ -216,7 +225,7 @@ def _tree(rev: str) -> Path | None:
                              capture_output=True)
     if archive.returncode:  # a shallow clone without that commit
         return None
-    target = Path(tempfile.mkdtemp(prefix=f"fd-bench-{rev}-"))
+    target = _scratch(f"fd-bench-{rev}-")
     subprocess.run(["tar", "-x", "-C", str(target)], input=archive.stdout, check=True)
     return target
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence, TextIO
 from fd_core.config import COMPUTE_DTYPES
 from fd_core.contract import CONTRACT_VERSION
 from fd_core.errors import SETTINGS_STYLE_ENV, ConfigError, FdError, install_hint
-from fd_core.quantization import DEFAULT_GROUPS, SCHEMES, scheme_groups
+from fd_core.quantization import DEFAULT_GROUPS, SCHEMES, quantized_line
 
 # When fd's entry point was imported: a run's clock starts here if the process was created long
 # before, for something else, and exec'd fd (see procstats.process_start_time).
@@ -220,9 +220,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     lines += [f"  {vote.line()}" for vote in decision.votes]
     if decision.allowed:
         lines.append(capture_line(capture))
-    layers = "linear layers" if config.float_embeddings else "linear layers and LM head"
-    quantized = (f"; {layers} {config.quantization} {scheme_groups(config.quantization_group)} (quant_matmul, "
-                 f"weights quantized at load)" if config.quantization else "")
+    quantized = (f"; {quantized_line(config.quantization, config.quantization_group, config.float_embeddings)} "
+                 f"(quant_matmul, weights quantized at load)" if config.quantization else "")
     lines += [f"dtype: {config.dtype}{quantized}", threads_line(threads.to_dict()), f"memory: {memory.summary()}",
               kv_cache_line(kv), "settings (each the option's, the platform's or fd's default):"]
     lines += [f"  {line}" for line in settings.lines()]

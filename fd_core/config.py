@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fd_core.errors import ConfigError, setting
-from fd_core.quantization import SCHEMES
+from fd_core.quantization import SCHEMES, head_bits
 
 # Floating-point dtypes a model may compute in (the platform says which of them it can).
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -201,17 +201,20 @@ class ModelConfig:
             return (-(-(linear + embeddings) // tp) + replicated) * self.dtype_width
         # Quantized linear weights: a byte a value (half that at 4 bits) and a float32 scale per group of inputs (per
         # output row: about one per hidden_size values); embeddings and norms stay in the compute dtype.
-        bits = SCHEMES[self.quantization]
         table = self.vocab_size * self.hidden_size
+        head = 0
         if not self.float_embeddings:
-            # The LM head quantized with the linear layers; a tied table's quantized form is held once more for the
+            # The LM head quantized (to HEAD_BITS at least); a tied table's quantized form is held once more for the
             # embedding's lookup (the head's product may be in the platform's own layout); an untied embedding stays.
-            linear += table
+            head = table * (2 if self.tie_word_embeddings else 1)
             embeddings -= table
-            if self.tie_word_embeddings:
-                linear, embeddings = linear + table, embeddings
-        values = -(-linear // tp)
-        quantized = values * bits // 8 + 4 * values // (self.quantization_group or self.hidden_size)
+        group = self.quantization_group or self.hidden_size
+
+        def stored(values: int, bits: int) -> int:
+            return values * bits // 8 + 4 * values // group
+
+        quantized = stored(-(-linear // tp), SCHEMES[self.quantization]) + stored(-(-head // tp),
+                                                                                  head_bits(self.quantization))
         return quantized + (-(-embeddings // tp) + replicated) * self.dtype_width
 
     def cache_bytes_per_token(self, tp: int) -> int:

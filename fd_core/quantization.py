@@ -12,6 +12,9 @@ all-zero group gets scale 1 (its values are zero either way).
 Each scheme has a default group size (DEFAULT_GROUPS, `--quantization-group` chooses another, 0 per output channel):
 4 bits per channel lose too much (none of 32 greedy tokens of ERNIE-4.5-0.3B equal float32's), and groups of 32 are
 llama.cpp's q4_0 and q8_0 blocks.
+
+The LM head is quantized to HEAD_BITS at least (`head_bits`): every logit is one of its rows, so its error reaches
+the output undamped; under wint4 it holds 8 bits (llama.cpp likewise keeps its output tensor at 6 bits under q4_0).
 """
 
 from __future__ import annotations
@@ -28,6 +31,15 @@ LEVELS = {8: 127, 4: 7}
 DEFAULT_GROUPS = {"wint8": 128, "wint4": 32}
 
 
+# The fewest bits the LM head is quantized to, whatever the scheme (see the module's docstring).
+HEAD_BITS = 8
+
+
+def head_bits(scheme: str) -> int:
+    """The bits of the LM head under `scheme`."""
+    return max(SCHEMES[scheme], HEAD_BITS)
+
+
 def group_for(columns: int, group: int) -> int:
     """The group a weight of `columns` inputs is quantized in: `group`, or `columns` (per output channel) when `group`
     is 0 or does not divide it."""
@@ -42,6 +54,17 @@ def bits_of(scheme: str) -> int:
 def scheme_groups(group: int) -> str:
     """How a run's weights are grouped, as fd explain and fd run say it."""
     return f"in groups of {group}" if group else "per output channel"
+
+
+def quantized_line(scheme: str, group: int, float_embeddings: bool) -> str:
+    """What a run quantizes and how, as fd explain and fd run say it."""
+    grouped = scheme_groups(group)
+    if float_embeddings:
+        return f"linear layers {scheme} {grouped}"
+    head = f"wint{head_bits(scheme)}"
+    if head == scheme:
+        return f"linear layers and LM head {scheme} {grouped}"
+    return f"linear layers {scheme}, LM head {head}, {grouped}"
 
 
 def kernel_group(ops: Any, group: int) -> int:

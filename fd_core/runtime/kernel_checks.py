@@ -21,11 +21,12 @@ LARGE = 1024
 
 def cases(
     op: str, sizes: Sequence[Mapping[str, int]], dtype: str, seed: int = 0, *, large: bool = True,
-    bits: Sequence[int] = (8, 4),
+    bits: Sequence[int] = (8, 4), grouped: bool = True,
 ) -> Iterator[tuple[str, tuple[Any, ...]]]:
     """(description, arguments) for `op` at each of `sizes` (hidden, inter, head_dim, heads, kv): random values (not
     small integers), in `dtype`; `large` adds a published model's sizes (a decode step's one-row product of a large
-    weight), `bits` the quantized products' widths."""
+    weight), `bits` the quantized products' widths, `grouped` quant_matmul's group-wise scales (contract 1.6: a kernel
+    written for an earlier contract only ever receives per-channel scales)."""
     import numpy as np
     import paddle
 
@@ -117,6 +118,8 @@ def cases(
                     yield f"x[{count}, {k}] @ wint{width}[{n}, {k}]^T", (t(count, k), values, scales, width)
                 # In groups (contract 1.6): the scheme's default group, and a group size no power of two.
                 group = DEFAULT_GROUPS[f"wint{width}"]
+                if not grouped:
+                    continue
                 if h % group == 0:
                     values, scales = quantize(t(inter, h, kind="float32"), width, group=group)
                     yield (f"x[3, {h}] @ wint{width}[{inter}, {h}]^T in groups of {group}",
@@ -174,6 +177,8 @@ def cases(
             values, scales = quantize(t(4 * LARGE + ODD, LARGE, kind="float32"), width)
             yield (f"x[1, 1, {LARGE}] @ wint{width}[{4 * LARGE + ODD}, {LARGE}]^T",
                    (t(1, 1, LARGE), values, scales, width))
+            if not grouped:
+                continue
             # The scheme's default groups, a decode step of several rows.
             group = DEFAULT_GROUPS[f"wint{width}"]
             values, scales = quantize(t(4 * LARGE + ODD, LARGE, kind="float32"), width, group=group)
@@ -620,7 +625,8 @@ def _canary_op(
     else:
         return  # no tolerance in the run's dtype (float64): fd check does not compare it either
     bits = (bits_of(config.quantization),) if config.quantization else (8, 4)
-    for what, args in cases(op, sizes, dtype, large=False, bits=bits):
+    grouped = ops.written_for(op, "1.6")
+    for what, args in cases(op, sizes, dtype, large=False, bits=bits, grouped=grouped):
         try:
             want = getattr(native, op)(*copies(args))
         except Exception:  # noqa: BLE001 - fd's reference cannot run this case on this build: fd check says so

@@ -6,7 +6,7 @@ import json
 from typing import Any, Mapping, Sequence
 
 from fd_core.graphs import CastVote
-from fd_core.quantization import scheme_groups
+from fd_core.quantization import quantized_line
 from fd_core.runtime.memory import MemoryPlan
 
 
@@ -72,8 +72,8 @@ def summary_lines(results: Sequence[Mapping[str, Any]], verbose: bool = False) -
     lines = [
         f"platform: {result['platform']}   model: {result['model']}   tp: {result['tp']}"
         + (f"   dtype: {result['dtype']}" if "dtype" in result else "")
-        + (f", linear layers {result['quantization']} {scheme_groups(result.get('quantization_group') or 0)}"
-           if result.get("quantization") else ""),
+        + (", " + quantized_line(result["quantization"], result.get("quantization_group") or 0,
+                                 bool(result.get("float_embeddings"))) if result.get("quantization") else ""),
         f"kernels: {kernel_line(result['kernels'])}",
         *([threads_line(result["threads"])] if result.get("threads") else []),
         f"graph: {graph['summary']}",

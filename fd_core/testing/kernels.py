@@ -45,10 +45,12 @@ def _sizes(plugins: PluginSet) -> list[dict[str, int]]:
     return [dict(t) for t in {tuple(sorted(d.items())) for d in found}]
 
 
-def cases(op: str, plugins: PluginSet, dtype: str, seed: int = 0) -> Iterator[tuple[str, tuple[Any, ...]]]:
+def cases(
+    op: str, plugins: PluginSet, dtype: str, seed: int = 0, *, grouped: bool = True
+) -> Iterator[tuple[str, tuple[Any, ...]]]:
     """(description, arguments) for `op` at every registered architecture's sizes and odd ones, the large cases too:
-    random values (not small integers), in `dtype`."""
-    return kernel_checks.cases(op, _sizes(plugins), dtype, seed)
+    random values (not small integers), in `dtype`; `grouped` as kernel_checks.cases'."""
+    return kernel_checks.cases(op, _sizes(plugins), dtype, seed, grouped=grouped)
 
 
 @pytest.mark.usefixtures("started_rank")
@@ -122,7 +124,7 @@ class KernelTests:
             dtypes = [d for d in hardware.dtypes if d in OPS[op].dtypes]
             unchecked += [f"{op} in {d}" for d in hardware.dtypes if d not in OPS[op].dtypes]
             for dtype in dtypes:
-                for what, args in cases(op, plugins, dtype):
+                for what, args in cases(op, plugins, dtype, grouped=backend.ops.written_for(op, "1.6")):
                     # The reference first, on copies: a kernel that writes into its inputs must not change what it is
                     # compared with.
                     try:
@@ -172,7 +174,7 @@ class KernelTests:
         failures = []
         for op, provider in ours.items():
             for dtype in [d for d in hardware.dtypes if d in OPS[op].dtypes]:
-                for what, shared in cases(op, plugins, dtype):
+                for what, shared in cases(op, plugins, dtype, grouped=ops.written_for(op, "1.6")):
                     # A case's own copies: its reload refills them, and cases share weights (the experts' do).
                     args = copies(shared)
                     for when in ("prepared at load", "after a reload (the same tensors refilled, prepared again)"):
@@ -216,7 +218,9 @@ def _reload(op: str, args: tuple[Any, ...]) -> None:
     if op == "quant_matmul":
         weight, scales = given["weight"], given["scales"]
         fresh = np.random.default_rng(7).standard_normal((weight.shape[0], args[0].shape[-1])).astype("float32")
-        values, new_scales = quantize(paddle.to_tensor(fresh), given["bits"])
+        # The case's own grouping kept: scales [N] are per channel, [N, groups] one scale per group of a row.
+        group = fresh.shape[1] // scales.shape[1] if len(scales.shape) == 2 else 0
+        values, new_scales = quantize(paddle.to_tensor(fresh), given["bits"], group=group)
         paddle.assign(values, output=weight)
         paddle.assign(new_scales, output=scales)
         return

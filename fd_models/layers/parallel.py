@@ -14,7 +14,7 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from fd_core import WeightSpec
-from fd_core.quantization import dequantize
+from fd_core.quantization import HEAD_BITS, dequantize
 from fd_models.layers.params import new_columns_param, new_param
 from fd_models.layers.products import Product, hold
 
@@ -134,13 +134,14 @@ class ParallelLMHead(nn.Layer):
         if tied is None:
             # Held [hidden, vocab / tp] as the embedding is (see VocabParallelEmbedding): x @ W, the faster product.
             new_columns_param(self, [("weight", WeightSpec((vocab_size, hidden_size), 0, dtype))], ctx.parallel.tp_size)
-        # Quantized with the linear layers when `quantizable` (a run's --quantization, unless --float-embeddings): a
-        # tied table's quantized form then serves the embedding too (hold_quantized), which releases its float table;
-        # else it stays for the embedding. (A Product is no layer: the tied embedding is not registered, and named, a
-        # second time here.)
-        self.product = (Product(self, "weight", False, ctx, quantizable=quantizable) if tied is None
+        # Quantized with the linear layers when `quantizable` (a run's --quantization, unless --float-embeddings), to
+        # HEAD_BITS at least (its rows are the logits): a tied table's quantized form then serves the embedding too
+        # (hold_quantized), which releases its float table; else it stays for the embedding. (A Product is no layer:
+        # the tied embedding is not registered, and named, a second time here.)
+        self.product = (Product(self, "weight", False, ctx, quantizable=quantizable, least_bits=HEAD_BITS)
+                        if tied is None
                         else Product(tied, "weight", False, ctx, quantizable=quantizable, release=False,
-                                     on_quantized=tied.hold_quantized))
+                                     on_quantized=tied.hold_quantized, least_bits=HEAD_BITS))
 
     def forward(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """hidden [B, H] -> float32 logits [B, vocab] on every rank."""

@@ -30,11 +30,15 @@ class Product:
     def __init__(
         self, layer: nn.Layer, attr: str, transpose_weight: bool, ctx: Any, quantizable: bool = True,
         release: bool = True, on_quantized: Callable[[paddle.Tensor, paddle.Tensor, int], None] | None = None,
+        least_bits: int = 0,
     ) -> None:
         self.layer, self.attr, self.transpose_weight = layer, attr, transpose_weight
         self.ops = ctx.ops
-        # Vision towers, projectors, routers and the LM head are never quantized (--quantization's scope).
+        # Vision towers, projectors and routers are never quantized (--quantization's scope), nor the LM head under
+        # --float-embeddings.
         self.quantizable = quantizable
+        # Quantized to this many bits at least whatever the scheme (the LM head: fd_core.quantization.HEAD_BITS).
+        self.least_bits = least_bits
         # Whether the parameter's storage is released once prepared: not when another layer reads it too (a tied LM
         # head's weight is the embedding's table).
         self.release = release
@@ -57,7 +61,7 @@ class Product:
         it for the kernel in use, once."""
         param = getattr(self.layer, self.attr)
         if quantization is not None and self.quantizable:
-            bits = bits_of(quantization)
+            bits = max(bits_of(quantization), self.least_bits)
             values, scales = quantize(param, bits, self.transpose_weight, kernel_group(self.ops, group))
             shared = self.on_quantized is not None
             if shared:

@@ -12,7 +12,7 @@ import paddle
 import pytest
 
 from fd_core.host.loading import load_plugins
-from fd_core.quantization import bits_of, dequantize, quantize, quantized_bytes
+from fd_core.quantization import dequantize, head_bits, quantize, quantized_bytes
 from fd_core.testing import ModelSuite
 
 ARCHS = ["ernie4_5", "ernie4_5_vl", "qwen3_vl"]
@@ -225,7 +225,7 @@ def test_a_quantized_model_holds_a_quarter_of_its_linear_weights_bytes() -> None
         # The plan counts a quantized tied table twice (the embedding's form and the head's, which a platform may
         # repack); where the kernel takes fd's form as it is, the two are one storage.
         spare = 0 if scheme is None or float_embeddings else quantized_bytes(
-            config.vocab_size, config.hidden_size, bits_of(scheme))
+            config.vocab_size, config.hidden_size, head_bits(scheme))
         assert planned - spare - 0.05 * planned <= held[scheme, float_embeddings] <= 1.05 * planned, (
             scheme, float_embeddings, held, planned)
     float_config = model_config_for(arch, None)
@@ -253,7 +253,8 @@ def test_a_tied_embedding_looks_tokens_up_in_the_heads_quantized_table() -> None
     float_runner.load()
     assert float_runner.model is not None
     table = float_runner.model.model.embed_tokens.weight.numpy()  # [hidden, vocab]: the float weights, seed 0
-    for bits, scheme in ((8, "wint8"), (4, "wint4")):
+    # The head, so the table, is quantized to 8 bits under wint4 too (fd_core.quantization.HEAD_BITS).
+    for bits, scheme in ((8, "wint8"), (8, "wint4")):
         config = model_config_for(arch, None).with_overrides(quantization=scheme, quantization_group=32)
         runner = ModelRunner(backend, arch, config, graph="off")
         runner.load()
@@ -341,5 +342,9 @@ def test_fd_run_and_explain_say_the_linear_layers_are_quantized() -> None:
     assert report["quantization"] == "wint4" and report["kernels"]["quant_matmul"] == "cpu"
     explained = run_fd(["explain", "--tp", "1", "--quantization", "wint8"])
     assert "dtype: float32; linear layers and LM head wint8 in groups of 128 (quant_matmul" in explained.stdout
+    explained = run_fd(["explain", "--tp", "1", "--quantization", "wint4"])
+    assert "dtype: float32; linear layers wint4, LM head wint8, in groups of 32 (quant_matmul" in explained.stdout
+    explained = run_fd(["explain", "--tp", "1", "--quantization", "wint4", "--float-embeddings"])
+    assert "dtype: float32; linear layers wint4 in groups of 32 (quant_matmul" in explained.stdout
     refused = run_fd(["run", "--quantization", "int8"])
     assert refused.returncode == 2 and "--quantization: invalid choice: 'int8'" in refused.stderr

@@ -77,6 +77,36 @@ def test_greedy_is_argmax_and_sampling_is_seeded() -> None:
     assert all(t in top3[b] for step in draw(5, top_k=3) for b, t in enumerate(step))
 
 
+def _nucleus_by_full_sort(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """The top-p set as the op's semantics state it: the whole vocabulary sorted by descending probability (ties in
+    id order), the smallest prefix whose mass reaches top_p."""
+    order = np.argsort(-probs, kind="stable")
+    return order[: int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1]
+
+
+@pytest.mark.parametrize("vocab", [7, 300, 103_424])
+def test_top_p_keeps_what_a_full_sort_keeps(vocab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native sample op looks for the top-p set among the most probable tokens first: on peaked and flat rows, with
+    ties (rounded logits) and masses the first candidates do not reach, every draw equals the one over the set a full
+    sort gives (the full sort substituted into the same op)."""
+    rng = np.random.default_rng(vocab)
+    rows, settings = [], []
+    for trial in range(60):
+        row = rng.standard_normal(vocab) * [0.3, 3.0, 30.0][trial % 3]
+        rows.append(np.round(row) if trial % 4 == 0 else row)
+        settings.append((float(rng.choice([0.5, 1.0, 2.0])), int(rng.choice([0, 0, 5])),
+                         float(rng.choice([0.3, 0.9, 0.999, 0.999999])), float(rng.random())))
+    fast = [native_ops.sample(np.asarray([row]), t, k, p, [u])[0] for row, (t, k, p, u) in zip(rows, settings)]
+    monkeypatch.setattr(native_ops, "_nucleus", _nucleus_by_full_sort)
+    sorted_ = [native_ops.sample(np.asarray([row]), t, k, p, [u])[0] for row, (t, k, p, u) in zip(rows, settings)]
+    assert fast == sorted_
+    # The cases reach past the first candidates (a flat row at top_p near 1), and the draws are not all the argmax.
+    flat = np.full(vocab, 1 / vocab)
+    assert native_ops._nucleus(flat, 0.999999).size == _nucleus_by_full_sort(flat, 0.999999).size
+    assert _nucleus_by_full_sort(flat, 0.999999).size >= min(vocab, native_ops.NUCLEUS_CANDIDATES)
+    assert sum(f != int(np.argmax(r)) for f, r in zip(fast, rows)) > 10
+
+
 def test_sampling_settings_are_checked() -> None:
     for bad, says in (
         ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"),
