@@ -438,7 +438,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_save_random(args: argparse.Namespace) -> int:
-    from fd_core.config import read_config_json
     from fd_core.host.paddle_logs import quiet_paddle_logs
     from fd_core.runtime.save_random import save_random_checkpoint
 
@@ -446,20 +445,13 @@ def cmd_save_random(args: argparse.Namespace) -> int:
 
     quiet_paddle_logs()
     if args.tokenizer:
-        from pathlib import Path
+        from fd_core.serve.tiny import write_tiny_checkpoint
 
-        from fd_core.host.loading import load_plugins
-        from fd_core.runtime.checkpoint import architecture_of
-        from fd_core.serve.tiny import train_tokenizer
-
-        name = args.model if args.config is None else architecture_of(read_config_json(Path(args.config))) or ""
-        if name and load_plugins().registry.get(name).multimodal:
-            # Refused before anything is written: the tiny tokenizer has no picture tokens.
-            raise ConfigError(f"--tokenizer writes a text tokenizer, and {name} takes pictures; save it without "
-                              f"--tokenizer and copy its published tokenizer beside it, or use --model ernie4_5")
-    path = save_random_checkpoint(args.model, args.directory, seed=args.seed, config_path=args.config, dtype=args.dtype)
-    if args.tokenizer:
-        train_tokenizer(path, int(read_config_json(path / "config.json")["vocab_size"]))
+        path = write_tiny_checkpoint(args.directory, args.model, seed=args.seed, config_path=args.config,
+                                     dtype=args.dtype)
+    else:
+        path = save_random_checkpoint(args.model, args.directory, seed=args.seed, config_path=args.config,
+                                      dtype=args.dtype)
     print(f"wrote {path}{' (with a tokenizer and a chat template)' if args.tokenizer else ''}", file=_stdout())
     return 0
 
@@ -885,8 +877,9 @@ def build_parser(
                    help="dtype the tensors are stored in (default: float32)")
     p.add_argument("--seed", type=_non_negative, default=0, metavar="N", help="seed of the random weights (default: 0)")
     p.add_argument("--tokenizer", action="store_true",
-                   help="also write a small byte-level BPE tokenizer with a chat template (text models), so that text "
-                        "prompts, --chat, LLM and fd serve work offline (the text is noise)")
+                   help="also write a small byte-level BPE tokenizer with a chat template (with picture tokens for a "
+                        "model that takes pictures), so that text prompts, --chat, pictures, LLM and fd serve work "
+                        "offline (the text is noise)")
     p.add_argument("directory", metavar="DIR", help="where to write it: a new or empty directory")
     p.set_defaults(func=cmd_save_random)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from fd_core.errors import ConfigError
 
@@ -36,40 +36,80 @@ Numbers like 1, 2, 3, 10, 42 and 2026 appear too, with symbols such as #, %, & a
 """
 
 
-def train_tokenizer(directory: Path, vocab_size: int) -> None:
-    """tokenizer.json (byte-level BPE of exactly `vocab_size` ids) and tokenizer_config.json with the chat template."""
+def picture_tokens(config: Mapping[str, Any]) -> dict[str, str]:
+    """{config key: token text} of the picture tokens a vision-language config names (its top-level `*_token_id`
+    integers: `image_token_id`, the start and end markers, the video ones), in the order of their ids."""
+    keys = [k for k, v in config.items() if k.endswith("_token_id") and isinstance(v, int) and not isinstance(v, bool)]
+    return {k: f"<|{k.removesuffix('_token_id')}|>" for k in sorted(keys, key=lambda k: config[k])}
+
+
+def vl_chat_template(pictures: Mapping[str, str]) -> str:
+    """CHAT_TEMPLATE for a model that takes pictures: a message's content may be a list of parts, and each image part
+    is the start marker, `image_token_id`'s placeholder (which fd expands to the picture's tokens) and the end marker,
+    as the published VL templates write it."""
+    image = [k for k in pictures if not k.startswith("video")]
+    marker = "".join(pictures[k] for k in sorted(image, key=lambda k: (0 if "start" in k else 2 if "end" in k else 1)))
+    content = ("{% if message['content'] is string or message['content'] is none %}{{ message['content'] or '' }}"
+               "{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}" + marker
+               + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}")
+    return CHAT_TEMPLATE.replace("{{ message['content'] or '' }}", content)
+
+
+def train_tokenizer(directory: Path, vocab_size: int, pictures: Mapping[str, str] | None = None) -> dict[str, int]:
+    """tokenizer.json (byte-level BPE of at most `vocab_size` ids) and tokenizer_config.json with the chat template
+    (the picture tokens' too, for a model that takes `pictures`: {config key: token text}); returns {config key: the
+    id of its token}."""
+    return _save(_trained(vocab_size, pictures or {}), directory, pictures or {})
+
+
+def _save(tokenizer: Any, directory: Path, pictures: Mapping[str, str]) -> dict[str, int]:
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    added = {str(tokenizer.token_to_id(t)): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                                             "normalized": False, "single_word": False}
+             for t in [*SPECIAL_TOKENS, *pictures.values()]}
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                              "pad_token": "<pad>", "clean_up_tokenization_spaces": False,
+                              "chat_template": vl_chat_template(pictures) if pictures else CHAT_TEMPLATE,
+                              "added_tokens_decoder": added}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return {key: tokenizer.token_to_id(text) for key, text in pictures.items()}
+
+
+def _trained(vocab_size: int, pictures: Mapping[str, str]) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[*SPECIAL_TOKENS, *pictures.values()],
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator([line for line in CORPUS.splitlines() if line] * 8, trainer)
     if tokenizer.get_vocab_size() > vocab_size:
         raise ConfigError(
             f"the tiny tokenizer has {tokenizer.get_vocab_size()} ids, more than the model's vocabulary of {vocab_size}"
         )
-    tokenizer.save(str(directory / "tokenizer.json"))
-    added = {str(tokenizer.token_to_id(t)): {"content": t, "special": True, "lstrip": False, "rstrip": False,
-                                             "normalized": False, "single_word": False} for t in SPECIAL_TOKENS}
-    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-                              "pad_token": "<pad>", "clean_up_tokenization_spaces": False,
-                              "chat_template": CHAT_TEMPLATE, "added_tokens_decoder": added}
-    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return tokenizer
 
 
-def write_tiny_checkpoint(directory: str | Path, model: str = "ernie4_5", seed: int = 0) -> Path:
-    """`model`'s tiny preset as a checkpoint directory (seeded random weights) with a tokenizer and a chat template."""
+def write_tiny_checkpoint(
+    directory: str | Path, model: str = "ernie4_5", seed: int = 0, config_path: str | None = None,
+    dtype: str = "float32",
+) -> Path:
+    """Seeded random weights of `model`'s tiny preset (or of the config at `config_path`) as a checkpoint directory
+    with a tokenizer and a chat template. For a model that takes pictures the tokenizer holds its picture tokens, and
+    the checkpoint's config names their ids (the preset's own ids are replaced by the tokenizer's)."""
     from fd_core.host.loading import load_plugins
-    from fd_core.runtime.save_random import save_random_checkpoint
+    from fd_core.runtime.save_random import random_config, save_random_checkpoint
+    from fd_core.runtime.weights import check_new_directory
 
-    arch = load_plugins().registry.get(model)  # an unknown name raises, listing the registered architectures
-    if arch.multimodal:
-        raise ConfigError(
-            f"the tiny tokenizer serves text models, and {arch.name} takes pictures; "
-            "pass --checkpoint DIR, or --model ernie4_5"
-        )
-    path = save_random_checkpoint(arch.name, str(directory), seed=seed)
-    train_tokenizer(path, int(arch.preset["vocab_size"]))
+    check_new_directory(Path(directory))  # before a tokenizer is trained
+    arch, data, _ = random_config(load_plugins(), model, config_path)
+    vocab_size = arch.config_from(data, source=config_path or f"preset of {arch.name}").vocab_size
+    pictures = picture_tokens(data) if arch.multimodal else {}
+    tokenizer = _trained(vocab_size, pictures)
+    ids = {key: tokenizer.token_to_id(text) for key, text in pictures.items()}
+    path = save_random_checkpoint(arch.name, str(directory), seed=seed, config_path=config_path, dtype=dtype,
+                                  overrides=ids)
+    _save(tokenizer, path, pictures)
     return path

@@ -1,5 +1,6 @@
-"""`fd save-random --tokenizer`: a text model's random checkpoint with a tokenizer and chat template that fd reads back
-(text in, text out); refused for a model that takes pictures before anything is written."""
+"""`fd save-random --tokenizer`: a random checkpoint with a tokenizer and chat template that fd reads back (text in,
+text out), for a text model and for each model that takes pictures (its picture tokens in the tokenizer, their ids
+in the checkpoint's config)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
+import pytest
 
 
 def _fd(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -24,9 +28,27 @@ def test_a_text_checkpoint_with_a_tokenizer_runs_chat(tmp_path: Path) -> None:
     assert isinstance(output["text"], str) and len(output["ids"]) >= 1
 
 
-def test_a_model_that_takes_pictures_is_refused_before_anything_is_written(tmp_path: Path) -> None:
-    done = _fd("save-random", "--model", "qwen3_vl", "--tokenizer", "vl", cwd=tmp_path)
-    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
-        "fd: error: --tokenizer writes a text tokenizer, and qwen3_vl takes pictures; save it without --tokenizer and "
-        "copy its published tokenizer beside it, or use --model ernie4_5"], done.stderr
-    assert not (tmp_path / "vl").exists()
+@pytest.mark.parametrize(("model", "start", "end"), [("qwen3_vl", "vision_start_token_id", "vision_end_token_id"),
+                                                     ("ernie4_5_vl", "image_start_token_id", "image_end_token_id")])
+def test_a_model_that_takes_pictures_gets_its_picture_tokens(tmp_path: Path, model: str, start: str, end: str) -> None:
+    """The config's picture token ids are the tokenizer's own tokens; a chat turn with a picture renders the start
+    marker, the placeholder fd expands to the picture's tokens, and the end marker; and the model answers it."""
+    from fd_core.runtime import LLM, SamplingParams, load_tokenizer
+
+    made = _fd("save-random", "--model", model, "--tokenizer", "vl", cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    config = json.loads((tmp_path / "vl" / "config.json").read_text())
+    tokenizer = load_tokenizer(tmp_path / "vl")
+    assert tokenizer is not None
+    keys = [k for k in config if k.endswith("_token_id")]
+    assert {"image_token_id", start, end} <= set(keys)
+    for key in keys:
+        assert tokenizer.token_to_id(f"<|{key.removesuffix('_token_id')}|>") == config[key], key
+    picture = np.random.default_rng(0).random((3, 64, 64), dtype=np.float32)
+    with LLM(str(tmp_path / "vl"), graph="off") as llm:
+        done = llm.generate("Describe the picture.", SamplingParams(max_new_tokens=3), chat=True, images=[picture])[0]
+    ids = done.prompt_ids
+    placeholders = [i for i, t in enumerate(ids) if t == config["image_token_id"]]
+    assert len(placeholders) > 1 and placeholders == list(range(placeholders[0], placeholders[-1] + 1))
+    assert ids[placeholders[0] - 1] == config[start] and ids[placeholders[-1] + 1] == config[end]
+    assert len(done.token_ids) == 3

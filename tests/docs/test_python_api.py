@@ -1,5 +1,5 @@
-"""Executes every Python block of docs/python-api.md, and README's Python API section, as written: the page's next
-to a tiny checkpoint with a tokenizer at checkpoints/qwen3-vl, the README's after the command it shows to make one."""
+"""Executes every Python block of docs/python-api.md, and README's Python API section, as written, each in a fresh
+directory after the command the page shows to make the checkpoint its examples load."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-import kit
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,29 +23,27 @@ def readme_section() -> str:
     return text.split("## Python API", 1)[1].split("\n## ", 1)[0]
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("python-api")
-    checkpoint = kit.text_checkpoint(root / "build", "qwen3_vl")
-    (root / "checkpoints").mkdir()
-    checkpoint.rename(root / "checkpoints" / "qwen3-vl")
-    return root
+def sh_commands(text: str) -> list[str]:
+    """Every line of the text's sh blocks."""
+    return [line for block in re.findall(r"```sh\n(.*?)```", text, re.S) for line in block.splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("source", ["docs/python-api.md", "README.md"])
-def test_the_python_blocks_run_as_written(workdir: Path, source: str) -> None:
+@pytest.mark.parametrize(("source", "made_by"), [
+    ("docs/python-api.md", ["fd save-random --model qwen3_vl --tokenizer checkpoints/qwen3-vl"]),
+    ("README.md", ["fd save-random --model ernie4_5 --tokenizer checkpoints/ernie-tiny"]),
+])
+def test_the_python_blocks_run_as_written(tmp_path: Path, source: str, made_by: list[str]) -> None:
     text = (ROOT / source).read_text() if source.startswith("docs") else readme_section()
     blocks = python_blocks(text)
     assert len(blocks) >= (5 if source.startswith("docs") else 1)
-    if not source.startswith("docs"):
-        # The README makes its checkpoint first, with the command it shows.
-        commands = [line for block in re.findall(r"```sh\n(.*?)```", text, re.S) for line in block.splitlines()
-                    if line.strip()]
-        assert commands == ["fd save-random --model ernie4_5 --tokenizer checkpoints/ernie-tiny"], commands
-        for command in commands:
-            made = subprocess.run([sys.executable, "-m", "fd_core.cli", *command.split()[1:]], cwd=workdir,
-                                  capture_output=True, text=True, timeout=300)
-            assert made.returncode == 0, made.stderr
+    # The page makes its checkpoint first, with the command it shows (the only one it shows).
+    commands = sh_commands(text)
+    assert commands == made_by, commands
+    workdir = tmp_path
+    for command in commands:
+        made = subprocess.run([sys.executable, "-m", "fd_core.cli", *command.split()[1:]], cwd=workdir,
+                              capture_output=True, text=True, timeout=300)
+        assert made.returncode == 0, made.stderr
     for index, block in enumerate(blocks):
         # As a script, the way a user pastes it: a tp=2 example without the main guard fails there.
         script = workdir / f"{Path(source).stem}_{index}.py"

@@ -96,15 +96,15 @@ def test_top_p_keeps_what_a_full_sort_keeps(vocab: int, monkeypatch: pytest.Monk
         rows.append(np.round(row) if trial % 4 == 0 else row)
         settings.append((float(rng.choice([0.5, 1.0, 2.0])), int(rng.choice([0, 0, 5])),
                          float(rng.choice([0.3, 0.9, 0.999, 0.999999])), float(rng.random())))
-    fast = [native_ops.sample(np.asarray([row]), t, k, p, [u])[0] for row, (t, k, p, u) in zip(rows, settings)]
+    fast = [native_ops.sample(np.asarray([row]), t, k, p, [u])[0] for row, (t, k, p, u) in zip(rows, settings, strict=True)]
     monkeypatch.setattr(native_ops, "_nucleus", _nucleus_by_full_sort)
-    sorted_ = [native_ops.sample(np.asarray([row]), t, k, p, [u])[0] for row, (t, k, p, u) in zip(rows, settings)]
+    sorted_ = [native_ops.sample(np.asarray([row]), t, k, p, [u])[0] for row, (t, k, p, u) in zip(rows, settings, strict=True)]
     assert fast == sorted_
     # The cases reach past the first candidates (a flat row at top_p near 1), and the draws are not all the argmax.
     flat = np.full(vocab, 1 / vocab)
     assert native_ops._nucleus(flat, 0.999999).size == _nucleus_by_full_sort(flat, 0.999999).size
     assert _nucleus_by_full_sort(flat, 0.999999).size >= min(vocab, native_ops.NUCLEUS_CANDIDATES)
-    assert sum(f != int(np.argmax(r)) for f, r in zip(fast, rows)) > 10
+    assert sum(f != int(np.argmax(r)) for f, r in zip(fast, rows, strict=True)) > 10
 
 
 def test_sampling_settings_are_checked() -> None:
