@@ -3,7 +3,7 @@ included, and an arrow that points up, an import cycle among fd_core's modules, 
 from another module fails.
 
 contract (fd_core/*.py) <- host (fd_core/host/) <- runtime (fd_core/runtime/) <- testing (fd_core/testing/)
-    <- serve (fd_core/serve/) <- cli (fd_core/cli.py)
+    <- serve (fd_core/serve/) <- cli (fd_core/cli/)
 
 The package's front (fd_core/__init__.py) is the contract's, and may also name the host's Backend and
 load_backend (loaded on first use). Inside the runtime, its groups point down too:
