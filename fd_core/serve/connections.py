@@ -1,7 +1,7 @@
 """What one connection may hold of `fd serve`: a deadline for each request's headers (--header-timeout) and a cap on
 open connections (--max-connections), enforced in uvicorn's HTTP protocol, where connections are seen before any
 request exists; both answered in the OpenAI error format and closed. The body's own deadline (--body-timeout) is the
-application's (BodyLimit in fd_core/serve/app.py), which reads the body."""
+application's (BodyLimit in fd_core/serve/middleware.py), which reads the body."""
 
 from __future__ import annotations
 
