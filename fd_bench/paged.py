@@ -232,6 +232,9 @@ def _tree(rev: str) -> Path | None:
 
 def _decode_rate(checkpoint: Path, batch: int, steps: int, tree: Path | None, vocab: int) -> float:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    # fd's built-in plugins only, on both sides: a third-party package installed for today's fd may declare what
+    # the older commit does not know (a newer contract, a new field), and it would time neither side the same way.
+    env["FD_PLUGINS"] = ""
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH", "")]))
     args = [sys.executable, "-m", "fd_core.cli", "run", "--checkpoint", str(checkpoint), "--tp", "1",

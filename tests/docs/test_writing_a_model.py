@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 from walkthrough import DOCS, blocks, walk_env
 
 DOC = DOCS / "writing-a-model.md"
+ROOT = DOCS.parent
 
 
 def test_the_walkthrough_runs_as_written(tmp_path: Path) -> None:
@@ -56,3 +58,10 @@ def _walk(tmp_path: Path, env: dict[str, str]) -> None:
                         assert "passed   test_clear_hook_really_clears_each_captured_model" in done.stdout
     assert ran["files"] == 5 and ran["commands"] == 7
     assert tokens[1] == tokens[2] and len(set(tokens[1])) > 2  # tp=2 equals tp=1, on tokens that vary
+    # With the package installed, fd bench's row that runs an older commit of fd still runs: that commit gets fd's
+    # built-in plugins only, not a package written for today's contract.
+    bench = subprocess.run([sys.executable, "-m", "fd_bench", "--smoke", "--rows", "decode_paged", "--json",
+                            str(tmp_path / "bench.json")], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
+    assert json.loads((tmp_path / "bench.json").read_text())["errors"] == {}
