@@ -66,7 +66,8 @@ def cache_options(p: argparse.ArgumentParser) -> None:
                    help=f"positions a KV-cache block holds (default: the platform's, else {DEFAULT_KV_BLOCK_SIZE})")
     p.add_argument("--kv-cache-blocks", type=positive, default=None, metavar="N",
                    help="KV-cache blocks a rank allocates, at most what the memory plan leaves (default: that, capped "
-                        "by the platform's KV budget and by what --max-batch sequences of the whole context could use)")
+                        "by the platform's KV budget, by what --max-batch sequences of the whole context could use "
+                        "and, for fd run, by what its prompts and new tokens use)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not share full KV-cache blocks between sequences with the same prefix (default: share)")
     p.add_argument("--max-batch", type=positive, default=None, metavar="N",

@@ -204,6 +204,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         max_prefill_tokens=args.max_prefill_tokens,
         max_prefill_prompts=args.max_prefill_prompts,
         kernel_canary=args.kernel_canary,
+        cache_for_job=True,
         # Text streams to an interactive terminal as it is produced (one prompt; several print in order at the end).
         stream=bool(texts) and len(texts) == 1 and not args.json and stdout().isatty(),
         started_at=process_start_time(ENTERED_AT),

@@ -84,8 +84,8 @@ class MemoryPlan:
     block_size: int = 16
     blocks: int | None = None
     blocks_from: str = ""
-    # What bounds the blocks: "memory" (the room left), "kv_cache_blocks" (the user's), "platform" (its KV budget) or
-    # "batch" (what max_batch sequences of the whole context could use).
+    # What bounds the blocks: "memory" (the room left), "kv_cache_blocks" (the user's), "platform" (its KV budget),
+    # "batch" (what max_batch sequences of the whole context could use) or "job" (what fd run's prompts use).
     blocks_bound: str = ""
     # One step's activations a rank may need (an estimate: see scratch_bytes), kept out of the cache's room.
     scratch_bytes: int = 0
@@ -114,6 +114,18 @@ class MemoryPlan:
         shared = f", shared by {self.ranks_per_device} ranks" if self.ranks_per_device > 1 else ""
         return (f"{weights}; {cache}; {setting('memory_fraction', self.fraction)} of {gib(self.device_free)} free on "
                 f"device {self.device}{shared}")
+
+    def for_job(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> "MemoryPlan":
+        """The plan with no more blocks than these prompts and tokens can hold at once (every sequence to its last
+        token), when that is fewer; a cache the user sized (--kv-cache-blocks) is kept. A run that knows its whole
+        job (fd run) allocates only that: on a CPU every block allocated is resident memory."""
+        if self.blocks is None or self.blocks_bound == "kv_cache_blocks" or not prompts:
+            return self
+        needed = sum(-(-(len(p) + max_new_tokens) // self.block_size) for p in prompts)
+        if needed >= self.blocks:
+            return self
+        why = f"what its {len(prompts)} prompt(s) and {max_new_tokens} new tokens each use"
+        return MemoryPlan(**{**self.to_dict(), "blocks": needed, "blocks_from": why, "blocks_bound": "job"})
 
     def check_request(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, context: int, arch: str) -> None:
         """Refuse, in one line naming the numbers, a request whose longest sequence alone needs more blocks than the

@@ -98,6 +98,9 @@ class RunConfig:
     kv_block_size: int | None = None
     kv_cache_blocks: int | None = None
     prefix_caching: bool = True
+    # Allocate no more KV-cache blocks than this run's own prompts and tokens use (fd run, which knows its whole job;
+    # the Python API and fd serve take requests later).
+    cache_for_job: bool = False
     # None: the platform's, else fd's (512 tokens; no limit of prompts).
     max_prefill_tokens: int | None = None
     max_prefill_prompts: int | None = None
@@ -342,5 +345,8 @@ def plan_run(
     request = _run_request(
         run, model.arch, model.config, model.checkpoint, pictures, model.memory, backend if gate else None
     )
+    memory = model.memory
+    if run.cache_for_job:
+        memory = memory.for_job(request.prompts * request.sampling.n, run.steps)
     return Plan(run, model.arch.name, model.config, backend.platform, backend.detection.dist_backend, request,
-                model.checkpoint, model.memory, model.threads, model.settings)
+                model.checkpoint, memory, model.threads, model.settings)

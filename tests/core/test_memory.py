@@ -192,3 +192,27 @@ def test_a_pool_too_small_for_the_batch_gives_the_same_tokens(monkeypatch: pytes
         counts = tight.kv_cache
     assert got == expected
     assert counts["blocks_total"] == 4 and counts["blocks_used"] == 0
+
+
+def test_fd_run_allocates_the_blocks_its_own_prompts_and_tokens_use() -> None:
+    """fd run knows its whole job: its cache is the blocks its prompts and new tokens use (each sequence to its last
+    token), not the memory plan's room; --kv-cache-blocks is kept as given; the tokens are those of a larger cache."""
+    three = ["--prompt-ids", "1,2,3,4", "--prompt-ids", ",".join(["5"] * 20), "--prompt-ids", "9,8"]
+    done = run_fd(["run", "--tp", "1", "--steps", "13", "--graph", "off", *three, "--json"])
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    memory = result["memory"]
+    size = memory["block_size"]
+    want = sum(-(-(n + 13) // size) for n in (4, 20, 2))
+    assert (memory["blocks"], memory["blocks_bound"]) == (want, "job"), memory
+    assert memory["blocks_from"] == "what its 3 prompt(s) and 13 new tokens each use"
+    # The pool each rank allocated: those blocks and the null block.
+    assert result["kv_cache_bytes_by_rank"] == [(want + 1) * size * memory["cache_bytes_per_token"]]
+    given = run_fd(["run", "--tp", "1", "--steps", "13", "--graph", "off", *three, "--kv-cache-blocks", "40",
+                    "--json"])
+    assert given.returncode == 0, given.stderr
+    assert json.loads(given.stdout)["memory"]["blocks"] == 40
+    assert json.loads(given.stdout)["tokens"] == result["tokens"]
+    # fd explain plans no job: the memory plan's own bound.
+    explained = json.loads(run_fd(["explain", "--tp", "1", "--json"]).stdout)
+    assert explained["memory"]["blocks"] > want and explained["memory"]["blocks_bound"] != "job"
