@@ -56,7 +56,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if len(plugins.registry):
         # What fd run plans, by the same function: the checkpoint's architecture and config.json, the layout fd run
         # would refuse refused here in the same words (no decision is shown for it), memory, threads and settings.
-        model = plan_model(run, plugins, backend)
+        model = plan_model(run, plugins, backend, weights=False)
         config, memory, threads, settings = model.config, model.memory, model.threads, model.settings
         model_line = f"{model.arch.name} (registered by {model.arch.package})"
     else:

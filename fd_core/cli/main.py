@@ -24,6 +24,9 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+VERBOSE_HELP = "let Paddle's own logs and warnings through (default: kept off the terminal; sets FD_VERBOSE=1)"
+
+
 def build_parser(
     commands: Mapping[str, tuple[str, Any, str]] | None = None, architectures: Sequence[str] = ()
 ) -> argparse.ArgumentParser:
@@ -36,9 +39,7 @@ def build_parser(
                            epilog="fd help COMMAND shows a command's options; docs: README.md and docs/ in the "
                                   "repository.")
     parser.add_argument("--version", action="version", version=f"fd {_version()}")
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="let Paddle's own logs and warnings through "
-                             "(default: kept off the terminal; sets FD_VERBOSE=1)")
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser, metavar="COMMAND")
     models: dict[str, Any] = {
         "epilog": "architectures (--model takes a name or an alias):\n" + "\n".join(architectures)
@@ -54,6 +55,8 @@ def build_parser(
     serve.add_parser(sub, models)
     check.add_parser(sub)
     save_random.add_parser(sub, models)
+    for own in (c for c in CORE_COMMANDS if c != "help"):  # `fd run -v` as `fd -v run`
+        sub.choices[own].add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     for name, (summary, _run, owner) in sorted((commands or {}).items()):
         p = sub.add_parser(name, help=f"{summary} [from plugin {owner}]", add_help=False)
         p.add_argument("args", nargs=argparse.REMAINDER)
@@ -131,6 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         wants_help = bool({"-h", "--help"} & set(argv)) or argv[:1] == ["help"]
         parser = build_parser(commands, _architecture_lines() if wants_help else ())
         args = parser.parse_args(argv)
+        if getattr(args, "verbose", False):
+            os.environ["FD_VERBOSE"] = "1"
         func: Callable[[argparse.Namespace], int] = args.func
         from fd_core.host.output import plugin_prints_to_stderr
 

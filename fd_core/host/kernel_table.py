@@ -38,13 +38,17 @@ def nearest_op(name: str) -> str:
 
 
 def _signature_problem(fn: Any, want: tuple[str, ...]) -> str | None:
-    """How `fn`'s parameters differ from `want` (taken by those names, in order; more only with defaults), or None."""
+    """How `fn`'s parameters differ from `want` (taken by those names, in order; more only with defaults), or None.
+    A `*args` takes the arguments its named parameters do not: fd calls every op positionally, so a wrapper of
+    `(*args, **kwargs)` accepts every call."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature: taken on trust, the suite checks its results
         return None
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     names = tuple(p.name for p in positional[: len(want)])
+    if any(p.kind == p.VAR_POSITIONAL for p in params) and len(names) < len(want):
+        want = want[: len(names)]
     extra = [p for p in positional[len(want):] if p.default is p.empty] + [
         p for p in params if p.kind == p.KEYWORD_ONLY and p.default is p.empty
     ]

@@ -45,10 +45,11 @@ class Checkpoint:
         self._template: tuple[tuple[str, Path] | None] | None = None
 
     @classmethod
-    def open(cls, directory: str | Path) -> "Checkpoint":
-        """The directory checked (config.json and weight files present, no pickle files) and its JSON files read."""
+    def open(cls, directory: str | Path, weights: bool = True) -> "Checkpoint":
+        """The directory checked (config.json and, with `weights`, weight files present; no pickle files) and its JSON
+        files read."""
         path = Path(directory)
-        check_checkpoint_dir(path)
+        check_checkpoint_dir(path, weights)
         try:
             config = read_config_json(path / "config.json")
         except ConfigError as exc:

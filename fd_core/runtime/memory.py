@@ -217,9 +217,13 @@ def plan_memory(
         what = f"{ranks} ranks of tp={tp} share it" if ranks > 1 else f"tp={tp}"
         # Ranks that share one device hold more weights together at a larger tp, not less: no --tp advice then.
         fraction_, tp_ = setting("memory_fraction"), setting("tp")
+        # Nor at the platform's most ranks (Detection.max_ranks).
+        at_limit = detection.max_ranks is not None and tp >= detection.max_ranks
         advice = (f"a higher {fraction_} or a smaller model (its ranks share the device, so a larger {tp_} does not "
-                  f"help)" if ranks > 1 else f"a larger {tp_}, a higher {fraction_} or a smaller model")
-        cache_advice = f"a higher {fraction_}" if ranks > 1 else f"a larger {tp_} or a higher {fraction_}"
+                  f"help)" if ranks > 1 else
+                  f"a higher {fraction_} or a smaller model ({setting('tp', tp)} is the most ranks platform "
+                  f"{platform!r} serves)" if at_limit else f"a larger {tp_}, a higher {fraction_} or a smaller model")
+        cache_advice = f"a higher {fraction_}" if ranks > 1 or at_limit else f"a larger {tp_} or a higher {fraction_}"
         if budget - ranks * weights <= 0:
             raise ConfigError(
                 f"{arch} needs about {gib(weights)} of weights per rank ({config.dtype}, {what}), and device {index} "

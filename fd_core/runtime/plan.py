@@ -245,13 +245,13 @@ def _run_request(
 
 
 def model_and_checkpoint(
-    model: str | None, directory: str | None, plugins: PluginSet
+    model: str | None, directory: str | None, plugins: PluginSet, weights: bool = True
 ) -> tuple[Architecture, Checkpoint | None]:
     """The architecture to run (the checkpoint's, which `model` may only name again; else `model`, else the default) and
-    the opened checkpoint (None without one)."""
+    the opened checkpoint (None without one; without `weights`, config.json alone will do)."""
     if directory is None:
         return plugins.registry.get(model or DEFAULT_MODEL), None
-    checkpoint = Checkpoint.open(directory)
+    checkpoint = Checkpoint.open(directory, weights)
     found = checkpoint.architecture
     if found is None:
         raise CheckpointError(
@@ -282,10 +282,11 @@ class ModelPlan:
     settings: Settings
 
 
-def plan_model(run: RunConfig, plugins: PluginSet, backend: Backend) -> ModelPlan:
-    """The checks of the model against the platform: architecture and checkpoint, dtype, tp, memory, threads."""
+def plan_model(run: RunConfig, plugins: PluginSet, backend: Backend, weights: bool = True) -> ModelPlan:
+    """The checks of the model against the platform: architecture and checkpoint, dtype, tp, memory, threads. Without
+    `weights` (fd explain, which reads none) a checkpoint directory may hold config.json alone."""
     threads = run_threads(run, backend.detection)
-    arch, checkpoint = model_and_checkpoint(run.model, run.checkpoint, plugins)
+    arch, checkpoint = model_and_checkpoint(run.model, run.checkpoint, plugins, weights)
     config = model_config_for(arch, checkpoint, compute_dtype(run.dtype, backend))
     settings = run_settings(run, backend, config.dtype)
     if run.quantization_group is not None and run.quantization is None:

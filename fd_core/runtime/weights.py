@@ -122,8 +122,9 @@ def _read_index(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def check_checkpoint_dir(directory: Path) -> list[Path]:
+def check_checkpoint_dir(directory: Path, weights: bool = True) -> list[Path]:
     """The safetensors files of a checkpoint directory (those its index names, if it has one); raises if unusable.
+    Without `weights` (a plan that reads none: fd explain), a directory holding config.json alone is usable.
 
     Needs no paddle, so `fd run` calls it before any rank starts.
     """
@@ -160,7 +161,7 @@ def check_checkpoint_dir(directory: Path) -> list[Path]:
         files = [directory / name for name in named]
     else:
         files = [p for p in entries if p.name.endswith(".safetensors")]
-    if not files:
+    if not files and weights:
         raise CheckpointError(f"checkpoint {directory}: no *.safetensors files found")
     for path in files:
         _regular_file(path, "weight file")

@@ -292,3 +292,30 @@ def test_explain_and_run_take_the_paged_cache_options() -> None:
         "and ernie4_5 at tp=1 has 1 (--kv-cache-blocks 1; 8192 bytes a block per rank); ask for fewer tokens, or raise "
         "--kv-cache-blocks (up to what --memory-fraction leaves)"
     ]
+
+
+def test_verbose_after_the_command_is_the_same_as_before_it() -> None:
+    """`fd run -v` (as docs/architecture.md writes it) is `fd -v run`: the report gains the decode step's parts."""
+    def lines(*argv: str) -> list[str]:
+        done = run_fd([*argv, "--tp", "1", "--steps", "2", "--graph", "off"])
+        assert done.returncode == 0, done.stderr
+        return [line.split(":")[0].strip() for line in done.stdout.splitlines() if ":" in line]
+
+    plain, before, after = lines("run"), lines("-v", "run"), lines("run", "-v")
+    assert before == after and len(after) > len(plain), (plain, after)
+
+
+def test_explain_sizes_a_directory_holding_config_json_alone(tmp_path: Path) -> None:
+    """README: `fd explain --checkpoint DIR` sizes the plan from config.json, no weight read; fd run needs the weights."""
+    from fd_core.host.loading import load_plugins
+
+    preset = dict(load_plugins({}).registry.get("ernie4_5").preset)
+    (tmp_path / "config.json").write_text(json.dumps({**preset, "architectures": ["ernie4_5"], "hidden_size": 128}))
+    explained = run_fd(["explain", "--checkpoint", str(tmp_path), "--tp", "1", "--json"])
+    assert explained.returncode == 0, explained.stderr
+    plan = json.loads(explained.stdout)
+    preset_plan = json.loads(run_fd(["explain", "--tp", "1", "--json"]).stdout)
+    # Sized from this config.json (a wider hidden size than the preset's), not from the preset.
+    assert plan["memory"]["weights_per_rank"] > preset_plan["memory"]["weights_per_rank"]
+    ran = run_fd(["run", "--checkpoint", str(tmp_path), "--tp", "1"])
+    assert ran.returncode == 2 and ran.stderr.strip() == f"fd: error: checkpoint {tmp_path}: no *.safetensors files found"

@@ -105,6 +105,59 @@ PREPARE_MISNAMED = _kernels("register('matmul', lambda x, weight, transpose_weig
 PREPARE_NOT_CALLABLE = _kernels("register('matmul', lambda x, weight, transpose_weight: x, prepare='pack')")
 
 
+WRAPPED = """
+import functools
+
+from fd_core import hookimpl, native_ops
+
+CALLS = []
+
+
+def counted(fn):
+    @functools.wraps(fn, assigned=("__name__", "__doc__"))  # not __wrapped__: inspect would report fn's signature
+    def kernel(*args, **kwargs):
+        CALLS.append(fn.__name__)
+        return fn(*args, **kwargs)
+    return kernel
+
+
+def norm(x, *rest):
+    CALLS.append("norm")
+    return native_ops.rms_norm(x, *rest)
+
+
+@hookimpl
+def fd_register_kernels(register):
+    register("silu_and_mul", counted(native_ops.silu_and_mul))
+    register("rms_norm", norm)
+"""
+
+
+def test_a_wrapper_taking_args_and_kwargs_is_accepted_and_called(install_plugin) -> None:
+    """fd calls every op positionally: a `(*args, **kwargs)` wrapper, or named leading arguments then `*rest`, takes
+    every call, so it registers and serves the op; a leading name that is not the op's is still refused."""
+    import importlib
+
+    import numpy as np
+    import paddle
+
+    from fd_core import native_ops
+    from fd_core.host.backend import Backend
+    from fd_core.host.kernel_table import check_kernel
+
+    install_plugin(*_extension("wrapped-kernels", WRAPPED))
+    backend = Backend(load_plugins({}))
+    assert backend.ops.providers["silu_and_mul"] == backend.ops.providers["rms_norm"] == "wrapped-kernels"
+    gate, up, weight = (paddle.to_tensor(np.random.default_rng(i).standard_normal((2, 8)).astype("float32"))
+                        for i in range(3))
+    np.testing.assert_array_equal(backend.ops.silu_and_mul(gate, up).numpy(), native_ops.silu_and_mul(gate, up).numpy())
+    np.testing.assert_array_equal(backend.ops.rms_norm(gate, weight[0], 1e-6).numpy(),
+                                  native_ops.rms_norm(gate, weight[0], 1e-6).numpy())
+    assert importlib.import_module("wrapped_kernels").CALLS == ["silu_and_mul", "norm"]
+    with pytest.raises(PluginError, match=r"its kernel for 'rms_norm' takes \(h, rest\)"):
+        check_kernel("p", "rms_norm", lambda h, *rest: h, True)
+
+
 @pytest.mark.parametrize("source, message", [
     (PREPARE_ON_NORM, "plugin 'prep': fd_register_kernels registered a prepare function for 'rms_norm', whose "
                       "arguments are never prepared (ops with prepared weights: matmul, quant_matmul, moe_experts); register "

@@ -84,6 +84,18 @@ def test_weights_that_do_not_fit_one_rank_are_refused_by_run_and_explain_alike(t
     assert memory["blocks"] == memory["capacity_tokens"] // 16
 
 
+def test_at_the_platforms_most_ranks_the_refusal_does_not_advise_more_ranks(tiny) -> None:
+    """tp=2 is the tiny platform's max_ranks: weights that do not fit a rank there are refused without "a larger
+    --tp", which the platform would refuse next."""
+    env = {"FD_PLATFORM": "tiny", "FDTEST_TINY_FREE": "200000"}
+    done = run_fd(["explain", "--tp", "2", "--memory-fraction", "1"], path=tiny, env=env)
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert line.endswith("use a higher --memory-fraction or a smaller model (--tp 2 is the most ranks platform 'tiny' "
+                         "serves)"), line
+    assert "larger --tp" not in line
+
+
 def test_a_request_needing_more_cache_than_the_capacity_is_refused_with_the_numbers(tiny) -> None:
     # 214272 bytes of weights a rank, a step's scratch, 256 bytes of cache a token: room for 100 tokens, 6 blocks.
     from fd_core.runtime.memory import scratch_bytes
