@@ -12,7 +12,7 @@ from fd_core.config import ModelConfig
 from fd_core.errors import FdError, KernelMismatch, in_terms
 from fd_core.host.kernel_table import KernelTable, Ops
 from fd_core.kernels import OPS, compute_threads, set_compute_threads
-from fd_core.quantization import DEFAULT_GROUPS, bits_of, quantize
+from fd_core.quantization import DEFAULT_GROUPS, bits_of, head_bits, quantize
 
 ODD = 13  # a size no vector unit divides
 # A decode step's one-row product at a published model's size: large enough for a kernel to split it across threads.
@@ -624,7 +624,11 @@ def _canary_op(
         dtype = "float32"  # sample and apply_penalties: float32 logits whatever the compute dtype
     else:
         return  # no tolerance in the run's dtype (float64): fd check does not compare it either
-    bits = (bits_of(config.quantization),) if config.quantization else (8, 4)
+    # The run's widths: its scheme's, and the LM head's (HEAD_BITS at least) unless the head stays float.
+    bits: tuple[int, ...] = (8, 4)
+    if config.quantization:
+        bits = tuple(sorted({bits_of(config.quantization)} | (set() if config.float_embeddings
+                                                               else {head_bits(config.quantization)})))
     grouped = ops.written_for(op, "1.6")
     for what, args in cases(op, sizes, dtype, large=False, bits=bits, grouped=grouped):
         try:

@@ -119,8 +119,8 @@ def as_json(results: Sequence[Mapping[str, Any]]) -> str:
             "time_to_first_token_s", "timings_s", "reload_cycles", "rss_bytes", "peak_rss_bytes")
     data = {k: results[0][k] for k in keys}
     # The compute dtype, and the memory plan: weights per rank, KV-cache capacity (tokens), the fraction.
-    data.update({k: results[0][k] for k in ("dtype", "quantization", "quantization_group", "memory", "threads",
-                                            "decode_step_ms")
+    data.update({k: results[0][k] for k in ("dtype", "quantization", "quantization_group", "float_embeddings",
+                                            "memory", "threads", "decode_step_ms")
                  if k in results[0]})
     if "wall_s" in results[0]:
         data["wall_s"] = results[0]["wall_s"]

@@ -38,8 +38,10 @@ Numbers like 1, 2, 3, 10, 42 and 2026 appear too, with symbols such as #, %, & a
 
 def picture_tokens(config: Mapping[str, Any]) -> dict[str, str]:
     """{config key: token text} of the picture tokens a vision-language config names (its top-level `*_token_id`
-    integers: `image_token_id`, the start and end markers, the video ones), in the order of their ids."""
-    keys = [k for k, v in config.items() if k.endswith("_token_id") and isinstance(v, int) and not isinstance(v, bool)]
+    integers naming an image, a video or vision: `image_token_id`, the start and end markers, the video ones), in
+    the order of their ids. The text tokens (bos, eos, pad) are the tokenizer's own and keep their ids."""
+    keys = [k for k, v in config.items() if k.endswith("_token_id") and isinstance(v, int) and not isinstance(v, bool)
+            and any(part in k for part in ("image", "video", "vision"))]
     return {k: f"<|{k.removesuffix('_token_id')}|>" for k in sorted(keys, key=lambda k: config[k])}
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, Sequence
 
 # Below this many bytes a weight stays Paddle's: one session call (about 5 us, plus handing x and the result across)
 # gains nothing over Paddle's product on a weight this small, and the tiny models of the tests keep their static
@@ -107,9 +107,15 @@ def quant_block(rows: int, columns: int, groups: int) -> int | None:
     return size if size * groups == columns and size in QUANT_BLOCKS else None
 
 
-def serves_model(largest_weight_bytes: int, dtype: str) -> bool:
-    """Whether MLAS serves some product of a model whose largest float weight per rank holds this many bytes."""
-    return dtype == "float32" and largest_weight_bytes >= MLAS_MIN_BYTES and available()
+def serves_model(weights: Sequence[tuple[int, int, bool]], dtype: str, group: int) -> bool:
+    """Whether MLAS serves some product of a model whose weights are these (outputs, inputs, quantized), in `dtype`,
+    quantized ones in groups of `group` inputs (0: per output channel)."""
+    from fd_core.quantization import group_for
+
+    if dtype != "float32":
+        return False
+    return any(quant_block(rows, columns, columns // group_for(columns, group)) is not None if quantized
+               else rows * columns * 4 >= MLAS_MIN_BYTES and available() for rows, columns, quantized in weights)
 
 
 class MlasProduct:

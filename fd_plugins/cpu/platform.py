@@ -140,7 +140,8 @@ def fd_graph_eligibility(model_config: ModelConfig, parallel_config: ParallelCon
     skips the rest (--graph on captures)."""
     from fd_plugins.cpu.mlas import MLAS_MIN_BYTES, serves_model
 
-    if serves_model(largest_weight_bytes(model_config, parallel_config.tp_size), model_config.dtype):
+    products = decoder_weights(model_config, parallel_config.tp_size)
+    if serves_model(products, model_config.dtype, model_config.quantization_group or 0):
         # Its products of weights this large run on ONNX Runtime's MLAS kernels (fd_plugins.cpu.mlas), outside Paddle:
         # a static program cannot call them.
         return GraphVote.veto(
@@ -167,13 +168,17 @@ def fd_graph_eligibility(model_config: ModelConfig, parallel_config: ParallelCon
     return GraphVote.ok("paddle static graph traces the model")
 
 
-def largest_weight_bytes(model_config: ModelConfig, tp: int) -> int:
-    """float32 bytes of a rank's largest linear weight of the decoder (the LM head's, as a rule), from the sizes."""
-    head_dim = model_config.resolved_head_dim
-    hidden = model_config.hidden_size
-    largest = max(model_config.vocab_size * hidden, model_config.intermediate_size * hidden,
-                  model_config.num_attention_heads * head_dim * hidden)
-    return -(-largest // tp) * 4
+def decoder_weights(model_config: ModelConfig, tp: int) -> list[tuple[int, int, bool]]:
+    """(outputs, inputs, quantized) of each weight a rank's decoder step multiplies by, as the shared layers hold them:
+    the fused q/k/v and gate/up weights, o, down and the LM head, split as tensor parallelism splits them."""
+    hidden, head_dim = model_config.hidden_size, model_config.resolved_head_dim
+    quantized = model_config.quantization is not None
+    qkv = (model_config.num_attention_heads + 2 * model_config.num_key_value_heads) * head_dim
+    return [(-(-qkv // tp), hidden, quantized),
+            (hidden, -(-model_config.num_attention_heads * head_dim // tp), quantized),
+            (-(-2 * model_config.intermediate_size // tp), hidden, quantized),
+            (hidden, -(-model_config.intermediate_size // tp), quantized),
+            (-(-model_config.vocab_size // tp), hidden, quantized and not model_config.float_embeddings)]
 
 
 @hookimpl

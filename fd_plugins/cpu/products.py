@@ -169,8 +169,8 @@ def prepare_quant(weight: Any, scales: Any, bits: int) -> tuple[Any, Any]:
     """fd's quantized form as this kernel takes it: MLAS's product (fd_plugins.cpu.mlas.MlasQuantProduct, no scales
     beside it) where MLAS serves the weight; else Paddle's blocks: wint8 as it is, wint4 repacked so that byte j of a
     row holds columns j (low four bits) and j + ceil(K / 2) (high four), so a block unpacks into two halves of the row
-    with two shifts each and no interleaving; the scales per output channel (Paddle's blocks take no groups: a grouped
-    weight is dequantized whole, as the native op does)."""
+    with two shifts each and no interleaving; the scales per output channel. A grouped weight stays in fd's form: a
+    block of its rows is widened and scaled by group (_grouped_rows)."""
     from fd_plugins.cpu.memory import return_freed_memory
     from fd_plugins.cpu.mlas import MlasQuantProduct, quant_block
 
@@ -212,26 +212,45 @@ def _quant_rows(x32: Any, weight: Any, bits: int, start: int, stop: int) -> Any:
     return parts[0] if len(parts) == 1 else paddle.concat(parts, axis=-1)
 
 
+def _grouped_rows(x32: Any, weight: Any, scales: Any, bits: int, start: int, stop: int) -> Any:
+    """x32 [..., K] times rows [start, stop) of a weight in fd's grouped form, scaled: a block of rows widened to
+    float32 and multiplied by its groups' scales, never the whole weight: float32 [..., stop - start]."""
+    import paddle
+
+    from fd_core.quantization import unpack_int4
+
+    columns = x32.shape[-1]
+    groups = scales.shape[1]
+    parts = []
+    for a in range(start, stop, QUANT_BLOCK_ROWS):
+        b = min(stop, a + QUANT_BLOCK_ROWS)
+        values = weight[a:b] if bits == 8 else unpack_int4(weight[a:b], columns)
+        wide = values.astype("float32").reshape([b - a, groups, columns // groups]) * scales[a:b].unsqueeze(-1)
+        parts.append(paddle.matmul(x32, wide.reshape([b - a, columns]), transpose_y=True))
+    return parts[0] if len(parts) == 1 else paddle.concat(parts, axis=-1)
+
+
 def quant_matmul(x: Any, weight: Any, scales: Any, bits: int) -> Any:
     """x [..., K] times the prepared quantized weight [N, K] transposed: through MLAS where prepared for it; else a
     block's values are widened to float32 and multiplied, the scales applied once to the result (never the whole
     weight dequantized); a one-row product's blocks are shared among the compute threads, as matmul's are."""
     import paddle
 
-    from fd_core.native_ops import quant_matmul as dequantized
     from fd_plugins.cpu.mlas import MlasQuantProduct
 
     if isinstance(weight, MlasQuantProduct):
         return weight(x)
-    if len(scales.shape) > 1:  # grouped, and no MLAS block for it
-        return dequantized(x, weight, scales, bits)
     x32 = x if x.dtype == paddle.float32 else x.astype("float32")
     rows = weight.shape[0]
+    grouped = len(scales.shape) > 1  # and no MLAS block for it
     parts = min(split_count(x, weight, element_bytes=4), rows)
-    if parts < 2:
-        out = _quant_rows(x32, weight, bits, 0, rows)
+    spans = list(itertools.pairwise([rows * i // parts for i in range(max(parts, 1) + 1)]))
+    tasks: list[tuple[Callable[..., Any], tuple[Any, ...]]]
+    if grouped:
+        tasks = [(_grouped_rows, (x32, weight, scales, bits, a, b)) for a, b in spans]
     else:
-        spans = list(itertools.pairwise([rows * i // parts for i in range(parts + 1)]))
-        out = paddle.concat(_POOL.run([(_quant_rows, (x32, weight, bits, a, b)) for a, b in spans]), axis=-1)
-    out = out * scales
+        tasks = [(_quant_rows, (x32, weight, bits, a, b)) for a, b in spans]
+    out = tasks[0][0](*tasks[0][1]) if len(tasks) == 1 else paddle.concat(_POOL.run(tasks), axis=-1)
+    if not grouped:
+        out = out * scales
     return out if out.dtype == x.dtype else out.astype(x.dtype)

@@ -52,3 +52,14 @@ def test_a_model_that_takes_pictures_gets_its_picture_tokens(tmp_path: Path, mod
     assert len(placeholders) > 1 and placeholders == list(range(placeholders[0], placeholders[-1] + 1))
     assert ids[placeholders[0] - 1] == config[start] and ids[placeholders[-1] + 1] == config[end]
     assert len(done.token_ids) == 3
+
+
+def test_only_picture_keys_become_picture_tokens() -> None:
+    """A VL config.json may carry bos, eos and pad ids at its top level too: they are text tokens, never pictures."""
+    from fd_core.serve.tiny import picture_tokens, vl_chat_template
+
+    config = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "image_token_id": 500,
+              "image_start_token_id": 501, "image_end_token_id": 502, "video_token_id": 503, "vocab_size": 512}
+    pictures = picture_tokens(config)
+    assert list(pictures) == ["image_token_id", "image_start_token_id", "image_end_token_id", "video_token_id"]
+    assert "<|image_start|><|image|><|image_end|>{% elif" in vl_chat_template(pictures)
