@@ -216,3 +216,16 @@ def test_fd_run_allocates_the_blocks_its_own_prompts_and_tokens_use() -> None:
     # fd explain plans no job: the memory plan's own bound.
     explained = json.loads(run_fd(["explain", "--tp", "1", "--json"]).stdout)
     assert explained["memory"]["blocks"] > want and explained["memory"]["blocks_bound"] != "job"
+
+
+def test_a_job_sized_cache_under_a_small_batch_with_shared_prefixes_gives_the_same_tokens() -> None:
+    """Five prompts sharing a 20-token prefix, two decoded at a time (--max-batch 2): with the cache sized to the job
+    (prefix-cache hits, sequences admitted as others end) each prompt's tokens equal those of a 64-block cache."""
+    prefix = ",".join(str(t) for t in range(10, 30))
+    prompts = [arg for i in range(5) for arg in ("--prompt-ids", f"{prefix},{40 + i},{50 + i}")]
+    base = ["run", "--tp", "1", "--steps", "9", "--graph", "off", "--max-batch", "2", *prompts, "--json"]
+    sized, roomy = run_fd(base), run_fd([*base, "--kv-cache-blocks", "64"])
+    assert sized.returncode == 0 and roomy.returncode == 0, sized.stderr + roomy.stderr
+    job, big = json.loads(sized.stdout), json.loads(roomy.stdout)
+    assert job["memory"]["blocks_bound"] == "job" and job["memory"]["blocks"] < 64
+    assert [o["ids"] for o in job["outputs"]] == [o["ids"] for o in big["outputs"]]
