@@ -118,7 +118,7 @@ class MemoryPlan:
     def for_job(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> "MemoryPlan":
         """The plan with no more blocks than these prompts and tokens can hold at once (every sequence to its last
         token), when that is fewer; a cache the user sized (--kv-cache-blocks) is kept. A run that knows its whole
-        job (fd run) allocates only that: on a CPU every block allocated is resident memory."""
+        job (fd run) allocates only that: where the cache lives in host memory, every block allocated is resident."""
         if self.blocks is None or self.blocks_bound == "kv_cache_blocks" or not prompts:
             return self
         needed = sum(-(-(len(p) + max_new_tokens) // self.block_size) for p in prompts)
