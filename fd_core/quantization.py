@@ -21,8 +21,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from fd_core.contract import deprecated
-
 # --quantization NAME -> bits a weight value holds.
 SCHEMES = {"wint8": 8, "wint4": 4}
 # The largest level of each width: symmetric, so -127..127 and -7..7 (-128 and -8 are never produced).
@@ -49,35 +47,6 @@ def group_for(columns: int, group: int) -> int:
 def bits_of(scheme: str) -> int:
     """The bits of a scheme name (a KeyError for one fd does not have)."""
     return SCHEMES[scheme]
-
-
-def scheme_groups(group: int) -> str:
-    """How a run's weights are grouped, as fd explain and fd run say it."""
-    return f"in groups of {group}" if group else "per output channel"
-
-
-def quantized_line(scheme: str, group: int, float_embeddings: bool) -> str:
-    """What a run quantizes and how, as fd explain and fd run say it."""
-    grouped = scheme_groups(group)
-    if float_embeddings:
-        return f"linear layers {scheme} {grouped}"
-    head = f"wint{head_bits(scheme)}"
-    if head == scheme:
-        return f"linear layers and LM head {scheme} {grouped}"
-    return f"linear layers {scheme}, LM head {head}, {grouped}"
-
-
-def kernel_group(ops: Any, group: int) -> int:
-    """The group size the quant_matmul kernel in use (of `ops`, fd_core.host.kernel_table.Ops) is given: `group`, or 0
-    (per output channel) for a kernel written for a contract before 1.6, which knows per-channel scales only (one
-    DeprecationWarning says so)."""
-    if group and not ops.written_for("quant_matmul", "1.6"):
-        deprecated(f"plugin {ops.providers['quant_matmul']!r}: a quant_matmul kernel taking per-channel scales only "
-                   f"(contract {ops.contracts['quant_matmul']})",
-                   "scales [N] or [N, groups] (contract 1.6); its weights are quantized per output channel meanwhile",
-                   "2.0")
-        return 0
-    return group
 
 
 def quantized_bytes(rows: int, columns: int, bits: int, group: int = 0) -> int:

@@ -6,8 +6,15 @@ import argparse
 from typing import Any, Mapping
 
 from fd_core.cli.common import fit, positive, print_json, stdout
-from fd_core.cli.options import cache_options, dtype_option, graph_option, quantization_options, resource_options
-from fd_core.quantization import quantized_line
+from fd_core.cli.options import (
+    cache_options,
+    dtype_option,
+    graph_option,
+    quantization_options,
+    resource_options,
+    shared_settings,
+)
+from fd_core.runtime.report import quantized_line
 
 
 def add_parser(sub: Any, models: Mapping[str, Any]) -> None:
@@ -46,13 +53,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     plugins = load_plugins()
     backend = load_backend(ParallelConfig(tp_size=args.tp), plugins=plugins)
-    run = RunConfig(model=args.model, tp=args.tp, checkpoint=args.checkpoint, dtype=args.dtype,
-                    quantization=args.quantization, quantization_group=args.quantization_group,
-                    float_embeddings=args.float_embeddings, graph=args.graph,
-                    memory_fraction=args.memory_fraction, threads=args.threads, kv_block_size=args.kv_block_size,
-                    kv_cache_blocks=args.kv_cache_blocks, prefix_caching=args.prefix_caching,
-                    max_batch=args.max_batch, max_prefill_tokens=args.max_prefill_tokens,
-                    max_prefill_prompts=args.max_prefill_prompts)
+    run = RunConfig(model=args.model, tp=args.tp, checkpoint=args.checkpoint, dtype=args.dtype, graph=args.graph,
+                    **shared_settings(args))
     if len(plugins.registry):
         # What fd run plans, by the same function: the checkpoint's architecture and config.json, the layout fd run
         # would refuse refused here in the same words (no decision is shown for it), memory, threads and settings.

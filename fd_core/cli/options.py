@@ -4,6 +4,7 @@ wherever it appears."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from fd_core.cli.common import non_negative, positive
 from fd_core.config import COMPUTE_DTYPES
@@ -86,3 +87,14 @@ def canary_option(p: argparse.ArgumentParser) -> None:
                    help="do not check, on each rank before the first request, the plugins' kernels the run calls "
                         "against fd's native ops (for a platform certified with fd check; default: check, well under "
                         "a second)")
+
+
+# What quantization_options, resource_options and cache_options set, by the names RunConfig, LLM and fd serve take.
+SHARED_SETTINGS = ("quantization", "quantization_group", "float_embeddings", "memory_fraction", "threads",
+                   "kv_block_size", "kv_cache_blocks", "prefix_caching", "max_batch", "max_prefill_tokens",
+                   "max_prefill_prompts")
+
+
+def shared_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The values of the options several commands take, as keyword arguments."""
+    return {name: getattr(args, name) for name in SHARED_SETTINGS}

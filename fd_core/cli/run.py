@@ -16,6 +16,7 @@ from fd_core.cli.options import (
     quantization_options,
     resource_options,
     seed_option,
+    shared_settings,
 )
 from fd_core.errors import ConfigError
 
@@ -176,9 +177,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         images=tuple(args.image or ()),
         checkpoint=args.checkpoint,
         dtype=args.dtype,
-        quantization=args.quantization,
-        quantization_group=args.quantization_group,
-        float_embeddings=args.float_embeddings,
         graph=args.graph,
         reload_cycles=args.reload_cycles,
         seed=args.seed,
@@ -195,16 +193,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         logit_bias=tuple(args.logit_bias or ()),
         min_p=args.min_p,
         min_tokens=args.min_tokens,
-        max_batch=args.max_batch,
-        memory_fraction=args.memory_fraction,
-        threads=args.threads,
-        kv_block_size=args.kv_block_size,
-        kv_cache_blocks=args.kv_cache_blocks,
-        prefix_caching=args.prefix_caching,
-        max_prefill_tokens=args.max_prefill_tokens,
-        max_prefill_prompts=args.max_prefill_prompts,
         kernel_canary=args.kernel_canary,
         cache_for_job=True,
+        **shared_settings(args),
         # Text streams to an interactive terminal as it is produced (one prompt; several print in order at the end).
         stream=bool(texts) and len(texts) == 1 and not args.json and stdout().isatty(),
         started_at=process_start_time(ENTERED_AT),

@@ -15,6 +15,7 @@ from fd_core.cli.options import (
     quantization_options,
     resource_options,
     seed_option,
+    shared_settings,
 )
 from fd_core.cli.run import DTYPE_HELP
 from fd_core.errors import ConfigError, install_hint
@@ -107,11 +108,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                            max_connections=args.max_connections, max_pixels=args.max_pixels)
     return serve(options, checkpoint=args.checkpoint, model=args.model, name=args.name, tp=args.tp, dtype=args.dtype,
-                 graph=args.graph, seed=args.seed, max_batch=args.max_batch, rank_timeout=args.rank_timeout,
-                 stall_timeout=args.stall_timeout, memory_fraction=args.memory_fraction, threads=args.threads,
-                 kv_block_size=args.kv_block_size, kv_cache_blocks=args.kv_cache_blocks,
-                 prefix_caching=args.prefix_caching, max_prefill_tokens=args.max_prefill_tokens,
-                 max_prefill_prompts=args.max_prefill_prompts, quantization=args.quantization,
-                 quantization_group=args.quantization_group, float_embeddings=args.float_embeddings,
-                 grammar_timeout=args.grammar_timeout,
-                 kernel_canary=args.kernel_canary)
+                 graph=args.graph, seed=args.seed, rank_timeout=args.rank_timeout, stall_timeout=args.stall_timeout,
+                 grammar_timeout=args.grammar_timeout, kernel_canary=args.kernel_canary, **shared_settings(args))

@@ -7,7 +7,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from fd_core.contract import CONTRACT_VERSION, parse_version
+from fd_core.contract import CONTRACT_VERSION, deprecated, parse_version
 from fd_core.errors import PluginError
 from fd_core.host.suggest import edit_distance
 from fd_core.kernels import NATIVE, OPS
@@ -201,6 +201,17 @@ class Ops:
     def written_for(self, name: str, version: str) -> bool:
         """Whether the kernel in use for `name` was written for contract `version` or later (a native op always)."""
         return (parse_version(self.contracts[name]) or (1, 0)) >= (parse_version(version) or (1, 0))
+
+    def quant_group(self, group: int) -> int:
+        """The group size the quant_matmul kernel in use is given: `group`, or 0 (per output channel) for a kernel
+        written for a contract before 1.6, which knows per-channel scales only (one DeprecationWarning says so)."""
+        if group and not self.written_for("quant_matmul", "1.6"):
+            deprecated(f"plugin {self.providers['quant_matmul']!r}: a quant_matmul kernel taking per-channel scales "
+                       f"only (contract {self.contracts['quant_matmul']})",
+                       "scales [N] or [N, groups] (contract 1.6); its weights are quantized per output channel "
+                       "meanwhile", "2.0")
+            return 0
+        return group
 
     def native(self, name: str) -> bool:
         """Whether `name` runs the native implementation."""

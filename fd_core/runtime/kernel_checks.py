@@ -627,8 +627,8 @@ def _canary_op(
     # The run's widths: its scheme's, and the LM head's (HEAD_BITS at least) unless the head stays float.
     bits: tuple[int, ...] = (8, 4)
     if config.quantization:
-        bits = tuple(sorted({bits_of(config.quantization)} | (set() if config.float_embeddings
-                                                               else {head_bits(config.quantization)})))
+        scheme = config.quantization
+        bits = tuple(sorted({bits_of(scheme)} if config.float_embeddings else {bits_of(scheme), head_bits(scheme)}))
     grouped = ops.written_for(op, "1.6")
     for what, args in cases(op, sizes, dtype, large=False, bits=bits, grouped=grouped):
         try:

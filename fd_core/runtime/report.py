@@ -6,7 +6,7 @@ import json
 from typing import Any, Mapping, Sequence
 
 from fd_core.graphs import CastVote
-from fd_core.quantization import quantized_line
+from fd_core.quantization import head_bits
 from fd_core.runtime.memory import MemoryPlan
 
 
@@ -62,6 +62,22 @@ def capture_line(capture: Mapping[str, Any]) -> str:
     if capture.get("eager_steps"):
         line += f" ({capture['eager_steps']} decode step(s) did)"
     return line
+
+
+def scheme_groups(group: int) -> str:
+    """How a run's weights are grouped, as fd explain and fd run say it."""
+    return f"in groups of {group}" if group else "per output channel"
+
+
+def quantized_line(scheme: str, group: int, float_embeddings: bool) -> str:
+    """What a run quantizes and how, as fd explain and fd run say it."""
+    grouped = scheme_groups(group)
+    if float_embeddings:
+        return f"linear layers {scheme} {grouped}"
+    head = f"wint{head_bits(scheme)}"
+    if head == scheme:
+        return f"linear layers and LM head {scheme} {grouped}"
+    return f"linear layers {scheme}, LM head {head}, {grouped}"
 
 
 def summary_lines(results: Sequence[Mapping[str, Any]], verbose: bool = False) -> list[str]:

@@ -57,14 +57,9 @@ def vl_chat_template(pictures: Mapping[str, str]) -> str:
     return CHAT_TEMPLATE.replace("{{ message['content'] or '' }}", content)
 
 
-def train_tokenizer(directory: Path, vocab_size: int, pictures: Mapping[str, str] | None = None) -> dict[str, int]:
-    """tokenizer.json (byte-level BPE of at most `vocab_size` ids) and tokenizer_config.json with the chat template
-    (the picture tokens' too, for a model that takes `pictures`: {config key: token text}); returns {config key: the
-    id of its token}."""
-    return _save(_trained(vocab_size, pictures or {}), directory, pictures or {})
-
-
-def _save(tokenizer: Any, directory: Path, pictures: Mapping[str, str]) -> dict[str, int]:
+def _save_tokenizer(tokenizer: Any, directory: Path, pictures: Mapping[str, str]) -> None:
+    """tokenizer.json and tokenizer_config.json, with the chat template (the picture tokens' for a model that takes
+    `pictures`: {config key: token text}), into `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
     added = {str(tokenizer.token_to_id(t)): {"content": t, "special": True, "lstrip": False, "rstrip": False,
@@ -75,10 +70,11 @@ def _save(tokenizer: Any, directory: Path, pictures: Mapping[str, str]) -> dict[
                               "chat_template": vl_chat_template(pictures) if pictures else CHAT_TEMPLATE,
                               "added_tokens_decoder": added}
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    return {key: tokenizer.token_to_id(text) for key, text in pictures.items()}
 
 
 def _trained(vocab_size: int, pictures: Mapping[str, str]) -> Any:
+    """A byte-level BPE tokenizer of at most `vocab_size` ids learnt from CORPUS, the special and picture tokens
+    first."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -113,5 +109,5 @@ def write_tiny_checkpoint(
     ids = {key: tokenizer.token_to_id(text) for key, text in pictures.items()}
     path = save_random_checkpoint(arch.name, str(directory), seed=seed, config_path=config_path, dtype=dtype,
                                   overrides=ids)
-    _save(tokenizer, path, pictures)
+    _save_tokenizer(tokenizer, path, pictures)
     return path

@@ -948,7 +948,7 @@ class ModelTests(_Base):
         the old weights is the kernels' fault, whatever the architecture)."""
         from fd_core.host.backend import Backend
         from fd_core.host.kernel_table import KernelTable
-        from fd_core.quantization import DEFAULT_GROUPS, SCHEMES, kernel_group
+        from fd_core.quantization import DEFAULT_GROUPS, SCHEMES
         from fd_core.runtime.engine.loop import Engine
         from fd_core.runtime.engine.runner import ModelRunner
         from fd_core.runtime.plan import model_config_for
@@ -961,7 +961,7 @@ class ModelTests(_Base):
         quantizable = [arch for arch in platform_architectures(plugins) if arch.quantizable]
         for arch in quantizable:
             # Each scheme per output channel and in its default groups (as the kernel in use is given them).
-            for scheme, group in [(s, g) for s in SCHEMES for g in (0, kernel_group(backend.ops, DEFAULT_GROUPS[s]))]:
+            for scheme, group in [(s, g) for s in SCHEMES for g in (0, backend.ops.quant_group(DEFAULT_GROUPS[s]))]:
                 config = model_config_for(arch, None).with_overrides(quantization=scheme, quantization_group=group)
                 runner = ModelRunner(backend, arch, config)
                 runner.load()

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import paddle
 from paddle import nn
 
-from fd_core.quantization import bits_of, kernel_group, quantize
+from fd_core.quantization import bits_of, quantize
 
 # What a prepared weight's buffer is named after its parameter: `{attr}_prepared_{i}` (params.release_weights frees
 # them with the parameters).
@@ -62,7 +62,7 @@ class Product:
         param = getattr(self.layer, self.attr)
         if quantization is not None and self.quantizable:
             bits = max(bits_of(quantization), self.least_bits)
-            values, scales = quantize(param, bits, self.transpose_weight, kernel_group(self.ops, group))
+            values, scales = quantize(param, bits, self.transpose_weight, self.ops.quant_group(group))
             shared = self.on_quantized is not None
             if shared:
                 self.on_quantized(values, scales, bits)  # type: ignore[misc]

@@ -245,12 +245,9 @@ def quant_matmul(x: Any, weight: Any, scales: Any, bits: int) -> Any:
     grouped = len(scales.shape) > 1  # and no MLAS block for it
     parts = min(split_count(x, weight, element_bytes=4), rows)
     spans = list(itertools.pairwise([rows * i // parts for i in range(max(parts, 1) + 1)]))
-    tasks: list[tuple[Callable[..., Any], tuple[Any, ...]]]
-    if grouped:
-        tasks = [(_grouped_rows, (x32, weight, scales, bits, a, b)) for a, b in spans]
-    else:
-        tasks = [(_quant_rows, (x32, weight, bits, a, b)) for a, b in spans]
-    out = tasks[0][0](*tasks[0][1]) if len(tasks) == 1 else paddle.concat(_POOL.run(tasks), axis=-1)
+    product = (functools.partial(_grouped_rows, x32, weight, scales, bits) if grouped
+               else functools.partial(_quant_rows, x32, weight, bits))
+    out = product(*spans[0]) if len(spans) == 1 else paddle.concat(_POOL.run([(product, s) for s in spans]), axis=-1)
     if not grouped:
         out = out * scales
     return out if out.dtype == x.dtype else out.astype(x.dtype)

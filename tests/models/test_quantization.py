@@ -92,21 +92,19 @@ def test_a_weight_quantized_a_block_of_rows_at_a_time_is_quantized_as_whole(
 def test_a_quant_kernel_written_before_groups_is_given_per_channel_weights(recwarn: pytest.WarningsRecorder) -> None:
     """The deprecation of contract 1.6: a quant_matmul kernel of a plugin written for 1.5 knows per-channel scales only,
     so it is given those (one DeprecationWarning naming the plugin); one written for 1.6 gets the groups."""
-    from fd_core.quantization import kernel_group
+    from fd_core import native_ops
+    from fd_core.host.kernel_table import Kernel, KernelTable, Ops
 
-    class Old:
-        providers = {"quant_matmul": "oldchip"}
-        contracts = {"quant_matmul": "1.5"}
+    def ops(contract: str) -> Ops:
+        table = KernelTable()
+        table.add(Kernel("quant_matmul", native_ops.quant_matmul, "oldchip" if contract == "1.5" else "newchip",
+                         contract=contract), from_platform=True)
+        return Ops(table, native_ops)
 
-        def written_for(self, op: str, version: str) -> bool:
-            return False
-
-    class New(Old):
-        def written_for(self, op: str, version: str) -> bool:
-            return True
-
-    assert kernel_group(New(), 32) == 32 and kernel_group(Old(), 0) == 0
-    assert kernel_group(Old(), 32) == 0
+    old, new = ops("1.5"), ops("1.6")
+    assert new.quant_group(32) == 32 and old.quant_group(0) == 0
+    assert old.quant_group(32) == 0
+    assert Ops(KernelTable(), native_ops).quant_group(32) == 32  # the native op takes groups
     messages = [str(w.message) for w in recwarn if issubclass(w.category, DeprecationWarning)]
     assert any("'oldchip'" in m and "per-channel" in m for m in messages), messages
 
