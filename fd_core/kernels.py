@@ -65,6 +65,21 @@ OPS: dict[str, Op] = {op.name: op for op in (
        "to the smallest prefix of the sorted probabilities whose mass reaches top_p; the engine draws `uniform` from "
        "each sequence's seeded generator, so every rank chooses the same token. Returns a list of B ints",
        dtypes=("float32",), traced=False, tolerances={"float32": (0.0, 0.0)}),
+    Op("accept_draft", ("logits", "proposals", "temperature", "top_k", "top_p", "uniform", "draft_probs"),
+       "speculative decoding's acceptance (contract 1.7): logits [B, S, V] float32, row b's position i scoring the "
+       "token after its i-th input (position 0 follows the sequence's last token, position i + 1 its proposal i); "
+       "proposals: B lists of token ids, row b's k_b <= S - 1 proposals; uniform: B lists of k_b + 1 numbers in "
+       "[0, 1) from the sequence's seeded generator; draft_probs [B, S - 1, V] float32, the distribution proposal i "
+       "was drawn from, or None (the proposer is certain: all its mass on the proposal). Let p_i be the distribution "
+       "`sample` draws from at position i (softmax(logits / temperature), top_k, then top_p; temperature 0: all mass "
+       "on the argmax, the lowest id on ties) and q_i the draft's. For i = 0, 1, ..., proposal d is accepted when "
+       "uniform[b][i] < p_i(d) / q_i(d) (0 when q_i(d) is 0); the first rejected one is replaced by the inverse-CDF "
+       "draw (as `sample`'s: the first token, in id order, whose cumulative mass exceeds u times the total) from "
+       "max(p_i - q_i, 0) at u = (uniform[b][i] - r) / (1 - r), r the ratio (from p_i itself when that is all "
+       "zero), and the row ends there; when all k_b are accepted, the row ends with `sample`'s draw from p_k at "
+       "uniform[b][k_b]. Returns B lists: the accepted proposals, then that one token. The draws keep p exactly "
+       "(Leviathan et al. 2023, Chen et al. 2023); greedy rows accept the proposals equal to the argmax",
+       dtypes=("float32",), traced=False, tolerances={"float32": (0.0, 0.0)}),
     Op("apply_penalties", ("logits", "prompt_mask", "output_counts", "presence", "frequency", "repetition"),
        "the penalties of the sequences that ask for them, before the sample op (contract 1.3): logits [B, V] float32, "
        "prompt_mask [B, V] bool (the token is in row b's prompt), output_counts [B, V] int32 (how often row b's output "

@@ -271,7 +271,9 @@ def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
         count *= 8
 
 
-def _draw(row: np.ndarray, temperature: float, top_k: int, top_p: float, uniform: float) -> int:
+def _probabilities(row: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The distribution sample draws from for one row of logits (float64): softmax(row / temperature), restricted to
+    the top_k highest and then to the top-p nucleus, renormalised."""
     scores = row / temperature
     if 0 < top_k < scores.size:
         kth = np.partition(scores, -top_k)[-top_k]
@@ -284,5 +286,63 @@ def _draw(row: np.ndarray, temperature: float, top_k: int, top_p: float, uniform
         mask[keep] = 1.0
         probs = probs * mask
         probs /= probs.sum()
+    return probs
+
+
+def _inverse_cdf(probs: np.ndarray, uniform: float) -> int:
+    """The token whose cumulative interval (in id order, over the unnormalised mass) holds uniform x the mass."""
     cumulative = np.cumsum(probs)
     return int(min(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"), probs.size - 1))
+
+
+def _draw(row: np.ndarray, temperature: float, top_k: int, top_p: float, uniform: float) -> int:
+    return _inverse_cdf(_probabilities(row, temperature, top_k, top_p), uniform)
+
+
+def accept_draft(
+    logits: Any, proposals: Sequence[Sequence[int]], temperature: float, top_k: int, top_p: float,
+    uniform: Sequence[Sequence[float]], draft_probs: Any = None,
+) -> list[list[int]]:
+    """Each row's accepted proposals and one token more: greedy, the proposals that equal the argmax and then the
+    argmax; sampled, rejection sampling that keeps the distribution `sample` draws from (kernels.OPS says exactly)."""
+    count = len(proposals)
+    if temperature == 0:
+        # The argmax of every position where it is (one int a position to the host), ties to the lowest id.
+        best = paddle.argmax(logits, axis=-1) if isinstance(logits, paddle.Tensor) else np.argmax(logits, axis=-1)
+        best = np.asarray(best.numpy() if isinstance(best, paddle.Tensor) else best).reshape(count, -1)
+        out = []
+        for b, row in enumerate(proposals):
+            taken = 0
+            while taken < len(row) and int(row[taken]) == int(best[b, taken]):
+                taken += 1
+            out.append([int(t) for t in row[:taken]] + [int(best[b, taken])])
+        return out
+    rows = _host(logits)
+    drafts = None if draft_probs is None else _host(draft_probs)
+    out = []
+    for b, row in enumerate(proposals):
+        draws = [float(u) for u in uniform[b]]
+        accepted: list[int] = []
+        for i, token in enumerate(int(t) for t in row):
+            p = _probabilities(rows[b, i], temperature, top_k, top_p)
+            q = None if drafts is None else drafts[b, i]
+            ratio = p[token] if q is None else (p[token] / q[token] if q[token] > 0 else 0.0)
+            if draws[i] < ratio:
+                accepted.append(token)
+                continue
+            # Rejected: the rest of p beyond what the draft put there, drawn at the uniform's place past the ratio
+            # (given a rejection it is uniform in [0, 1) again).
+            residual = p.copy()
+            if q is None:
+                residual[token] = 0.0
+            else:
+                residual = np.maximum(p - q, 0.0)
+            if not residual.sum() > 0:
+                residual = p
+            again = (draws[i] - ratio) / (1.0 - ratio) if ratio < 1.0 else 0.0
+            out.append(accepted + [_inverse_cdf(residual, again)])
+            break
+        else:
+            last = len(accepted)
+            out.append(accepted + [_draw(rows[b, last], temperature, top_k, top_p, draws[last])])
+    return out

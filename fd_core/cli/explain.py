@@ -40,6 +40,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from fd_core.config import ModelConfig, ParallelConfig
     from fd_core.host.backend import load_backend
     from fd_core.host.loading import load_plugins
+    from fd_core.runtime.engine.speculation import speculation_dict
     from fd_core.runtime.memory import plan_memory
     from fd_core.runtime.plan import DEFAULT_MODEL, RunConfig, compute_dtype, plan_model, run_settings, run_threads
     from fd_core.runtime.report import (
@@ -79,7 +80,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print_json({**backend.describe(), "model": config.architecture, "graph": decision.to_dict(),
                      "capture": capture, "dtype": config.dtype, "quantization": config.quantization,
                      "memory": memory.to_dict(), "threads": threads.to_dict(), "kv_cache": kv,
-                     "settings": settings.to_dict()})
+                     "settings": settings.to_dict(), "speculative": speculation_dict(run.speculation)})
         return 0
     det = backend.detection
     lines = [
@@ -97,5 +98,6 @@ def cmd_explain(args: argparse.Namespace) -> int:
     lines += [f"dtype: {config.dtype}{quantized}", threads_line(threads.to_dict()), f"memory: {memory.summary()}",
               kv_cache_line(kv), "settings (each the option's, the platform's or fd's default):"]
     lines += [f"  {line}" for line in settings.lines()]
+    lines.append(f"speculative decoding: {run.speculation.describe() if run.speculation else 'off'}")
     print(fit(lines), file=stdout())
     return 0

@@ -58,8 +58,9 @@ def seed_option(p: argparse.ArgumentParser, help: str) -> None:
 
 
 def cache_options(p: argparse.ArgumentParser) -> None:
-    """The batch and the paged KV cache's options, as fd run, fd serve and fd explain take them."""
+    """The batch, the paged KV cache and speculative decoding, as fd run, fd serve and fd explain take them."""
     from fd_core.detection import DEFAULT_KV_BLOCK_SIZE
+    from fd_core.runtime.engine.speculation import DEFAULT_TOKENS, METHODS
     from fd_core.runtime.memory import DEFAULT_MAX_PREFILL_TOKENS
     from fd_core.runtime.settings import DEFAULT_MAX_BATCH
 
@@ -79,6 +80,12 @@ def cache_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prefill-prompts", type=positive, default=None, metavar="N",
                    help="most prompts one step prefills (default: the platform's, else as many as the token budget "
                         "allows)")
+    p.add_argument("--speculative", choices=METHODS, default=None,
+                   help="speculative decoding: each step a proposer guesses a sequence's next tokens and one step of "
+                        "the model checks them all, giving the same tokens (ngram: what followed the sequence's last "
+                        "few tokens earlier in its prompt or output; docs/speculative.md; default: off)")
+    p.add_argument("--num-speculative-tokens", type=positive, default=None, metavar="K",
+                   help=f"most tokens the proposer guesses a step (default: {DEFAULT_TOKENS})")
 
 
 def canary_option(p: argparse.ArgumentParser) -> None:
@@ -92,7 +99,7 @@ def canary_option(p: argparse.ArgumentParser) -> None:
 # What quantization_options, resource_options and cache_options set, by the names RunConfig, LLM and fd serve take.
 SHARED_SETTINGS = ("quantization", "quantization_group", "float_embeddings", "memory_fraction", "threads",
                    "kv_block_size", "kv_cache_blocks", "prefix_caching", "max_batch", "max_prefill_tokens",
-                   "max_prefill_prompts")
+                   "max_prefill_prompts", "speculative", "num_speculative_tokens")
 
 
 def shared_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -166,6 +166,7 @@ class Ops:
     rotary_embedding: Callable[..., Any]
     attention: Callable[..., Any]
     sample: Callable[..., Any]
+    accept_draft: Callable[..., Any]
     apply_penalties: Callable[..., Any]
     allocate_kv_cache: Callable[..., Any]
     write_kv_cache: Callable[..., Any]

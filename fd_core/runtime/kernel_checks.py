@@ -133,6 +133,8 @@ def cases(
             ):
                 yield (f"logits[4, {vocab}] temperature={temperature} top_k={top_k} top_p={top_p}",
                        (t(4, vocab, kind="float32") * 3, temperature, top_k, top_p, rng.random(4).tolist()))
+        elif op == "accept_draft":
+            yield from _draft_cases(50 + s["hidden"], rng)
         elif op == "apply_penalties":
             vocab = 50 + s["hidden"]
             # Tokens in the prompt only, in the output only, in both and in neither, on positive and negative logits;
@@ -184,6 +186,59 @@ def cases(
             values, scales = quantize(t(4 * LARGE + ODD, LARGE, kind="float32"), width, group=group)
             yield (f"x[8, 1, {LARGE}] @ wint{width}[{4 * LARGE + ODD}, {LARGE}]^T in groups of {group}",
                    (t(8, 1, LARGE), values, scales, width))
+
+
+def _draft_cases(vocab: int, rng: Any) -> Iterator[tuple[str, tuple[Any, ...]]]:
+    """accept_draft's cases: greedy rows whose proposals all, some, none or none at all equal the argmax (and one where
+    the argmax ties, the lower id winning); sampled rows (temperature, top-k, top-p as sample's cases) proposing each
+    position's likeliest token, a random one or one top-k excludes, with a certain proposer and with a draft's
+    distribution; uniforms spread over [0, 1), so a threshold, a residual or a last draw off shows in some row."""
+    import numpy as np
+    import paddle
+
+    positions = 4
+    logits = rng.standard_normal((4, positions, vocab)).astype("float32") * 3
+    best = logits.argmax(axis=-1)
+    greedy = [best[0, :3].tolist(), [int(best[1, 0]), int((best[1, 1] + 1) % vocab), int(best[1, 2])],
+              [int((best[2, 0] + 7) % vocab)], []]
+    tied = logits.copy()
+    low, high = sorted({int(best[0, 1]), int((best[0, 1] + 3) % vocab)})
+    tied[0, 1, [low, high]] = tied[0, 1].max() + 1.0
+    uniform = [[0.0] * (len(row) + 1) for row in greedy]
+    yield f"logits[4, {positions}, {vocab}] greedy", (paddle.to_tensor(logits), greedy, 0.0, 0, 1.0, uniform, None)
+    tie_rows = [[best[0, 0].item(), high, 5], [], [], []]
+    yield (f"logits[4, {positions}, {vocab}] greedy, a tied argmax", (
+        paddle.to_tensor(tied), [[int(t) for t in row] for row in tie_rows], 0.0, 0, 1.0,
+        [[0.0] * (len(row) + 1) for row in tie_rows], None))
+    for temperature, top_k, top_p in ((1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.9, 20, 0.95)):
+        for trial in range(3):
+            # Proposals: the likeliest token (accepted unless the uniform is high), a random one (mostly rejected:
+            # the residual draw), and, with top_k, the least likely (excluded: always rejected).
+            proposals = []
+            for b in range(4):
+                row = []
+                for i in range(positions - 1 - (b + trial) % 2):
+                    kind = (b + i + trial) % 3
+                    token = best[b, i] if kind == 0 else rng.integers(vocab) if kind == 1 else logits[b, i].argmin()
+                    row.append(int(token))
+                proposals.append(row)
+            uniform = [rng.random(len(row) + 1).tolist() for row in proposals]
+            yield (f"logits[4, {positions}, {vocab}] temperature={temperature} top_k={top_k} top_p={top_p} "
+                   f"#{trial}", (paddle.to_tensor(logits), proposals, temperature, top_k, top_p, uniform, None))
+    # Every proposal the likeliest, at small uniforms: rows accept all they propose and end with the last draw.
+    for temperature in (0.5, 1.0):
+        proposals = [best[b, : positions - 1 - b % 2].tolist() for b in range(4)]
+        uniform = [(rng.random(len(row)) * 0.1).tolist() + [float(rng.random())] for row in proposals]
+        yield (f"logits[4, {positions}, {vocab}] temperature={temperature}, every proposal accepted",
+               (paddle.to_tensor(logits), proposals, temperature, 0, 1.0, uniform, None))
+    # A draft model's distribution: proposals drawn from it, some likelier there than in the target.
+    draft = np.exp(rng.standard_normal((4, positions - 1, vocab)) * 2)
+    draft = (draft / draft.sum(axis=-1, keepdims=True)).astype("float32")
+    proposals = [[int(rng.choice(vocab, p=draft[b, i] / draft[b, i].sum())) for i in range(positions - 1)]
+                 for b in range(4)]
+    uniform = [rng.random(positions).tolist() for _ in range(4)]
+    yield (f"logits[4, {positions}, {vocab}] temperature=1.0 with a draft's probabilities",
+           (paddle.to_tensor(logits), proposals, 1.0, 0, 1.0, uniform, paddle.to_tensor(draft)))
 
 
 # The mixture of experts' cases: few experts of a small width (the op's cost is E x I x H; the shapes that matter are
@@ -321,6 +376,24 @@ def compare(op: str, got: Any, want: Any, dtype: str, args: tuple[Any, ...], nat
                         for e in (-1e-6, 1e-6)}
                 if g not in near:
                     return f"row {b} chose token {g}, the native op {w}"
+        return None
+    if op == "accept_draft":
+        got = [list(row) for row in got] if isinstance(got, (list, tuple)) else got
+        if got == want:
+            return None
+        if not isinstance(got, list) or len(got) != len(want):
+            return f"returned {_kind(got)}, the native op {len(want)} lists"
+        logits, proposals, temperature, top_k, top_p, uniform, draft = args
+        for b, (g, w) in enumerate(zip(got, want, strict=True)):
+            if [int(t) for t in g] == w:
+                continue
+            # A uniform exactly at a threshold or a boundary of the cumulative distribution may fall either way.
+            choices = [native.accept_draft(logits, proposals, temperature, top_k, top_p,
+                                           [[min(max(u + e, 0.0), 1.0 - 1e-12) for u in row] for row in uniform],
+                                           draft)[b] for e in (-1e-6, 1e-6)]
+            if [int(t) for t in g] not in choices:
+                return (f"row {b} (proposals {list(proposals[b])}) gave {[int(t) for t in g]}, the native op {w}: "
+                        f"{len(w) - 1} accepted, then {w[-1]}")
         return None
     if isinstance(want, tuple):  # several results (add_rms_norm's normed and summed): each compared, named
         if not isinstance(got, (tuple, list)) or len(got) != len(want):

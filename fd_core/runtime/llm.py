@@ -47,7 +47,7 @@ class LLM:
         max_prefill_tokens: int | None = None, max_prefill_prompts: int | None = None,
         quantization: str | None = None, quantization_group: int | None = None, float_embeddings: bool = False,
         grammar_timeout: float = DEFAULT_GRAMMAR_TIMEOUT_S,
-        kernel_canary: bool = True,
+        kernel_canary: bool = True, speculative: str | None = None, num_speculative_tokens: int | None = None,
     ) -> None:
         quiet_paddle_logs()  # before paddle is imported: its C++ logs stay off the caller's terminal
         if graph not in ("auto", "off", "on"):
@@ -59,7 +59,8 @@ class LLM:
                         prefix_caching=bool(prefix_caching), max_prefill_tokens=max_prefill_tokens,
                         max_prefill_prompts=max_prefill_prompts, quantization=quantization,
                         quantization_group=quantization_group, float_embeddings=bool(float_embeddings),
-                        grammar_timeout=grammar_timeout, kernel_canary=bool(kernel_canary))
+                        grammar_timeout=grammar_timeout, kernel_canary=bool(kernel_canary), speculative=speculative,
+                        num_speculative_tokens=num_speculative_tokens)
         self._plugins = load_plugins(plugin_env(platform))
         self._backend = Backend(self._plugins)
         # The plan's request is a placeholder: the plugins' fd_check_request is asked about each real one (_request).
@@ -112,7 +113,8 @@ class LLM:
     @property
     def kv_cache(self) -> dict[str, int]:
         """The paged KV cache's counts on rank 0, as of the last sequence that ended: blocks_total, blocks_used,
-        block_size, prefix_cache_queried_tokens, prefix_cache_hit_tokens, preemptions."""
+        block_size, prefix_cache_queried_tokens, prefix_cache_hit_tokens, preemptions, spec_proposed_tokens,
+        spec_accepted_tokens."""
         return dict(self._info.get("kv_cache") or {})
 
     @property

@@ -18,6 +18,7 @@ from fd_core.models import Architecture
 from fd_core.quantization import DEFAULT_GROUPS
 from fd_core.runtime.checkpoint import Checkpoint
 from fd_core.runtime.engine.sampling import SamplingParams
+from fd_core.runtime.engine.speculation import Speculation, speculation_of
 from fd_core.runtime.images import load_image
 from fd_core.runtime.memory import (
     DEFAULT_MEMORY_FRACTION,
@@ -106,6 +107,9 @@ class RunConfig:
     max_prefill_prompts: int | None = None
     # Seconds a request's grammar may take to compile for the model's tokens before it is refused.
     grammar_timeout: float = DEFAULT_GRAMMAR_TIMEOUT_S
+    # Speculative decoding's proposer ("ngram"; None: off) and the most tokens it proposes a step (None: its default).
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
     # Each rank checks the non-native kernels the run calls against fd's native ops before its first request
     # (fd_core.runtime.kernel_checks.kernel_canary); off for a platform certified with `fd check`.
     kernel_canary: bool = True
@@ -121,9 +125,16 @@ class RunConfig:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
         if self.max_batch is not None and self.max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1 (prompts decoded together), got {self.max_batch}")
+        speculation_of(self.speculative, self.num_speculative_tokens)
         timeout = self.grammar_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < float("inf"):
             raise ConfigError(f"grammar_timeout must be a number of seconds > 0, got {timeout!r:.40}")
+
+
+    @property
+    def speculation(self) -> Speculation | None:
+        """How the run speculates (None: it does not)."""
+        return speculation_of(self.speculative, self.num_speculative_tokens)
 
 
 def run_threads(run: RunConfig, detection: Detection | None = None) -> Threads:

@@ -80,6 +80,14 @@ def quantized_line(scheme: str, group: int, float_embeddings: bool) -> str:
     return f"linear layers {scheme}, LM head {head}, {grouped}"
 
 
+def speculation_line(spec: Mapping[str, Any]) -> str:
+    """How speculative decoding went, as fd run reports it."""
+    proposed, accepted = spec["proposed"], spec["accepted"]
+    rate = f" ({accepted / proposed:.0%})" if proposed else ""
+    return (f"speculative: {spec['proposer']}, k={spec['k']}: {proposed} token(s) proposed, {accepted} accepted{rate}, "
+            f"in {spec['verify_steps']} verify step(s)")
+
+
 def summary_lines(results: Sequence[Mapping[str, Any]], verbose: bool = False) -> list[str]:
     """The human-readable report: rank 0's result, and every reporting rank's peak memory; `verbose` (fd -v) adds the
     decode step's parts."""
@@ -102,6 +110,8 @@ def summary_lines(results: Sequence[Mapping[str, Any]], verbose: bool = False) -
         label = "tokens" if len(outputs) == 1 else f"tokens [{index + 1}]"
         lines.append(f"{label}: {' '.join(str(t) for t in output['ids'])}")
     lines.append(f"speed: {result['tokens_per_s']} tokens/s (decode)")
+    if result.get("speculative"):
+        lines.append(speculation_line(result["speculative"]))
     if verbose and result.get("decode_step_ms"):
         step = result["decode_step_ms"]
         lines.append(f"decode step: {step['step']:.2f} ms (model and loop {step['model_and_loop']:.2f} ms, "
@@ -136,7 +146,7 @@ def as_json(results: Sequence[Mapping[str, Any]]) -> str:
     data = {k: results[0][k] for k in keys}
     # The compute dtype, and the memory plan: weights per rank, KV-cache capacity (tokens), the fraction.
     data.update({k: results[0][k] for k in ("dtype", "quantization", "quantization_group", "float_embeddings",
-                                            "memory", "threads", "decode_step_ms")
+                                            "memory", "threads", "decode_step_ms", "speculative")
                  if k in results[0]})
     if "wall_s" in results[0]:
         data["wall_s"] = results[0]["wall_s"]

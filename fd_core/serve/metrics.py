@@ -24,6 +24,10 @@ KV_METRICS = (
      "Prompt tokens looked up in the prefix cache."),
     ("fd_preemptions_total", "counter", "preemptions",
      "Sequences preempted (their blocks freed, recomputed later) when the KV cache ran out."),
+    ("fd_spec_proposed_tokens_total", "counter", "spec_proposed_tokens",
+     "Tokens speculative decoding proposed (--speculative)."),
+    ("fd_spec_accepted_tokens_total", "counter", "spec_accepted_tokens",
+     "Proposed tokens the model's verify step accepted."),
 )
 # Seconds: from a few milliseconds (a tiny model at low load) to a minute (a long prompt behind a full batch).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

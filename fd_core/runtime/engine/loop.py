@@ -13,7 +13,7 @@ from itertools import count
 from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Sequence
 
 from fd_core.error_lines import error_line
-from fd_core.errors import CheckpointError, ConfigError, FdError, NumericsError
+from fd_core.errors import CheckpointError, ConfigError, FdError, NumericsError, setting
 from fd_core.kernels import set_compute_threads
 from fd_core.kvcache import KVBatch
 from fd_core.lifecycle import RankContext
@@ -29,6 +29,7 @@ from fd_core.runtime.engine.sampling import (
     process_logits,
     token_logprobs,
 )
+from fd_core.runtime.engine.speculation import BACKOFF_MAX, Speculation
 from fd_core.runtime.memory import DEFAULT_MAX_PREFILL_TOKENS, MemoryPlan
 from fd_core.runtime.request import Request
 from fd_core.runtime.text.streaming import StreamDecoder, TextState
@@ -239,6 +240,9 @@ class _Seq:
     failure: SequenceFailure | None = None  # what ended it with "error"
     # Its prompt is scored a token a decode step: the model has no prefill_every (else it is scored in its prefill).
     by_step: bool = False
+    # Speculation: proposals in a row none of which was accepted, and the steps it still waits before proposing again.
+    misses: int = 0
+    wait: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -347,6 +351,12 @@ class Engine:
     # (step, their sum, their absolute sum), which the session compares across ranks (FINGERPRINT_EVERY).
     fingerprint_every: int = 0
     fingerprint: tuple[int, float, float] | None = None
+    # Speculative decoding (None: off): each step a sequence's proposer guesses its next tokens, and one step of the
+    # model checks them all (_verify); how many were proposed and accepted, and in how many verify steps.
+    speculation: Speculation | None = None
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_steps: int = 0
     _waiting: deque[_Seq] = field(default_factory=deque)
     _running: list[_Seq] = field(default_factory=list)  # in admission order
     _cancelled: set[int] = field(default_factory=set)
@@ -371,6 +381,11 @@ class Engine:
         self.min_table = min(self.max_table, max(1, MIN_CAPTURED_POSITIONS // block_size))
         # The batch sizes the platform's graphs capture (Detection.capture_sizes; none: powers of two).
         self.capture_sizes = tuple(sorted(set(self.runner.backend.detection.capture_sizes)))
+        self.proposer = self.speculation.proposer() if self.speculation is not None else None
+        model = self.runner.model
+        if self.proposer is not None and model is not None and not callable(getattr(model, "prefill_every", None)):
+            raise ConfigError(f"{setting('speculative')} checks proposals with the model's prefill_every (contract "
+                              f"1.5), and {self.runner.arch.name}'s model has none: run without it")
 
     @property
     def tokens_per_s(self) -> float:
@@ -453,11 +468,21 @@ class Engine:
         self.pool.forget_all()
 
     def kv_stats(self) -> dict[str, int]:
-        """The pool and the scheduler's counts: blocks, blocks held, prefix tokens queried and found, preemptions."""
+        """The pool and the scheduler's counts: blocks, blocks held, prefix tokens queried and found, preemptions, and
+        the tokens speculation proposed and had accepted."""
         stats = self.pool.stats
         return {"blocks_total": self.pool.usable, "blocks_used": self.pool.used, "block_size": self.block_size,
                 "prefix_cache_queried_tokens": stats.prefix_queried_tokens,
-                "prefix_cache_hit_tokens": stats.prefix_hit_tokens, "preemptions": self.preemptions}
+                "prefix_cache_hit_tokens": stats.prefix_hit_tokens, "preemptions": self.preemptions,
+                "spec_proposed_tokens": self.spec_proposed, "spec_accepted_tokens": self.spec_accepted}
+
+    def speculation_stats(self) -> dict[str, Any] | None:
+        """How speculation went (None: off): the proposer, the most tokens it proposes a step, the tokens proposed
+        and accepted, and the verify steps."""
+        if self.speculation is None:
+            return None
+        return {"proposer": self.speculation.method, "k": self.speculation.tokens, "proposed": self.spec_proposed,
+                "accepted": self.spec_accepted, "verify_steps": self.spec_steps}
 
     def step(self) -> list[Event]:
         """Retire the cancelled, schedule (blocks, preemption, admission, chunks), then run the step's prefill chunks
@@ -471,6 +496,8 @@ class Engine:
             prefills, decodes = self._schedule()
             if prefills:
                 self._prefill(prefills, events)
+            if decodes and self.proposer is not None:
+                decodes = self._speculate(decodes, events)
             if decodes:
                 self._decode(decodes, events)
         except BaseException:
@@ -859,6 +886,141 @@ class Engine:
         self.decode_s += elapsed
         self.decode_core_s += time.process_time() - core_start
         self.decoded_tokens += sum(token is not None for token in picked)
+
+    # -- speculative decoding -------------------------------------------------------------------
+    def _speculate(self, seqs: Sequence[_Seq], events: list[Event]) -> list[_Seq]:
+        """Ask the proposer for each decoding sequence's next tokens; when any proposes, verify every sequence that may
+        speculate in one step (those proposing nothing ride along a position each) and return the rest (a prompt
+        still scored a token a step, a grammar) for the plain decode step."""
+        assert self.proposer is not None and self.speculation is not None
+        able = [seq for seq in seqs if not seq.stepwise and seq.job.sampling.grammar is None]
+        proposals: list[list[int]] = []
+        context = self.max_table * self.block_size
+        for seq in able:
+            room = min(self.speculation.tokens, seq.job.sampling.max_new_tokens - len(seq.tokens) - 1,
+                       context - seq.computed - 1)
+            if seq.wait > 0:
+                seq.wait -= 1
+                room = 0
+            guess = self.proposer.propose(seq.ids, room)[:room] if room > 0 else []
+            # The blocks its proposals' keys and values go to, as far as the pool has them (no preemption for a guess).
+            fits = (len(seq.blocks) + self.pool.available) * self.block_size - seq.computed - 1
+            guess = guess[: max(0, fits)]
+            seq.blocks += self.pool.allocate(self._blocks_for(seq, seq.computed + 1 + len(guess)))
+            proposals.append(guess)
+        if not any(proposals):
+            return list(seqs)
+        self._verify(able, proposals, events)
+        return [seq for seq in seqs if seq not in able]
+
+    def _verify(self, seqs: Sequence[_Seq], proposals: Sequence[list[int]], events: list[Event]) -> None:
+        """One step of the model over each sequence's last token and its proposals (the prefill path over its cached
+        prefix, every position's logits), then the accept_draft op: the accepted proposals and one token more go out
+        as they would have one a step; the blocks past what was accepted go back to the pool."""
+        import numpy as np
+
+        model = self.runner.model
+        assert model is not None
+        counts = [1 + len(guess) for guess in proposals]
+        rows, width = len(seqs), max(counts)
+        ids = np.full((rows, width), PAD_ID, dtype=np.int64)
+        slots = np.full((rows, width), NULL_BLOCK * self.block_size, dtype=np.int64)
+        for row, (seq, guess) in enumerate(zip(seqs, proposals, strict=True)):
+            ids[row, : counts[row]] = [seq.ids[seq.computed], *guess]
+            slots[row, : counts[row]] = [self._slot(seq, p) for p in range(seq.computed, seq.computed + counts[row])]
+        batch = KVBatch(self._tables(seqs, max(len(s.blocks) for s in seqs)),
+                        np.asarray([s.computed for s in seqs], dtype=np.int64), np.asarray(counts, dtype=np.int64),
+                        slots, np.asarray([s.rope_delta for s in seqs], dtype=np.int64))
+        self._use_threads(rows)
+        start, core_start = time.perf_counter(), time.process_time()
+        progress.report("decode")
+        with self._fingerprinting():
+            logits = model.prefill_every(ids, batch)  # type: ignore[attr-defined]
+        for row, positions in enumerate(counts):
+            check_finite(logits[row, :positions], self.steps, [True] * positions)
+        chosen, logprobs = self._accept(logits, seqs, proposals, events)
+        emitted = 0
+        for n, (seq, guess, tokens) in enumerate(zip(seqs, proposals, chosen, strict=True)):
+            if tokens is None:
+                continue
+            accepted = len(tokens) - 1
+            self.spec_proposed += len(guess)
+            self.spec_accepted += accepted
+            if guess:
+                seq.misses = 0 if accepted else seq.misses + 1
+                seq.wait = min(BACKOFF_MAX, (1 << seq.misses) - 1)
+            base = seq.computed
+            for i, token in enumerate(tokens):
+                if seq.reason is not None:
+                    break
+                if n in logprobs and seq.logprobs is not None:
+                    seq.logprobs.append(logprobs[n][i])
+                if self.trace is not None:
+                    self.trace.setdefault(seq.job.key, []).append(
+                        np.asarray(_host_rows(logits[n], [i])[0], dtype=np.float64))
+                self._push(seq, token, events)
+                emitted += 1
+            if seq.reason is None:
+                # Its last token and the accepted proposals are in the cache now; what the rejected wrote is past it.
+                seq.computed = base + 1 + accepted
+                keep = -(-seq.computed // self.block_size)
+                self.pool.free(seq.blocks[keep:])
+                del seq.blocks[keep:]
+                self._publish(seq)
+        elapsed = time.perf_counter() - start
+        self.runner.add_time("decode", elapsed)
+        self.decode_s += elapsed
+        self.decode_core_s += time.process_time() - core_start
+        self.decoded_tokens += emitted
+        self.spec_steps += 1
+
+    def _accept(self, logits: Any, seqs: Sequence[_Seq], proposals: Sequence[list[int]],
+                events: list[Event]) -> tuple[list[list[int] | None], dict[int, list[TokenLogprob]]]:
+        """Each sequence's accepted proposals and next token through the Backend's accept_draft op (None for one that
+        failed on its own): greedy rows that process nothing in one call; the others each with their own settings,
+        their logits processed position by position as if the proposals before it had been chosen; and the logprobs
+        of those tokens by index, for the sequences that ask."""
+
+        begin = time.perf_counter()
+        accept = self.runner.backend.ops.accept_draft
+        out: list[list[int] | None] = [None] * len(seqs)
+        found: dict[int, list[TokenLogprob]] = {}
+        plain = [n for n, seq in enumerate(seqs) if seq.job.sampling.greedy and not seq.job.sampling.processed]
+        if plain:
+            picked = logits if len(plain) == len(seqs) else logits[plain]
+            greedy = accept(picked, [proposals[n] for n in plain], 0.0, 0, 1.0,
+                            [[0.0] * (len(proposals[n]) + 1) for n in plain], None)
+            for n, tokens in zip(plain, greedy, strict=True):
+                out[n] = [int(t) for t in tokens]
+        penalties = self.runner.backend.ops.apply_penalties
+
+        def penalize(*arrays: Any) -> Any:
+            return penalties(*(host_tensor(a) for a in arrays)).numpy()
+
+        for n, (seq, guess) in enumerate(zip(seqs, proposals, strict=True)):
+            if n in plain:
+                continue
+            p, count = seq.job.sampling, len(guess) + 1
+            try:
+                rows = _host_rows(logits[n], range(count))
+                if p.processed:
+                    outputs = [seq.tokens + guess[:i] for i in range(count)]
+                    rows = process_logits(rows, [p] * count, [seq.job.prompt] * count, outputs, [seq.eos] * count,
+                                          penalize)
+                draws = [0.0] * count if p.greedy else [float(u) for u in seq.sampler.rngs[0].random(count)]
+                tokens = accept(host_tensor(rows[None]), [guess], p.temperature, p.top_k, p.top_p, [draws], None)[0]
+                out[n] = [int(t) for t in tokens]
+            except Exception as exc:  # noqa: BLE001 - the sequence ends with it; the others go on
+                self._fail(seq, exc, events)
+        # Only rank 0 reports logprobs (computing them fails no sequence: every rank ends the same ones).
+        reporting = self.rank is None or self.rank.rank == 0
+        for n, (seq, tokens) in enumerate(zip(seqs, out, strict=True)):
+            if tokens is not None and seq.logprobs is not None and reporting:
+                raw = _host_rows(logits[n], range(len(tokens)))
+                found[n] = token_logprobs(raw, tokens, [seq.job.sampling.logprobs or 0] * len(tokens))
+        self.choose_s += time.perf_counter() - begin
+        self.choose_calls += 1
+        return out, found
 
     def _score(self, logits: Any, seqs: Sequence[_Seq], at: Sequence[int]) -> None:
         """Stepwise prompts (sequence i at row at[i] of logits [B, vocab]) whose step computed position p: the

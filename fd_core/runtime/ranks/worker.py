@@ -148,7 +148,8 @@ class RankWorker:
         assert settings is not None, "plan_run resolves the settings"
         engine = Engine(runner, tokenizer, settings.max_batch, memory=plan.memory, rank=context,
                         max_prefill_tokens=settings.max_prefill_tokens,
-                        max_prefill_prompts=settings.max_prefill_prompts, prefix_caching=run.prefix_caching)
+                        max_prefill_prompts=settings.max_prefill_prompts, prefix_caching=run.prefix_caching,
+                        speculation=run.speculation)
         return cls(rank, tp, plan, backend, runner, engine, log, context, started, entry_rss)
 
     def end(self, reason: EndReason = "normal") -> None:
@@ -183,6 +184,7 @@ class RankWorker:
             "threads": self.plan.threads.to_dict() if self.plan.threads is not None else None,
             "memory": self.plan.memory.to_dict() if self.plan.memory is not None else None,
             "kv_cache": self.engine.kv_stats(),
+            "speculative": self.engine.speculation_stats(),
         }
 
     def _timings(self) -> dict[str, float]:

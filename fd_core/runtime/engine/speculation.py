@@ -1,0 +1,90 @@
+"""Speculative decoding's settings and proposers: what guesses a sequence's next tokens cheaply, for the engine to check
+all of them in one step of the target model (fd_core.runtime.engine.loop: the verify step and the accept_draft op)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from fd_core.errors import ConfigError, setting
+
+METHODS = ("ngram",)
+DEFAULT_TOKENS = 4
+MAX_TOKENS = 16
+# Prompt lookup: the longest suffix of the sequence, from NGRAM_MAX tokens down to NGRAM_MIN, found earlier in its last
+# NGRAM_WINDOW tokens (prompt and output) proposes the tokens that followed its latest earlier occurrence. One token is
+# too short a key: it matches nearly everywhere and proposes what is rarely accepted.
+NGRAM_MAX = 4
+NGRAM_MIN = 2
+NGRAM_WINDOW = 4096
+# A sequence none of whose proposals was accepted stops proposing for 1, 3, 7, ... steps (at most BACKOFF_MAX), so
+# speculation costs little where it cannot win; an accepted proposal resets it.
+BACKOFF_MAX = 16
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How a run speculates (plain data: it travels to the ranks): the proposer and the most tokens it proposes a
+    step."""
+
+    method: str = "ngram"
+    tokens: int = DEFAULT_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"{setting('speculative', self.method)} is not a proposer fd has; use one of "
+                              f"{', '.join(METHODS)}")
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or not 1 <= self.tokens <= MAX_TOKENS:
+            raise ConfigError(f"{setting('num_speculative_tokens')} must be an integer in 1..{MAX_TOKENS}, got "
+                              f"{self.tokens!r:.40}")
+
+    def proposer(self) -> "Proposer":
+        return NgramProposer()
+
+    def describe(self) -> str:
+        return f"{self.method}, up to {self.tokens} tokens a step (n-grams of {NGRAM_MAX} down to {NGRAM_MIN} tokens)"
+
+
+def speculation_of(method: str | None, tokens: int | None) -> Speculation | None:
+    """The run's Speculation from its options (None: it does not speculate; tokens None: DEFAULT_TOKENS)."""
+    if method is None:
+        if tokens is not None:
+            raise ConfigError(f"{setting('num_speculative_tokens')} needs {setting('speculative')} (the proposer): "
+                              f"add {setting('speculative', 'ngram')}")
+        return None
+    return Speculation(method, DEFAULT_TOKENS if tokens is None else tokens)
+
+
+def speculation_dict(speculation: Speculation | None) -> dict[str, object] | None:
+    """What `fd explain --json` shows of it: the proposer and k (None: off)."""
+    return None if speculation is None else {"proposer": speculation.method, "k": speculation.tokens}
+
+
+class Proposer(Protocol):
+    """Guesses a sequence's next tokens: at most `count` ids to follow `ids` (its prompt and output so far), or none."""
+
+    def propose(self, ids: Sequence[int], count: int) -> list[int]: ...
+
+
+class NgramProposer:
+    """Prompt lookup decoding: the sequence's latest suffix of NGRAM_MAX down to NGRAM_MIN tokens found earlier in its
+    last NGRAM_WINDOW tokens proposes what followed its latest earlier occurrence."""
+
+    def __init__(self, max_n: int = NGRAM_MAX, min_n: int = NGRAM_MIN, window: int = NGRAM_WINDOW) -> None:
+        self.max_n, self.min_n, self.window = max_n, min_n, window
+
+    def propose(self, ids: Sequence[int], count: int) -> list[int]:
+        import numpy as np
+
+        tail = np.asarray(ids[-self.window:], dtype=np.int32)
+        # Searched as bytes (a C loop): a match must start on a token's boundary.
+        data, size = tail.tobytes(), tail.itemsize
+        for n in range(min(self.max_n, len(tail) - 1), self.min_n - 1, -1):
+            pattern = tail[-n:].tobytes()
+            end = len(data) - size  # an occurrence ending before the last token: never the suffix itself
+            while (found := data.rfind(pattern, 0, end)) >= 0:
+                if found % size == 0:
+                    start = found // size + n
+                    return [int(t) for t in tail[start:start + count]]
+                end = found + len(pattern) - 1
+        return []

@@ -1,0 +1,289 @@
+"""Speculative decoding: the n-gram proposer, the accept_draft op's semantics against independent oracles (the argmax,
+the target distribution over many draws), the kernel checks catching subtly wrong acceptance kernels, the engine giving
+plain decoding's tokens, and the options' refusals."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import pytest
+
+from fd_core import native_ops
+from fd_core.errors import ConfigError
+from fd_core.runtime.engine.speculation import NgramProposer, Speculation, speculation_of
+from fd_core.runtime.kernel_checks import cases, compare
+
+SIZES = [{"hidden": 64, "inter": 96, "head_dim": 16, "heads": 4, "kv": 2}]
+
+
+def test_ngram_proposes_what_followed_the_latest_earlier_occurrence_of_the_longest_suffix() -> None:
+    proposer = NgramProposer()
+    assert proposer.propose([1, 2, 3, 4, 5, 6, 7, 1, 2, 3], 4) == [4, 5, 6, 7]
+    # The 3-gram (9, 2, 3) is new; the 2-gram (2, 3) occurred at the start.
+    assert proposer.propose([1, 2, 3, 4, 5, 6, 7, 9, 2, 3], 2) == [4, 5]
+    # The latest earlier occurrence: (1, 2) was followed by 8 last.
+    assert proposer.propose([1, 2, 7, 1, 2, 8, 1, 2], 1) == [8]
+    assert proposer.propose([1, 2, 3, 4, 5], 4) == []  # no suffix of 2 or more tokens occurred before
+    assert proposer.propose([7, 3, 7, 4], 4) == []  # one token is too short a key
+    # Ids whose bytes straddle: 256 = 00 01 00 00; a byte match across two ids must not count.
+    assert proposer.propose([1, 256, 0, 1, 256], 2) == [0, 1]
+    assert proposer.propose([0, 1, 0, 0, 1, 0], 3) == [0, 1, 0]
+    # Only the window is searched.
+    assert NgramProposer(window=6).propose([1, 2, 3, 9, 9, 9, 9, 1, 2], 1) == []
+
+
+def _row(vocab: int = 6, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1, 3, vocab)).astype("float32") * 1.5
+
+
+def test_greedy_acceptance_takes_the_proposals_equal_to_the_argmax_then_the_argmax() -> None:
+    logits = _row(vocab=40)
+    best = logits[0].argmax(axis=-1).tolist()  # the oracle: numpy's argmax of each position
+    accept = native_ops.accept_draft
+    assert accept(logits, [best[:2]], 0.0, 0, 1.0, [[0.0] * 3]) == [best[:3]]
+    assert accept(logits, [[best[0], (best[1] + 1) % 40]], 0.0, 0, 1.0, [[0.0] * 3]) == [best[:2]]
+    assert accept(logits, [[(best[0] + 1) % 40, best[1]]], 0.0, 0, 1.0, [[0.0] * 3]) == [best[:1]]
+    assert accept(logits, [[]], 0.0, 0, 1.0, [[0.0]]) == [best[:1]]
+
+
+def _softmax(row: np.ndarray, temperature: float) -> np.ndarray:
+    z = np.exp((row - row.max()) / temperature)
+    return z / z.sum()
+
+
+@pytest.mark.parametrize("draft", [False, True], ids=["certain proposer", "draft distribution"])
+def test_rejection_sampling_keeps_the_target_distribution(draft: bool) -> None:
+    """Over 20,000 seeded draws, the first token out (the proposal when accepted, else the residual's draw) is
+    distributed as softmax(logits / T) computed here with numpy (an oracle independent of the op), within 4.5 standard
+    errors for every token; and so is the second, given the first proposal was accepted."""
+    temperature, vocab, draws = 0.8, 6, 20_000
+    logits = _row(vocab)
+    rng = np.random.default_rng(1)
+    target = _softmax(logits[0, 0].astype(np.float64), temperature)
+    q = np.stack([_softmax(row, 1.0) for row in rng.standard_normal((2, vocab))]).astype("float32") if draft else None
+    firsts, seconds = np.zeros(vocab), np.zeros(vocab)
+    for _ in range(draws):
+        # A draft samples its proposals from q; a certain proposer always proposes the same tokens (1 then 4).
+        guess = [int(rng.choice(vocab, p=q[i] / q[i].sum())) for i in range(2)] if q is not None else [1, 4]
+        first = guess[0]
+        out = native_ops.accept_draft(logits, [guess], temperature, 0, 1.0, [rng.random(3).tolist()],
+                                      None if q is None else q[None])[0]
+        firsts[out[0]] += 1
+        if out[0] == first and len(out) > 1:  # accepted: the second is drawn given it
+            seconds[out[1]] += 1 if first == 1 or q is None else 0
+    error = np.sqrt(target * (1 - target) / draws)
+    assert np.all(np.abs(firsts / draws - target) <= 4.5 * error), (firsts / draws, target)
+    after = _softmax(logits[0, 1].astype(np.float64), temperature)
+    total = seconds.sum()
+    assert total > 1000
+    assert np.all(np.abs(seconds / total - after) <= 4.5 * np.sqrt(after * (1 - after) / total) + 1e-12)
+
+
+def _run_checks(kernel: Any) -> list[str]:
+    """The kernel suite's accept_draft cases through `kernel`, each compared with the native op as fd check does."""
+    failures = []
+    for what, args in cases("accept_draft", SIZES, "float32"):
+        problem = compare("accept_draft", kernel(*args), native_ops.accept_draft(*args), "float32", args, native_ops)
+        if problem:
+            failures.append(f"{what}: {problem}")
+    return failures
+
+
+def _ties_to_the_highest(logits: Any, proposals: Sequence[Sequence[int]], temperature: float, *rest: Any) -> Any:
+    if temperature:
+        return native_ops.accept_draft(logits, proposals, temperature, *rest)
+    flipped = np.asarray(logits.numpy())[:, :, ::-1]
+    best = flipped.shape[-1] - 1 - flipped.argmax(axis=-1)
+    out = []
+    for b, row in enumerate(proposals):
+        taken = 0
+        while taken < len(row) and row[taken] == best[b, taken]:
+            taken += 1
+        out.append([*row[:taken], int(best[b, taken])])
+    return out
+
+
+def _scaled_threshold(scale: float) -> Any:
+    def kernel(logits: Any, proposals: Any, temperature: float, top_k: int, top_p: float, uniform: Any,
+               draft: Any = None) -> Any:
+        return native_ops.accept_draft(logits, proposals, temperature, top_k, top_p,
+                                       [[u * scale for u in row] for row in uniform], draft)
+    return kernel
+
+
+def _last_draw_at_the_first_uniform(logits: Any, proposals: Any, temperature: float, top_k: int, top_p: float,
+                                    uniform: Any, draft: Any = None) -> Any:
+    return native_ops.accept_draft(logits, proposals, temperature, top_k, top_p,
+                                   [[*row[:-1], row[0]] for row in uniform], draft)
+
+
+def _draft_ignored(logits: Any, proposals: Any, temperature: float, top_k: int, top_p: float, uniform: Any,
+                   draft: Any = None) -> Any:
+    return native_ops.accept_draft(logits, proposals, temperature, top_k, top_p, uniform, None)
+
+
+def _residual_keeps_the_rejected(logits: Any, proposals: Any, temperature: float, top_k: int, top_p: float,
+                                 uniform: Any, draft: Any = None) -> Any:
+    """Rejection drawn from p itself (the rejected token still in it), at the rescaled uniform."""
+    if temperature == 0 or draft is not None:
+        return native_ops.accept_draft(logits, proposals, temperature, top_k, top_p, uniform, draft)
+    rows = native_ops._host(logits)
+    out = []
+    for b, row in enumerate(proposals):
+        accepted: list[int] = []
+        for i, token in enumerate(row):
+            p = native_ops._probabilities(rows[b, i], temperature, top_k, top_p)
+            if uniform[b][i] < p[token]:
+                accepted.append(token)
+                continue
+            out.append([*accepted, native_ops._inverse_cdf(p, (uniform[b][i] - p[token]) / (1 - p[token]))])
+            break
+        else:
+            out.append([*accepted, native_ops._draw(rows[b, len(accepted)], temperature, top_k, top_p,
+                                                    uniform[b][len(accepted)])])
+    return out
+
+
+@pytest.mark.parametrize("kernel", [_ties_to_the_highest, _scaled_threshold(0.9), _scaled_threshold(1.05),
+                                    _last_draw_at_the_first_uniform, _draft_ignored, _residual_keeps_the_rejected],
+                         ids=["tie broken the other way", "threshold 10% high", "threshold 5% low",
+                              "last draw at the wrong uniform", "draft probabilities ignored",
+                              "rejected token left in the residual"])
+def test_a_subtly_wrong_acceptance_kernel_fails_the_kernel_checks(kernel: Any) -> None:
+    assert _run_checks(native_ops.accept_draft) == []
+    failures = _run_checks(kernel)
+    assert failures, "the accept_draft cases pass a wrong kernel"
+    assert "gave" in failures[0] and "the native op" in failures[0]
+
+
+def test_speculation_options_are_checked() -> None:
+    assert speculation_of(None, None) is None
+    assert speculation_of("ngram", None) == Speculation("ngram", 4)
+    with pytest.raises(ConfigError, match="needs"):
+        speculation_of(None, 3)
+    with pytest.raises(ConfigError, match="not a proposer"):
+        speculation_of("eagle", None)
+    with pytest.raises(ConfigError, match=r"1\.\.16"):
+        speculation_of("ngram", 0)
+
+
+class Oracle:
+    """Proposes each prompt's known continuation, one proposal of each step in `wrong_every` changed: rows accept
+    different counts, some none."""
+
+    def __init__(self, known: dict[tuple[int, ...], list[int]], vocab: int, wrong_every: int = 3) -> None:
+        self.known, self.vocab, self.wrong_every, self.calls = known, vocab, wrong_every, 0
+
+    def propose(self, ids: Sequence[int], count: int) -> list[int]:
+        self.calls += 1
+        for prompt, tokens in self.known.items():
+            if tuple(ids[: len(prompt)]) == prompt:
+                done = len(ids) - len(prompt)
+                guess = list(tokens[done: done + count])
+                spot = self.calls % self.wrong_every
+                if spot < len(guess):
+                    guess[spot] = (guess[spot] + 1) % self.vocab
+                return guess
+        return []
+
+
+def _engine(**options: Any) -> Any:
+    from fd_core.host.backend import Backend
+    from fd_core.host.loading import load_plugins
+    from fd_core.runtime.engine.loop import Engine
+    from fd_core.runtime.engine.runner import ModelRunner
+    from fd_core.runtime.plan import model_config_for
+
+    plugins = load_plugins({"FD_PLATFORM": "cpu"})
+    arch = plugins.registry.get("ernie4_5")
+    runner = ModelRunner(Backend(plugins), arch, model_config_for(arch, None), graph="off")
+    runner.load()
+    runner.decide()
+    return Engine(runner, **options)
+
+
+def test_sampled_tokens_keep_the_distribution_of_plain_sampling() -> None:
+    """The engine with speculation samples each token from the distribution plain sampling draws from: 1,024 samples of
+    the first four tokens (temperature 1.5, top-k 3), the proposals the greedy continuation (often right, often
+    wrong); the share of each token at each of the three positions after the first agrees with plain sampling's
+    within 4 standard errors (a verify whose threshold is 30% off is far outside)."""
+    from fd_core.runtime.engine.sampling import SamplingParams
+    from fd_core.runtime.engine.speculation import Speculation
+    from fd_core.runtime.request import Request
+
+    prompt = (5, 6, 7, 8)
+    plain, spec = _engine(max_batch=64), _engine(max_batch=64, speculation=Speculation("ngram", 2))
+    greedy = plain.generate(Request.greedy([list(prompt)], 4))[0].token_ids
+    spec.proposer = Oracle({prompt: greedy}, vocab=10**6, wrong_every=10**6)
+
+    def samples(engine: Any) -> list[tuple[int, ...]]:
+        out = []
+        for seed in range(16):
+            sampling = SamplingParams(max_new_tokens=4, temperature=1.5, top_k=3, seed=seed, n=64, ignore_eos=True)
+            out += [tuple(c.token_ids) for c in engine.generate(Request((prompt,), sampling))]
+        return out
+
+    want, got = samples(plain), samples(spec)
+    assert 0 < spec.spec_accepted < spec.spec_proposed, (spec.spec_proposed, spec.spec_accepted)
+    for position in (1, 2, 3):
+        a, b = [t[position] for t in got], [t[position] for t in want]
+        for value in set(a) | set(b):
+            p, q = a.count(value) / len(a), b.count(value) / len(b)
+            spread = np.sqrt(max(p * (1 - p), q * (1 - q), 1 / len(a)) * 2 / len(a))
+            assert abs(p - q) <= 4 * spread, (position, value, p, q)
+
+
+def test_greedy_tokens_with_speculation_are_plain_decodings_and_blocks_come_back() -> None:
+    """Continuous batching with rows accepting different counts (an oracle proposer, wrong at changing places), logprobs
+    and a stop at the token limit inside an accepted run: the same tokens and logprobs as plain decoding, every
+    block back in the pool, prefix hashes over accepted tokens only (a second run finds the first's blocks)."""
+    from fd_core.runtime.engine.loop import Job
+    from fd_core.runtime.engine.sampling import SamplingParams
+    from fd_core.runtime.engine.speculation import Speculation
+    from fd_core.runtime.request import Request
+
+    rng = np.random.default_rng(3)
+    prompts = [tuple(int(t) for t in rng.integers(1, 500, size=n)) for n in (40, 5, 23)]
+    limits = (21, 9, 14)
+    plain = _engine(max_batch=4)
+    want = []
+    for prompt, limit in zip(prompts, limits, strict=True):
+        sampling = SamplingParams(max_new_tokens=limit, ignore_eos=True, logprobs=2)
+        want.append(plain.generate(Request((prompt,), sampling))[0])
+    spec = _engine(max_batch=4, speculation=Speculation("ngram", 4))
+    oracle = Oracle({p: c.token_ids for p, c in zip(prompts, want, strict=True)}, vocab=512)
+    spec.proposer = oracle
+    for key, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
+        spec.add(Job(key, prompt, SamplingParams(max_new_tokens=limit, ignore_eos=True, logprobs=2)))
+    done = {}
+    while spec.pending:
+        done.update({e.key: e.done for e in spec.step() if e.done is not None})
+    for key, completion in enumerate(want):
+        got = done[key]
+        assert got.token_ids == completion.token_ids
+        assert [p.token for p in got.logprobs] == got.token_ids
+        for a, b in zip(got.logprobs, completion.logprobs, strict=True):
+            assert abs(a.logprob - b.logprob) < 1e-4 and [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert 0 < spec.spec_accepted < spec.spec_proposed
+    assert spec.spec_steps < sum(limits) - len(limits)  # fewer model steps than tokens
+    assert spec.pool.used == 0
+    # The first prompt again: its full blocks of accepted tokens were published, and are found.
+    before = spec.kv_stats()["prefix_cache_hit_tokens"]
+    spec.generate(Request((prompts[0] + tuple(want[0].token_ids[:20]),), SamplingParams(max_new_tokens=2)))
+    assert spec.kv_stats()["prefix_cache_hit_tokens"] - before == 48
+
+
+def test_a_model_without_prefill_every_is_refused_in_one_line() -> None:
+    from fd_core.runtime.engine.loop import Engine
+    from fd_core.runtime.engine.speculation import Speculation
+
+    engine = _engine()
+    runner = engine.runner
+
+    class Plain:
+        pass
+
+    runner.model = Plain()
+    with pytest.raises(ConfigError, match="prefill_every.*run without it"):
+        Engine(runner, speculation=Speculation())
