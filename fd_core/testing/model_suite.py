@@ -157,6 +157,16 @@ class ModelSuite:
         runner.decide()
         return runner
 
+    def _verifies(self, plugins: PluginSet, arch: Architecture, index: int, source: Mapping[str, Any]) -> bool:
+        """Whether the architecture's model has prefill_every, which speculative decoding verifies proposals with."""
+        from fd_core.host.backend import Backend
+
+        def built() -> bool:
+            plan = self._plan(plugins, arch, index, source, graph="off")
+            return callable(getattr(arch.build_model(plan.config, Backend(plugins)), "prefill_every", None))
+
+        return bool(_cached((arch.name, index, "whether the model has prefill_every"), built))
+
     def _tp1(
         self, plugins: PluginSet, arch: Architecture, index: int, source: Mapping[str, Any], graph: str
     ) -> dict[str, Any]:
@@ -181,15 +191,18 @@ class ModelSuite:
     def test_tp2_equals_tp1(
         self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]
     ) -> None:
-        """Two real ranks, each holding its slice of every split weight, graphs off and on, give tp=1's tokens (and the
-        same tokens on both ranks: the session checks every sequence that ends)."""
+        """Two real ranks, each holding its slice of every split weight, graphs off and on (speculative decoding with
+        n-gram proposals too), give tp=1's tokens (and the same tokens on both ranks: the session checks every sequence
+        that ends)."""
         from fd_core.errors import FdError
         from fd_core.runtime.job import run_plan
 
         want = self._tp1(plugins, architecture, config_index, source, "off")["tokens"]
+        verifies = self._verifies(plugins, architecture, config_index, source)
         for graph in ("off", "on"):
             try:
-                plan = self._plan(plugins, architecture, config_index, source, tp=2, graph=graph)
+                plan = self._plan(plugins, architecture, config_index, source, tp=2, graph=graph,
+                                  speculative="ngram" if graph == "on" and verifies else None)
             except FdError as exc:
                 pytest.skip(
                     f"{architecture.name}: tp=2 is not possible here, so there is no tp to compare with tp=1 ({exc})"
@@ -201,9 +214,11 @@ class ModelSuite:
                     f"{architecture.name}: tp=2 (--graph {graph}) failed: {exc}; a split weight, its split axis or an "
                     f"all-reduce of the model is wrong"
                 ) from None
+            spec = ", --speculative ngram" if plan.run.speculative else ""
             assert got["tokens"] == want, (
-                f"{architecture.name}: tp=2 (--graph {graph}) gives {got['tokens']}, tp=1 gives {want}; "
-                f"a split weight, its split axis or an all-reduce of the model is wrong"
+                f"{architecture.name}: tp=2 (--graph {graph}{spec}) gives "
+                f"{got['tokens']}, tp=1 gives {want}; a split weight, its split axis or an all-reduce of the model is "
+                f"wrong"
             )
 
     def test_graph_on_equals_graph_off(
@@ -425,6 +440,56 @@ class ModelSuite:
             f"{architecture.name}: with sequences preempted and recomputed the prompts compute something else than "
             f"with room for all ({problem}); a recomputed sequence does not continue where it stopped"
         )
+
+    def test_speculative_decoding_gives_the_tokens_of_plain_decoding(
+        self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]
+    ) -> None:
+        """Speculative decoding through the model's prefill_every (graphs where allowed for the plain steps): three
+        prompts decoding together, each step's proposals their known continuation with one wrong at a changing place
+        (rows accept 0 to 4 of them, or propose nothing), give plain decoding's tokens and logits, position by
+        position, in fewer model steps than tokens; with n-gram proposals, the same tokens."""
+        import numpy as np
+
+        from fd_core.runtime.engine.loop import Engine
+        from fd_core.runtime.engine.sampling import SamplingParams
+        from fd_core.runtime.engine.speculation import ReplayProposer, Speculation
+        from fd_core.runtime.request import Request
+
+        if config_index:
+            pytest.skip("checked on the preset only: positions do not depend on the sizes")
+        runner = self._runner(plugins, architecture, config_index, source, "auto")
+        if not callable(getattr(runner.model, "prefill_every", None)):
+            pytest.skip(f"{architecture.name} has no prefill_every, which speculative decoding verifies with")
+        vocab = int(runner.config.vocab_size)
+        draw = np.random.default_rng(1).integers(1, vocab, size=60).tolist()
+        # The last prompt quotes itself, so that n-gram proposals find something.
+        prompts = (tuple(draw[:30]), tuple(draw[30:35]), tuple(draw[35:47] + draw[35:47]))
+        request = Request(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+        plain = Engine(runner, trace={})
+        want = [c.token_ids for c in plain.generate(request)]
+        known = dict(zip(prompts, want, strict=True))
+        for proposer in (ReplayProposer(known, wrong=(1, 2, 0, 9, 3)), None):
+            engine = Engine(runner, trace={}, speculation=Speculation("ngram", 4))
+            if proposer is not None:
+                engine.proposer = proposer
+            got = [c.token_ids for c in engine.generate(request)]
+            how = "n-gram proposals" if proposer is None else "proposals right and wrong at changing places"
+            assert got == want, (
+                f"{architecture.name}: speculative decoding ({how}) gives {got}, plain decoding {want}; the verify "
+                f"step (prefill_every over the cached prefix at positions batch.starts, the proposals' slots) "
+                f"computes something else than a decode step"
+            )
+            if proposer is None:
+                continue
+            assert 0 < engine.spec_accepted < engine.spec_proposed and engine.spec_steps < sum(map(len, want))
+            assert engine.trace is not None and plain.trace is not None
+            for key, rows in plain.trace.items():
+                for step, (a, b) in enumerate(zip(engine.trace[key], rows, strict=True)):
+                    error = float(np.abs(a - b).max())
+                    assert error <= LOGIT_TOL * max(1.0, float(np.abs(b).max())), (
+                        f"{architecture.name}: speculative decoding's logits of prompt {key + 1}, token {step + 1} "
+                        f"differ from plain decoding's by {error:.2e}"
+                    )
 
     def test_reload_cycles_keep_the_tokens(
         self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]

@@ -44,7 +44,7 @@ def test_plugins_json_has_every_field() -> None:
     assert set(cuda) == {"name", "kind", "module", "distribution", "version", "builtin", "allowed", "hooks",
                          "detection", "error", "incompatible", "active", "status", "kernels", "contract",
                          "contract_declared"}
-    assert data["contract_version"] == "1.6" and (cuda["contract"], cuda["contract_declared"]) == ("1.6", True)
+    assert data["contract_version"] == "1.7" and (cuda["contract"], cuda["contract_declared"]) == ("1.6", True)
     assert by_name["cpu"]["kernels"] == ["add_rms_norm", "matmul", "quant_matmul", "rms_norm", "rotary_embedding"] and cuda["kernels"] == []
     assert (cuda["kind"] == "platform" and cuda["builtin"] and not cuda["active"]
             and cuda["detection"]["detected"] is False)

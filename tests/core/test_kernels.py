@@ -290,6 +290,7 @@ def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged
     assert ours_json["kernels"] == {**plain_json["kernels"], "rms_norm": "example-kernels",
                                     "add_rms_norm": "example-kernels", "silu_and_mul": "example-kernels",
                                     "moe_experts": "example-kernels", "apply_penalties": "example-kernels",
+                                    "accept_draft": "example-kernels",
                                     **dict.fromkeys((*cache_ops, *products), "example-kernels")}
     # Its own cache layout (token-major blocks), written and read by its own kernels on both ranks, and its own
     # prepared weights: the same tokens.
@@ -298,8 +299,8 @@ def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged
         assert len({p.name for p in trace.glob(f"{op}.*")}) == 2, f"{op} was not called by both ranks: {sorted(p.name for p in trace.iterdir())}"
     listed = json.loads(run_fd(["plugins", "--json"], example_kernels).stdout)
     assert (next(p for p in listed["plugins"] if p["name"] == "example-kernels")["kernels"]
-            == sorted(["rms_norm", "add_rms_norm", "silu_and_mul", "moe_experts", "apply_penalties", *cache_ops,
-                       *products]))
+            == sorted(["rms_norm", "add_rms_norm", "silu_and_mul", "moe_experts", "apply_penalties", "accept_draft",
+                       *cache_ops, *products]))
     explained = run_fd(["explain", "--tp", "1"], example_kernels)
     assert "rms_norm: example-kernels, silu_and_mul: example-kernels, rotary_embedding: cpu" in " ".join(explained.stdout.split())
 
@@ -342,14 +343,16 @@ def test_the_suite_fails_an_add_rms_norm_that_normalises_before_the_add_by_its_n
         "add_rms_norm (example-kernels)", ""), line
 
 
-def test_the_suite_fails_penalties_that_count_the_prompt_for_presence_by_its_name(example_kernels: Path) -> None:
-    """The example's apply_penalties made to subtract the presence penalty for the prompt's tokens too
-    (FD_EXAMPLE_KERNELS_BREAK)."""
+@pytest.mark.parametrize("op, case", [("apply_penalties", "logits[4, "), ("accept_draft", "logits[4, 4, ")])
+def test_the_suite_fails_penalties_or_an_acceptance_subtly_wrong_by_name(example_kernels: Path, op: str,
+                                                                          case: str) -> None:
+    """The example's apply_penalties made to subtract the presence penalty for the prompt's tokens too, and its
+    accept_draft made to break a tied argmax toward the higher id (FD_EXAMPLE_KERNELS_BREAK)."""
     done = run_fd(["check", "cpu", "-k", "every_kernel_in_use"], example_kernels,
-                  {"FD_EXAMPLE_KERNELS_BREAK": "apply_penalties"}, timeout=300)
+                  {"FD_EXAMPLE_KERNELS_BREAK": op}, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr
     line = next(x for x in done.stdout.splitlines() if "test_every_kernel_in_use" in x)
-    assert line.split()[0] == "failed" and "AssertionError: apply_penalties (example-kernels) float32 logits[" in line
+    assert line.split()[0] == "failed" and f"AssertionError: {op} (example-kernels) float32 {case}" in line, line
 
 
 def test_the_suite_fails_a_moe_combine_that_forgets_the_weights_by_its_name(example_kernels: Path) -> None:

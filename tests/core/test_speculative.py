@@ -11,7 +11,7 @@ import pytest
 
 from fd_core import native_ops
 from fd_core.errors import ConfigError
-from fd_core.runtime.engine.speculation import NgramProposer, Speculation, speculation_of
+from fd_core.runtime.engine.speculation import NgramProposer, ReplayProposer, Speculation, speculation_of
 from fd_core.runtime.kernel_checks import cases, compare
 
 SIZES = [{"hidden": 64, "inter": 96, "head_dim": 16, "heads": 4, "kv": 2}]
@@ -22,8 +22,11 @@ def test_ngram_proposes_what_followed_the_latest_earlier_occurrence_of_the_longe
     assert proposer.propose([1, 2, 3, 4, 5, 6, 7, 1, 2, 3], 4) == [4, 5, 6, 7]
     # The 3-gram (9, 2, 3) is new; the 2-gram (2, 3) occurred at the start.
     assert proposer.propose([1, 2, 3, 4, 5, 6, 7, 9, 2, 3], 2) == [4, 5]
-    # The latest earlier occurrence: (1, 2) was followed by 8 last.
+    # The latest earlier occurrence with as many tokens after it as asked: (1, 2) was followed by 8 last.
     assert proposer.propose([1, 2, 7, 1, 2, 8, 1, 2], 1) == [8]
+    assert proposer.propose([1, 2, 7, 1, 2, 8, 9, 9, 1, 2], 3) == [8, 9, 9]
+    # A run repeating itself: the earliest occurrence, whose continuation is the longest.
+    assert proposer.propose([3, 5, 5, 5, 5, 5, 5, 5], 4) == [5, 5, 5]
     assert proposer.propose([1, 2, 3, 4, 5], 4) == []  # no suffix of 2 or more tokens occurred before
     assert proposer.propose([7, 3, 7, 4], 4) == []  # one token is too short a key
     # Ids whose bytes straddle: 256 = 00 01 00 00; a byte match across two ids must not count.
@@ -168,26 +171,6 @@ def test_speculation_options_are_checked() -> None:
         speculation_of("ngram", 0)
 
 
-class Oracle:
-    """Proposes each prompt's known continuation, one proposal of each step in `wrong_every` changed: rows accept
-    different counts, some none."""
-
-    def __init__(self, known: dict[tuple[int, ...], list[int]], vocab: int, wrong_every: int = 3) -> None:
-        self.known, self.vocab, self.wrong_every, self.calls = known, vocab, wrong_every, 0
-
-    def propose(self, ids: Sequence[int], count: int) -> list[int]:
-        self.calls += 1
-        for prompt, tokens in self.known.items():
-            if tuple(ids[: len(prompt)]) == prompt:
-                done = len(ids) - len(prompt)
-                guess = list(tokens[done: done + count])
-                spot = self.calls % self.wrong_every
-                if spot < len(guess):
-                    guess[spot] = (guess[spot] + 1) % self.vocab
-                return guess
-        return []
-
-
 def _engine(**options: Any) -> Any:
     from fd_core.host.backend import Backend
     from fd_core.host.loading import load_plugins
@@ -215,7 +198,7 @@ def test_sampled_tokens_keep_the_distribution_of_plain_sampling() -> None:
     prompt = (5, 6, 7, 8)
     plain, spec = _engine(max_batch=64), _engine(max_batch=64, speculation=Speculation("ngram", 2))
     greedy = plain.generate(Request.greedy([list(prompt)], 4))[0].token_ids
-    spec.proposer = Oracle({prompt: greedy}, vocab=10**6, wrong_every=10**6)
+    spec.proposer = ReplayProposer({prompt: greedy})
 
     def samples(engine: Any) -> list[tuple[int, ...]]:
         out = []
@@ -252,8 +235,7 @@ def test_greedy_tokens_with_speculation_are_plain_decodings_and_blocks_come_back
         sampling = SamplingParams(max_new_tokens=limit, ignore_eos=True, logprobs=2)
         want.append(plain.generate(Request((prompt,), sampling))[0])
     spec = _engine(max_batch=4, speculation=Speculation("ngram", 4))
-    oracle = Oracle({p: c.token_ids for p, c in zip(prompts, want, strict=True)}, vocab=512)
-    spec.proposer = oracle
+    spec.proposer = ReplayProposer({p: c.token_ids for p, c in zip(prompts, want, strict=True)}, wrong=(1, 2, 0, 9))
     for key, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
         spec.add(Job(key, prompt, SamplingParams(max_new_tokens=limit, ignore_eos=True, logprobs=2)))
     done = {}

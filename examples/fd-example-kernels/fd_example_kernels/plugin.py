@@ -1,7 +1,7 @@
 """fd_register_kernels: rms_norm, add_rms_norm and silu_and_mul, each computed another way than fd's native ops, the
 paged KV cache in a layout of its own (paged.py), matmul and quant_matmul on weights prepared once at load
 (weights.py), moe_experts as dispatch, grouped experts and combine (moe.py), and the sampling penalties on the host
-(apply_penalties, contract 1.3)."""
+(apply_penalties, contract 1.3) and speculative decoding's acceptance (accept_draft, contract 1.7: speculative.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import os
 from typing import Any, Callable
 
 from fd_core import hookimpl
-from fd_example_kernels import moe, paged, weights
+from fd_example_kernels import moe, paged, speculative, weights
 
 # The version of fd's plugin contract this plugin was written for (fd_core.contract).
-FD_CONTRACT = "1.6"
+FD_CONTRACT = "1.7"
 
 _seen: set[str] = set()
 
@@ -100,6 +100,7 @@ def fd_register_kernels(register: Callable[..., None]) -> None:
     register("quant_matmul", _traced("quant_matmul", weights.quant_matmul), prepare=weights.prepare_quant)
     register("moe_experts", _traced("moe_experts", moe.moe_experts), prepare=moe.prepare_moe)
     register("apply_penalties", apply_penalties)
+    register("accept_draft", _traced("accept_draft", speculative.accept_draft))
 
 
 def _traced(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -931,7 +931,7 @@ class Engine:
         batch = KVBatch(self._tables(seqs, max(len(s.blocks) for s in seqs)),
                         np.asarray([s.computed for s in seqs], dtype=np.int64), np.asarray(counts, dtype=np.int64),
                         slots, np.asarray([s.rope_delta for s in seqs], dtype=np.int64))
-        self._use_threads(rows)
+        self._use_threads(None)  # several positions a row: the library products of a prefill, not a one-row step's
         start, core_start = time.perf_counter(), time.process_time()
         progress.report("decode")
         with self._fingerprinting():

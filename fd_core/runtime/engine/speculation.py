@@ -4,7 +4,7 @@ all of them in one step of the target model (fd_core.runtime.engine.loop: the ve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 from fd_core.errors import ConfigError, setting
 
@@ -12,7 +12,7 @@ METHODS = ("ngram",)
 DEFAULT_TOKENS = 4
 MAX_TOKENS = 16
 # Prompt lookup: the longest suffix of the sequence, from NGRAM_MAX tokens down to NGRAM_MIN, found earlier in its last
-# NGRAM_WINDOW tokens (prompt and output) proposes the tokens that followed its latest earlier occurrence. One token is
+# NGRAM_WINDOW tokens (prompt and output) proposes the tokens that followed it there. One token is
 # too short a key: it matches nearly everywhere and proposes what is rarely accepted.
 NGRAM_MAX = 4
 NGRAM_MIN = 2
@@ -67,8 +67,9 @@ class Proposer(Protocol):
 
 
 class NgramProposer:
-    """Prompt lookup decoding: the sequence's latest suffix of NGRAM_MAX down to NGRAM_MIN tokens found earlier in its
-    last NGRAM_WINDOW tokens proposes what followed its latest earlier occurrence."""
+    """Prompt lookup decoding: the sequence's suffix of NGRAM_MAX down to NGRAM_MIN tokens found earlier in its last
+    NGRAM_WINDOW tokens proposes what followed it there: at its latest occurrence with `count` tokens after it, else
+    at its earliest."""
 
     def __init__(self, max_n: int = NGRAM_MAX, min_n: int = NGRAM_MIN, window: int = NGRAM_WINDOW) -> None:
         self.max_n, self.min_n, self.window = max_n, min_n, window
@@ -81,10 +82,46 @@ class NgramProposer:
         data, size = tail.tobytes(), tail.itemsize
         for n in range(min(self.max_n, len(tail) - 1), self.min_n - 1, -1):
             pattern = tail[-n:].tobytes()
-            end = len(data) - size  # an occurrence ending before the last token: never the suffix itself
-            while (found := data.rfind(pattern, 0, end)) >= 0:
-                if found % size == 0:
-                    start = found // size + n
-                    return [int(t) for t in tail[start:start + count]]
-                end = found + len(pattern) - 1
+            # The latest occurrence with `count` tokens after it; else the earliest (a run repeating itself: the
+            # latest occurrence is the suffix shifted by one, followed by one token only).
+            found = _find(data, pattern, size, len(data) - count * size, latest=True)
+            if found < 0:
+                found = _find(data, pattern, size, len(data) - size, latest=False)
+            if found >= 0:
+                start = found // size + n
+                return [int(t) for t in tail[start:start + count]]
+        return []
+
+
+def _find(data: bytes, pattern: bytes, size: int, end: int, latest: bool) -> int:
+    """The latest (or earliest) occurrence of `pattern` in data[:end] starting on a multiple of `size`, else -1."""
+    start = 0
+    while True:
+        found = data.rfind(pattern, 0, end) if latest else data.find(pattern, start, end)
+        if found < 0 or found % size == 0:
+            return found
+        if latest:
+            end = found + len(pattern) - 1
+        else:
+            start = found + 1
+
+
+class ReplayProposer:
+    """Proposes each prompt's known continuation (for checks and benchmarks: the tokens a perfect draft would guess),
+    spoiling on its successive calls the proposal at the next index of `wrong` (cycled; an index past the proposals
+    spoils none), so that rows accept chosen counts."""
+
+    def __init__(self, continuations: Mapping[tuple[int, ...], Sequence[int]], wrong: Sequence[int] = ()) -> None:
+        self.continuations, self.wrong, self.calls = dict(continuations), tuple(wrong), 0
+
+    def propose(self, ids: Sequence[int], count: int) -> list[int]:
+        for prompt, tokens in self.continuations.items():
+            if tuple(ids[: len(prompt)]) == prompt:
+                guess = [int(t) for t in tokens[len(ids) - len(prompt):][:count]]
+                if self.wrong:
+                    spot = self.wrong[self.calls % len(self.wrong)]
+                    self.calls += 1
+                    if spot < len(guess):
+                        guess[spot] = guess[spot] + 1 if guess[spot] > 0 else 1
+                return guess
         return []
