@@ -40,7 +40,7 @@ def _scratch(prefix: str) -> Path:
     return path
 
 
-def _checkpoint(smoke: bool) -> Path:
+def bench_checkpoint(smoke: bool) -> Path:
     """A random checkpoint of the benchmark's size (bfloat16 storage, as published), written once."""
     root = _scratch("fd-bench-paged-")
     checkpoint = root / "checkpoint"
@@ -50,7 +50,7 @@ def _checkpoint(smoke: bool) -> Path:
     return checkpoint
 
 
-def _ids(count: int, seed: int, vocab: int) -> list[int]:
+def random_ids(count: int, seed: int, vocab: int) -> list[int]:
     import numpy as np
 
     return [int(t) for t in np.random.default_rng(seed).integers(10, vocab, size=count)]
@@ -89,10 +89,10 @@ def prefix_rows(smoke: bool) -> list[Line]:
     why = missing_serve_extra()
     if why is not None:
         return [not_measured("prefix", "8 requests sharing a system prompt", "ms", ">= 4", why)]
-    checkpoint = _checkpoint(smoke)
+    checkpoint = bench_checkpoint(smoke)
     vocab = json.loads((checkpoint / "config.json").read_text()).get("vocab_size", 512)
-    system = _ids(64 if smoke else 1024, 0, vocab)
-    prompts = [system + _ids(16, 1 + i, vocab) for i in range(3 if smoke else 8)]
+    system = random_ids(64 if smoke else 1024, 0, vocab)
+    prompts = [system + random_ids(16, 1 + i, vocab) for i in range(3 if smoke else 8)]
     sides = {"caching": _serve_ttft(checkpoint, True, prompts), "no caching": _serve_ttft(checkpoint, False, prompts)}
     med = {k: statistics.median(v) for k, v in sides.items()}
     ratio = med["no caching"] / med["caching"]
@@ -140,7 +140,7 @@ def capacity_rows(smoke: bool) -> list[Line]:
     count, budget, max_batch = (16, 4096, 16) if smoke else (64, 16384, 64)
     lengths = [int(n) for n in rng.integers(64, 2049, size=count)]
     # Each sequence: a prompt of half its length, the rest generated (a position each), so it grows while it runs.
-    jobs = [Job(i, tuple(_ids(n // 2, 100 + i, config.vocab_size)), SamplingParams(max_new_tokens=n - n // 2,
+    jobs = [Job(i, tuple(random_ids(n // 2, 100 + i, config.vocab_size)), SamplingParams(max_new_tokens=n - n // 2,
                                                                                  ignore_eos=True))
             for i, n in enumerate(lengths)]
     memory = MemoryPlan(1.0, config.dtype, 1, 0, 1, block_size=16, blocks=budget // 16, blocks_from="the benchmark")
@@ -199,10 +199,10 @@ def _largest_gap(checkpoint: Path, chunk: int, long_prompt: list[int], steps: in
 
 
 def chunked_rows(smoke: bool) -> list[Line]:
-    checkpoint = _checkpoint(smoke)
+    checkpoint = bench_checkpoint(smoke)
     vocab = json.loads((checkpoint / "config.json").read_text()).get("vocab_size", 512)
     length, chunk = (512, 64) if smoke else (4096, 512)
-    long_prompt = _ids(length, 3, vocab)
+    long_prompt = random_ids(length, 3, vocab)
     steps = 400 if smoke else 200
     chunked = _largest_gap(checkpoint, chunk, long_prompt, steps)
     whole = _largest_gap(checkpoint, length, long_prompt, steps)
@@ -240,7 +240,7 @@ def _decode_rate(checkpoint: Path, batch: int, steps: int, tree: Path | None, vo
     args = [sys.executable, "-m", "fd_core.cli", "run", "--checkpoint", str(checkpoint), "--tp", "1",
             "--max-new-tokens", str(steps), "--json"]
     for i in range(batch):
-        args += ["--prompt-ids", ",".join(str(t) for t in _ids(16, 50 + i, vocab))]
+        args += ["--prompt-ids", ",".join(str(t) for t in random_ids(16, 50 + i, vocab))]
     done = subprocess.run(args, capture_output=True, text=True, timeout=1800, env=env, cwd=tree or ROOT)
     if done.returncode:
         raise RuntimeError(f"fd run failed: {done.stderr.strip().splitlines()[-1:]}")
@@ -248,7 +248,7 @@ def _decode_rate(checkpoint: Path, batch: int, steps: int, tree: Path | None, vo
 
 
 def decode_rows(smoke: bool) -> list[Line]:
-    checkpoint = _checkpoint(smoke)
+    checkpoint = bench_checkpoint(smoke)
     vocab = json.loads((checkpoint / "config.json").read_text()).get("vocab_size", 512)
     tree = _tree(BEFORE)
     if tree is None:

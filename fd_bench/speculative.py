@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from fd_bench.paged import _checkpoint, _ids
+from fd_bench.paged import bench_checkpoint, random_ids
 from fd_bench.report import Line
 
 
@@ -42,7 +42,7 @@ def speculative_rows(smoke: bool) -> list[Line]:
     from fd_core.runtime.ranks.worker import RankWorker
     from fd_core.runtime.request import Request
 
-    checkpoint = _checkpoint(smoke)
+    checkpoint = bench_checkpoint(smoke)
     vocab = json.loads((checkpoint / "config.json").read_text()).get("vocab_size", 512)
     steps, rounds = (12, 1) if smoke else (48, 3)
     plan = plan_run(RunConfig(checkpoint=str(checkpoint), tp=1, max_batch=8, speculative="ngram", progress=False))
@@ -50,7 +50,7 @@ def speculative_rows(smoke: bool) -> list[Line]:
     engine = worker.engine
     lines = []
     for batch in (1, 8):
-        prompts = tuple(tuple(_ids(64, 100 + i, vocab)) for i in range(batch))
+        prompts = tuple(tuple(random_ids(64, 100 + i, vocab)) for i in range(batch))
         request = Request(prompts, SamplingParams(max_new_tokens=steps, ignore_eos=True))
         _rate(engine, request, None)  # warm-up: first calls at these shapes
         _, want, _ = _rate(engine, request, None)

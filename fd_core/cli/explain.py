@@ -71,6 +71,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             config, args.tp, backend.detection, args.memory_fraction, backend.platform, config.architecture,
             block_size=settings.kv_block_size, kv_cache_blocks=args.kv_cache_blocks, max_batch=settings.max_batch,
             max_prefill_tokens=settings.max_prefill_tokens,
+            positions=1 + (run.speculation.tokens if run.speculation else 0),
         )
         threads = run_threads(run, backend.detection)
     decision = backend.graph_decision(config, requested=args.graph)

@@ -153,14 +153,16 @@ class MemoryPlan:
         return f"raise {setting('kv_cache_blocks')} (up to what {setting('memory_fraction')} leaves)"
 
 
-def scratch_bytes(config: "ModelConfig", tp: int, max_prefill_tokens: int, max_batch: int) -> int:
+def scratch_bytes(config: "ModelConfig", tp: int, max_prefill_tokens: int, max_batch: int, positions: int = 1) -> int:
     """An estimate of one step's activations on a rank: a prefill chunk's residual stream, q/k/v, the MLP's
-    intermediate and attention scores (a few copies of each), and a batch's logits in float32."""
+    intermediate and attention scores (a few copies of each), and a batch's logits in float32; `positions` a sequence
+    in a decode step (1 + the proposals of speculative decoding's verify step, which returns each one's logits)."""
     width = config.dtype_width
     heads, kv, dim = config.num_attention_heads, config.num_key_value_heads, config.resolved_head_dim
     per_token = (4 * config.hidden_size + 3 * config.intermediate_size // tp + 2 * (heads + 2 * kv) * dim // tp) * width
-    logits = max(max_batch, 1) * (config.vocab_size // tp) * 4
-    return max_prefill_tokens * per_token + logits
+    rows = max(max_batch, 1) * max(positions, 1)
+    logits = rows * (config.vocab_size // tp) * 4
+    return max(max_prefill_tokens, rows) * per_token + logits
 
 
 def reported_devices(detection: "Detection") -> tuple[DeviceMemory, ...]:
@@ -176,7 +178,7 @@ def reported_devices(detection: "Detection") -> tuple[DeviceMemory, ...]:
 def plan_memory(
     config: "ModelConfig", tp: int, detection: "Detection", fraction: float, platform: str, arch: str,
     ranks_here: int | None = None, *, block_size: int | None = None, kv_cache_blocks: int | None = None,
-    max_batch: int = 8, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS,
+    max_batch: int = 8, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, positions: int = 1,
 ) -> MemoryPlan:
     """Weights per rank checked against the device, and the blocks of KV cache the rest holds; a ConfigError if the
     weights do not fit, or if `kv_cache_blocks` asks for more than fits.
@@ -186,7 +188,7 @@ def plan_memory(
     scratch of the ranks on it; what is left, divided by what a block costs those ranks, is the most blocks. The
     pool is that, capped by `kv_cache_blocks` (the user's), the platform's `kv_cache_bytes` and what `max_batch`
     sequences of the model's whole context could use. The block size is `block_size`, else the platform's, else
-    fd's default.
+    fd's default; `positions`: what a sequence computes in a decode step (scratch_bytes).
     """
     from fd_core.detection import DEFAULT_KV_BLOCK_SIZE
 
@@ -196,7 +198,7 @@ def plan_memory(
     max_prefill_tokens = _positive(max_prefill_tokens, "max_prefill_tokens") or DEFAULT_MAX_PREFILL_TOKENS
     weights = config.weight_bytes_per_rank(tp)
     per_token = config.cache_bytes_per_token(tp)
-    scratch = scratch_bytes(config, tp, max_prefill_tokens, max_batch)
+    scratch = scratch_bytes(config, tp, max_prefill_tokens, max_batch, positions)
     per_block = per_token * size
     caps = [(max_batch * -(-config.max_position_embeddings // size), "batch",
              f"{max_batch} sequences of the model's whole context ({config.max_position_embeddings} tokens)")]

@@ -320,7 +320,8 @@ def plan_model(run: RunConfig, plugins: PluginSet, backend: Backend, weights: bo
     # Weights per rank against the device, and the KV-cache capacity: before the request, which must fit it.
     memory = plan_memory(config, run.tp, backend.detection, run.memory_fraction, backend.platform, arch.name,
                          block_size=settings.kv_block_size, kv_cache_blocks=run.kv_cache_blocks,
-                         max_batch=settings.max_batch, max_prefill_tokens=settings.max_prefill_tokens)
+                         max_batch=settings.max_batch, max_prefill_tokens=settings.max_prefill_tokens,
+                         positions=1 + (run.speculation.tokens if run.speculation else 0))
     return ModelPlan(arch, config, checkpoint, memory, threads, settings)
 
 

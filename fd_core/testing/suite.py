@@ -837,6 +837,49 @@ class ModelTests(_Base):
                     f"what the model computes"
                 )
 
+    def test_speculative_decoding_on_the_platform_gives_the_native_tokens(
+        self, plugins: PluginSet, hardware: Detection
+    ) -> None:
+        """Speculative decoding on the platform (its kernels, accept_draft's included, its cleanup, graphs as decided
+        for the plain steps): two prompts decoding together, their proposals their known continuation spoiled at
+        changing places, give the native path's greedy tokens."""
+        from fd_core.host.backend import Backend
+        from fd_core.host.kernel_table import KernelTable
+        from fd_core.runtime.engine.loop import Engine
+        from fd_core.runtime.engine.runner import ModelRunner
+        from fd_core.runtime.engine.speculation import ReplayProposer, Speculation
+        from fd_core.runtime.plan import model_config_for
+        from fd_core.runtime.request import Request
+
+        backend = Backend(plugins)
+        native = Backend(plugins, kernels=KernelTable())
+        native.clean_memory_fragments = lambda state_dict=None, after_each=None: None  # type: ignore[method-assign]
+        prompts = [[5, 1, 4, 2, 3, 9, 9, 4], [7, 7, 2]]
+        request = Request.greedy(prompts, 10)
+        checked = 0
+        for arch in platform_architectures(plugins):
+            config = model_config_for(arch, None)
+            ours, reference = ModelRunner(backend, arch, config), ModelRunner(native, arch, config, graph="off")
+            for each in (ours, reference):
+                each.load()
+                each.decide()
+            if not callable(getattr(ours.model, "prefill_every", None)):
+                continue
+            want = [c.token_ids for c in Engine(reference).generate(request)]
+            engine = Engine(ours, speculation=Speculation("ngram", 4))
+            engine.proposer = ReplayProposer({tuple(p): w for p, w in zip(prompts, want, strict=True)},
+                                             wrong=(1, 3, 0, 9))
+            got = [c.token_ids for c in engine.generate(request)]
+            assert got == want, (
+                f"{arch.name} on {backend.platform} with speculative decoding: greedy tokens {got} (kernels "
+                f"{backend.kernels.providers()}), but the native path without it gives {want}; the platform's "
+                f"accept_draft, or its paged prefill over a cached prefix at the proposals' positions, differs"
+            )
+            assert 0 < engine.spec_accepted < engine.spec_proposed
+            checked += 1
+        if not checked:
+            pytest.skip(f"{plugins.platform}: no architecture here has prefill_every, which verifies proposals")
+
     def test_the_model_path_runs_in_every_claimed_dtype(self, plugins: PluginSet, hardware: Detection) -> None:
         """Each dtype Detection.dtypes claims besides float32 (the first is `fd run`'s default) runs every architecture
         here on the platform (its kernels, cleanup and graphs as decided), and the first step's logits stay near the

@@ -160,6 +160,22 @@ def test_a_subtly_wrong_acceptance_kernel_fails_the_kernel_checks(kernel: Any) -
     assert "gave" in failures[0] and "the native op" in failures[0]
 
 
+def test_explain_shows_the_proposer_and_plans_the_verify_steps_scratch() -> None:
+    """fd explain names the proposer and k; the memory plan keeps room for a verify step's logits (a row a position)."""
+    import json
+
+    from fakedist import run_fd
+
+    plain = run_fd(["explain", "--tp", "1", "--json"])
+    spec = run_fd(["explain", "--tp", "1", "--json", "--speculative", "ngram", "--num-speculative-tokens", "6"])
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
+    before, after = json.loads(plain.stdout), json.loads(spec.stdout)
+    assert before["speculative"] is None and after["speculative"] == {"proposer": "ngram", "k": 6}
+    assert after["memory"]["scratch_bytes"] > before["memory"]["scratch_bytes"]
+    text = run_fd(["explain", "--tp", "1", "--speculative", "ngram"]).stdout
+    assert "speculative decoding: ngram, up to 4 tokens a step" in " ".join(text.split())
+
+
 def test_speculation_options_are_checked() -> None:
     assert speculation_of(None, None) is None
     assert speculation_of("ngram", None) == Speculation("ngram", 4)

@@ -240,7 +240,9 @@ class _Seq:
     failure: SequenceFailure | None = None  # what ended it with "error"
     # Its prompt is scored a token a decode step: the model has no prefill_every (else it is scored in its prefill).
     by_step: bool = False
-    # Speculation: proposals in a row none of which was accepted, and the steps it still waits before proposing again.
+    # Speculation: how many tokens it proposes next (None: the most), verify steps in a row that accepted none of its
+    # proposals, and the steps it still waits before proposing again.
+    depth: int | None = None
     misses: int = 0
     wait: int = 0
 
@@ -897,7 +899,7 @@ class Engine:
         proposals: list[list[int]] = []
         context = self.max_table * self.block_size
         for seq in able:
-            room = min(self.speculation.tokens, seq.job.sampling.max_new_tokens - len(seq.tokens) - 1,
+            room = min(seq.depth or self.speculation.tokens, seq.job.sampling.max_new_tokens - len(seq.tokens) - 1,
                        context - seq.computed - 1)
             if seq.wait > 0:
                 seq.wait -= 1
@@ -949,6 +951,10 @@ class Engine:
             if guess:
                 seq.misses = 0 if accepted else seq.misses + 1
                 seq.wait = min(BACKOFF_MAX, (1 << seq.misses) - 1)
+                # Propose as far as the last verify kept, one more after a run kept whole: each position scored costs
+                # compute once the step is bound by arithmetic (a batch of several).
+                limit = self.speculation.tokens if self.speculation is not None else len(guess)
+                seq.depth = min(limit, (seq.depth or limit) + 1) if accepted == len(guess) else accepted + 1
             base = seq.computed
             for i, token in enumerate(tokens):
                 if seq.reason is not None:
