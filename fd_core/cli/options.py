@@ -83,9 +83,13 @@ def cache_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", choices=METHODS, default=None,
                    help="speculative decoding: each step a proposer guesses a sequence's next tokens and one step of "
                         "the model checks them all, giving the same tokens (ngram: what followed the sequence's last "
-                        "few tokens earlier in its prompt or output; docs/speculative.md; default: off)")
+                        "few tokens earlier in its prompt or output; draft: a draft model's greedy tokens, "
+                        "--draft-checkpoint; docs/speculative.md; default: off)")
     p.add_argument("--num-speculative-tokens", type=positive, default=None, metavar="K",
                    help=f"most tokens the proposer guesses a step (default: {DEFAULT_TOKENS})")
+    p.add_argument("--draft-checkpoint", default=None, metavar="DIR",
+                   help="the draft model of --speculative draft: a checkpoint directory of any registered "
+                        "architecture with the model's vocabulary, run on the same platform and tp")
 
 
 def canary_option(p: argparse.ArgumentParser) -> None:
@@ -99,7 +103,7 @@ def canary_option(p: argparse.ArgumentParser) -> None:
 # What quantization_options, resource_options and cache_options set, by the names RunConfig, LLM and fd serve take.
 SHARED_SETTINGS = ("quantization", "quantization_group", "float_embeddings", "memory_fraction", "threads",
                    "kv_block_size", "kv_cache_blocks", "prefix_caching", "max_batch", "max_prefill_tokens",
-                   "max_prefill_prompts", "speculative", "num_speculative_tokens")
+                   "max_prefill_prompts", "speculative", "num_speculative_tokens", "draft_checkpoint")
 
 
 def shared_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -48,6 +48,7 @@ class LLM:
         quantization: str | None = None, quantization_group: int | None = None, float_embeddings: bool = False,
         grammar_timeout: float = DEFAULT_GRAMMAR_TIMEOUT_S,
         kernel_canary: bool = True, speculative: str | None = None, num_speculative_tokens: int | None = None,
+        draft_checkpoint: str | Path | None = None,
     ) -> None:
         quiet_paddle_logs()  # before paddle is imported: its C++ logs stay off the caller's terminal
         if graph not in ("auto", "off", "on"):
@@ -60,7 +61,8 @@ class LLM:
                         max_prefill_prompts=max_prefill_prompts, quantization=quantization,
                         quantization_group=quantization_group, float_embeddings=bool(float_embeddings),
                         grammar_timeout=grammar_timeout, kernel_canary=bool(kernel_canary), speculative=speculative,
-                        num_speculative_tokens=num_speculative_tokens)
+                        num_speculative_tokens=num_speculative_tokens,
+                        draft_checkpoint=None if draft_checkpoint is None else str(draft_checkpoint))
         self._plugins = load_plugins(plugin_env(platform))
         self._backend = Backend(self._plugins)
         # The plan's request is a placeholder: the plugins' fd_check_request is asked about each real one (_request).

@@ -89,6 +89,8 @@ class MemoryPlan:
     blocks_bound: str = ""
     # One step's activations a rank may need (an estimate: see scratch_bytes), kept out of the cache's room.
     scratch_bytes: int = 0
+    # A second model on the same ranks whose weights and cache the figures include (speculative decoding's draft).
+    beside: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,9 +108,10 @@ class MemoryPlan:
 
     def summary(self) -> str:
         """One line for fd explain and fd run."""
-        weights = f"weights {gib(self.weights_per_rank)} per rank (tp={self.tp}, {self.dtype})"
+        both = f"; the {self.beside}'s included" if self.beside else ""
+        weights = f"weights {gib(self.weights_per_rank)} per rank (tp={self.tp}, {self.dtype}{both})"
         cache = (f"KV cache {self.blocks} blocks of {self.block_size} ({(self.blocks or 0) * self.block_size} tokens, "
-                 f"{gib(self.cache_bytes)}) per rank: {self.blocks_from}")
+                 f"{gib(self.cache_bytes)}{both}) per rank: {self.blocks_from}")
         if self.device_free is None:
             return f"{weights}; {cache}; the platform reports no device memory"
         shared = f", shared by {self.ranks_per_device} ranks" if self.ranks_per_device > 1 else ""
@@ -179,6 +182,7 @@ def plan_memory(
     config: "ModelConfig", tp: int, detection: "Detection", fraction: float, platform: str, arch: str,
     ranks_here: int | None = None, *, block_size: int | None = None, kv_cache_blocks: int | None = None,
     max_batch: int = 8, max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, positions: int = 1,
+    beside: "ModelConfig | None" = None,
 ) -> MemoryPlan:
     """Weights per rank checked against the device, and the blocks of KV cache the rest holds; a ConfigError if the
     weights do not fit, or if `kv_cache_blocks` asks for more than fits.
@@ -188,7 +192,9 @@ def plan_memory(
     scratch of the ranks on it; what is left, divided by what a block costs those ranks, is the most blocks. The
     pool is that, capped by `kv_cache_blocks` (the user's), the platform's `kv_cache_bytes` and what `max_batch`
     sequences of the model's whole context could use. The block size is `block_size`, else the platform's, else
-    fd's default; `positions`: what a sequence computes in a decode step (scratch_bytes).
+    fd's default; `positions`: what a sequence computes in a decode step (scratch_bytes). `beside` is a second model
+    on the same ranks (speculative decoding's draft): its weights count with the model's, and its cache holds as many
+    blocks (the plan's weights and bytes a token are the two models' together).
     """
     from fd_core.detection import DEFAULT_KV_BLOCK_SIZE
 
@@ -198,6 +204,9 @@ def plan_memory(
     max_prefill_tokens = _positive(max_prefill_tokens, "max_prefill_tokens") or DEFAULT_MAX_PREFILL_TOKENS
     weights = config.weight_bytes_per_rank(tp)
     per_token = config.cache_bytes_per_token(tp)
+    if beside is not None:
+        weights += beside.weight_bytes_per_rank(tp)
+        per_token += beside.cache_bytes_per_token(tp)
     scratch = scratch_bytes(config, tp, max_prefill_tokens, max_batch, positions)
     per_block = per_token * size
     caps = [(max_batch * -(-config.max_position_embeddings // size), "batch",
@@ -206,7 +215,9 @@ def plan_memory(
         caps.append((max(1, detection.kv_cache_bytes // per_block), "platform",
                      f"the platform's KV budget of {gib(detection.kv_cache_bytes)} a rank"))
     devices = reported_devices(detection)
-    plan = MemoryPlan(fraction, config.dtype, tp, weights, per_token, block_size=size, scratch_bytes=scratch)
+    beside_name = f"draft model {beside.architecture}" if beside is not None else ""
+    plan = MemoryPlan(fraction, config.dtype, tp, weights, per_token, block_size=size, scratch_bytes=scratch,
+                      beside=beside_name)
     if devices:
         here = ranks_here if ranks_here is not None else local_ranks(tp)
         used = sorted({r % len(devices) for r in range(here)})
@@ -248,7 +259,7 @@ def plan_memory(
             )
         caps.append((by_memory, "memory", f"what {setting('memory_fraction', fraction)} leaves after the weights"))
         plan = MemoryPlan(fraction, config.dtype, tp, weights, per_token, index, device.total, device.free, ranks,
-                          int(capacity), block_size=size, scratch_bytes=scratch)
+                          int(capacity), block_size=size, scratch_bytes=scratch, beside=beside_name)
     chosen = (wanted, "kv_cache_blocks", setting("kv_cache_blocks", wanted)) if wanted is not None else min(caps)
     blocks, bound, why = chosen
     return MemoryPlan(**{**plan.to_dict(), "blocks": int(blocks), "blocks_from": why, "blocks_bound": bound})

@@ -110,6 +110,8 @@ class RunConfig:
     # Speculative decoding's proposer ("ngram"; None: off) and the most tokens it proposes a step (None: its default).
     speculative: str | None = None
     num_speculative_tokens: int | None = None
+    # The draft model's checkpoint directory (speculative "draft"): an architecture with the target's vocabulary.
+    draft_checkpoint: str | None = None
     # Each rank checks the non-native kernels the run calls against fd's native ops before its first request
     # (fd_core.runtime.kernel_checks.kernel_canary); off for a platform certified with `fd check`.
     kernel_canary: bool = True
@@ -125,7 +127,7 @@ class RunConfig:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
         if self.max_batch is not None and self.max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1 (prompts decoded together), got {self.max_batch}")
-        speculation_of(self.speculative, self.num_speculative_tokens)
+        speculation_of(self.speculative, self.num_speculative_tokens, self.draft_checkpoint)
         timeout = self.grammar_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < float("inf"):
             raise ConfigError(f"grammar_timeout must be a number of seconds > 0, got {timeout!r:.40}")
@@ -134,7 +136,7 @@ class RunConfig:
     @property
     def speculation(self) -> Speculation | None:
         """How the run speculates (None: it does not)."""
-        return speculation_of(self.speculative, self.num_speculative_tokens)
+        return speculation_of(self.speculative, self.num_speculative_tokens, self.draft_checkpoint)
 
 
 def run_threads(run: RunConfig, detection: Detection | None = None) -> Threads:
@@ -169,6 +171,8 @@ class Plan:
     threads: Threads | None = None
     # Max batch, prefill budgets, block size and dtype, each the user's, the platform's or fd's default.
     settings: Settings | None = None
+    # The draft model of speculative decoding (RunConfig.draft_checkpoint), checked against the target.
+    draft: "DraftPlan | None" = None
 
     def architecture(self, plugins: PluginSet) -> Architecture:
         """The planned architecture as `plugins` registers it."""
@@ -281,6 +285,16 @@ def model_and_checkpoint(
 
 
 @dataclass(frozen=True)
+class DraftPlan:
+    """Speculative decoding's draft model: its architecture's name, config (the target's dtype) and checkpoint; its
+    weights and cache are in the target's memory plan."""
+
+    model: str
+    config: ModelConfig
+    checkpoint: Checkpoint | None
+
+
+@dataclass(frozen=True)
 class ModelPlan:
     """The model part of a plan (what `fd explain` shows): the architecture, its config in the compute dtype, the
     checkpoint, the memory plan and the threads, all checked against the platform and the tensor-parallel layout."""
@@ -291,6 +305,26 @@ class ModelPlan:
     memory: MemoryPlan
     threads: Threads
     settings: Settings
+    draft: DraftPlan | None = None
+
+
+def plan_draft(run: RunConfig, config: ModelConfig, plugins: PluginSet, backend: Backend,
+               weights: bool = True) -> DraftPlan | None:
+    """The draft model of `run` (None without one), checked against the target's `config`: its architecture and
+    checkpoint, the same vocabulary, and the run's tp."""
+    speculation = run.speculation
+    if speculation is None or speculation.draft is None:
+        return None
+    arch, checkpoint = model_and_checkpoint(None, speculation.draft, plugins, weights)
+    config_ = model_config_for(arch, checkpoint, config.dtype)
+    if config_.vocab_size != config.vocab_size:
+        raise ConfigError(
+            f"the draft model in {speculation.draft} has a vocabulary of {config_.vocab_size} tokens and the model "
+            f"{config.vocab_size}: a draft proposes the model's token ids; give "
+            f"{setting('draft_checkpoint')} a model of the same tokenizer"
+        )
+    check_tp(run.tp, config_, arch, backend)
+    return DraftPlan(arch.name, config_, checkpoint)
 
 
 def plan_model(run: RunConfig, plugins: PluginSet, backend: Backend, weights: bool = True) -> ModelPlan:
@@ -317,12 +351,15 @@ def plan_model(run: RunConfig, plugins: PluginSet, backend: Backend, weights: bo
                 f"quantizable=True); run it without {setting('quantization')}"
             )
     check_tp(run.tp, config, arch, backend)
-    # Weights per rank against the device, and the KV-cache capacity: before the request, which must fit it.
+    draft = plan_draft(run, config, plugins, backend, weights)
+    # Weights per rank against the device, and the KV-cache capacity: before the request, which must fit it. A draft's
+    # weights count with the model's, and its cache holds as many blocks as the model's.
     memory = plan_memory(config, run.tp, backend.detection, run.memory_fraction, backend.platform, arch.name,
                          block_size=settings.kv_block_size, kv_cache_blocks=run.kv_cache_blocks,
                          max_batch=settings.max_batch, max_prefill_tokens=settings.max_prefill_tokens,
-                         positions=1 + (run.speculation.tokens if run.speculation else 0))
-    return ModelPlan(arch, config, checkpoint, memory, threads, settings)
+                         positions=1 + (run.speculation.tokens if run.speculation else 0),
+                         beside=draft.config if draft is not None else None)
+    return ModelPlan(arch, config, checkpoint, memory, threads, settings, draft)
 
 
 def run_settings(run: RunConfig, backend: Backend, dtype: str) -> Settings:
@@ -362,4 +399,4 @@ def plan_run(
     if run.cache_for_job:
         memory = memory.for_job(request.prompts * request.sampling.n, run.steps)
     return Plan(run, model.arch.name, model.config, backend.platform, backend.detection.dist_backend, request,
-                model.checkpoint, memory, model.threads, model.settings)
+                model.checkpoint, memory, model.threads, model.settings, model.draft)

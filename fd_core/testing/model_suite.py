@@ -447,17 +447,19 @@ class ModelSuite:
         """Speculative decoding through the model's prefill_every (graphs where allowed for the plain steps): three
         prompts decoding together, each step's proposals their known continuation with one wrong at a changing place
         (rows accept 0 to 4 of them, or propose nothing), give plain decoding's tokens and logits, position by
-        position, in fewer model steps than tokens; with n-gram proposals, the same tokens."""
+        position, in fewer model steps than tokens; with n-gram proposals, the same tokens; with the model as its own
+        draft (a second copy in an engine of its own), the same tokens and every proposal accepted."""
         import numpy as np
 
         from fd_core.runtime.engine.loop import Engine
         from fd_core.runtime.engine.sampling import SamplingParams
-        from fd_core.runtime.engine.speculation import ReplayProposer, Speculation
+        from fd_core.runtime.engine.speculation import DraftProposer, ReplayProposer, Speculation
         from fd_core.runtime.request import Request
 
         if config_index:
             pytest.skip("checked on the preset only: positions do not depend on the sizes")
         runner = self._runner(plugins, architecture, config_index, source, "auto")
+        draft = DraftProposer(Engine(self._runner(plugins, architecture, config_index, source, "auto")))
         if not callable(getattr(runner.model, "prefill_every", None)):
             pytest.skip(f"{architecture.name} has no prefill_every, which speculative decoding verifies with")
         vocab = int(runner.config.vocab_size)
@@ -468,28 +470,33 @@ class ModelSuite:
         plain = Engine(runner, trace={})
         want = [c.token_ids for c in plain.generate(request)]
         known = dict(zip(prompts, want, strict=True))
-        for proposer in (ReplayProposer(known, wrong=(1, 2, 0, 9, 3)), None):
+        for proposer in (ReplayProposer(known, wrong=(1, 2, 0, 9, 3)), None, draft):
             engine = Engine(runner, trace={}, speculation=Speculation("ngram", 4))
             if proposer is not None:
                 engine.proposer = proposer
             got = [c.token_ids for c in engine.generate(request)]
-            how = "n-gram proposals" if proposer is None else "proposals right and wrong at changing places"
+            how = ("n-gram proposals" if proposer is None else "the model as its own draft" if proposer is draft
+                   else "proposals right and wrong at changing places")
             assert got == want, (
                 f"{architecture.name}: speculative decoding ({how}) gives {got}, plain decoding {want}; the verify "
                 f"step (prefill_every over the cached prefix at positions batch.starts, the proposals' slots) "
                 f"computes something else than a decode step"
             )
-            if proposer is None:
-                continue
-            assert 0 < engine.spec_accepted < engine.spec_proposed and engine.spec_steps < sum(map(len, want))
-            assert engine.trace is not None and plain.trace is not None
-            for key, rows in plain.trace.items():
-                for step, (a, b) in enumerate(zip(engine.trace[key], rows, strict=True)):
-                    error = float(np.abs(a - b).max())
-                    assert error <= LOGIT_TOL * max(1.0, float(np.abs(b).max())), (
-                        f"{architecture.name}: speculative decoding's logits of prompt {key + 1}, token {step + 1} "
-                        f"differ from plain decoding's by {error:.2e}"
-                    )
+            if proposer is draft:
+                assert 0 < engine.spec_accepted == engine.spec_proposed, (
+                    f"{architecture.name}: as its own draft the model had {engine.spec_accepted} of "
+                    f"{engine.spec_proposed} proposals accepted; a model must agree with itself"
+                )
+            elif proposer is not None:
+                assert 0 < engine.spec_accepted < engine.spec_proposed and engine.spec_steps < sum(map(len, want))
+                assert engine.trace is not None and plain.trace is not None
+                for key, rows in plain.trace.items():
+                    for step, (a, b) in enumerate(zip(engine.trace[key], rows, strict=True)):
+                        error = float(np.abs(a - b).max())
+                        assert error <= LOGIT_TOL * max(1.0, float(np.abs(b).max())), (
+                            f"{architecture.name}: speculative decoding's logits of prompt {key + 1}, token {step + 1} "
+                            f"differ from plain decoding's by {error:.2e}"
+                        )
 
     def test_reload_cycles_keep_the_tokens(
         self, plugins: PluginSet, architecture: Architecture, config_index: int, source: dict[str, Any]

@@ -4,6 +4,7 @@ plain decoding's tokens, and the options' refusals."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -170,7 +171,7 @@ def test_explain_shows_the_proposer_and_plans_the_verify_steps_scratch() -> None
     spec = run_fd(["explain", "--tp", "1", "--json", "--speculative", "ngram", "--num-speculative-tokens", "6"])
     assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
     before, after = json.loads(plain.stdout), json.loads(spec.stdout)
-    assert before["speculative"] is None and after["speculative"] == {"proposer": "ngram", "k": 6}
+    assert before["speculative"] is None and after["speculative"] == {"proposer": "ngram", "k": 6, "draft_checkpoint": None}
     assert after["memory"]["scratch_bytes"] > before["memory"]["scratch_bytes"]
     text = run_fd(["explain", "--tp", "1", "--speculative", "ngram"]).stdout
     assert "speculative decoding: ngram, up to 4 tokens a step" in " ".join(text.split())
@@ -285,3 +286,68 @@ def test_a_model_without_prefill_every_is_refused_in_one_line() -> None:
     runner.model = Plain()
     with pytest.raises(ConfigError, match="prefill_every.*run without it"):
         Engine(runner, speculation=Speculation())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from fakedist import run_fd
+
+    path = tmp_path_factory.mktemp("draft") / "tiny"
+    done = run_fd(["save-random", "--model", "ernie4_5", str(path)])
+    assert done.returncode == 0, done.stderr
+    return str(path)
+
+
+def test_the_model_as_its_own_draft_at_tp2_accepts_every_proposal_and_gives_plain_tokens(tiny: str) -> None:
+    """fd run --tp 2 --speculative draft with the model's own checkpoint as the draft (a second copy on each rank, in
+    an engine of its own): tp=1's plain tokens, every proposal accepted; the memory plan counts both models."""
+    import json
+
+    from fakedist import run_fd
+
+    common = ["run", "--checkpoint", tiny, "--prompt-ids", "5,6,7,8", "--prompt-ids", "9,3", "--max-new-tokens", "20",
+              "--json"]
+    plain = run_fd([*common, "--tp", "1"], timeout=300)
+    spec = run_fd([*common, "--tp", "2", "--speculative", "draft", "--draft-checkpoint", tiny], timeout=300)
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
+    want, got = json.loads(plain.stdout), json.loads(spec.stdout)
+    assert [o["ids"] for o in got["outputs"]] == [o["ids"] for o in want["outputs"]]
+    stats = got["speculative"]
+    assert stats["proposer"] == "draft" and 0 < stats["accepted"] == stats["proposed"], stats
+    assert got["memory"]["beside"] == "draft model ernie4_5"
+    assert got["memory"]["weights_per_rank"] == 2 * run_fd_json(["explain", "--checkpoint", tiny])["memory"][
+        "weights_per_rank"]
+
+
+def run_fd_json(args: list[str]) -> Any:
+    import json
+
+    from fakedist import run_fd
+
+    done = run_fd([*args, "--json"])
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_a_draft_of_another_vocabulary_or_a_draft_without_its_proposer_is_refused_in_one_line(
+    tiny: str, tmp_path: Path
+) -> None:
+    import json
+
+    from fakedist import run_fd
+
+    config = json.loads((Path(tiny) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 700}))
+    other = tmp_path / "other"
+    assert run_fd(["save-random", "--config", str(tmp_path / "config.json"), str(other)]).returncode == 0
+    for args, message in (
+        (["--speculative", "draft", "--draft-checkpoint", str(other)],
+         f"fd: error: the draft model in {other} has a vocabulary of 700 tokens and the model 512: a draft proposes "
+         f"the model's token ids; give --draft-checkpoint a model of the same tokenizer"),
+        (["--draft-checkpoint", tiny], "fd: error: --draft-checkpoint needs --speculative (the proposer): add "
+                                       "--speculative draft"),
+        (["--speculative", "draft"], "fd: error: --speculative draft proposes with a draft model's checkpoint: give "
+                                     "both it and --draft-checkpoint"),
+    ):
+        done = run_fd(["run", "--checkpoint", tiny, *args])
+        assert done.returncode == 2 and done.stderr.strip().splitlines() == [message], done.stderr

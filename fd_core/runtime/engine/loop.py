@@ -29,7 +29,7 @@ from fd_core.runtime.engine.sampling import (
     process_logits,
     token_logprobs,
 )
-from fd_core.runtime.engine.speculation import BACKOFF_MAX, Speculation
+from fd_core.runtime.engine.speculation import BACKOFF_MAX, NgramProposer, Proposer, Speculation
 from fd_core.runtime.memory import DEFAULT_MAX_PREFILL_TOKENS, MemoryPlan
 from fd_core.runtime.request import Request
 from fd_core.runtime.text.streaming import StreamDecoder, TextState
@@ -356,6 +356,8 @@ class Engine:
     # Speculative decoding (None: off): each step a sequence's proposer guesses its next tokens, and one step of the
     # model checks them all (_verify); how many were proposed and accepted, and in how many verify steps.
     speculation: Speculation | None = None
+    # What guesses the tokens (None: the speculation's own, an NgramProposer; a draft's is built by the caller).
+    proposer: Proposer | None = None
     spec_proposed: int = 0
     spec_accepted: int = 0
     spec_steps: int = 0
@@ -383,7 +385,11 @@ class Engine:
         self.min_table = min(self.max_table, max(1, MIN_CAPTURED_POSITIONS // block_size))
         # The batch sizes the platform's graphs capture (Detection.capture_sizes; none: powers of two).
         self.capture_sizes = tuple(sorted(set(self.runner.backend.detection.capture_sizes)))
-        self.proposer = self.speculation.proposer() if self.speculation is not None else None
+        if self.proposer is None and self.speculation is not None:
+            if self.speculation.method != "ngram":
+                raise ConfigError(f"{setting('speculative', self.speculation.method)} needs its proposer built with "
+                                  f"the draft model (RankWorker builds it); pass Engine(proposer=...)")
+            self.proposer = NgramProposer()
         model = self.runner.model
         if self.proposer is not None and model is not None and not callable(getattr(model, "prefill_every", None)):
             raise ConfigError(f"{setting('speculative')} checks proposals with the model's prefill_every (contract "
@@ -896,20 +902,34 @@ class Engine:
         still scored a token a step, a grammar) for the plain decode step."""
         assert self.proposer is not None and self.speculation is not None
         able = [seq for seq in seqs if not seq.stepwise and seq.job.sampling.grammar is None]
-        proposals: list[list[int]] = []
         context = self.max_table * self.block_size
+        rooms = []
         for seq in able:
             room = min(seq.depth or self.speculation.tokens, seq.job.sampling.max_new_tokens - len(seq.tokens) - 1,
                        context - seq.computed - 1)
             if seq.wait > 0:
                 seq.wait -= 1
                 room = 0
-            guess = self.proposer.propose(seq.ids, room)[:room] if room > 0 else []
+            rooms.append(max(0, room))
+        # A proposer that guesses for many sequences at once (a draft model's batch) is asked once. Its time is decode
+        # time: a draft model's steps are part of what a token costs.
+        begin = time.perf_counter()
+        many = getattr(self.proposer, "propose_many", None)
+        if many is not None and any(rooms):
+            guesses = many([(seq.ids, room) for seq, room in zip(able, rooms, strict=True)])
+        else:
+            guesses = [self.proposer.propose(seq.ids, room) if room else [] for seq, room in zip(able, rooms,
+                                                                                                   strict=True)]
+        proposals: list[list[int]] = []
+        for seq, room, guess in zip(able, rooms, guesses, strict=True):
             # The blocks its proposals' keys and values go to, as far as the pool has them (no preemption for a guess).
             fits = (len(seq.blocks) + self.pool.available) * self.block_size - seq.computed - 1
-            guess = guess[: max(0, fits)]
+            guess = [int(t) for t in guess[: max(0, min(room, fits))]]
             seq.blocks += self.pool.allocate(self._blocks_for(seq, seq.computed + 1 + len(guess)))
             proposals.append(guess)
+        spent = time.perf_counter() - begin
+        self.runner.add_time("propose", spent)
+        self.decode_s += spent
         if not any(proposals):
             return list(seqs)
         self._verify(able, proposals, events)

@@ -4,11 +4,14 @@ all of them in one step of the target model (fd_core.runtime.engine.loop: the ve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
 
 from fd_core.errors import ConfigError, setting
 
-METHODS = ("ngram",)
+if TYPE_CHECKING:
+    from fd_core.runtime.engine.loop import Engine
+
+METHODS = ("ngram", "draft")
 DEFAULT_TOKENS = 4
 MAX_TOKENS = 16
 # Prompt lookup: the longest suffix of the sequence, from NGRAM_MAX tokens down to NGRAM_MIN, found earlier in its last
@@ -29,39 +32,51 @@ class Speculation:
 
     method: str = "ngram"
     tokens: int = DEFAULT_TOKENS
+    # The draft model's checkpoint directory (method "draft").
+    draft: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"{setting('speculative', self.method)} is not a proposer fd has; use one of "
                               f"{', '.join(METHODS)}")
+        if (self.method == "draft") != (self.draft is not None):
+            raise ConfigError(
+                f"{setting('speculative', 'draft')} proposes with a draft model's checkpoint: give both it and "
+                f"{setting('draft_checkpoint')}" if self.draft is None else
+                f"{setting('draft_checkpoint')} is the draft model of {setting('speculative', 'draft')}: give that "
+                f"too, or drop it")
         if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or not 1 <= self.tokens <= MAX_TOKENS:
             raise ConfigError(f"{setting('num_speculative_tokens')} must be an integer in 1..{MAX_TOKENS}, got "
                               f"{self.tokens!r:.40}")
 
-    def proposer(self) -> "Proposer":
-        return NgramProposer()
-
     def describe(self) -> str:
+        if self.method == "draft":
+            return f"draft model {self.draft}, up to {self.tokens} tokens a step"
         return f"{self.method}, up to {self.tokens} tokens a step (n-grams of {NGRAM_MAX} down to {NGRAM_MIN} tokens)"
 
 
-def speculation_of(method: str | None, tokens: int | None) -> Speculation | None:
+def speculation_of(method: str | None, tokens: int | None, draft: str | None = None) -> Speculation | None:
     """The run's Speculation from its options (None: it does not speculate; tokens None: DEFAULT_TOKENS)."""
     if method is None:
-        if tokens is not None:
-            raise ConfigError(f"{setting('num_speculative_tokens')} needs {setting('speculative')} (the proposer): "
-                              f"add {setting('speculative', 'ngram')}")
+        for name, value in (("num_speculative_tokens", tokens), ("draft_checkpoint", draft)):
+            if value is not None:
+                raise ConfigError(f"{setting(name)} needs {setting('speculative')} (the proposer): add "
+                                  f"{setting('speculative', 'ngram' if name != 'draft_checkpoint' else 'draft')}")
         return None
-    return Speculation(method, DEFAULT_TOKENS if tokens is None else tokens)
+    return Speculation(method, DEFAULT_TOKENS if tokens is None else tokens, None if draft is None else str(draft))
 
 
 def speculation_dict(speculation: Speculation | None) -> dict[str, object] | None:
-    """What `fd explain --json` shows of it: the proposer and k (None: off)."""
-    return None if speculation is None else {"proposer": speculation.method, "k": speculation.tokens}
+    """What `fd explain --json` shows of it: the proposer, k and the draft's checkpoint (None: off)."""
+    if speculation is None:
+        return None
+    return {"proposer": speculation.method, "k": speculation.tokens, "draft_checkpoint": speculation.draft}
 
 
 class Proposer(Protocol):
-    """Guesses a sequence's next tokens: at most `count` ids to follow `ids` (its prompt and output so far), or none."""
+    """Guesses a sequence's next tokens: at most `count` ids to follow `ids` (its prompt and output so far), or none.
+    A proposer that guesses better for many sequences at once (a draft model's batch) also has
+    `propose_many(asks: Sequence[tuple[ids, count]]) -> list[list[int]]`, which the engine then calls once a step."""
 
     def propose(self, ids: Sequence[int], count: int) -> list[int]: ...
 
@@ -125,3 +140,40 @@ class ReplayProposer:
                         guess[spot] = guess[spot] + 1 if guess[spot] > 0 else 1
                 return guess
         return []
+
+
+class DraftProposer:
+    """A draft model's greedy continuation: an Engine of its own over the draft (its own paged cache, prefix caching
+    on), asked for every sequence's next tokens at once. Each ask is a job of the sequence's ids and `count` tokens:
+    the blocks of its earlier asks are found cached, so only the ids since (and the last partial block) are
+    prefilled."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+
+    def propose(self, ids: Sequence[int], count: int) -> list[int]:
+        return self.propose_many([(ids, count)])[0]
+
+    def propose_many(self, asks: Sequence[tuple[Sequence[int], int]]) -> list[list[int]]:
+        """Each (ids, count)'s greedy continuation by the draft, all decoded together."""
+        from fd_core.runtime.engine.loop import Job
+        from fd_core.runtime.engine.sampling import SamplingParams
+
+        engine = self.engine
+        context = engine.max_table * engine.block_size
+        out: dict[int, list[int]] = {}
+        try:
+            for key, (ids, count) in enumerate(asks):
+                if count > 0 and len(ids) + count <= context:  # past the draft's context it proposes nothing
+                    engine.add(Job(key, tuple(int(t) for t in ids),
+                                   SamplingParams(max_new_tokens=count, ignore_eos=True)))
+                else:
+                    out[key] = []
+            while engine.pending:
+                for event in engine.step():
+                    if event.done is not None:
+                        out[event.key] = list(event.done.token_ids)
+        except BaseException:
+            engine.reset()  # the model's step fails with it; nothing of this ask stays queued in the draft
+            raise
+        return [out.get(key, []) for key in range(len(asks))]

@@ -149,7 +149,7 @@ class RankWorker:
         engine = Engine(runner, tokenizer, settings.max_batch, memory=plan.memory, rank=context,
                         max_prefill_tokens=settings.max_prefill_tokens,
                         max_prefill_prompts=settings.max_prefill_prompts, prefix_caching=run.prefix_caching,
-                        speculation=run.speculation)
+                        speculation=run.speculation, proposer=_draft_proposer(plan, backend, context, log))
         return cls(rank, tp, plan, backend, runner, engine, log, context, started, entry_rss)
 
     def end(self, reason: EndReason = "normal") -> None:
@@ -237,6 +237,28 @@ def _kernel_canary(runner: ModelRunner, plan: Plan, context: RankContext) -> Non
     kernel_canary(runner.backend.ops, runner.backend.platform, runner.config, block_size, tp=context.world_size,
                   threads=context.threads, model=model)
     runner.add_time("kernel_canary", time.perf_counter() - begin)
+
+
+def _draft_proposer(plan: Plan, backend: Backend, context: RankContext, log: Any) -> Any:
+    """Speculative decoding's draft model loaded on this rank beside the model, in an engine of its own with as many
+    cache blocks as the model's (the memory plan counts both); None without a draft."""
+    draft = plan.draft
+    if draft is None:
+        return None
+    from fd_core.runtime.engine.speculation import DraftProposer
+
+    run, settings = plan.run, plan.settings
+    assert settings is not None
+    arch = backend.plugins.registry.get(draft.model)
+    directory = run.draft_checkpoint
+    log(f"loading the draft model {arch.name} ({directory}) on {backend.platform}")
+    progress.report("loading the draft model")
+    runner = ModelRunner(backend, arch, draft.config, directory, run.seed, run.graph, log, run.allow_non_finite)
+    runner.load()
+    runner.decide()
+    engine = Engine(runner, None, settings.max_batch, memory=plan.memory, rank=context,
+                    max_prefill_tokens=settings.max_prefill_tokens, prefix_caching=True)
+    return DraftProposer(engine)
 
 
 def _held_bytes(model: Any) -> int:
