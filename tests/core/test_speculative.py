@@ -351,3 +351,35 @@ def test_a_draft_of_another_vocabulary_or_a_draft_without_its_proposer_is_refuse
     ):
         done = run_fd(["run", "--checkpoint", tiny, *args])
         assert done.returncode == 2 and done.stderr.strip().splitlines() == [message], done.stderr
+
+
+def test_structured_output_speculates_within_its_grammar(tmp_path: Path) -> None:
+    """A json_schema sequence with speculation: its proposals (its known continuation, spoiled at changing places, so
+    some are ones the grammar forbids) are checked against the grammar before the verify step and its masks apply at
+    every position: the same tokens as plain decoding, valid JSON, proposals accepted."""
+    import json
+
+    from fd_core.runtime.engine.loop import Engine
+    from fd_core.runtime.engine.sampling import SamplingParams
+    from fd_core.runtime.plan import RunConfig, plan_run
+    from fd_core.runtime.ranks.worker import RankWorker
+    from fd_core.runtime.request import Request
+    from fd_core.runtime.text.grammar import constraint_spec
+    from fd_core.serve.tiny import write_tiny_checkpoint
+
+    checkpoint = write_tiny_checkpoint(tmp_path / "tiny")
+    worker = RankWorker.start(plan_run(RunConfig(checkpoint=str(checkpoint), tp=1, progress=False)), 0, 1, None)
+    spec = constraint_spec({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"kind": {"enum": ["alpha", "beta", "gamma"]}, "ok": {"type": "boolean"}},
+        "required": ["kind", "ok"], "additionalProperties": False}}})
+    prompt = tuple(worker.engine.tokenizer.encode("Once upon a time"))
+    request = Request((prompt,), SamplingParams(max_new_tokens=120, grammar=spec))
+    want = worker.engine.generate(request)[0]
+    assert want.finish_reason == "stop" and set(json.loads(want.text or "")) == {"kind", "ok"}
+    engine = Engine(worker.runner, worker.engine.tokenizer, speculation=Speculation("ngram", 4))
+    engine.proposer = ReplayProposer({prompt: want.token_ids}, wrong=(1, 0, 2, 9))
+    got = engine.generate(request)[0]
+    assert got.token_ids == want.token_ids and got.text == want.text
+    # Spoiled proposals the grammar forbids were cut before the verify step (none here was both wrong and allowed).
+    assert 0 < engine.spec_accepted <= engine.spec_proposed
+    worker.end()

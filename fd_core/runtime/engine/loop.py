@@ -899,9 +899,10 @@ class Engine:
     def _speculate(self, seqs: Sequence[_Seq], events: list[Event]) -> list[_Seq]:
         """Ask the proposer for each decoding sequence's next tokens; when any proposes, verify every sequence that may
         speculate in one step (those proposing nothing ride along a position each) and return the rest (a prompt
-        still scored a token a step, a grammar) for the plain decode step."""
+        still scored a token a step, a grammar not started yet) for the plain decode step."""
         assert self.proposer is not None and self.speculation is not None
-        able = [seq for seq in seqs if not seq.stepwise and seq.job.sampling.grammar is None]
+        able = [seq for seq in seqs
+                if not seq.stepwise and (seq.job.sampling.grammar is None or seq.constraint is not None)]
         context = self.max_table * self.block_size
         rooms = []
         for seq in able:
@@ -921,21 +922,33 @@ class Engine:
             guesses = [self.proposer.propose(seq.ids, room) if room else [] for seq, room in zip(able, rooms,
                                                                                                    strict=True)]
         proposals: list[list[int]] = []
-        for seq, room, guess in zip(able, rooms, guesses, strict=True):
+        masks: dict[int, list[Any]] = {}
+        for n, (seq, room, guess) in enumerate(zip(able, rooms, guesses, strict=True)):
             # The blocks its proposals' keys and values go to, as far as the pool has them (no preemption for a guess).
             fits = (len(seq.blocks) + self.pool.available) * self.block_size - seq.computed - 1
             guess = [int(t) for t in guess[: max(0, min(room, fits))]]
+            if seq.constraint is not None:
+                # A grammar masks every position; a proposal it forbids could never be accepted: the run ends there.
+                try:
+                    taken, masks[n] = seq.constraint.ahead(guess)
+                except Exception as exc:  # noqa: BLE001 - the sequence ends with its grammar's error; the others go on
+                    self._fail(seq, exc, events)
+                    taken = 0
+                guess = guess[:taken]
             seq.blocks += self.pool.allocate(self._blocks_for(seq, seq.computed + 1 + len(guess)))
             proposals.append(guess)
         spent = time.perf_counter() - begin
         self.runner.add_time("propose", spent)
         self.decode_s += spent
         if not any(proposals):
-            return list(seqs)
-        self._verify(able, proposals, events)
+            return [seq for seq in seqs if seq.reason is None]
+        kept = [n for n, seq in enumerate(able) if seq.reason is None]
+        self._verify([able[n] for n in kept], [proposals[n] for n in kept], events,
+                     [masks.get(n) for n in kept])
         return [seq for seq in seqs if seq not in able]
 
-    def _verify(self, seqs: Sequence[_Seq], proposals: Sequence[list[int]], events: list[Event]) -> None:
+    def _verify(self, seqs: Sequence[_Seq], proposals: Sequence[list[int]], events: list[Event],
+                masks: Sequence[list[Any] | None]) -> None:
         """One step of the model over each sequence's last token and its proposals (the prefill path over its cached
         prefix, every position's logits), then the accept_draft op: the accepted proposals and one token more go out
         as they would have one a step; the blocks past what was accepted go back to the pool."""
@@ -960,7 +973,7 @@ class Engine:
             logits = model.prefill_every(ids, batch)  # type: ignore[attr-defined]
         for row, positions in enumerate(counts):
             check_finite(logits[row, :positions], self.steps, [True] * positions)
-        chosen, logprobs = self._accept(logits, seqs, proposals, events)
+        chosen, logprobs = self._accept(logits, seqs, proposals, events, masks)
         emitted = 0
         for n, (seq, guess, tokens) in enumerate(zip(seqs, proposals, chosen, strict=True)):
             if tokens is None:
@@ -1000,12 +1013,14 @@ class Engine:
         self.decoded_tokens += emitted
         self.spec_steps += 1
 
-    def _accept(self, logits: Any, seqs: Sequence[_Seq], proposals: Sequence[list[int]],
-                events: list[Event]) -> tuple[list[list[int] | None], dict[int, list[TokenLogprob]]]:
+    def _accept(self, logits: Any, seqs: Sequence[_Seq], proposals: Sequence[list[int]], events: list[Event],
+                masks: Sequence[list[Any] | None]) -> tuple[list[list[int] | None], dict[int, list[TokenLogprob]]]:
         """Each sequence's accepted proposals and next token through the Backend's accept_draft op (None for one that
         failed on its own): greedy rows that process nothing in one call; the others each with their own settings,
-        their logits processed position by position as if the proposals before it had been chosen; and the logprobs
-        of those tokens by index, for the sequences that ask."""
+        their logits processed position by position as if the proposals before it had been chosen (a grammar's masks
+        last); and the logprobs of those tokens by index, for the sequences that ask."""
+
+        import numpy as np
 
         begin = time.perf_counter()
         accept = self.runner.backend.ops.accept_draft
@@ -1033,6 +1048,9 @@ class Engine:
                     outputs = [seq.tokens + guess[:i] for i in range(count)]
                     rows = process_logits(rows, [p] * count, [seq.job.prompt] * count, outputs, [seq.eos] * count,
                                           penalize)
+                mask = masks[n]
+                if mask is not None:
+                    rows = np.where(np.stack(mask[:count]), rows, np.float32(-np.inf))
                 draws = [0.0] * count if p.greedy else [float(u) for u in seq.sampler.rngs[0].random(count)]
                 tokens = accept(host_tensor(rows[None]), [guess], p.temperature, p.top_k, p.top_p, [draws], None)[0]
                 out[n] = [int(t) for t in tokens]

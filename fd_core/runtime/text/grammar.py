@@ -347,6 +347,25 @@ class Constraint:
             self._fail_if_broken()
         self._allowed = None
 
+    def ahead(self, tokens: Sequence[int]) -> tuple[int, list[np.ndarray]]:
+        """How many of `tokens` (speculative decoding's proposals) the constraint allows in a row, and the mask at each
+        of those positions and the one after them (len + 1 masks); the constraint is left where it was."""
+        masks: list[np.ndarray] = []
+        taken = 0
+        for token in tokens:
+            masks.append(self.allowed())
+            if not 0 <= int(token) < self.grammars.vocab_size or not masks[-1][int(token)]:
+                break
+            self.advance(int(token))
+            taken += 1
+        else:
+            masks.append(self.allowed())
+        if taken:
+            self._matcher.rollback(taken)
+            self._allowed = None
+            self._fail_if_broken()
+        return taken, masks
+
     @property
     def done(self) -> bool:
         """Whether the output is complete and nothing more may follow it (but EOS)."""
