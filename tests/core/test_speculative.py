@@ -383,3 +383,20 @@ def test_structured_output_speculates_within_its_grammar(tmp_path: Path) -> None
     # Spoiled proposals the grammar forbids were cut before the verify step (none here was both wrong and allowed).
     assert 0 < engine.spec_accepted <= engine.spec_proposed
     worker.end()
+
+
+def test_a_prompt_with_a_picture_speculates_to_the_same_tokens(tmp_path: Path) -> None:
+    """A Qwen3-VL prompt with a picture: after its prefill (the picture's rotary delta kept), n-gram speculation gives
+    the tokens of plain decoding, verify steps included."""
+    import json
+
+    from fakedist import run_fd
+
+    picture = tmp_path / "picture.npy"
+    np.save(picture, np.random.default_rng(0).random((3, 32, 32)).astype("float32"))
+    args = ["run", "--model", "qwen3_vl", "--tp", "1", "--prompt-ids", "5,17,508,510,510,510,510,509,42", "--image",
+            str(picture), "--max-new-tokens", "40", "--json"]
+    plain, spec = run_fd(args, timeout=300), run_fd([*args, "--speculative", "ngram"], timeout=300)
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
+    want, got = json.loads(plain.stdout), json.loads(spec.stdout)
+    assert got["tokens"] == want["tokens"] and got["speculative"]["verify_steps"] > 0, got["speculative"]
