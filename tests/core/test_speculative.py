@@ -400,3 +400,23 @@ def test_a_prompt_with_a_picture_speculates_to_the_same_tokens(tmp_path: Path) -
     assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
     want, got = json.loads(plain.stdout), json.loads(spec.stdout)
     assert got["tokens"] == want["tokens"] and got["speculative"]["verify_steps"] > 0, got["speculative"]
+
+
+def test_preempted_sequences_speculate_on_to_the_same_tokens() -> None:
+    """Three 30-token prompts in a pool of 6 blocks of 16: at position 32 each needs a third block, so the latest are
+    preempted (their proposals never take a block another needs) and recomputed; speculation still gives plain
+    decoding's tokens, every block back in the pool."""
+    from fd_core.runtime.engine.sampling import SamplingParams
+    from fd_core.runtime.memory import MemoryPlan
+    from fd_core.runtime.request import Request
+
+    rng = np.random.default_rng(5)
+    prompts = tuple(tuple(int(t) for t in rng.integers(1, 500, size=30)) for _ in range(3))
+    request = Request(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    want = [c.token_ids for c in _engine(max_batch=4).generate(request)]
+    tight = MemoryPlan(1.0, "float32", 1, 0, 1, block_size=16, blocks=6, blocks_from="the test")
+    engine = _engine(max_batch=4, memory=tight, prefix_caching=False, speculation=Speculation("ngram", 4))
+    engine.proposer = ReplayProposer(dict(zip(prompts, want, strict=True)), wrong=(2, 9))
+    assert [c.token_ids for c in engine.generate(request)] == want
+    assert engine.preemptions > 0 and 0 < engine.spec_accepted < engine.spec_proposed
+    assert engine.pool.used == 0
