@@ -310,10 +310,13 @@ def accept_draft(
         # The argmax of every position where it is (one int a position to the host), ties to the lowest id.
         best = paddle.argmax(logits, axis=-1) if isinstance(logits, paddle.Tensor) else np.argmax(logits, axis=-1)
         best = np.asarray(best.numpy() if isinstance(best, paddle.Tensor) else best).reshape(count, -1)
+        # A draft that gave its proposal no mass (q 0) has it rejected, as the sampled rule says (ratio 0).
+        drafted = None if draft_probs is None else _host(draft_probs)
         out = []
         for b, row in enumerate(proposals):
             taken = 0
-            while taken < len(row) and int(row[taken]) == int(best[b, taken]):
+            while (taken < len(row) and int(row[taken]) == int(best[b, taken])
+                   and (drafted is None or drafted[b, taken, int(row[taken])] > 0)):
                 taken += 1
             out.append([int(t) for t in row[:taken]] + [int(best[b, taken])])
         return out

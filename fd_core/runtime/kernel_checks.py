@@ -239,6 +239,13 @@ def _draft_cases(vocab: int, rng: Any) -> Iterator[tuple[str, tuple[Any, ...]]]:
     uniform = [rng.random(positions).tolist() for _ in range(4)]
     yield (f"logits[4, {positions}, {vocab}] temperature=1.0 with a draft's probabilities",
            (paddle.to_tensor(logits), proposals, 1.0, 0, 1.0, uniform, paddle.to_tensor(draft)))
+    # Greedy with a draft's probabilities: the argmax proposed everywhere, one the draft gave no mass (rejected).
+    zeroed = draft.copy()
+    greedy_rows = [best[b, : positions - 1].tolist() for b in range(4)]
+    zeroed[0, 1, greedy_rows[0][1]] = 0.0
+    yield (f"logits[4, {positions}, {vocab}] greedy with a draft's probabilities, one proposal of mass 0",
+           (paddle.to_tensor(logits), greedy_rows, 0.0, 0, 1.0, [[0.0] * positions for _ in range(4)],
+            paddle.to_tensor(zeroed)))
 
 
 # The mixture of experts' cases: few experts of a small width (the op's cost is E x I x H; the shapes that matter are
@@ -649,11 +656,12 @@ def _helper(value: Any) -> bool:
     )
 
 
-def canary_ops(ops: Ops, config: ModelConfig, model: Any = None) -> list[str]:
+def canary_ops(ops: Ops, config: ModelConfig, model: Any = None, speculative: bool = True) -> list[str]:
     """The ops a non-native kernel serves that the run calls, in fd's order: every one a decoder or the engine calls;
-    quant_matmul when the run quantizes; attention, gelu and moe_experts when the built model holds their kernel
-    (every one of them without a model)."""
-    ours = [op for op in OPS if not ops.native(op) and (op != "quant_matmul" or config.quantization)]
+    quant_matmul when the run quantizes; accept_draft when it decodes speculatively; attention, gelu and moe_experts
+    when the built model holds their kernel (every one of them without a model)."""
+    ours = [op for op in OPS if not ops.native(op) and (op != "quant_matmul" or config.quantization)
+            and (op != "accept_draft" or speculative)]
     optional = [op for op in ours if op in HELD_ONLY]
     held = held_ops(model, ops, optional) if model is not None else set(optional)
     return [op for op in ours if op not in HELD_ONLY or op in held]
@@ -661,7 +669,7 @@ def canary_ops(ops: Ops, config: ModelConfig, model: Any = None) -> list[str]:
 
 def kernel_canary(
     ops: Ops, platform: str, config: ModelConfig, block_size: int, *, tp: int = 1, threads: int = 1,
-    model: Any = None,
+    model: Any = None, speculative: bool = True,
 ) -> list[str]:
     """Every non-native kernel the run calls (canary_ops) once against the native op, on small cases at one rank's
     sizes of `config` and odd ones, in its dtype (its quantization's width), on `threads` compute threads, and the
@@ -669,7 +677,7 @@ def kernel_canary(
     KernelMismatch naming its plugin, the op, the case and the error."""
     from fd_core import native_ops
 
-    checked = canary_ops(ops, config, model)
+    checked = canary_ops(ops, config, model, speculative)
     if not checked:
         return checked
     sizes = [rank_sizes(config, tp), ODD_SIZES]

@@ -315,8 +315,11 @@ def plan_draft(run: RunConfig, config: ModelConfig, plugins: PluginSet, backend:
     speculation = run.speculation
     if speculation is None or speculation.draft is None:
         return None
-    arch, checkpoint = model_and_checkpoint(None, speculation.draft, plugins, weights)
-    config_ = model_config_for(arch, checkpoint, config.dtype)
+    try:
+        arch, checkpoint = model_and_checkpoint(None, speculation.draft, plugins, weights)
+        config_ = model_config_for(arch, checkpoint, config.dtype)
+    except (CheckpointError, ConfigError) as exc:  # the checkpoint's own error, said to be the draft's
+        raise type(exc)(f"{setting('draft_checkpoint')}: {exc}") from exc
     if config_.vocab_size != config.vocab_size:
         raise ConfigError(
             f"the draft model in {speculation.draft} has a vocabulary of {config_.vocab_size} tokens and the model "

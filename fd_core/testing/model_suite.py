@@ -451,9 +451,10 @@ class ModelSuite:
         draft (a second copy in an engine of its own), the same tokens and every proposal accepted."""
         import numpy as np
 
+        from fd_core.runtime.engine.draft import DraftProposer
         from fd_core.runtime.engine.loop import Engine
         from fd_core.runtime.engine.sampling import SamplingParams
-        from fd_core.runtime.engine.speculation import DraftProposer, ReplayProposer, Speculation
+        from fd_core.runtime.engine.speculation import ReplayProposer, Speculation
         from fd_core.runtime.request import Request
 
         if config_index:

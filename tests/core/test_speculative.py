@@ -348,6 +348,9 @@ def test_a_draft_of_another_vocabulary_or_a_draft_without_its_proposer_is_refuse
                                        "--speculative draft"),
         (["--speculative", "draft"], "fd: error: --speculative draft proposes with a draft model's checkpoint: give "
                                      "both it and --draft-checkpoint"),
+        (["--speculative", "draft", "--draft-checkpoint", str(tmp_path / "none")],
+         f"fd: error: --draft-checkpoint: checkpoint {tmp_path / 'none'}: not a directory; pass a folder with "
+         f"config.json and *.safetensors"),
     ):
         done = run_fd(["run", "--checkpoint", tiny, *args])
         assert done.returncode == 2 and done.stderr.strip().splitlines() == [message], done.stderr
@@ -420,3 +423,53 @@ def test_preempted_sequences_speculate_on_to_the_same_tokens() -> None:
     assert [c.token_ids for c in engine.generate(request)] == want
     assert engine.preemptions > 0 and 0 < engine.spec_accepted < engine.spec_proposed
     assert engine.pool.used == 0
+
+
+def test_a_draft_of_other_weights_keeps_its_captured_steps_apart_from_the_models(tiny: str, tmp_path: Path) -> None:
+    """A draft with other weights than the model (so its proposals mostly fail and the model decodes plainly between
+    verify steps), graphs as the cpu platform decides them: the two models capture decode steps of the same shapes on
+    one graph backend, and neither replays the other's (a replayed draft program gave the draft's tokens)."""
+    from fakedist import run_fd
+    from fd_core.runtime import LLM, SamplingParams
+
+    other = tmp_path / "other"
+    assert run_fd(["save-random", "--model", "ernie4_5", "--seed", "7", str(other)]).returncode == 0
+    first, second = SamplingParams(max_new_tokens=2, ignore_eos=True), SamplingParams(max_new_tokens=40,
+                                                                                          ignore_eos=True)
+    with LLM(tiny, tp=1) as llm:
+        want = [c.token_ids for c in llm.generate([[5, 6, 7, 8]], first) + llm.generate([[5, 6, 7, 8]], second)]
+    with LLM(tiny, tp=1, speculative="draft", draft_checkpoint=other) as llm:
+        assert llm.graph.allowed  # the plain steps are captured
+        got = [c.token_ids for c in llm.generate([[5, 6, 7, 8]], first) + llm.generate([[5, 6, 7, 8]], second)]
+        assert llm.kv_cache["spec_proposed_tokens"] > 0
+    assert got == want
+
+
+@pytest.mark.parametrize("pattern, extra", [("hello", 4), ("hello world, this is fine", 1)])
+def test_proposals_running_past_the_grammars_end_stop_at_its_end_of_sequence(tmp_path: Path, pattern: str,
+                                                                             extra: int) -> None:
+    """A regex's output proposed whole and then end-of-sequence ids (what a draft that ignores EOS proposes): the run
+    ends at the first EOS, the grammar's state comes back where it was, the output is plain decoding's (complete,
+    "stop"), and every block is back in the pool."""
+    from fd_core.runtime.engine.loop import Engine
+    from fd_core.runtime.engine.sampling import SamplingParams
+    from fd_core.runtime.plan import RunConfig, plan_run
+    from fd_core.runtime.ranks.worker import RankWorker
+    from fd_core.runtime.request import Request
+    from fd_core.runtime.text.grammar import constraint_spec
+    from fd_core.serve.tiny import write_tiny_checkpoint
+
+    checkpoint = write_tiny_checkpoint(tmp_path / "tiny")
+    worker = RankWorker.start(plan_run(RunConfig(checkpoint=str(checkpoint), tp=1, progress=False)), 0, 1, None)
+    tokenizer = worker.engine.tokenizer
+    prompt = tuple(tokenizer.encode("Once upon a time"))
+    request = Request((prompt,), SamplingParams(max_new_tokens=60, grammar=constraint_spec(None, pattern)))
+    want = worker.engine.generate(request)[0]
+    assert want.finish_reason == "stop" and want.text == pattern
+    eos = tokenizer.role_id("eos_token")
+    engine = Engine(worker.runner, tokenizer, speculation=Speculation("ngram", 3))
+    engine.proposer = ReplayProposer({prompt: [*want.token_ids, *[eos] * extra]})
+    got = engine.generate(request)[0]
+    assert (got.token_ids, got.finish_reason, got.text, got.failure) == (want.token_ids, "stop", pattern, None)
+    assert engine.pool.used == 0
+    worker.end()

@@ -24,10 +24,15 @@ def accept_draft(logits: Any, proposals: Sequence[Sequence[int]], temperature: f
             best = vocab - 1 - x[..., ::-1].argmax(axis=-1)
         else:
             best = x.argmax(axis=-1)
+        q0 = None if draft_probs is None else np.asarray(
+            draft_probs.numpy() if hasattr(draft_probs, "numpy") else draft_probs, dtype=np.float32)
         out = []
         for b, row in enumerate(proposals):
             guess = np.asarray(list(row), dtype=np.int64)
-            wrong = np.flatnonzero(guess != best[b, : len(guess)])
+            wrong = guess != best[b, : len(guess)]
+            if q0 is not None:  # a proposal its draft gave no mass is rejected (the ratio is 0)
+                wrong |= q0[b, np.arange(len(guess)), guess] <= 0
+            wrong = np.flatnonzero(wrong)
             taken = int(wrong[0]) if wrong.size else len(guess)
             out.append([int(t) for t in guess[:taken]] + [int(best[b, taken])])
         return out

@@ -26,8 +26,10 @@ class CheckedGraphs:
     """A GraphBackend wrapping the platform's: capture and clear pass through; the first replay of each key is also
     run eagerly and compared (once per capture: an extra eager step each, timed in `seconds`)."""
 
-    def __init__(self, inner: GraphBackend, platform: str) -> None:
-        self.inner, self.platform = inner, platform
+    def __init__(self, inner: GraphBackend, platform: str, namespace: str | None = None) -> None:
+        # Two models on one rank (speculative decoding's draft beside the model) share the platform's backend, whose
+        # keys are (rows, width): each model's keys carry its namespace, so neither replays the other's program.
+        self.inner, self.platform, self.namespace = inner, platform, namespace
         self.mode: str = inner.mode
         self._fns: dict[Hashable, Callable[..., Any]] = {}
         self._unchecked: set[Hashable] = set()
@@ -36,20 +38,23 @@ class CheckedGraphs:
         self._state_checked = False
         self.seconds = 0.0
 
+    def _key(self, key: Hashable) -> Hashable:
+        return key if self.namespace is None else (self.namespace, key)
+
     def capture(self, key: Hashable, fn: Callable[..., Any], inputs: Sequence[Any]) -> None:
-        self.inner.capture(key, fn, inputs)
+        self.inner.capture(self._key(key), fn, inputs)
         self._fns[key] = fn
         self._unchecked.add(key)
 
     def replay(self, key: Hashable, inputs: Sequence[Any]) -> Any:
         if key not in self._unchecked:
-            return self.inner.replay(key, inputs)
+            return self.inner.replay(self._key(key), inputs)
         self._unchecked.discard(key)
         state, self._state_checked = not self._state_checked, True
         start = time.perf_counter()
         before = _sums(inputs) if state else []
         self.seconds += time.perf_counter() - start
-        out = self.inner.replay(key, inputs)
+        out = self.inner.replay(self._key(key), inputs)
         start = time.perf_counter()
         replayed = _sums(inputs) if state else []
         # Eagerly, on the same inputs: its cache writes are the replay's own values at the same slots, so the state
@@ -62,7 +67,7 @@ class CheckedGraphs:
         return out
 
     def has(self, key: Hashable) -> bool:
-        return self.inner.has(key)
+        return self.inner.has(self._key(key))
 
     def clear(self) -> None:
         self.inner.clear()

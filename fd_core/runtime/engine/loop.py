@@ -688,14 +688,16 @@ class Engine:
         seq.blocks, seq.computed, seq.hashes = list(hits), len(hits) * self.block_size, hashes[: len(hits)]
         return hits
 
-    def _publish(self, seq: _Seq) -> None:
-        """Make its newly computed full blocks findable by their prefix hash."""
+    def _publish(self, seq: _Seq, ids: Sequence[int] | None = None) -> None:
+        """Make its newly computed full blocks findable by their prefix hash (`ids`: its ids with the tokens a verify
+        step accepted, before they go out)."""
         if not (self.prefix_caching and seq.cacheable):
             return
+        ids = seq.ids if ids is None else ids
         full = seq.computed // self.block_size
         previous = seq.hashes[-1] if seq.hashes else None
         for i in range(len(seq.hashes), full):
-            previous = block_hash(previous, seq.ids[i * self.block_size:(i + 1) * self.block_size])
+            previous = block_hash(previous, ids[i * self.block_size:(i + 1) * self.block_size])
             seq.hashes.append(previous)
             self.pool.publish(seq.blocks[i], previous)
 
@@ -933,7 +935,8 @@ class Engine:
                     taken, masks[n] = seq.constraint.ahead(guess)
                 except Exception as exc:  # noqa: BLE001 - the sequence ends with its grammar's error; the others go on
                     self._fail(seq, exc, events)
-                    taken = 0
+                    proposals.append([])
+                    continue  # its blocks went back with it
                 guess = guess[:taken]
             seq.blocks += self.pool.allocate(self._blocks_for(seq, seq.computed + 1 + len(guess)))
             proposals.append(guess)
@@ -988,7 +991,10 @@ class Engine:
                 # compute once the step is bound by arithmetic (a batch of several).
                 limit = self.speculation.tokens if self.speculation is not None else len(guess)
                 seq.depth = min(limit, (seq.depth or limit) + 1) if accepted == len(guess) else accepted + 1
-            base = seq.computed
+            # Its last token and the accepted proposals are in the cache now (what the rejected wrote is past them):
+            # their full blocks are published before the tokens go out, as a decode step's are, even if one ends it.
+            seq.computed += 1 + accepted
+            self._publish(seq, [*seq.ids, *tokens[:accepted]])
             for i, token in enumerate(tokens):
                 if seq.reason is not None:
                     break
@@ -1000,12 +1006,9 @@ class Engine:
                 self._push(seq, token, events)
                 emitted += 1
             if seq.reason is None:
-                # Its last token and the accepted proposals are in the cache now; what the rejected wrote is past it.
-                seq.computed = base + 1 + accepted
                 keep = -(-seq.computed // self.block_size)
                 self.pool.free(seq.blocks[keep:])
                 del seq.blocks[keep:]
-                self._publish(seq)
         elapsed = time.perf_counter() - start
         self.runner.add_time("decode", elapsed)
         self.decode_s += elapsed

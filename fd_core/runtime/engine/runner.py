@@ -76,6 +76,8 @@ class ModelRunner:
     block_size: int = 0
     # Checkpoint tensors present and not loaded (reported once, on the first load).
     unused_tensors: list[str] = field(default_factory=list)
+    # The graph keys' namespace when another model shares this rank's graph backend (speculative decoding's draft).
+    graph_namespace: str | None = None
 
     def add_time(self, phase: str, seconds: float) -> None:
         """Add `seconds` to a phase's total."""
@@ -161,7 +163,7 @@ class ModelRunner:
         self.log(f"capturing the decode step for batch size {rows}, block tables of {width} ({self.decision.mode})")
         progress.report("capturing")
         if self.graphs is None:
-            self.graphs = CheckedGraphs(self.backend.graph_backend(), self.backend.platform)
+            self.graphs = CheckedGraphs(self.backend.graph_backend(), self.backend.platform, self.graph_namespace)
         graphs = self.graphs
         with capture_scope():
             self._timed("capture", lambda: model.capture(graphs, rows, width))

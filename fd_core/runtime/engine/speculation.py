@@ -4,12 +4,9 @@ all of them in one step of the target model (fd_core.runtime.engine.loop: the ve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 from fd_core.errors import ConfigError, setting
-
-if TYPE_CHECKING:
-    from fd_core.runtime.engine.loop import Engine
 
 METHODS = ("ngram", "draft")
 DEFAULT_TOKENS = 4
@@ -140,40 +137,3 @@ class ReplayProposer:
                         guess[spot] = guess[spot] + 1 if guess[spot] > 0 else 1
                 return guess
         return []
-
-
-class DraftProposer:
-    """A draft model's greedy continuation: an Engine of its own over the draft (its own paged cache, prefix caching
-    on), asked for every sequence's next tokens at once. Each ask is a job of the sequence's ids and `count` tokens:
-    the blocks of its earlier asks are found cached, so only the ids since (and the last partial block) are
-    prefilled."""
-
-    def __init__(self, engine: "Engine") -> None:
-        self.engine = engine
-
-    def propose(self, ids: Sequence[int], count: int) -> list[int]:
-        return self.propose_many([(ids, count)])[0]
-
-    def propose_many(self, asks: Sequence[tuple[Sequence[int], int]]) -> list[list[int]]:
-        """Each (ids, count)'s greedy continuation by the draft, all decoded together."""
-        from fd_core.runtime.engine.loop import Job
-        from fd_core.runtime.engine.sampling import SamplingParams
-
-        engine = self.engine
-        context = engine.max_table * engine.block_size
-        out: dict[int, list[int]] = {}
-        try:
-            for key, (ids, count) in enumerate(asks):
-                if count > 0 and len(ids) + count <= context:  # past the draft's context it proposes nothing
-                    engine.add(Job(key, tuple(int(t) for t in ids),
-                                   SamplingParams(max_new_tokens=count, ignore_eos=True)))
-                else:
-                    out[key] = []
-            while engine.pending:
-                for event in engine.step():
-                    if event.done is not None:
-                        out[event.key] = list(event.done.token_ids)
-        except BaseException:
-            engine.reset()  # the model's step fails with it; nothing of this ask stays queued in the draft
-            raise
-        return [out.get(key, []) for key in range(len(asks))]

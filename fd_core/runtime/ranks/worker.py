@@ -235,7 +235,7 @@ def _kernel_canary(runner: ModelRunner, plan: Plan, context: RankContext) -> Non
     begin = time.perf_counter()
     block_size = plan.memory.block_size if plan.memory is not None else DEFAULT_KV_BLOCK_SIZE
     kernel_canary(runner.backend.ops, runner.backend.platform, runner.config, block_size, tp=context.world_size,
-                  threads=context.threads, model=model)
+                  threads=context.threads, model=model, speculative=plan.run.speculation is not None)
     runner.add_time("kernel_canary", time.perf_counter() - begin)
 
 
@@ -245,7 +245,7 @@ def _draft_proposer(plan: Plan, backend: Backend, context: RankContext, log: Any
     draft = plan.draft
     if draft is None:
         return None
-    from fd_core.runtime.engine.speculation import DraftProposer
+    from fd_core.runtime.engine.draft import DraftProposer
 
     run, settings = plan.run, plan.settings
     assert settings is not None
@@ -253,7 +253,8 @@ def _draft_proposer(plan: Plan, backend: Backend, context: RankContext, log: Any
     directory = run.draft_checkpoint
     log(f"loading the draft model {arch.name} ({directory}) on {backend.platform}")
     progress.report("loading the draft model")
-    runner = ModelRunner(backend, arch, draft.config, directory, run.seed, run.graph, log, run.allow_non_finite)
+    runner = ModelRunner(backend, arch, draft.config, directory, run.seed, run.graph, log, run.allow_non_finite,
+                         graph_namespace="draft")
     runner.load()
     runner.decide()
     engine = Engine(runner, None, settings.max_batch, memory=plan.memory, rank=context,

@@ -348,22 +348,30 @@ class Constraint:
         self._allowed = None
 
     def ahead(self, tokens: Sequence[int]) -> tuple[int, list[np.ndarray]]:
-        """How many of `tokens` (speculative decoding's proposals) the constraint allows in a row, and the mask at each
-        of those positions and the one after them (len + 1 masks); the constraint is left where it was."""
+        """How many of `tokens` (speculative decoding's proposals) the constraint allows in a row (an end-of-sequence id
+        ends the run, itself counted), and the mask at each of those positions and the one after them (len + 1
+        masks); the constraint is left where it was."""
         masks: list[np.ndarray] = []
-        taken = 0
-        for token in tokens:
-            masks.append(self.allowed())
-            if not 0 <= int(token) < self.grammars.vocab_size or not masks[-1][int(token)]:
-                break
-            self.advance(int(token))
-            taken += 1
-        else:
-            masks.append(self.allowed())
-        if taken:
-            self._matcher.rollback(taken)
-            self._allowed = None
-            self._fail_if_broken()
+        taken = consumed = 0
+        eos = set(self.grammars.eos_ids)
+        try:
+            for token in (int(t) for t in tokens):
+                masks.append(self.allowed())
+                if not 0 <= token < self.grammars.vocab_size or not masks[-1][token]:
+                    break
+                taken += 1
+                if token in eos:  # the output ends there: nothing after it is chosen, whatever its mask
+                    masks.append(masks[-1])
+                    break
+                self.advance(token)
+                consumed += 1
+            else:
+                masks.append(self.allowed())
+        finally:
+            if consumed:
+                self._matcher.rollback(consumed)
+                self._allowed = None
+        self._fail_if_broken()
         return taken, masks
 
     @property
