@@ -89,7 +89,7 @@ def cache_options(p: argparse.ArgumentParser) -> None:
                    help=f"most tokens the proposer guesses a step (default: {DEFAULT_TOKENS})")
     p.add_argument("--draft-checkpoint", default=None, metavar="DIR",
                    help="the draft model of --speculative draft: a checkpoint directory of any registered "
-                        "architecture with the model's vocabulary, run on the same platform and tp")
+                        "architecture with the model's vocabulary, run on the same platform and tp (default: none)")
 
 
 def canary_option(p: argparse.ArgumentParser) -> None:
