@@ -45,7 +45,8 @@ ROWS: dict[str, str] = {
     "chunked": "the largest gap of a running stream while a 4,096-token prompt arrives: chunked prefill vs whole",
     "decode_paged": "decode tok/s at batch 1 and 8: the paged KV cache vs the fixed-slot code before it (its commit)",
     "speculative": ("ERNIE-4.5-0.3B at batch 1 and 8: speculative decoding (k=4) vs plain, with n-gram proposals, "
-                    "with every proposal wrong, and with every and half of the proposals accepted"),
+                    "with every proposal wrong, with every and half of the proposals accepted, and with the model as "
+                    "its own draft"),
     "quant": ("ERNIE-4.5-0.3B batch 1 decode: --quantization wint8 (and wint4) vs float32 at fd's faster layout, vs "
               "transformers; peak RSS per rank vs float32's weights + cache"),
 }
