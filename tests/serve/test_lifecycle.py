@@ -128,8 +128,11 @@ def test_sigterm_under_load_drains_cancels_and_exits_143_leaving_nothing(server:
         t.start()
     wait_for(lambda: metric(metrics(server), "fd_queue_length") == 2, 10, "the two long requests admitted")
     threads[2].start()  # then the short one (32 tokens), which must be in flight when the signal comes
-    # Generous: on a busy machine the short request's tokenizing and admission can wait behind the long ones' steps.
-    wait_for(lambda: metric(metrics(server), "fd_queue_length") == 3, 30, "the short request admitted")
+    # Generous: on a busy machine (the suite's other worker beside two ranks decoding, on 2 cores) the short request's
+    # tokenizing and admission can wait behind the long ones' steps, and a /metrics poll can take long enough that
+    # the short request is admitted and done between two polls (CI once saw neither in 30 s).
+    wait_for(lambda: "short" in outcomes or metric(metrics(server), "fd_queue_length") == 3, 90,
+             "the short request admitted")
     assert len(processes_with(server.marker)) >= 3  # the server and its two ranks
     started = time.monotonic()
     server.process.send_signal(signal.SIGTERM)
