@@ -132,7 +132,6 @@ class RunConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < float("inf"):
             raise ConfigError(f"grammar_timeout must be a number of seconds > 0, got {timeout!r:.40}")
 
-
     @property
     def speculation(self) -> Speculation | None:
         """How the run speculates (None: it does not)."""

@@ -989,7 +989,8 @@ class Engine:
                 seq.wait = min(BACKOFF_MAX, (1 << seq.misses) - 1)
                 # Propose as far as the last verify kept, one more after a run kept whole: each position scored costs
                 # compute once the step is bound by arithmetic (a batch of several).
-                limit = self.speculation.tokens if self.speculation is not None else len(guess)
+                assert self.speculation is not None  # a verify step runs only under speculation
+                limit = self.speculation.tokens
                 seq.depth = min(limit, (seq.depth or limit) + 1) if accepted == len(guess) else accepted + 1
             # Its last token and the accepted proposals are in the cache now (what the rejected wrote is past them):
             # their full blocks are published before the tokens go out, as a decode step's are, even if one ends it.
@@ -1036,11 +1037,6 @@ class Engine:
                             [[0.0] * (len(proposals[n]) + 1) for n in plain], None)
             for n, tokens in zip(plain, greedy, strict=True):
                 out[n] = [int(t) for t in tokens]
-        penalties = self.runner.backend.ops.apply_penalties
-
-        def penalize(*arrays: Any) -> Any:
-            return penalties(*(host_tensor(a) for a in arrays)).numpy()
-
         for n, (seq, guess) in enumerate(zip(seqs, proposals, strict=True)):
             if n in plain:
                 continue
@@ -1050,7 +1046,7 @@ class Engine:
                 if p.processed:
                     outputs = [seq.tokens + guess[:i] for i in range(count)]
                     rows = process_logits(rows, [p] * count, [seq.job.prompt] * count, outputs, [seq.eos] * count,
-                                          penalize)
+                                          self._penalize)
                 mask = masks[n]
                 if mask is not None:
                     rows = np.where(np.stack(mask[:count]), rows, np.float32(-np.inf))
@@ -1152,17 +1148,12 @@ class Engine:
         asking = [n for n, seq in enumerate(seqs) if seq.job.sampling.processed]
         if not asking:
             return {}, set()
-        penalties = self.runner.backend.ops.apply_penalties
-
-        def penalize(*arrays: Any) -> Any:
-            # As the op's semantics give them (output_counts int32), which the suite's cases check a kernel with.
-            return penalties(*(host_tensor(a) for a in arrays)).numpy()
 
         chosen = [seqs[n] for n in asking]
         raw = _host_rows(logits, [at[n] for n in asking])
         rows = self._each(chosen, events, lambda picked: list(process_logits(
             raw[picked], [chosen[k].job.sampling for k in picked], [chosen[k].job.prompt for k in picked],
-            [chosen[k].tokens for k in picked], [chosen[k].eos for k in picked], penalize)))
+            [chosen[k].tokens for k in picked], [chosen[k].eos for k in picked], self._penalize)))
         out: dict[int, Any] = {}
         for n, seq, row in zip(asking, chosen, rows, strict=True):
             if row is None:
@@ -1175,6 +1166,11 @@ class Engine:
                     continue
             out[n] = host_tensor(row[None, :])
         return out, {n for n in asking if n not in out}
+
+    def _penalize(self, *arrays: Any) -> Any:
+        """The Backend's apply_penalties op on host arrays, as process_logits calls it: given as the op's semantics give
+        them (output_counts int32), which the suite's cases check a kernel with; the new logits back on the host."""
+        return self.runner.backend.ops.apply_penalties(*(host_tensor(a) for a in arrays)).numpy()
 
     def _each(self, seqs: Sequence[_Seq], events: list[Event], fn: Callable[[list[int]], Sequence[Any]]) -> list[Any]:
         """fn(indexes) over every sequence at once (one result per index, in order); when that fails, over each alone,
