@@ -1,9 +1,10 @@
 """Where a decode step's time goes: the model loaded as `fd run` loads it (RankWorker, the engine's own loop), its
 layers' calls timed in place, each call's time counted once (a call's own time, less the timed calls inside it).
 
-    python -m fd_bench.step CHECKPOINT TP STEPS PROMPT_IDS [GRAPH [THREADS]]
+    python -m fd_bench.step CHECKPOINT TP STEPS PROMPT_IDS [GRAPH [THREADS [BATCH]]]
 
-Prints one JSON line per rank 0: milliseconds a decode step in each part, the step's total and the
+BATCH copies of the prompt decode together (default 1). Prints one JSON line per rank 0: milliseconds a decode
+step in each part, the step's total and the
 all-reduce's own waits (cpu platform). Eager unless GRAPH is "on" (a static program hides its ops:
 only the step's total is timed then). `fd bench --rows step` runs it at tp=1 and tp=2.
 """
@@ -200,10 +201,11 @@ def main(argv: list[str]) -> int:
     quiet_paddle_logs()
     checkpoint, tp, steps, prompt = argv[0], int(argv[1]), int(argv[2]), tuple(int(t) for t in argv[3].split(","))
     graph = argv[4] if len(argv) > 4 else "off"
-    threads = int(argv[5]) if len(argv) > 5 else None
+    threads = int(argv[5]) if len(argv) > 5 and argv[5] != "-" else None
+    batch = int(argv[6]) if len(argv) > 6 else 1
     source: dict[str, Any] = {"model": "ernie4_5"} if checkpoint == "-" else {"model": "", "checkpoint": checkpoint}
-    plan = plan_run(RunConfig(tp=tp, steps=steps, prompt_ids=prompt, graph=graph, progress=False, threads=threads,
-                              **source))
+    plan = plan_run(RunConfig(tp=tp, steps=steps, id_prompts=(prompt,) * batch, graph=graph, progress=False,
+                              threads=threads, **source))
     if tp == 1:
         results = [measure_rank(plan)]
     else:

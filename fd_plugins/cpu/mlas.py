@@ -8,9 +8,10 @@ the step (docs/benchmarks.md has the figures). A product is one ONNX Runtime ses
 with the weight transposed) whose weight is handed over as an external initializer: ONNX Runtime packs it and no
 longer reads the loaded tensor, which the runtime then releases (one copy of each weight is held, not two).
 
-A weight of HOLD_MIN_BYTES or more (an LM head over a large vocabulary) is read in place instead, unpacked: a tied
-head's table stays the embedding's, and packing it would hold a second copy of it. Such a prepared product says so
-(`reads_weight`), and the runtime keeps the tensor.
+A product over a large vocabulary (the LM head) is packed too: read in place, unpacked, its products of two rows or
+more repacked the whole weight at every call (measured on ERNIE-4.5-0.3B's head, 404 MiB: 9.8 ms for one row, 40 ms
+for two to eight; packed, 11.2 to 15.1 ms), so a batched step or a speculative verify paid four times one row's head.
+A tied head's table is then held twice, once packed here and once as the embedding's (docs/benchmarks.md).
 
 Sessions share one pool of compute threads per process (ONNX Runtime's global pool), sized at the first product
 to the rank's threads (`set_threads`, from fd_rank_start). A product runs eagerly only: a static program cannot hold
@@ -27,8 +28,6 @@ from typing import Any, Sequence
 # gains nothing over Paddle's product on a weight this small, and the tiny models of the tests keep their static
 # graphs.
 MLAS_MIN_BYTES = 1 << 20
-# From this many bytes a weight is read in place, unpacked (see the module's docstring).
-HOLD_MIN_BYTES = 64 << 20
 
 _threads: dict[str, int] = {}
 
@@ -128,27 +127,18 @@ class MlasProduct:
         rows, columns = (int(d) for d in weight.shape)
         self.k, self.n = (columns, rows) if transpose_weight else (rows, columns)
         self.transpose_weight = transpose_weight
-        # Read in place, unpacked: the tensor must outlive the session (the runtime keeps it when this is True).
-        self.reads_weight = rows * columns * 4 >= HOLD_MIN_BYTES
         view = np.from_dlpack(weight.contiguous() if not weight.is_contiguous() else weight)
         options = ort.SessionOptions()
         _pool()
         options.use_per_session_threads = False
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        # The session's buffers (x's copy, the result) are small; an arena would hold the largest one for good.
+        # The session's working buffers are small; an arena would hold the largest one for good.
         options.enable_cpu_mem_arena = False
-        # Read in place, the weight is an input of every call (ONNX Runtime copies an unpacked initializer); packed,
-        # an initializer whose data is handed over.
-        held = ort.OrtValue.ortvalue_from_numpy(view)
-        if not self.reads_weight:
-            options.add_external_initializers(["W"], [held])
+        # An initializer whose data is handed over: ONNX Runtime packs it and reads the loaded tensor no more.
+        options.add_external_initializers(["W"], [ort.OrtValue.ortvalue_from_numpy(view)])
         self.session = ort.InferenceSession(
-            _model(onnx, rows, columns, self.k, self.n, transpose_weight, self.reads_weight), options,
-            providers=["CPUExecutionProvider"],
+            _model(onnx, rows, columns, self.k, self.n, transpose_weight), options, providers=["CPUExecutionProvider"],
         )
-        # The loaded tensor and its view, while the session reads it in place; else nothing of it is kept.
-        self.weight: Any = weight if self.reads_weight else None
-        self.feed: dict[str, Any] = {"W": held} if self.reads_weight else {}
 
     def __call__(self, x: Any) -> Any:
         import paddle
@@ -162,28 +152,40 @@ class MlasProduct:
             )
         lead = list(x.shape[:-1])
         flat = x.reshape([-1, self.k])
-        a = flat.numpy() if flat.dtype == paddle.float32 else flat.astype("float32").numpy()
-        out = self.session.run(None, {"A": a, **self.feed})[0]
-        return paddle.to_tensor(out).reshape([*lead, self.n])
+        return _bound_run(self.session, flat, self.n).reshape([*lead, self.n])
 
     def __repr__(self) -> str:
         shape = (self.n, self.k) if self.transpose_weight else (self.k, self.n)
         return f"MlasProduct({list(shape)}, transpose_weight={self.transpose_weight})"
 
 
-def _model(onnx: Any, rows: int, columns: int, k: int, n: int, transpose_weight: bool, weight_input: bool) -> bytes:
-    """One product as an ONNX model: A [M, K] float32 times W, an input of each call (`weight_input`) or an initializer
-    whose data is handed over (external)."""
+def _bound_run(session: Any, x: Any, n: int) -> Any:
+    """One product of x [M, K] into a new float32 tensor [M, n]: ONNX Runtime reads x and writes the result in Paddle's
+    own memory (I/O binding by address). Handing arrays across instead cost a copy each way, and paddle.to_tensor's
+    result leaks about 100 bytes a call in Paddle 3.3.1 (fd_core.models.host_tensor), at every product of every step."""
+    import numpy as np
+    import paddle
+
+    a = x if x.dtype == paddle.float32 else x.astype("float32")
+    a = a if a.is_contiguous() else a.contiguous()
+    rows, k = (int(d) for d in a.shape)
+    out = paddle.empty([rows, n], dtype="float32")
+    binding = session.io_binding()
+    binding.bind_input("A", "cpu", 0, np.float32, [rows, k], a.data_ptr())
+    binding.bind_output("Y", "cpu", 0, np.float32, [rows, n], out.data_ptr())
+    session.run_with_iobinding(binding)
+    return out
+
+
+def _model(onnx: Any, rows: int, columns: int, k: int, n: int, transpose_weight: bool) -> bytes:
+    """One product as an ONNX model: A [M, K] float32 times W, an initializer whose data is handed over (external)."""
     helper, proto = onnx.helper, onnx.TensorProto
     node = (helper.make_node("Gemm", ["A", "W"], ["Y"], transB=1) if transpose_weight
             else helper.make_node("MatMul", ["A", "W"], ["Y"]))
-    weight = _external(proto, "W", proto.FLOAT, [rows, columns])
-    inputs = [helper.make_tensor_value_info("A", proto.FLOAT, ["M", k])]
-    if weight_input:
-        inputs.append(helper.make_tensor_value_info("W", proto.FLOAT, [rows, columns]))
     graph = helper.make_graph(
-        [node], "fd_product", inputs, [helper.make_tensor_value_info("Y", proto.FLOAT, ["M", n])],
-        [] if weight_input else [weight],
+        [node], "fd_product", [helper.make_tensor_value_info("A", proto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("Y", proto.FLOAT, ["M", n])],
+        [_external(proto, "W", proto.FLOAT, [rows, columns])],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
@@ -242,12 +244,9 @@ class MlasQuantProduct:
             )
         lead = list(x.shape[:-1])
         flat = x.reshape([-1, x.shape[-1]])
-        a = flat.numpy() if flat.dtype == paddle.float32 else flat.astype("float32").numpy()
-        if a.shape[1] < self.k:  # an odd K (see __init__)
-            import numpy as np
-
-            a = np.concatenate([a, np.zeros((a.shape[0], self.k - a.shape[1]), dtype=np.float32)], axis=1)
-        out = paddle.to_tensor(self.session.run(None, {"A": a})[0]).reshape([*lead, self.n])
+        if flat.shape[1] < self.k:  # an odd K (see __init__)
+            flat = paddle.concat([flat, paddle.zeros([flat.shape[0], self.k - flat.shape[1]], dtype=flat.dtype)], 1)
+        out = _bound_run(self.session, flat, self.n).reshape([*lead, self.n])
         return out if out.dtype == x.dtype else out.astype(x.dtype)
 
     def __repr__(self) -> str:

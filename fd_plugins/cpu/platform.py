@@ -8,7 +8,7 @@ from typing import Any
 
 from fd_core import Capabilities, Detection, GraphVote, ModelConfig, ParallelConfig, RankContext, hookimpl
 from fd_plugins.cpu.memory import host_memory
-from fd_plugins.cpu.threads import apply_threads, phase_threads, users_threads_env
+from fd_plugins.cpu.threads import apply_threads, limit_numpy_blas, phase_threads, users_threads_env
 
 # The version of fd's plugin contract this plugin was written for (fd_core.contract).
 FD_CONTRACT = "1.6"
@@ -73,6 +73,7 @@ def fd_rank_start(rank: RankContext) -> None:
 
     apply_threads(rank.threads)
     set_threads(rank.threads)
+    limit_numpy_blas(1)
 
 
 @hookimpl
@@ -198,11 +199,15 @@ def fd_graph_backend(parallel_config: ParallelConfig) -> Any:
 
 @hookimpl
 def fd_register_kernels(register: Any) -> None:
+    from fd_plugins.cpu.attention import paged_attention, paged_prefill_attention, write_kv_cache
     from fd_plugins.cpu.kernels import add_rms_norm, rms_norm, rotary_embedding
     from fd_plugins.cpu.products import matmul, prepare_matmul, prepare_quant, quant_matmul
 
     register("rms_norm", rms_norm)
     register("add_rms_norm", add_rms_norm)
     register("rotary_embedding", rotary_embedding)
+    register("write_kv_cache", write_kv_cache)
+    register("paged_attention", paged_attention)
+    register("paged_prefill_attention", paged_prefill_attention)
     register("matmul", matmul, prepare=prepare_matmul)
     register("quant_matmul", quant_matmul, prepare=prepare_quant)

@@ -197,7 +197,7 @@ def _quant_rows(x32: Any, weight: Any, bits: int, start: int, stop: int) -> Any:
     """x32 [..., K] times rows [start, stop) of the prepared values, unscaled: float32 [..., stop - start]."""
     import paddle
 
-    four: Any = paddle.to_tensor(4, dtype="int8") if bits == 4 else None
+    four: Any = paddle.full([], 4, dtype="int8") if bits == 4 else None
     half = weight.shape[1]
     parts = []
     for a in range(start, stop, QUANT_BLOCK_ROWS):
