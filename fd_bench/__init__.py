@@ -38,6 +38,9 @@ ROWS: dict[str, str] = {
     "serve": ("fd serve at 1, 4 and 16 concurrent streaming clients vs the same requests through LLM one at a time: "
               "req/s, tok/s, time to first token; and at 4 clients, logprobs, n=4 and a json_schema response_format "
               "vs plain requests (tok/s, time to first token, ms per token)"),
+    "serving": ("fd serve on ERNIE-4.5-0.3B (random weights, no tokenizer) at 1, 4 and 8 concurrent clients, each "
+                "a streamed 128-id prompt and 64 greedy tokens: aggregate tok/s, time to first token, inter-token "
+                "latency p50 and p99"),
     "prefix": ("8 requests sharing a 1,024-token system prompt through fd serve: time to first token, prefix caching "
                "on vs off"),
     "capacity": ("sequences of 64 to 2,048 positions running together at one KV budget: blocks vs the fixed slots "
@@ -147,6 +150,10 @@ def _runners(selected: list[str], smoke: bool) -> list[tuple[tuple[str, ...], Ca
         from fd_bench import serving
 
         jobs.append((("serve",), lambda: serving.serve_rows(smoke)))
+    if "serving" in chosen:
+        from fd_bench import serving_load
+
+        jobs.append((("serving",), lambda: serving_load.serving_rows(smoke)))
     paged_rows = {"prefix": "prefix_rows", "capacity": "capacity_rows", "chunked": "chunked_rows",
                   "decode_paged": "decode_rows"}
     for row, function in paged_rows.items():

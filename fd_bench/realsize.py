@@ -29,6 +29,8 @@ CONFIG = Path(__file__).resolve().parents[1] / "benchmarks" / "configs" / "ernie
 PROMPT = "5,17,42,99,7,300,1024,2048,4096,8192,16384,32768,65536,100000,77,3"
 SMOKE_PROMPT = "5,17,42,99,7,300,1,2"
 BUSY = "while True: pass"
+# The step row's (tp, batch) cases: one sequence at both layouts, then tp=1's step as the batch grows.
+STEP_CASES = ((1, 1), (2, 1), (1, 2), (1, 4), (1, 8))
 FD_SIDES = ("fd tp=1", "fd tp=2")
 HF_SIDES = ("transformers 1 thread", "transformers 2 threads")
 HF_BF16 = "transformers 2 threads bfloat16"
@@ -118,8 +120,10 @@ def measure(smoke: bool) -> dict[str, Any]:
             insync.append(run_side(["-m", "fd_bench.insync", config_path, "3" if smoke else "10"]))
             idle.append(idle_paddle_rss())
             load.append(os.getloadavg()[0])
-        step = {tp: run_side(["-m", "fd_bench.step", str(checkpoint), str(tp), str(steps), prompt, "off"])
-                for tp in (1, 2)}
+        # (tp, batch): batch 1 at both layouts, then how tp=1's step grows with the batch.
+        step = {(tp, batch): run_side(["-m", "fd_bench.step", str(checkpoint), str(tp), str(steps), prompt, "off",
+                                       "-", str(batch)])
+                for tp, batch in STEP_CASES}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return {"results": results, "matvec": matvec, "insync": insync, "idle_rss": statistics.median(idle), "steps": steps,
@@ -266,13 +270,13 @@ def _rss_lines(m: dict[str, Any], size: str) -> list[Line]:
 
 
 def step_rows(smoke: bool, m: dict[str, Any]) -> list[Line]:
-    """Where a decode step's time goes, at tp=1 and tp=2 (eager, so that every op is seen;
-    rank 0, and rank 1's waits)."""
+    """Where a decode step's time goes, at tp=1 and tp=2, and at tp=1 with 2, 4 and 8 sequences (eager, so that every
+    op is seen; rank 0, and rank 1's waits)."""
     from fd_bench.step import PARTS
 
     size = "tiny preset" if smoke else "ERNIE-4.5-0.3B"
     lines = []
-    for tp, doc in m["step"].items():
+    for (tp, batch), doc in m["step"].items():
         ranks = doc["ranks"]
         r0 = ranks[0]
         parts = r0["parts_ms"]
@@ -282,7 +286,7 @@ def step_rows(smoke: bool, m: dict[str, Any]) -> list[Line]:
                           f"waited {r['shm']['wait_ms_per_step']:.2f} ms "
                           f"({r['shm']['slept_ms_per_step']:.2f} ms of it asleep)" for r in ranks if r.get("shm"))
         lines.append(Line(
-            row="step", case=f"{size} decode step, tp={tp}, {r0['threads']} thread(s) a rank, eager",
+            row="step", case=f"{size} decode step, tp={tp}, batch {batch}, {r0['threads']} thread(s) a rank, eager",
             a="not matrix work", b="whole step", a_value=rest, b_value=r0["step_ms"], unit="ms",
             ratio=rest / r0["step_ms"] if r0["step_ms"] else math.nan, ratio_label="share of the step",
             target="reported", met=None,
