@@ -92,6 +92,7 @@ def instrument(worker: Any, timer: StepTimer) -> Callable[[], float]:
         elif isinstance(layer, Attention):
             timer.wrap(layer, "paged_attention", "attention")
             timer.wrap(layer, "paged_prefill_attention", "attention")
+            timer.wrap(layer, "paged_packed_attention", "attention")
             timer.wrap(layer, "write_kv_cache", "kv_write")
             timer.wrap(layer, "rotary_embedding", "rotary")
             if layer.fused:  # its projections are its own matrices, not linear layers

@@ -114,6 +114,15 @@ OPS: dict[str, Op] = {op.name: op for op in (
        "(block_tables [B, W] int64, prefix_lens [B] int64; the new keys and values already written): "
        "softmax(q k^T / sqrt(d)) v as paged_attention; the result [B, S, h, d] in q's dtype. Queries past a row's "
        "new tokens (padding) may give any finite value"),
+    Op("paged_packed_attention", ("q", "k_cache", "v_cache", "block_tables", "query_starts", "context_lens"),
+       "one step's new tokens of every row packed end to end (contract 1.8): q [T, h, d], row b's queries "
+       "q[query_starts[b] : query_starts[b + 1]] (query_starts [B + 1] int64, 0 to T), its n_b new tokens at positions "
+       "context_lens[b] - n_b to context_lens[b] - 1, each attending positions [0, its own] of its blocks "
+       "(block_tables [B, W] int64, context_lens [B] int64; the new keys and values already written): softmax(q k^T / "
+       "sqrt(d)) v as paged_attention; the result [T, h, d] in q's dtype. A row of one token is a decode step's row; "
+       "rows of any lengths come in one call (a mixed prefill and decode step). Where the cache's layout is a plugin's "
+       "without a kernel for it, each row goes through the paged_prefill_attention in use",
+       traced=False),
     Op("matmul", ("x", "weight", "transpose_weight"),
        "x [..., K] times weight [K, N], or times the transpose of weight [N, K] when transpose_weight is True: "
        "[..., N] in x's dtype, summed in float32 or wider (a kernel that splits the sum adds its parts in float32); "

@@ -76,6 +76,10 @@ class CausalModel(Protocol):
         the rows it prefills with pictures. The keys and values go through the `write_kv_cache` op and attention
         through `paged_prefill_attention`."""
 
+    # Optional (contract 1.8): `packs_rows = True` says prefill runs text rows packed end to end (a row costs its own
+    # tokens, not the widest row's); the engine then runs a step's decode rows (one token each) in the same prefill call
+    # as its prompt chunks, one forward pass for both. A model without it gets them in a decode step of their own.
+
     # Optional (contract 1.5): `prefill_every(input_ids, batch)` runs new tokens [B, S] (text only) as `prefill` does
     # and returns the logits of every new position [B, S, vocab]; the engine then scores a prompt
     # (SamplingParams.prompt_logprobs) in its prefill chunks. A model without it is scored a token a decode step.

@@ -219,6 +219,34 @@ def paged_prefill_attention(
     return _paged(q, k_cache, v_cache, block_tables, visible)
 
 
+def paged_packed_attention(
+    q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor, block_tables: paddle.Tensor,
+    query_starts: paddle.Tensor, context_lens: paddle.Tensor,
+) -> paddle.Tensor:
+    """Rows of new tokens packed end to end, q [T, h, d]: each row through paged_prefill_attention."""
+    return packed_through(paged_prefill_attention)(q, k_cache, v_cache, block_tables, query_starts, context_lens)
+
+
+def packed_through(prefill_attention: Any) -> Any:
+    """paged_packed_attention composed of a paged_prefill_attention (the one in use: its cache layout is the
+    platform's): each row's queries [1, n, h, d] after its prefix, concatenated in order."""
+
+    def packed(q: paddle.Tensor, k_cache: paddle.Tensor, v_cache: paddle.Tensor, block_tables: paddle.Tensor,
+               query_starts: paddle.Tensor, context_lens: paddle.Tensor) -> paddle.Tensor:
+        bounds = [int(b) for b in np.asarray(query_starts.numpy() if isinstance(query_starts, paddle.Tensor)
+                                                 else query_starts).reshape(-1)]
+        contexts = context_lens.numpy() if isinstance(context_lens, paddle.Tensor) else np.asarray(context_lens)
+        parts = []
+        for row in range(len(bounds) - 1):
+            start, end = bounds[row], bounds[row + 1]
+            prefix = paddle.full([1], int(contexts[row]) - (end - start), dtype="int64")
+            parts.append(prefill_attention(q[start:end].unsqueeze(0), k_cache, v_cache, block_tables[row : row + 1],
+                                           prefix)[0])
+        return paddle.concat(parts, axis=0)
+
+    return packed
+
+
 def apply_penalties(
     logits: paddle.Tensor, prompt_mask: paddle.Tensor, output_counts: paddle.Tensor, presence: paddle.Tensor,
     frequency: paddle.Tensor, repetition: paddle.Tensor,

@@ -172,6 +172,7 @@ class Ops:
     write_kv_cache: Callable[..., Any]
     paged_attention: Callable[..., Any]
     paged_prefill_attention: Callable[..., Any]
+    paged_packed_attention: Callable[..., Any]
     quant_matmul: Callable[..., Any]
     add_rms_norm: Callable[..., Any]
     gelu: Callable[..., Any]
@@ -198,6 +199,12 @@ class Ops:
             # rms_norm kernel keeps serving every norm of the decoder). Exactly the op's semantics, as the native
             # add_rms_norm is the add, then the native rms_norm.
             self.add_rms_norm = _add_then(self.rms_norm)
+        layout = self.providers["allocate_kv_cache"]
+        if layout != NATIVE and self.providers["paged_packed_attention"] != layout:
+            # The cache's layout is a plugin's whose kernels do not include this op (one written before 1.8): each row
+            # through the prefill attention in use, which reads that layout (the packed kernel in use reads another).
+            self.paged_packed_attention = native.packed_through(self.paged_prefill_attention)
+            self.providers["paged_packed_attention"] = self.providers["paged_prefill_attention"]
 
     def written_for(self, name: str, version: str) -> bool:
         """Whether the kernel in use for `name` was written for contract `version` or later (a native op always)."""

@@ -439,14 +439,16 @@ def compare(op: str, got: Any, want: Any, dtype: str, args: tuple[Any, ...], nat
 
 # The ops that touch the paged KV cache: their layout is the platform's, so they are checked together (the platform's
 # allocate, write and attention against the native ones), never one against the other's layout.
-CACHE_OPS = ("allocate_kv_cache", "write_kv_cache", "paged_attention", "paged_prefill_attention")
+CACHE_OPS = ("allocate_kv_cache", "write_kv_cache", "paged_attention", "paged_prefill_attention",
+             "paged_packed_attention")
 
 
 @dataclass(frozen=True)
 class CacheCase:
     """One paged-cache scenario: sequences of `lengths` positions in blocks of `block_size` (their tables drawn at
     random from a pool of `blocks`, rows `shared` sharing their first full blocks), then `new` tokens a row attending
-    through them (1: a decode step; more: a prefill chunk after the cached prefix)."""
+    through them (1: a decode step; more: a prefill chunk after the cached prefix); `packed`, each row's own count of
+    new tokens, all rows packed end to end through paged_packed_attention (a mixed prefill and decode step)."""
 
     name: str
     lengths: tuple[int, ...]
@@ -454,6 +456,17 @@ class CacheCase:
     block_size: int
     blocks: int
     shared: int = 0
+    packed: tuple[int, ...] = ()
+
+    @property
+    def news(self) -> tuple[int, ...]:
+        """Each row's new tokens."""
+        return self.packed or (self.new,) * len(self.lengths)
+
+    @property
+    def kind(self) -> str:
+        """Which attention op the case reads through: decode, prefill or packed."""
+        return "packed" if self.packed else "decode" if self.new == 1 else "prefill"
 
 
 CACHE_CASES = (
@@ -462,6 +475,10 @@ CACHE_CASES = (
     CacheCase("prefill chunk after a cached prefix, rows of different lengths", (9, 3, 16), 5, 4, 32),
     CacheCase("prefill from position 0 (no prefix), blocks of 16", (0, 0), 17, 16, 8),
     CacheCase("decode, one block a row at block size 64", (63, 1), 1, 64, 6),
+    CacheCase("packed step, decode rows beside prefill chunks after prefixes", (7, 1, 20, 9, 0), 0, 4, 48,
+              packed=(1, 5, 1, 3, 6)),
+    CacheCase("packed step, hundreds of positions, rows sharing blocks", (300, 301, 1, 257), 0, 16, 80, shared=3,
+              packed=(1, 1, 70, 9)),
 )
 
 
@@ -471,7 +488,7 @@ def cache_layout(case: CacheCase, seed: int) -> tuple[Any, Any, Any]:
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    total = [n + case.new for n in case.lengths]
+    total = [n + new for n, new in zip(case.lengths, case.news, strict=True)]
     need = [-(-t // case.block_size) for t in total]
     width = max(need)
     free = list(rng.permutation(np.arange(1, case.blocks)))
@@ -502,7 +519,7 @@ def run_cache_case(ops: Any, case: CacheCase, dtype: str, kv_heads: int, heads: 
 
     keys = [t(int(n), kv_heads, dim) for n in total]
     values = [t(int(n), kv_heads, dim) for n in total]
-    prefix = [int(n) - case.new for n in total]
+    prefix = [int(n) - new for n, new in zip(total, case.news, strict=True)]
     # The cached prefix (a shared block written by every row that holds it, with the first row's values).
     for row in range(rows):
         if prefix[row]:
@@ -519,7 +536,17 @@ def run_cache_case(ops: Any, case: CacheCase, dtype: str, kv_heads: int, heads: 
         np.asarray([s for row in range(rows) for s in slots[row][prefix[row]:]], dtype=np.int64)
     )
     table = paddle.to_tensor(tables)
-    if case.new == 1:
+    if case.packed:
+        q = t(sum(case.packed), heads, dim)
+        lens = paddle.to_tensor(total)
+        bounds = paddle.to_tensor(np.concatenate([[0], np.cumsum(case.packed)]).astype(np.int64))
+
+        def step(q: Any, key: Any, value: Any, k: Any, v: Any, at: Any, table: Any, lens: Any) -> Any:
+            ops.write_kv_cache(key, value, k, v, at)
+            return ops.paged_packed_attention(q, k, v, table, bounds, lens)
+
+        inputs = [q, new_keys, new_values, k_cache, v_cache, new_slots, table, lens]
+    elif case.new == 1:
         q = t(rows, heads, dim)
         lens = paddle.to_tensor(total)
 
@@ -614,6 +641,8 @@ def canary_cache_cases(block_size: int) -> tuple[CacheCase, ...]:
         case(f"decode at a block's last and first positions (blocks of {b})", (b - 1, 2 * b - 1, b, 1), 1),
         case(f"prefill of 3 across a block boundary after a prefix (blocks of {b})", (max(0, b - 2), 0, 2 * b - 1), 3),
         case(f"prefill of {b + 1} from position 0 (blocks of {b})", (0,), b + 1),
+        CacheCase(f"packed step, decode rows beside a chunk across a block boundary (blocks of {b})",
+                  (b - 1, max(0, b - 2), 1), 0, b, 3 * (-(-(b + 3) // b)) + 3, packed=(1, 3, 1)),
     )
 
 
@@ -752,15 +781,24 @@ def _canary_cache(ops: Ops, size: Mapping[str, int], dtype: str, block_size: int
             failures.append((case, problem))
     if not failures:
         return
-    kinds = {case.new == 1 for case, _ in failures}
-    # Decode cases read through paged_attention, prefill cases through paged_prefill_attention; both failing points at
-    # what they share, the cache's writes or its layout.
-    suspects = (("paged_attention",) if kinds == {True} else ("paged_prefill_attention",) if kinds == {False}
-                else ("write_kv_cache", "allocate_kv_cache"))
+    kinds = {case.kind for case, _ in failures}
+    suspects = cache_suspects(kinds)
     named = [op for op in suspects if not ops.native(op)] or [op for op in CACHE_OPS if not ops.native(op)]
     case, problem = failures[0]
     shown = f"{dtype} {case.name}, {heads} heads over {kv} kv heads of {dim}: {problem}"
     raise _mismatch(" or ".join(named), [ops.providers[op] for op in named], shown, platform)
+
+
+def cache_suspects(kinds: set[str]) -> tuple[str, ...]:
+    """The cache op to name when cases of these kinds (decode, prefill, packed) fail: decode cases read through
+    paged_attention, prefill ones through paged_prefill_attention, packed ones through paged_packed_attention (or,
+    without a kernel of its own, through the prefill attention: prefill and packed failing name that); decode failing
+    with either points at what they share, the cache's writes or its layout."""
+    if len(kinds) == 1:
+        return (f"paged_{'' if kinds == {'decode'} else next(iter(kinds)) + '_'}attention",)
+    if kinds == {"prefill", "packed"}:
+        return ("paged_prefill_attention",)
+    return ("write_kv_cache", "allocate_kv_cache")
 
 
 def _mismatch(op: str, plugins: Sequence[str], detail: str, platform: str) -> KernelMismatch:

@@ -3,8 +3,9 @@ Backend's named ops (fd_core.kernels), resolved once per layer.
 
 The cache's layout is the platform's (its `allocate_kv_cache`): this layer never indexes it. A step writes its
 new keys and values with `write_kv_cache` at the slots the runtime chose, then attends with `paged_attention`
-(a decode step: one query a row) or `paged_prefill_attention` (new tokens, causally over their sequence's cached
-prefix and themselves), each row through its block table.
+(a decode step: one query a row), `paged_prefill_attention` (new tokens, causally over their sequence's cached
+prefix and themselves) or `paged_packed_attention` (rows of any lengths packed end to end: a mixed prefill and decode
+step), each row through its block table.
 
 Without biases q, k and v are one [hidden, (heads + 2 kv_heads) x d / tp] matrix and o is stored
 [heads x d / tp, hidden] (as the MLP's gate/up and down: one product instead of three, in the layout
@@ -33,13 +34,16 @@ from fd_models.layers.products import Product
 @dataclass
 class KVStep:
     """One step's cache inputs as tensors, made once for every layer: where the new keys and values go
-    (slot_mapping [B x S]), each row's blocks (block_tables [B, W]), and for a decode step each row's context
-    (context_lens [B]) or for a prefill each row's cached prefix (prefix_lens [B])."""
+    (slot_mapping [B x S], or [T] packed), each row's blocks (block_tables [B, W]), and for a decode step each row's
+    context (context_lens [B]) or for a prefill each row's cached prefix (prefix_lens [B]); a packed step (rows of new
+    tokens end to end, x [1, T, H]) gives each row's first token (query_starts [B + 1]) and its context after the step
+    (context_lens)."""
 
     slot_mapping: paddle.Tensor
     block_tables: paddle.Tensor
     context_lens: paddle.Tensor | None = None
     prefix_lens: paddle.Tensor | None = None
+    query_starts: paddle.Tensor | None = None
 
 
 def to_heads(x: paddle.Tensor, heads: int, head_dim: int) -> paddle.Tensor:
@@ -95,6 +99,7 @@ class Attention(nn.Layer):
         ops = ctx.ops
         self.rotary_embedding, self.write_kv_cache = ops.rotary_embedding, ops.write_kv_cache
         self.paged_attention, self.paged_prefill_attention = ops.paged_attention, ops.paged_prefill_attention
+        self.paged_packed_attention = ops.paged_packed_attention
 
     def project(self, x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
         """x [B, S, H] -> this rank's q, k and v, [B, S, heads x d] and [B, S, kv_heads x d] twice."""
@@ -126,7 +131,10 @@ class Attention(nn.Layer):
         tokens = batch * length
         self.write_kv_cache(k.reshape([tokens, self.kv_heads, self.head_dim]),
                             v.reshape([tokens, self.kv_heads, self.head_dim]), cache_k, cache_v, step.slot_mapping)
-        if step.context_lens is not None:
+        if step.query_starts is not None:
+            out = self.paged_packed_attention(q.reshape([tokens, self.heads, self.head_dim]), cache_k, cache_v,
+                                              step.block_tables, step.query_starts, step.context_lens)
+        elif step.context_lens is not None:
             out = self.paged_attention(q.reshape([batch, self.heads, self.head_dim]), cache_k, cache_v,
                                        step.block_tables, step.context_lens)
         else:

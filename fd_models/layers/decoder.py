@@ -225,7 +225,8 @@ class CausalLM(nn.Layer):
     ) -> paddle.Tensor:
         """Run embeds [B, S, H] (row b's first batch.lengths[b] real, the rest padding) into the cache at the positions
         and slots `batch` gives; return the logits of each row's last new token [B, vocab] (`every`: of every new
-        position, [B, S, vocab], padding positions included).
+        position, [B, S, vocab], padding positions included). Text rows (more than one, no pictures) run packed: only
+        their real tokens, the padding positions' logits then zero.
 
         `rope_positions` [3, S] or [3, B, S] (M-RoPE over pictures), `deepstack` and `vision_mask` come with pictures
         (see
@@ -234,6 +235,8 @@ class CausalLM(nn.Layer):
         caches = self._require_cache()
         rows, length = embeds.shape[0], embeds.shape[1]
         starts = np.asarray(batch.starts, dtype=np.int64)
+        if rope_positions is None and not deepstack and vision_mask is None and rows > 1:
+            return self._packed(embeds, batch, every)
         if rope_positions is None:
             at = starts[:, None] + np.arange(length)[None, :] + np.asarray(batch.rope_deltas, dtype=np.int64)[:, None]
             rope = as_int64(at)
@@ -249,6 +252,32 @@ class CausalLM(nn.Layer):
             return self.lm_head(hidden.reshape([rows * length, -1])).reshape([rows, length, -1])
         last = as_int64(np.asarray(batch.lengths, dtype=np.int64) - 1 + np.arange(rows) * length)
         return self.lm_head(paddle.gather(hidden.reshape([rows * length, -1]), last))
+
+    # The engine may put decode rows (one new token) beside prefill chunks in one prefill call: text rows are packed
+    # end to end, so a row costs its own tokens, not the widest row's (CausalModel.packs_rows).
+    packs_rows = True
+
+    def _packed(self, embeds: paddle.Tensor, batch: KVBatch, every: bool) -> paddle.Tensor:
+        """prefill_embeds for text rows: only the real tokens [1, T, H] run (rows end to end, attention through
+        paged_packed_attention); the logits of each row's last token [B, vocab], or (`every`) of every position
+        [B, S, vocab] with zeros at the padding."""
+        caches = self._require_cache()
+        rows, length = embeds.shape[0], embeds.shape[1]
+        starts = np.asarray(batch.starts, dtype=np.int64)
+        lengths = np.asarray(batch.lengths, dtype=np.int64)
+        real = np.flatnonzero((np.arange(length)[None, :] < lengths[:, None]).reshape(-1))
+        at = (starts[:, None] + np.arange(length)[None, :]
+              + np.asarray(batch.rope_deltas, dtype=np.int64)[:, None]).reshape(-1)[real]
+        bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        step = KVStep(as_int64(np.asarray(batch.slot_mapping).reshape(-1)[real]), as_int64(batch.block_tables),
+                      context_lens=as_int64(starts + lengths), query_starts=as_int64(bounds))
+        packed = paddle.gather(embeds.reshape([rows * length, -1]), as_int64(real)).unsqueeze(0)
+        hidden = self.model(packed, as_int64(at.reshape(1, -1)), step, caches)[0]  # [T, H]
+        if not every:
+            return self.lm_head(paddle.gather(hidden, as_int64(bounds[1:] - 1)))
+        logits = self.lm_head(hidden)
+        spread = paddle.zeros([rows * length, logits.shape[-1]], dtype=logits.dtype)
+        return paddle.scatter(spread, as_int64(real), logits).reshape([rows, length, -1])
 
     def prefill(self, input_ids: Any, image: Any = None, batch: KVBatch | None = None) -> paddle.Tensor:
         """Run the new tokens [B, S] (text only: `image` must be None) into the cache where `batch` says; the logits of

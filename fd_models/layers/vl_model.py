@@ -54,6 +54,10 @@ class PictureTextModel(nn.Layer):
         params.release_weights(self)
 
     # -- prefill and decode --------------------------------------------------------------
+    # Text rows are packed end to end as the text model packs them (CausalModel.packs_rows); a prompt with pictures
+    # is prefilled alone.
+    packs_rows = True
+
     def prefill_every(self, input_ids: Any, batch: KVBatch) -> paddle.Tensor:
         """As prefill for a prompt without pictures, returning the logits of every new position [B, S, vocab]
         (CausalModel.prefill_every: a prompt scored in one prefill)."""

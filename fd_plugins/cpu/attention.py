@@ -102,6 +102,32 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, conte
     return _result(out[:, 0])
 
 
+def paged_packed_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, query_starts: Any,
+                           context_lens: Any) -> Any:
+    """Rows of new tokens packed end to end, q [T, h, d]: rows with as many new tokens go through one call (every
+    decode row together), so the calls are as many as the distinct lengths, not the rows."""
+    import numpy as np
+
+    from fd_core import native_ops
+
+    if not _eager_float32(q, k_cache, v_cache):
+        return native_ops.paged_packed_attention(q, k_cache, v_cache, block_tables, query_starts, context_lens)
+    host = np.from_dlpack(q.contiguous())
+    bounds = np.from_dlpack(query_starts).astype(np.int64).reshape(-1)
+    contexts = np.from_dlpack(context_lens).astype(np.int64).reshape(-1)
+    tables = np.from_dlpack(block_tables)
+    keys, values = np.from_dlpack(k_cache), np.from_dlpack(v_cache)
+    counts = np.diff(bounds)
+    out = np.empty(host.shape, dtype=np.float32)
+    for count in np.unique(counts):
+        rows = np.flatnonzero(counts == count)
+        tokens = bounds[rows][:, None] + np.arange(count)[None, :]  # [G, n]
+        # Row b's i-th new token is at position contexts[b] - n + i and sees up to it.
+        limits = (contexts[rows] - count)[:, None] + np.arange(1, count + 1)[None, :]
+        out[tokens.reshape(-1)] = _attend(host[tokens], keys, values, tables[rows], limits).reshape(-1, *host.shape[1:])
+    return _result(out)
+
+
 def paged_prefill_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, prefix_lens: Any) -> Any:
     """New queries [B, S, h, d], row b's query i at position prefix_lens[b] + i, causally over its blocks."""
     import numpy as np

@@ -11,7 +11,7 @@ from fd_plugins.cpu.memory import host_memory
 from fd_plugins.cpu.threads import apply_threads, limit_numpy_blas, phase_threads, users_threads_env
 
 # The version of fd's plugin contract this plugin was written for (fd_core.contract).
-FD_CONTRACT = "1.6"
+FD_CONTRACT = "1.8"
 
 # What the conformance suite checks; float16 is summed in float32 (see fd_all_reduce).
 FD_CAPABILITIES = Capabilities(
@@ -199,7 +199,12 @@ def fd_graph_backend(parallel_config: ParallelConfig) -> Any:
 
 @hookimpl
 def fd_register_kernels(register: Any) -> None:
-    from fd_plugins.cpu.attention import paged_attention, paged_prefill_attention, write_kv_cache
+    from fd_plugins.cpu.attention import (
+        paged_attention,
+        paged_packed_attention,
+        paged_prefill_attention,
+        write_kv_cache,
+    )
     from fd_plugins.cpu.kernels import add_rms_norm, rms_norm, rotary_embedding
     from fd_plugins.cpu.products import matmul, prepare_matmul, prepare_quant, quant_matmul
 
@@ -209,5 +214,6 @@ def fd_register_kernels(register: Any) -> None:
     register("write_kv_cache", write_kv_cache)
     register("paged_attention", paged_attention)
     register("paged_prefill_attention", paged_prefill_attention)
+    register("paged_packed_attention", paged_packed_attention)
     register("matmul", matmul, prepare=prepare_matmul)
     register("quant_matmul", quant_matmul, prepare=prepare_quant)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from fakedist import listing, run_fd
+from fd_core import CONTRACT_VERSION
 
 
 def test_plugins_lists_cpu_active_and_the_others_not_detected_with_the_reason() -> None:
@@ -18,14 +19,15 @@ def test_plugins_lists_cpu_active_and_the_others_not_detected_with_the_reason() 
     assert done.stdout.startswith("platform: cpu (")
     assert max(map(len, done.stdout.splitlines())) <= 100  # wrapped for a terminal
     row = listing(done.stdout)["platform plugins"]
-    assert row["cpu"].startswith("cpu fd-backends 0.1.0, contract 1.6 active: ")
+    assert row["cpu"].startswith(f"cpu fd-backends 0.1.0, contract {CONTRACT_VERSION} active: ")
     # exact: tests/docs/test_install.py
     assert "not active: not detected: paddle is the CPU build (paddlepaddle " in row["cuda"]
     assert "not active: not detected: paddle-iluvatar-gpu is not installed" in row["iluvatar"]
     assert row["cpu"].endswith(
         "hooks: fd_all_reduce, fd_before_step, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility, "
         "fd_platform_detect, fd_rank_start, fd_register_kernels "
-        "kernels: add_rms_norm, matmul, quant_matmul, rms_norm, rotary_embedding"
+        "kernels: add_rms_norm, matmul, paged_attention, paged_packed_attention, paged_prefill_attention, "
+        "quant_matmul, rms_norm, rotary_embedding, write_kv_cache"
     )
     # Each architecture with the names checkpoints use for it (aliases) and, named as such, the plugin it came from.
     archs = listing(done.stdout)["architectures"]
@@ -44,8 +46,10 @@ def test_plugins_json_has_every_field() -> None:
     assert set(cuda) == {"name", "kind", "module", "distribution", "version", "builtin", "allowed", "hooks",
                          "detection", "error", "incompatible", "active", "status", "kernels", "contract",
                          "contract_declared"}
-    assert data["contract_version"] == "1.7" and (cuda["contract"], cuda["contract_declared"]) == ("1.6", True)
-    assert by_name["cpu"]["kernels"] == ["add_rms_norm", "matmul", "quant_matmul", "rms_norm", "rotary_embedding"] and cuda["kernels"] == []
+    assert data["contract_version"] == CONTRACT_VERSION and (cuda["contract"], cuda["contract_declared"]) == ("1.6", True)
+    assert by_name["cpu"]["kernels"] == ["add_rms_norm", "matmul", "paged_attention", "paged_packed_attention",
+                                         "paged_prefill_attention", "quant_matmul", "rms_norm", "rotary_embedding",
+                                         "write_kv_cache"] and cuda["kernels"] == []
     assert (cuda["kind"] == "platform" and cuda["builtin"] and not cuda["active"]
             and cuda["detection"]["detected"] is False)
     assert by_name["qwen3_vl"]["hooks"] == ["fd_clear_graphs", "fd_register_models"]

@@ -68,7 +68,8 @@ def test_an_unknown_op_is_refused_at_load_naming_the_plugin_and_the_nearest_op(i
     assert str(err.value) == (
         "plugin 'typo-kernels': fd_register_kernels registered an unknown op 'rms_nrom'; did you mean 'rms_norm'? "
         "(fd's ops: rms_norm, silu_and_mul, rotary_embedding, attention, sample, accept_draft, apply_penalties, allocate_kv_cache, "
-        "write_kv_cache, paged_attention, paged_prefill_attention, matmul, quant_matmul, add_rms_norm, gelu, moe_experts); fix the name "
+        "write_kv_cache, paged_attention, paged_prefill_attention, paged_packed_attention, matmul, quant_matmul, add_rms_norm, "
+        "gelu, moe_experts); fix the name "
         "in 'typo-kernels'"
     )
 
@@ -215,8 +216,9 @@ def test_an_extension_takes_precedence_over_the_platform_and_layers_call_it_dire
 
     assert RMSNorm(8, 1e-6, backend).rms_norm is kernel  # resolved once: the layer's call is the kernel's own
     assert (plugins.kernels.by_plugin("first-kernels") == ["rms_norm"]
-            and plugins.kernels.by_plugin("cpu") == ["add_rms_norm", "matmul", "quant_matmul", "rms_norm",
-                                                     "rotary_embedding"])
+            and plugins.kernels.by_plugin("cpu") == ["add_rms_norm", "matmul", "paged_attention",
+                                                     "paged_packed_attention", "paged_prefill_attention",
+                                                     "quant_matmul", "rms_norm", "rotary_embedding", "write_kv_cache"])
 
 
 def test_no_model_layer_computes_an_op_itself() -> None:
@@ -284,8 +286,8 @@ def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged
     ours = run_fd(args, example_kernels, {"FD_EXAMPLE_KERNELS_TRACE": str(trace)}, timeout=300)
     assert ours.returncode == 0, ours.stderr
     plain_json, ours_json = json.loads(plain.stdout), json.loads(ours.stdout)
-    assert plain_json["kernels"]["rms_norm"] == "cpu" and plain_json["kernels"]["silu_and_mul"] == "native"
-    cache_ops = ("allocate_kv_cache", "write_kv_cache", "paged_attention", "paged_prefill_attention")
+    cache_ops = ("allocate_kv_cache", "write_kv_cache", "paged_attention", "paged_prefill_attention",
+                 "paged_packed_attention")
     products = ("matmul", "quant_matmul")  # on weights it prepares at load
     assert ours_json["kernels"] == {**plain_json["kernels"], "rms_norm": "example-kernels",
                                     "add_rms_norm": "example-kernels", "silu_and_mul": "example-kernels",
@@ -295,7 +297,9 @@ def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged
     # Its own cache layout (token-major blocks), written and read by its own kernels on both ranks, and its own
     # prepared weights: the same tokens.
     assert ours_json["tokens"] == plain_json["tokens"]
-    for op in ("rms_norm", "add_rms_norm", "silu_and_mul", *cache_ops, "matmul", "apply_penalties"):
+    # One prompt in captured decode steps: no step mixes prompt chunks and decode rows (paged_packed_attention).
+    called = [op for op in cache_ops if op != "paged_packed_attention"]
+    for op in ("rms_norm", "add_rms_norm", "silu_and_mul", *called, "matmul", "apply_penalties"):
         assert len({p.name for p in trace.glob(f"{op}.*")}) == 2, f"{op} was not called by both ranks: {sorted(p.name for p in trace.iterdir())}"
     listed = json.loads(run_fd(["plugins", "--json"], example_kernels).stdout)
     assert (next(p for p in listed["plugins"] if p["name"] == "example-kernels")["kernels"]
@@ -475,7 +479,8 @@ def test_fd_run_refuses_a_misspelled_op_in_one_line(tmp_path: Path) -> None:
     assert done.stderr.strip().splitlines() == [
         "fd: error: plugin 'typo-kernels': fd_register_kernels registered an unknown op 'rms_nrom'; did you mean 'rms_norm'? "
         "(fd's ops: rms_norm, silu_and_mul, rotary_embedding, attention, sample, accept_draft, apply_penalties, allocate_kv_cache, "
-        "write_kv_cache, paged_attention, paged_prefill_attention, matmul, quant_matmul, add_rms_norm, gelu, moe_experts); fix the name "
+        "write_kv_cache, paged_attention, paged_prefill_attention, paged_packed_attention, matmul, quant_matmul, add_rms_norm, "
+        "gelu, moe_experts); fix the name "
         "in 'typo-kernels'"
     ]
 

@@ -48,6 +48,13 @@ BROKEN = {
         "    short = paddle.clip(prefix_lens - 1, min=0)\n"
         "    return native_ops.paged_prefill_attention(q, k_cache, v_cache, block_tables, short)",
     ),
+    "paged_packed_attention giving each row the first row's table": (
+        "paged_packed_attention",
+        "def kernel(q, k_cache, v_cache, block_tables, query_starts, context_lens):\n"
+        "    import paddle\n"
+        "    first = paddle.expand(block_tables[:1], block_tables.shape)\n"
+        "    return native_ops.paged_packed_attention(q, k_cache, v_cache, first, query_starts, context_lens)",
+    ),
     "quant_matmul applying each row's scale to another row": (
         "quant_matmul",
         "def kernel(x, weight, scales, bits):\n"
@@ -113,10 +120,11 @@ def test_the_cpu_platforms_kernels_pass_and_only_those_the_run_calls_are_checked
     backend = Backend(load_plugins({}))
     # quant_matmul only when the run quantizes, then at its scheme's width.
     checked = kernel_canary(backend.ops, backend.platform, _tiny(), 16, tp=2, threads=2)
-    assert checked == ["rms_norm", "rotary_embedding", "matmul", "add_rms_norm"]
+    cache = ["write_kv_cache", "paged_attention", "paged_prefill_attention", "paged_packed_attention"]
+    assert checked == ["rms_norm", "rotary_embedding", *cache, "matmul", "add_rms_norm"]
     for scheme in ("wint8", "wint4"):
         checked = kernel_canary(backend.ops, backend.platform, _tiny(scheme), 16)
-        assert checked == ["rms_norm", "rotary_embedding", "matmul", "quant_matmul", "add_rms_norm"]
+        assert checked == ["rms_norm", "rotary_embedding", *cache, "matmul", "quant_matmul", "add_rms_norm"]
 
 
 HONEST_OPTIONAL = """

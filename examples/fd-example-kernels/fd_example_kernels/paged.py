@@ -1,6 +1,7 @@
 """A paged KV cache in a layout of its own: token-major blocks [num_blocks, block_size, kv_heads, head_dim], as many
-vendors' attention kernels read them (fd's native layout is head-major). The four cache ops come together: fd never
-reads the cache itself, so a layout change is only these functions.
+vendors' attention kernels read them (fd's native layout is head-major). The cache ops come together: fd never
+reads the cache itself, so a layout change is only these functions (paged_packed_attention, contract 1.8, could be
+left out: fd would run each row through this package's paged_prefill_attention).
 
 FD_EXAMPLE_KERNELS_BREAK=paged_attention makes its decode attention skip each row's newest position: a plausible
 off-by-one that `fd check` must catch (the package's tests use it)."""
@@ -64,3 +65,16 @@ def paged_prefill_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: An
 
     last = prefix_lens.reshape([-1, 1]) + paddle.arange(q.shape[1], dtype="int64").reshape([1, -1])
     return _attend(q, k_cache, v_cache, block_tables, last)
+
+
+def paged_packed_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, query_starts: Any,
+                           context_lens: Any) -> Any:
+    """Rows of new tokens packed end to end, q [T, h, d] (contract 1.8): each token a row of one query at its own
+    position, through its sequence's block table."""
+    import paddle
+
+    counts = query_starts[1:] - query_starts[:-1]
+    row = paddle.repeat_interleave(paddle.arange(counts.shape[0], dtype="int64"), counts)  # each token's sequence
+    index = paddle.arange(q.shape[0], dtype="int64") - paddle.gather(query_starts, row)  # its place in the row
+    last = paddle.gather(context_lens - counts, row) + index
+    return _attend(q.unsqueeze(1), k_cache, v_cache, paddle.gather(block_tables, row), last.reshape([-1, 1])).squeeze(1)

@@ -335,6 +335,8 @@ class Engine:
     decoded_tokens: int = 0
     # Decode steps run eagerly although graphs are on: their batch was above the platform's largest capture size.
     eager_steps: int = 0
+    # Steps whose decode rows rode in the prefill call beside its prompt chunks (a model that packs rows).
+    mixed_steps: int = 0
     decode_s: float = 0.0
     # Core time this rank got while decoding (below decode_s: the machine was shared), and when the
     # first token of the first request was chosen (time.time()), for the time to first token.
@@ -502,6 +504,11 @@ class Engine:
         try:
             self._retire(events)
             prefills, decodes = self._schedule()
+            riders = self._riders(prefills, decodes)
+            if riders:
+                decodes = [seq for seq in decodes if seq not in riders]
+                self._mixed([c for c in prefills if not c.seq.scored_in_prefill], riders, events)
+                prefills = [c for c in prefills if c.seq.scored_in_prefill]
             if prefills:
                 self._prefill(prefills, events)
             if decodes and self.proposer is not None:
@@ -746,6 +753,32 @@ class Engine:
             set_compute_threads(self.rank.threads)
             self.runner.backend.before_step(self.rank, rows)
 
+    def _riders(self, prefills: Sequence[_Chunk], decodes: Sequence[_Seq]) -> list[_Seq]:
+        """The decode rows that ride in this step's prefill call beside its prompt chunks: one forward pass reads the
+        weights once for both (stall-free batching), where the model packs rows (CausalModel.packs_rows: a one-token
+        row costs one token, not the chunk's width). Not when decode steps are captured graphs (the replay is the
+        faster), while speculating (the verify step is its own), beside pictures (prefilled alone) or for a prompt
+        scored a token a step."""
+        plain = [c for c in prefills if not c.seq.scored_in_prefill]
+        if (not plain or not decodes or self.proposer is not None or self.runner.graphs_allowed
+                or not getattr(self.runner.model, "packs_rows", False) or any(c.seq.job.images for c in plain)):
+            return []
+        return [seq for seq in decodes if not seq.stepwise]
+
+    def _mixed(self, chunks: Sequence[_Chunk], riders: Sequence[_Seq], events: list[Event]) -> None:
+        """Prompt chunks and decode rows in one prefill call; the decode rows' share of its time (by tokens) counts
+        as decode time, and their tokens as decoded ones."""
+        before = [len(seq.ids) for seq in riders]
+        core = time.process_time()
+        elapsed = self._prefill_batch([*chunks, *(_Chunk(seq, 1) for seq in riders)], events, every=False)
+        share = len(riders) / (len(riders) + sum(c.count for c in chunks))
+        self.runner.add_time("prefill", -elapsed * share)
+        self.runner.add_time("decode", elapsed * share)
+        self.decode_s += elapsed * share
+        self.decode_core_s += (time.process_time() - core) * share
+        self.decoded_tokens += sum(len(seq.ids) > n for seq, n in zip(riders, before, strict=True))
+        self.mixed_steps += 1
+
     def _prefill(self, chunks: Sequence[_Chunk], events: list[Event]) -> None:
         """The step's prompt chunks, right-padded into one batch (a prompt with pictures alone, whole), the chunks of
         scored prompts in a batch of their own that returns every position's logits; a chunk that finishes its
@@ -757,7 +790,8 @@ class Engine:
         if scored:
             self._prefill_batch(scored, events, every=True)
 
-    def _prefill_batch(self, chunks: Sequence[_Chunk], events: list[Event], every: bool) -> None:
+    def _prefill_batch(self, chunks: Sequence[_Chunk], events: list[Event], every: bool) -> float:
+        """The chunks in one prefill call; its seconds."""
         import numpy as np
 
         model = self.runner.model
@@ -791,8 +825,9 @@ class Engine:
                 except (ValueError, ConfigError, CheckpointError) as exc:  # what pictures are refused with
                     self.runner.add_time("prefill", time.perf_counter() - start_time)
                     self._fail(seqs[0], exc, events)
-                    return
-        self.runner.add_time("prefill", time.perf_counter() - start_time)
+                    return time.perf_counter() - start_time
+        elapsed = time.perf_counter() - start_time
+        self.runner.add_time("prefill", elapsed)
         done = []
         for row, chunk in enumerate(chunks):
             seq = chunk.seq
@@ -809,6 +844,7 @@ class Engine:
             for seq, token in zip(finished, picked, strict=True):
                 if token is not None:
                     self._push(seq, token, events)
+        return elapsed
 
     def _scored_prefill(self, chunks: Sequence[_Chunk], ids: Any, batch: KVBatch, events: list[Event]) -> Any:
         """Scored prompts' chunks through the model's prefill_every: each position's logits score the prompt's next
