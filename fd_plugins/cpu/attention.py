@@ -17,18 +17,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from fd_plugins.cpu.views import eager_float32, new_tensor
+
 # Added to a hidden position's score: finite, so a row that sees nothing (a padding row of the null block) gets even
 # weights and no NaN, as the native op gives it.
 HIDDEN = -1e30
-
-
-def _eager_float32(*tensors: Any) -> bool:
-    import paddle
-
-    from fd_core.graphs import capturing
-
-    return (paddle.in_dynamic_mode() and not capturing()
-            and all(t.dtype == paddle.float32 and t.place.is_cpu_place() for t in tensors))
 
 
 def _attend(q: Any, k_cache: Any, v_cache: Any, tables: Any, limits: Any) -> Any:
@@ -59,16 +52,6 @@ def _attend(q: Any, k_cache: Any, v_cache: Any, tables: Any, limits: Any) -> Any
         batch, length, heads, dim)
 
 
-def _result(array: Any) -> Any:
-    """A new Paddle tensor holding `array` (written through a DLPack view: no leaking to_tensor)."""
-    import numpy as np
-    import paddle
-
-    out = paddle.empty(list(array.shape), dtype="float32")
-    np.copyto(np.from_dlpack(out), array)
-    return out
-
-
 def write_kv_cache(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mapping: Any) -> None:
     """key and value [T, kv_h, d] into their slots, written in place through the caches' views: one numpy assignment
     per cache (the native op's index_put_ took 0.2 to 0.4 ms a layer)."""
@@ -76,7 +59,7 @@ def write_kv_cache(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mappin
 
     from fd_core import native_ops
 
-    if not _eager_float32(key, value, k_cache, v_cache) or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+    if not eager_float32(key, value, k_cache, v_cache) or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         native_ops.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
         return
     slots = np.from_dlpack(slot_mapping).reshape(-1)
@@ -93,13 +76,13 @@ def paged_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, conte
 
     from fd_core import native_ops
 
-    if not _eager_float32(q, k_cache, v_cache):
+    if not eager_float32(q, k_cache, v_cache):
         return native_ops.paged_attention(q, k_cache, v_cache, block_tables, context_lens)
     host = np.from_dlpack(q.contiguous())
     limits = np.from_dlpack(context_lens).astype(np.int64).reshape(-1, 1)
     out = _attend(host[:, None], np.from_dlpack(k_cache), np.from_dlpack(v_cache), np.from_dlpack(block_tables),
                   limits)
-    return _result(out[:, 0])
+    return new_tensor(out[:, 0])
 
 
 def paged_packed_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, query_starts: Any,
@@ -110,7 +93,7 @@ def paged_packed_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any
 
     from fd_core import native_ops
 
-    if not _eager_float32(q, k_cache, v_cache):
+    if not eager_float32(q, k_cache, v_cache):
         return native_ops.paged_packed_attention(q, k_cache, v_cache, block_tables, query_starts, context_lens)
     host = np.from_dlpack(q.contiguous())
     bounds = np.from_dlpack(query_starts).astype(np.int64).reshape(-1)
@@ -125,7 +108,7 @@ def paged_packed_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any
         # Row b's i-th new token is at position contexts[b] - n + i and sees up to it.
         limits = (contexts[rows] - count)[:, None] + np.arange(1, count + 1)[None, :]
         out[tokens.reshape(-1)] = _attend(host[tokens], keys, values, tables[rows], limits).reshape(-1, *host.shape[1:])
-    return _result(out)
+    return new_tensor(out)
 
 
 def paged_prefill_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, prefix_lens: Any) -> Any:
@@ -134,10 +117,10 @@ def paged_prefill_attention(q: Any, k_cache: Any, v_cache: Any, block_tables: An
 
     from fd_core import native_ops
 
-    if not _eager_float32(q, k_cache, v_cache):
+    if not eager_float32(q, k_cache, v_cache):
         return native_ops.paged_prefill_attention(q, k_cache, v_cache, block_tables, prefix_lens)
     host = np.from_dlpack(q.contiguous())
     # Query i of row b sees positions up to and including its own: below prefix + i + 1.
     limits = np.from_dlpack(prefix_lens).astype(np.int64)[:, None] + np.arange(1, host.shape[1] + 1)[None, :]
     out = _attend(host, np.from_dlpack(k_cache), np.from_dlpack(v_cache), np.from_dlpack(block_tables), limits)
-    return _result(out)
+    return new_tensor(out)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from fd_plugins.cpu.views import eager_float32, new_tensor
+
 
 @functools.cache
 def _fused_rms_norm() -> Callable[..., Any]:
@@ -33,10 +35,14 @@ def rotary_embedding(x: Any, cos: Any, sin: Any, layout: str) -> Any:
 
     Paddle's CPU build has no fused rotary kernel, and a broadcast elementwise op costs several times
     a same-shaped one; for x[1, 16, 1, 128] this measured faster than the native op in both layouts
-    (`fd bench --rows kernels`; docs/benchmarks.md has the figures), with the same float32 result.
+    (`fd bench --rows kernels`; docs/benchmarks.md has the figures), with the same float32 result. An eager float32
+    call runs in numpy instead, on views of x's memory (a prefill's x is a transposed view, which Paddle's ops copy
+    element by element): two to three times faster again at a 64-token chunk.
     """
     import paddle
 
+    if eager_float32(x, cos, sin):
+        return _rotary_numpy(x, cos, sin, layout)
     x32 = x if x.dtype == paddle.float32 else x.astype("float32")
     turn = paddle.complex(cos, sin)
     if layout == "interleaved":  # dimensions 2i, 2i + 1 are the real and imaginary parts: as_complex's own layout
@@ -46,3 +52,21 @@ def rotary_embedding(x: Any, cos: Any, sin: Any, layout: str) -> Any:
         z = paddle.complex(x32[..., :half], x32[..., half:]) * turn
         out = paddle.concat([paddle.real(z), paddle.imag(z)], axis=-1)
     return out if out.dtype == x.dtype else out.astype(x.dtype)
+
+
+def _rotary_numpy(x: Any, cos: Any, sin: Any, layout: str) -> Any:
+    """rotary_embedding on numpy views: (a, b) -> (a cos - b sin, b cos + a sin) for each pair of the layout."""
+    import numpy as np
+
+    host: Any = np.from_dlpack(x)
+    c: Any = np.from_dlpack(cos)
+    s: Any = np.from_dlpack(sin)
+    half = host.shape[-1] // 2
+    pairs = (slice(0, half), slice(half, None)) if layout == "half" else (slice(0, None, 2), slice(1, None, 2))
+    a, b = host[..., pairs[0]], host[..., pairs[1]]
+    out = np.empty(host.shape, dtype=np.float32)
+    np.multiply(a, c, out=out[..., pairs[0]])
+    out[..., pairs[0]] -= b * s
+    np.multiply(b, c, out=out[..., pairs[1]])
+    out[..., pairs[1]] += a * s
+    return new_tensor(out)
