@@ -79,7 +79,8 @@ def _percentile(values: list[float], q: float) -> float:
 def measure(checkpoint: Path, tp: int = 1, rounds: int = 1, clients: tuple[int, ...] = CLIENTS,
             tokens: int = TOKENS, extra: tuple[str, ...] = ()) -> dict[int, dict[str, Any]]:
     """Each client count's aggregate tok/s (median of the rounds), TTFT and inter-token latency over every round."""
-    process, url = start_server(checkpoint, ("--tp", str(tp), *extra))
+    # start_server runs tp=1; a later --tp wins.
+    process, url = start_server(checkpoint, (*(("--tp", str(tp)) if tp != 1 else ()), *extra))
     try:
         vocab = _vocab(checkpoint)
         _round(url, 1, 10_000, 4, vocab)  # warm-up: first calls, allocations
