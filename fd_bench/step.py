@@ -45,7 +45,10 @@ class StepTimer:
         self.shm: dict[str, float] = {}
 
     def wrap(self, owner: Any, attr: str, part: str) -> None:
-        """Replace `owner.attr` (an instance's callable attribute) with a timed call of it."""
+        """Replace `owner.attr` (an instance's callable attribute) with a timed call of it; nothing when the owner has
+        none (an older tree's layer, run for a comparison)."""
+        if not hasattr(owner, attr):
+            return
         fn: Callable[..., Any] = getattr(owner, attr)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
