@@ -205,6 +205,7 @@ class Ops:
             # through the prefill attention in use, which reads that layout (the packed kernel in use reads another).
             self.paged_packed_attention = native.packed_through(self.paged_prefill_attention)
             self.providers["paged_packed_attention"] = self.providers["paged_prefill_attention"]
+            self.contracts["paged_packed_attention"] = self.contracts["paged_prefill_attention"]
 
     def written_for(self, name: str, version: str) -> bool:
         """Whether the kernel in use for `name` was written for contract `version` or later (a native op always)."""

@@ -235,7 +235,8 @@ class CausalLM(nn.Layer):
         caches = self._require_cache()
         rows, length = embeds.shape[0], embeds.shape[1]
         starts = np.asarray(batch.starts, dtype=np.int64)
-        if rope_positions is None and not deepstack and vision_mask is None and rows > 1:
+        # A subclass with layers of its own that cannot take a packed step sets packs_rows = False.
+        if self.packs_rows and rope_positions is None and not deepstack and vision_mask is None and rows > 1:
             return self._packed(embeds, batch, every)
         if rope_positions is None:
             at = starts[:, None] + np.arange(length)[None, :] + np.asarray(batch.rope_deltas, dtype=np.int64)[:, None]

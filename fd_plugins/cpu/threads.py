@@ -74,8 +74,9 @@ def limit_numpy_blas(count: int) -> bool:
     controller = _blas_controller()
     if controller is None:
         return False
-    controller.select(internal_api="openblas").limit(limits=count)
-    return True
+    found = controller.select(internal_api="openblas")
+    found.limit(limits=count)
+    return bool(found.lib_controllers)
 
 
 @functools.cache

@@ -286,6 +286,7 @@ def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged
     ours = run_fd(args, example_kernels, {"FD_EXAMPLE_KERNELS_TRACE": str(trace)}, timeout=300)
     assert ours.returncode == 0, ours.stderr
     plain_json, ours_json = json.loads(plain.stdout), json.loads(ours.stdout)
+    assert plain_json["kernels"]["rms_norm"] == "cpu" and plain_json["kernels"]["silu_and_mul"] == "native"
     cache_ops = ("allocate_kv_cache", "write_kv_cache", "paged_attention", "paged_prefill_attention",
                  "paged_packed_attention")
     products = ("matmul", "quant_matmul")  # on weights it prepares at load

@@ -21,8 +21,11 @@ REPLAY_TOLERANCE = {"float32": 1e-3, "float16": 4e-3, "bfloat16": 3e-2}
 STATE_SHARE = 0.25
 # Below this share of a cache's absolute sum, what the eager step still changes is rounding, whatever the step wrote:
 # a platform's eager kernels may round otherwise than its captured program (numpy kernels in eager steps, Paddle's
-# ops in a static one), and a step that rewrites the values a slot already holds (a reload's same prompt) writes a
-# net nothing. A lost write of one position in a cache of 100,000 moves about 1e-5 of it.
+# ops in a static one: 2e-8 of the sum measured), and a step that rewrites the values a slot already holds (a reload's
+# same prompt) writes a net nothing, so that its replay's rounding is all that moves. The sum counts the positions
+# written so far, not the cache's size: a lost write of one position among N written moves about 1/N of it into a
+# zeroed slot, less into a reused one, so a loss is certain to be seen up to about a million positions written when
+# the first replay is checked (a capture's first steps, or the first after a reload).
 STATE_ROUNDING = 1e-7
 SUM_CHUNK = 1 << 22  # elements a state sum widens to float64 at a time (32 MiB)
 

@@ -766,17 +766,12 @@ class Engine:
         return [seq for seq in decodes if not seq.stepwise]
 
     def _mixed(self, chunks: Sequence[_Chunk], riders: Sequence[_Seq], events: list[Event]) -> None:
-        """Prompt chunks and decode rows in one prefill call; the decode rows' share of its time (by tokens) counts
-        as decode time, and their tokens as decoded ones."""
-        before = [len(seq.ids) for seq in riders]
-        core = time.process_time()
-        elapsed = self._prefill_batch([*chunks, *(_Chunk(seq, 1) for seq in riders)], events, every=False)
-        share = len(riders) / (len(riders) + sum(c.count for c in chunks))
-        self.runner.add_time("prefill", -elapsed * share)
-        self.runner.add_time("decode", elapsed * share)
-        self.decode_s += elapsed * share
-        self.decode_core_s += (time.process_time() - core) * share
-        self.decoded_tokens += sum(len(seq.ids) > n for seq, n in zip(riders, before, strict=True))
+        """Prompt chunks and decode rows in one prefill call. It counts as prefill time, its choosing included: the
+        decode figures (tokens_per_s, the decode step's breakdown) stay those of decode-only steps, whose cost a
+        rider's token does not have."""
+        choose_s, choose_calls = self.choose_s, self.choose_calls
+        self._prefill_batch([*chunks, *(_Chunk(seq, 1) for seq in riders)], events, every=False)
+        self.choose_s, self.choose_calls = choose_s, choose_calls
         self.mixed_steps += 1
 
     def _prefill(self, chunks: Sequence[_Chunk], events: list[Event]) -> None:
@@ -790,8 +785,8 @@ class Engine:
         if scored:
             self._prefill_batch(scored, events, every=True)
 
-    def _prefill_batch(self, chunks: Sequence[_Chunk], events: list[Event], every: bool) -> float:
-        """The chunks in one prefill call; its seconds."""
+    def _prefill_batch(self, chunks: Sequence[_Chunk], events: list[Event], every: bool) -> None:
+        """The chunks in one prefill call."""
         import numpy as np
 
         model = self.runner.model
@@ -825,9 +820,8 @@ class Engine:
                 except (ValueError, ConfigError, CheckpointError) as exc:  # what pictures are refused with
                     self.runner.add_time("prefill", time.perf_counter() - start_time)
                     self._fail(seqs[0], exc, events)
-                    return time.perf_counter() - start_time
-        elapsed = time.perf_counter() - start_time
-        self.runner.add_time("prefill", elapsed)
+                    return
+        self.runner.add_time("prefill", time.perf_counter() - start_time)
         done = []
         for row, chunk in enumerate(chunks):
             seq = chunk.seq
@@ -844,7 +838,6 @@ class Engine:
             for seq, token in zip(finished, picked, strict=True):
                 if token is not None:
                     self._push(seq, token, events)
-        return elapsed
 
     def _scored_prefill(self, chunks: Sequence[_Chunk], ids: Any, batch: KVBatch, events: list[Event]) -> Any:
         """Scored prompts' chunks through the model's prefill_every: each position's logits score the prompt's next

@@ -66,6 +66,22 @@ def test_prefill_attention_after_a_cached_prefix_equals_the_oracle() -> None:
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_packed_rows_of_any_lengths_equal_the_oracle() -> None:
+    """Decode rows (one token) beside prefill chunks after prefixes, packed end to end: each token as the oracle
+    attends it, at its own position through its row's table."""
+    k, v = _caches()
+    tables = _tables(4, 6)
+    counts, contexts = [1, 5, 1, 3], [9, 14, 24, 3]
+    q = RNG.standard_normal((sum(counts), HEADS, DIM)).astype("float32")
+    bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    got = attention.paged_packed_attention(paddle.to_tensor(q), k, v, paddle.to_tensor(tables),
+                                           paddle.to_tensor(bounds), paddle.to_tensor(np.asarray(contexts)))
+    for row, (count, context) in enumerate(zip(counts, contexts, strict=True)):
+        limits = np.arange(context - count + 1, context + 1)[None, :]
+        want = _oracle(q[None, bounds[row]:bounds[row + 1]], k.numpy(), v.numpy(), tables[row:row + 1], limits)[0]
+        np.testing.assert_allclose(got.numpy()[bounds[row]:bounds[row + 1]], want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_padding_row_that_sees_nothing_is_finite_and_leaves_the_others_alone() -> None:
     """A padding row (the null block, no positions) gets even weights as the native op gives it, never NaN."""
     k, v = _caches()
