@@ -36,12 +36,14 @@ def rotary_embedding(x: Any, cos: Any, sin: Any, layout: str) -> Any:
     Paddle's CPU build has no fused rotary kernel, and a broadcast elementwise op costs several times
     a same-shaped one; for x[1, 16, 1, 128] this measured faster than the native op in both layouts
     (`fd bench --rows kernels`; docs/benchmarks.md has the figures), with the same float32 result. An eager float32
-    call runs in numpy instead, on views of x's memory (a prefill's x is a transposed view, which Paddle's ops copy
-    element by element): two to three times faster again at a 64-token chunk.
+    call of several positions a row runs in numpy instead, on views of x's memory (a prefill's x is a transposed view,
+    which Paddle's ops copy element by element): two to three times faster again at a 64-token chunk.
     """
     import paddle
 
-    if eager_float32(x, cos, sin):
+    # Several positions a row (a prefill): numpy on x's view. One (a decode step): a numpy call's fixed cost (the
+    # checks, the views, the result's tensor: about 100 us) measured above the complex product's 40 us a call.
+    if x.shape[2] > 1 and eager_float32(x, cos, sin):
         return _rotary_numpy(x, cos, sin, layout)
     x32 = x if x.dtype == paddle.float32 else x.astype("float32")
     turn = paddle.complex(cos, sin)
