@@ -89,6 +89,9 @@ def measure(checkpoint: Path, tp: int = 1, rounds: int = 1, clients: tuple[int, 
             done = [_round(url, n, 1000 * r + 100 * n, tokens, vocab) for r in range(rounds)]
             ttft = [t for d in done for t in d["ttft"]]
             gaps = [g for d in done for g in d["gaps"]]
+            if len(ttft) < n * rounds or not gaps:
+                raise RuntimeError(f"fd serve streamed no tokens to {n * rounds - len(ttft)} of {n * rounds} "
+                                   f"requests at {n} client(s): nothing to time")
             out[n] = {"tok_s": statistics.median(d["tok_s"] for d in done),
                       "ttft_p50_ms": _percentile(ttft, 0.5) * 1e3, "ttft_max_ms": max(ttft) * 1e3,
                       "itl_p50_ms": _percentile(gaps, 0.5) * 1e3, "itl_p99_ms": _percentile(gaps, 0.99) * 1e3,
@@ -115,7 +118,8 @@ def serving_rows(smoke: bool) -> list[Line]:
             a=f"fd serve, {n} client(s)", b="fd serve, 1 client", a_value=r["tok_s"], b_value=one["tok_s"],
             unit="tok/s", ratio=r["tok_s"] / one["tok_s"], ratio_label="aggregate / one client", target="reported",
             met=None,
-            note=(f"ERNIE-4.5-0.3B's config, random weights, float32, tp=1; time to first token p50 "
+            note=(f"{'the tiny preset' if smoke else 'ERNIE-4.5-0.3B'}'s config, random weights, float32, tp=1; "
+                  f"time to first token p50 "
                   f"{r['ttft_p50_ms']:.0f} ms (max {r['ttft_max_ms']:.0f}); inter-token latency p50 "
                   f"{r['itl_p50_ms']:.0f} ms, p99 {r['itl_p99_ms']:.0f} ms; a chunk per token: {r['chunk_per_token']}"),
             details=r,
