@@ -10,22 +10,13 @@ import numpy as np
 
 from fd_core.runtime.engine.sampling import SamplingParams
 from fd_core.runtime.request import Request
+from tiny_engine import tiny_engine
 
 
 def _engine(packs: bool, **options: Any) -> Any:
-    from fd_core.host.backend import Backend
-    from fd_core.host.loading import load_plugins
-    from fd_core.runtime.engine.loop import Engine
-    from fd_core.runtime.engine.runner import ModelRunner
-    from fd_core.runtime.plan import model_config_for
-
-    plugins = load_plugins({"FD_PLATFORM": "cpu"})
-    arch = plugins.registry.get("ernie4_5")
-    runner = ModelRunner(Backend(plugins), arch, model_config_for(arch, None), graph="off")
-    runner.load()
-    runner.decide()
-    runner.model.packs_rows = packs  # the instance's, over the class's True
-    return Engine(runner, **options)
+    engine = tiny_engine(**options)
+    engine.runner.model.packs_rows = packs  # the instance's, over the class's True
+    return engine
 
 
 def _prompts() -> list[list[int]]:

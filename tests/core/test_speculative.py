@@ -14,6 +14,7 @@ from fd_core import native_ops
 from fd_core.errors import ConfigError
 from fd_core.runtime.engine.speculation import NgramProposer, ReplayProposer, Speculation, speculation_of
 from fd_core.runtime.kernel_checks import cases, compare
+from tiny_engine import tiny_engine
 
 SIZES = [{"hidden": 64, "inter": 96, "head_dim": 16, "heads": 4, "kv": 2}]
 
@@ -188,21 +189,6 @@ def test_speculation_options_are_checked() -> None:
         speculation_of("ngram", 0)
 
 
-def _engine(**options: Any) -> Any:
-    from fd_core.host.backend import Backend
-    from fd_core.host.loading import load_plugins
-    from fd_core.runtime.engine.loop import Engine
-    from fd_core.runtime.engine.runner import ModelRunner
-    from fd_core.runtime.plan import model_config_for
-
-    plugins = load_plugins({"FD_PLATFORM": "cpu"})
-    arch = plugins.registry.get("ernie4_5")
-    runner = ModelRunner(Backend(plugins), arch, model_config_for(arch, None), graph="off")
-    runner.load()
-    runner.decide()
-    return Engine(runner, **options)
-
-
 def test_sampled_tokens_keep_the_distribution_of_plain_sampling() -> None:
     """The engine with speculation samples each token from the distribution plain sampling draws from: 1,024 samples of
     the first four tokens (temperature 1.5, top-k 3), the proposals the greedy continuation (often right, often
@@ -213,7 +199,7 @@ def test_sampled_tokens_keep_the_distribution_of_plain_sampling() -> None:
     from fd_core.runtime.request import Request
 
     prompt = (5, 6, 7, 8)
-    plain, spec = _engine(max_batch=64), _engine(max_batch=64, speculation=Speculation("ngram", 2))
+    plain, spec = tiny_engine(max_batch=64), tiny_engine(max_batch=64, speculation=Speculation("ngram", 2))
     greedy = plain.generate(Request.greedy([list(prompt)], 4))[0].token_ids
     spec.proposer = ReplayProposer({prompt: greedy})
 
@@ -246,12 +232,12 @@ def test_greedy_tokens_with_speculation_are_plain_decodings_and_blocks_come_back
     rng = np.random.default_rng(3)
     prompts = [tuple(int(t) for t in rng.integers(1, 500, size=n)) for n in (40, 5, 23)]
     limits = (21, 9, 14)
-    plain = _engine(max_batch=4)
+    plain = tiny_engine(max_batch=4)
     want = []
     for prompt, limit in zip(prompts, limits, strict=True):
         sampling = SamplingParams(max_new_tokens=limit, ignore_eos=True, logprobs=2)
         want.append(plain.generate(Request((prompt,), sampling))[0])
-    spec = _engine(max_batch=4, speculation=Speculation("ngram", 4))
+    spec = tiny_engine(max_batch=4, speculation=Speculation("ngram", 4))
     spec.proposer = ReplayProposer({p: c.token_ids for p, c in zip(prompts, want, strict=True)}, wrong=(1, 2, 0, 9))
     for key, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
         spec.add(Job(key, prompt, SamplingParams(max_new_tokens=limit, ignore_eos=True, logprobs=2)))
@@ -277,7 +263,7 @@ def test_a_model_without_prefill_every_is_refused_in_one_line() -> None:
     from fd_core.runtime.engine.loop import Engine
     from fd_core.runtime.engine.speculation import Speculation
 
-    engine = _engine()
+    engine = tiny_engine()
     runner = engine.runner
 
     class Plain:
@@ -416,9 +402,9 @@ def test_preempted_sequences_speculate_on_to_the_same_tokens() -> None:
     rng = np.random.default_rng(5)
     prompts = tuple(tuple(int(t) for t in rng.integers(1, 500, size=30)) for _ in range(3))
     request = Request(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
-    want = [c.token_ids for c in _engine(max_batch=4).generate(request)]
+    want = [c.token_ids for c in tiny_engine(max_batch=4).generate(request)]
     tight = MemoryPlan(1.0, "float32", 1, 0, 1, block_size=16, blocks=6, blocks_from="the test")
-    engine = _engine(max_batch=4, memory=tight, prefix_caching=False, speculation=Speculation("ngram", 4))
+    engine = tiny_engine(max_batch=4, memory=tight, prefix_caching=False, speculation=Speculation("ngram", 4))
     engine.proposer = ReplayProposer(dict(zip(prompts, want, strict=True)), wrong=(2, 9))
     assert [c.token_ids for c in engine.generate(request)] == want
     assert engine.preemptions > 0 and 0 < engine.spec_accepted < engine.spec_proposed
