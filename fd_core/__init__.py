@@ -22,6 +22,7 @@ from fd_core.kvcache import KVBatch
 from fd_core.lifecycle import RankContext
 from fd_core.markers import hookimpl
 from fd_core.models import Architecture, CausalModel, WeightSpec
+from fd_core.transfer import KVTransport, TransferState
 
 if TYPE_CHECKING:
     from fd_core.host.backend import Backend, load_backend
@@ -51,6 +52,7 @@ __all__ = [
     "GraphDecision",
     "GraphVote",
     "KVBatch",
+    "KVTransport",
     "ModelConfig",
     "ParallelConfig",
     "PlatformError",
@@ -59,6 +61,7 @@ __all__ = [
     "RankError",
     "RequestRefused",
     "SequenceError",
+    "TransferState",
     "WeightSpec",
     "hookimpl",
     "load_backend",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import warnings
 
-CONTRACT_VERSION = "1.8"
+CONTRACT_VERSION = "1.9"
 FIRST_VERSION = "1.0"
 _VERSION = re.compile(r"^(\d+)\.(\d+)$")
 _warned: dict[str, str] = {}

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     # register(op, fn, capturable=True, prepare=None): `fn` serves fd's named op `op` (fd_core.kernels.OPS);
     # `prepare`, for an op with prepared arguments, transforms a weight once when it loads (contract 1.1).
     KernelRegistrar = Callable[..., None]
+    from fd_core.transfer import TransportRegistrar
 
 
 @hookspec
@@ -87,3 +88,8 @@ def fd_before_step(rank: RankContext, rows: int | None) -> None:
 @hookspec
 def fd_rank_end(rank: RankContext, reason: str) -> None:
     """Release what fd_rank_start took; `reason` is "normal", "error" or "signal", and fd waits a bounded time."""
+
+
+@hookspec
+def fd_kv_transports(register: TransportRegistrar) -> None:
+    """Provide KV transports (contract 1.9) by calling `register(name, factory)`; `factory(listen, rank)` makes one."""

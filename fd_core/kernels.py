@@ -89,19 +89,25 @@ OPS: dict[str, Op] = {op.name: op for op in (
        "Returns the new logits [B, V] float32",
        dtypes=("float32",), traced=False, tolerances={"float32": (1e-6, 1e-6)}),
     # The paged KV cache. Its layout is the platform's: allocate_kv_cache makes one layer's key and value caches,
-    # and only write_kv_cache and the paged attention ops read or write them (fd never indexes them itself), so a
-    # platform that changes the layout registers all four. Positions: position p of a sequence lives in block
-    # block_tables[b, p // block_size] at offset p % block_size; a slot is block * block_size + offset.
+    # and only write_kv_cache, read_kv_cache and the paged attention ops read or write them (fd never indexes them
+    # itself), so a platform that changes the layout registers them all. Positions: position p of a sequence lives in
+    # block block_tables[b, p // block_size] at offset p % block_size; a slot is block * block_size + offset.
     Op("allocate_kv_cache", ("num_blocks", "block_size", "kv_heads", "head_dim", "dtype"),
        "one layer's key and value caches, a pair of zeroed tensors of `dtype` holding num_blocks blocks of block_size "
        "positions of kv_heads x head_dim values each, in the platform's layout (native: [kv_heads, num_blocks, "
-       "block_size, head_dim] each); the runtime allocates them once per run and passes them back to the three ops "
+       "block_size, head_dim] each); the runtime allocates them once per run and passes them back to the cache ops "
        "below, never reading them itself",
        traced=False, tolerances={"float32": (0.0, 0.0), "float16": (0.0, 0.0), "bfloat16": (0.0, 0.0)}),
     Op("write_kv_cache", ("key", "value", "k_cache", "v_cache", "slot_mapping"),
        "store key[t] and value[t] ([T, kv_heads, head_dim], the cache's dtype) at slot slot_mapping[t] ([T] int64, "
        "slot = block * block_size + offset) of k_cache and v_cache, in place; returns None. A slot may repeat only "
        "for padding, whose values are never read (the runtime points padding at its null block)"),
+    Op("read_kv_cache", ("k_cache", "v_cache", "slot_mapping"),
+       "the inverse of write_kv_cache (contract 1.9): the keys and values at slots slot_mapping ([T] int64) of k_cache "
+       "and v_cache, a pair of [T, kv_heads, head_dim] tensors in the cache's dtype, exactly as written; the cache is "
+       "left unchanged. A prompt handed from a prefill instance to a decode instance (disaggregation) is read with it "
+       "there and written with write_kv_cache here, so the two instances' layouts and block sizes may differ",
+       traced=False, tolerances={"float32": (0.0, 0.0), "float16": (0.0, 0.0), "bfloat16": (0.0, 0.0)}),
     Op("paged_attention", ("q", "k_cache", "v_cache", "block_tables", "context_lens"),
        "one decode query per sequence: q [B, h, d], row b attending positions [0, context_lens[b]) of its blocks "
        "(block_tables [B, W] int64, context_lens [B] int64; its new key and value already written): softmax(q k^T / "

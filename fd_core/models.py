@@ -84,6 +84,11 @@ class CausalModel(Protocol):
     # and returns the logits of every new position [B, S, vocab]; the engine then scores a prompt
     # (SamplingParams.prompt_logprobs) in its prefill chunks. A model without it is scored a token a decode step.
 
+    # Optional (contract 1.9): `read_kv(slots)` returns every layer's keys and values at the cache slots `slots` [T]
+    # (the read_kv_cache op), [T, kv_heads, head_dim] each, layer by layer, the key before the value; `write_kv(slots,
+    # parts)` writes such a list at slots (write_kv_cache). The engine hands a prompt from a prefill instance to a
+    # decode instance with them (disaggregation); a model without them runs prefill and decode on one instance.
+
     def decode_step(self, token_ids: Any, batch: "KVBatch") -> Any:
         """One token per row [B, 1] at position batch.starts[b] of its sequence; return logits [B, vocab]. Each row
         attends through its own block table only (`paged_attention`), so a padding row (null block) changes no other

@@ -170,6 +170,20 @@ def write_kv_cache(
     paddle.index_put_(v_cache, index, value.transpose([1, 0, 2]).reshape([-1, dim]))
 
 
+def read_kv_cache(
+    k_cache: paddle.Tensor, v_cache: paddle.Tensor, slot_mapping: paddle.Tensor,
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """The keys and values at `slot_mapping` [T], [T, kv_h, d] each: one index_select per cache over its positions
+    (the [kv_h, blocks x block_size, d] view of the head-major layout is a reshape, not a copy)."""
+    kv_heads, blocks, block_size, dim = k_cache.shape
+
+    def read(cache: paddle.Tensor) -> paddle.Tensor:
+        flat = cache.reshape([kv_heads, blocks * block_size, dim])
+        return paddle.index_select(flat, slot_mapping.reshape([-1]), axis=1).transpose([1, 0, 2])
+
+    return read(k_cache), read(v_cache)
+
+
 def _gathered(cache: paddle.Tensor, block_tables: paddle.Tensor) -> paddle.Tensor:
     """The blocks of each row in order: [kv_h, B, W x block_size, d]."""
     kv_heads, _, block_size, dim = cache.shape

@@ -21,7 +21,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
     # Not strict: a plugin that fails validation or registration is listed with its error, not fatal.
     plugins = load_plugins(strict=False, reserved_commands=CORE_COMMANDS)
-    rows = [{**r.to_dict(), "kernels": plugins.kernels.by_plugin(r.name) if r.active else []} for r in plugins.records]
+    rows = [{**r.to_dict(), "kernels": plugins.kernels.by_plugin(r.name) if r.active else [],
+             "kv_transports": [n for n, (_, owner) in plugins.transports.items() if owner == r.name and r.active]}
+            for r in plugins.records]
     if args.json:
         architectures = [a.to_dict() for a in plugins.registry]
         print_json({"contract_version": CONTRACT_VERSION, "platform": plugins.platform, "selection": plugins.selection,
@@ -58,6 +60,9 @@ def plugin_listing(plugins: Any) -> list[str]:
             kernels = plugins.kernels.by_plugin(r.name) if r.active else []
             if kernels:
                 lines += wrapped(f"kernels: {', '.join(kernels)}", 2 + width, 9)
+            transports = [name for name, (_, owner) in plugins.transports.items() if owner == r.name and r.active]
+            if transports:
+                lines += wrapped(f"kv transports: {', '.join(transports)}", 2 + width, 15)
     if plugins.registry:
         # The name fd takes (--model), the names checkpoints' config.json use for it, and the plugin it came from.
         lines += ["", "architectures:"]

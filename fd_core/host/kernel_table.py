@@ -157,6 +157,19 @@ class KernelTable:
         }
 
 
+def _unreadable(layout: str) -> Callable[..., Any]:
+    """read_kv_cache where the cache's layout is plugin `layout`'s and that plugin has no kernel for it."""
+
+    def refuse(*args: Any) -> Any:
+        raise PluginError(
+            f"plugin {layout!r}: its allocate_kv_cache makes a cache layout of its own and it registers no "
+            f"read_kv_cache kernel (contract 1.9), so a prompt's keys and values cannot be read out for another "
+            f"instance; register read_kv_cache in its fd_register_kernels, or run prefill and decode on one instance"
+        )
+
+    return refuse
+
+
 class Ops:
     """The resolved op table of one Backend: `ops.rms_norm(x, weight, eps)` calls the chosen function directly."""
 
@@ -170,6 +183,7 @@ class Ops:
     apply_penalties: Callable[..., Any]
     allocate_kv_cache: Callable[..., Any]
     write_kv_cache: Callable[..., Any]
+    read_kv_cache: Callable[..., Any]
     paged_attention: Callable[..., Any]
     paged_prefill_attention: Callable[..., Any]
     paged_packed_attention: Callable[..., Any]
@@ -206,6 +220,10 @@ class Ops:
             self.paged_packed_attention = native.packed_through(self.paged_prefill_attention)
             self.providers["paged_packed_attention"] = self.providers["paged_prefill_attention"]
             self.contracts["paged_packed_attention"] = self.contracts["paged_prefill_attention"]
+
+        if layout != NATIVE and self.providers["read_kv_cache"] != layout:
+            # The native op would read another layout than the cache's: nothing reads a handed-over prompt there.
+            self.read_kv_cache = _unreadable(layout)
 
     def written_for(self, name: str, version: str) -> bool:
         """Whether the kernel in use for `name` was written for contract `version` or later (a native op always)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Iterable, Mapping
+from typing import Any, Callable, Collection, Iterable, Mapping
 
 import pluggy
 
@@ -18,7 +18,7 @@ from fd_core.host.discovery import clashes, discover
 from fd_core.host.kernel_table import KernelTable
 from fd_core.host.model_registry import ModelRegistry
 from fd_core.host.records import Kind, PluginRecord
-from fd_core.host.registration import register_commands, register_kernels, register_models
+from fd_core.host.registration import register_commands, register_kernels, register_models, register_transports
 from fd_core.host.selection import detect, hook_timeout, select_platform
 from fd_core.host.validation import validate_module
 from fd_core.markers import PROJECT
@@ -45,6 +45,8 @@ class PluginSet:
     problems: list[str] = field(default_factory=list)
     # The kernels the active platform and the extensions registered for fd's named ops.
     kernels: KernelTable = field(default_factory=KernelTable)
+    # The KV transports plugins provide (contract 1.9): name -> (factory(listen, rank), plugin).
+    transports: dict[str, tuple[Any, str]] = field(default_factory=dict)
 
     def require_usable(self) -> None:
         """Raise the first problem as a PluginError (a run must not start with a broken plugin)."""
@@ -195,11 +197,13 @@ def load_plugins(
     problems += command_problems
     kernels, kernel_problems = register_kernels(pm, records)
     problems += kernel_problems
+    transports, transport_problems = register_transports(pm, records)
+    problems += transport_problems
     for record in records:
         if record.error is not None and record.active:
             record.active, record.status = False, f"failed: {record.error}"
     plugins = PluginSet(records=records, platform=platform, selection=why, pm=pm, registry=registry, problems=problems,
-                        commands=commands, kernels=kernels)
+                        commands=commands, kernels=kernels, transports=transports)
     if strict:
         plugins.require_usable()
     return plugins

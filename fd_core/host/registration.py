@@ -14,6 +14,7 @@ from fd_core.host.kernel_table import KernelTable, check_kernel
 from fd_core.host.model_registry import ModelRegistry
 from fd_core.host.records import PluginRecord, impl_function
 from fd_core.models import Architecture
+from fd_core.transfer import TransportFactory
 
 
 def caller_for(pm: pluggy.PluginManager, hook: str, plugin_name: str) -> Any:
@@ -131,3 +132,29 @@ def register_kernels(pm: pluggy.PluginManager, records: list[PluginRecord]) -> t
         return register
 
     return table, call_each(pm, "fd_register_kernels", records, register_for, table.remove_plugin)
+
+
+def register_transports(
+    pm: pluggy.PluginManager, records: list[PluginRecord]
+) -> tuple[dict[str, tuple[TransportFactory, str]], list[str]]:
+    """Each plugin's fd_kv_transports (contract 1.9): name -> (factory, plugin); a name taken twice is the later
+    plugin's error."""
+    transports: dict[str, tuple[TransportFactory, str]] = {}
+
+    def register_for(owner: str) -> Callable[..., None]:
+        def register(name: str, factory: TransportFactory) -> None:
+            if not (isinstance(name, str) and name.replace("-", "").isalnum() and callable(factory)):
+                raise PluginError(f"plugin {owner!r}: fd_kv_transports passed name={name!r}, factory={factory!r}; "
+                                  "pass a word and a callable factory(listen, rank)")
+            if name in transports:
+                raise PluginError(f"plugin {owner!r} adds KV transport {name!r}, which {transports[name][1]!r} "
+                                  f"already provides; rename it in {owner!r}")
+            transports[name] = (factory, owner)
+
+        return register
+
+    def undo(owner: str) -> None:
+        for name in [n for n, t in transports.items() if t[1] == owner]:
+            del transports[name]
+
+    return transports, call_each(pm, "fd_kv_transports", records, register_for, undo, builtins_first=True)

@@ -3,6 +3,8 @@ reporting its platform, graph decision and timings."""
 
 from __future__ import annotations
 
+import dataclasses
+import uuid
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
@@ -13,9 +15,10 @@ from fd_core.graphs import CastVote, GraphDecision
 from fd_core.host.backend import Backend
 from fd_core.host.loading import load_plugins
 from fd_core.host.paddle_logs import quiet_paddle_logs
-from fd_core.runtime.engine.loop import Completion, jobs_of
+from fd_core.runtime.engine.loop import Completion, KVHandoff, jobs_of
 from fd_core.runtime.engine.sampling import SamplingParams
 from fd_core.runtime.engine.scheduler import Submission
+from fd_core.runtime.handoff import Handoff
 from fd_core.runtime.images import load_image
 from fd_core.runtime.memory import DEFAULT_MEMORY_FRACTION
 from fd_core.runtime.plan import RunConfig, plan_run, plugin_env
@@ -48,7 +51,7 @@ class LLM:
         quantization: str | None = None, quantization_group: int | None = None, float_embeddings: bool = False,
         grammar_timeout: float = DEFAULT_GRAMMAR_TIMEOUT_S,
         kernel_canary: bool = True, speculative: str | None = None, num_speculative_tokens: int | None = None,
-        draft_checkpoint: str | Path | None = None,
+        draft_checkpoint: str | Path | None = None, kv_transport: str | None = None, kv_listen: str | None = None,
     ) -> None:
         quiet_paddle_logs()  # before paddle is imported: its C++ logs stay off the caller's terminal
         if graph not in ("auto", "off", "on"):
@@ -62,7 +65,8 @@ class LLM:
                         quantization_group=quantization_group, float_embeddings=bool(float_embeddings),
                         grammar_timeout=grammar_timeout, kernel_canary=bool(kernel_canary), speculative=speculative,
                         num_speculative_tokens=num_speculative_tokens,
-                        draft_checkpoint=None if draft_checkpoint is None else str(draft_checkpoint))
+                        draft_checkpoint=None if draft_checkpoint is None else str(draft_checkpoint),
+                        kv_transport=kv_transport, kv_listen=kv_listen)
         self._plugins = load_plugins(plugin_env(platform))
         self._backend = Backend(self._plugins)
         # The plan's request is a placeholder: the plugins' fd_check_request is asked about each real one (_request).
@@ -241,12 +245,60 @@ class LLM:
 
         return pieces()
 
-    def _submit(self, request: Request, share: int | None = None) -> list[Submission]:
+    # -- disaggregation: prefill here, decode there -----------------------------------------
+    @property
+    def kv_address(self) -> str | None:
+        """This instance's transfer address, which a prefill instance's prefill(to=...) sends to (None: no
+        kv_transport)."""
+        return self._plan.run.kv_listen
+
+    def prefill(
+        self, prompt: Prompt, sampling: SamplingParams | None = None, *, to: str, chat: bool = False,
+    ) -> Handoff:
+        """Prefill one prompt here and choose its first token, then send its keys and values to the instance whose
+        kv_address is `to` (each rank to the same rank; both instances need the same kv_transport, model, dtype and
+        tp). Returns once they are there: pass the Handoff to that instance's resume() with the same sampling. A
+        request that ended at its first token sends nothing (Handoff.finished)."""
+        self._need_transport("prefill(to=...)")
+        request = self._request(prompt, sampling, chat, (), stream=True)
+        if len(request.prompts) != 1 or request.sampling.n != 1:
+            raise ConfigError("prefill() hands over one prompt with n=1; call it once per prompt and choice")
+        key = f"r{uuid.uuid4().hex}"
+        jobs = [dataclasses.replace(job, handoff=KVHandoff(key, send_to=to)) for job in jobs_of(request)]
+        completion = self._jobs(jobs)[0].result()
+        logprobs = None if completion.logprobs is None else tuple(completion.logprobs)
+        return Handoff(key, tuple(completion.prompt_ids), tuple(completion.token_ids), logprobs, completion)
+
+    def resume(self, handoff: Handoff, sampling: SamplingParams | None = None) -> Submission:
+        """Decode a request a prefill instance handed to this one (its prefill(to=this.kv_address)), from its keys and
+        values and the tokens it chose; pass the sampling it was prefilled with (a seeded draw goes on where it
+        stopped). The Submission streams the tokens chosen here; its completion holds every token."""
+        self._need_transport("resume()")
+        if handoff.finished:
+            reason = handoff.completion.finish_reason
+            raise ConfigError(f"request {handoff.key!r} ended on the prefill instance ({reason}): its completion is "
+                              f"the whole answer, and nothing was sent to resume")
+        request = self._request(list(handoff.prompt_ids), sampling, False, (), stream=True)
+        if request.sampling.n != 1:
+            raise ConfigError("resume() takes a hand-over of one choice (n=1)")
+        jobs = [dataclasses.replace(job, handoff=KVHandoff(handoff.key, tokens=handoff.token_ids,
+                                                           logprobs=handoff.logprobs)) for job in jobs_of(request)]
+        return self._jobs(jobs)[0]
+
+    def _need_transport(self, what: str) -> None:
+        if self._plan.run.kv_transport is None:
+            raise ConfigError(f"{what} moves keys and values through a KV transport, and this LLM has none: pass "
+                              f"LLM(kv_transport=...) (`fd plugins` lists them)")
+
+    def _jobs(self, jobs: list[Any], share: int | None = None) -> list[Submission]:
         if self._closed:
             raise ConfigError("this LLM is closed; create a new one")
         if self.error is not None:
             raise RankError(f"this LLM's ranks failed earlier ({self.error}); create a new one")
-        return self._session.submit(jobs_of(request), share)
+        return self._session.submit(jobs, share)
+
+    def _submit(self, request: Request, share: int | None = None) -> list[Submission]:
+        return self._jobs(jobs_of(request), share)
 
     def _request(
         self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None, chat: bool, images: Sequence[Any],

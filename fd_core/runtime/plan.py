@@ -3,8 +3,10 @@ against the installed plugins, the model's config and the checkpoint, with the r
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -115,6 +117,10 @@ class RunConfig:
     # Each rank checks the non-native kernels the run calls against fd's native ops before its first request
     # (fd_core.runtime.kernel_checks.kernel_canary); off for a platform certified with `fd check`.
     kernel_canary: bool = True
+    # Disaggregation (contract 1.9): the KV transport each rank makes (a name plugins registered; None: none) and this
+    # instance's transfer address, which prefill instances send to (the transport's own form; None: a fresh name).
+    kv_transport: str | None = None
+    kv_listen: str | None = None
 
     def __post_init__(self) -> None:
         # Checked here, where `fd run` and the Python API both pass, in the API's words (the CLI's own
@@ -387,6 +393,12 @@ def plan_run(
     backend.check_graph_request(run.graph)
     if run.steps < 1:
         raise ConfigError(f"{setting('max_new_tokens')} must be >= 1, got {run.steps}")
+    if run.kv_transport is not None and run.kv_transport not in plugins.transports:
+        known = ", ".join(sorted(plugins.transports)) or "none"
+        raise ConfigError(f"{setting('kv_transport', run.kv_transport)} is not a KV transport any plugin registered "
+                          f"(registered: {known}); see `fd plugins`")
+    if run.kv_transport is not None and run.kv_listen is None:
+        run = dataclasses.replace(run, kv_listen=f"fd{os.getpid()}-{uuid.uuid4().hex[:8]}")
     model = plan_model(run, plugins, backend)
     if run.images and not model.arch.multimodal:
         raise ConfigError(f"{model.arch.name} takes no image; drop {setting('images')} or choose a VL model")

@@ -204,6 +204,21 @@ class CausalLM(nn.Layer):
         """Bytes the KV cache holds (0 before allocate_kv_cache)."""
         return sum(int(c.numel()) * c.element_size() for c in self._caches or [])
 
+    def read_kv(self, slots: paddle.Tensor) -> list[paddle.Tensor]:
+        """Every layer's keys and values at `slots` [T] (its read_kv_cache op): [T, kv_h, d] each, layer by layer,
+        the key before the value."""
+        caches = self._require_cache()
+        out: list[paddle.Tensor] = []
+        for k_cache, v_cache in zip(caches[0::2], caches[1::2], strict=True):
+            out += list(self.ctx.ops.read_kv_cache(k_cache, v_cache, slots))
+        return out
+
+    def write_kv(self, slots: paddle.Tensor, parts: list[paddle.Tensor]) -> None:
+        """`parts` as read_kv gives them written at `slots` [T] of every layer (its write_kv_cache op)."""
+        caches = self._require_cache()
+        for layer, (k_cache, v_cache) in enumerate(zip(caches[0::2], caches[1::2], strict=True)):
+            self.ctx.ops.write_kv_cache(parts[2 * layer], parts[2 * layer + 1], k_cache, v_cache, slots)
+
     def _require_cache(self) -> list[paddle.Tensor]:
         if self._caches is None:
             raise RuntimeError("allocate_kv_cache(num_blocks, block_size) must be called before prefill or decode")

@@ -113,6 +113,14 @@ class PictureTextModel(nn.Layer):
     def block_size(self) -> int:
         return self.language_model.block_size
 
+    def read_kv(self, slots: paddle.Tensor) -> list[paddle.Tensor]:
+        """The language model's keys and values at `slots` (see CausalLM.read_kv)."""
+        return self.language_model.read_kv(slots)
+
+    def write_kv(self, slots: paddle.Tensor, parts: list[paddle.Tensor]) -> None:
+        """Into the language model's cache (see CausalLM.write_kv)."""
+        self.language_model.write_kv(slots, parts)
+
     def cache_bytes(self) -> int:
         """Bytes the language model's KV cache holds."""
         return self.language_model.cache_bytes()

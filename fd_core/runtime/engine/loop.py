@@ -33,6 +33,7 @@ from fd_core.runtime.engine.speculation import BACKOFF_MAX, NgramProposer, Propo
 from fd_core.runtime.memory import DEFAULT_MAX_PREFILL_TOKENS, MemoryPlan
 from fd_core.runtime.request import Request
 from fd_core.runtime.text.streaming import StreamDecoder, TextState
+from fd_core.transfer import KVTransport, TransferState
 
 if TYPE_CHECKING:
     from fd_core.runtime.text.grammar import Constraint, Grammars
@@ -64,7 +65,8 @@ class Completion:
     """One prompt's output: the generated ids, their text (None without a tokenizer), and why it ended.
 
     `finish_reason` is "eos" (an end-of-sequence id, kept as the last id), "stop" (a stop string; the
-    text is cut before it), "length" (max_new_tokens reached), "cancelled" (its caller cancelled it) or "error" (what
+    text is cut before it), "length" (max_new_tokens reached), "handoff" (its first token chosen, its prompt's keys and
+    values went to a decode instance: Job.handoff), "cancelled" (its caller cancelled it) or "error" (what
     handling this sequence alone failed on: its grammar, its bias, its scoring, its pictures; `failure` says what, and
     every other sequence of the step went on).
     `logprobs` (when its SamplingParams asked) has one TokenLogprob per id of token_ids, in order;
@@ -114,6 +116,20 @@ def _logprob_dict(p: TokenLogprob) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class KVHandoff:
+    """A job's part in disaggregation (plain data). `key` names its prompt's keys and values in the transfer. With
+    `send_to` (a decode instance's transfer address) its prompt is prefilled here, and once its first token is chosen
+    the keys and values are sent there (each rank to the same rank) and it ends with finish_reason "handoff". Without,
+    they are received here under `key` and it goes on from `tokens`, what the prefill instance chose (and their
+    `logprobs`, when its sampling asks), decoding here."""
+
+    key: str
+    send_to: str | None = None
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True)
 class Job:
     """One sequence to generate, as every rank receives it (plain data): its caller's key, prompt ids,
     sampling, end-of-sequence ids, pictures, and its index in its request (which seeds its sampler)."""
@@ -128,6 +144,8 @@ class Job:
     group: int | None = None
     # The request it belongs to (its prompts and choices share one fair share of the batch; None: a request alone).
     owner: int | None = None
+    # Its prompt's keys and values sent to another instance, or received from one (None: neither).
+    handoff: KVHandoff | None = None
 
 
 @dataclass(frozen=True)
@@ -245,6 +263,10 @@ class _Seq:
     depth: int | None = None
     misses: int = 0
     wait: int = 0
+    # Disaggregation: its prompt's keys and values are still to arrive from the prefill instance (awaiting), or have
+    # arrived and wait for its blocks (parts: [meta, layer 0's keys, its values, ...] as host arrays).
+    awaiting: bool = False
+    parts: list[Any] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -363,6 +385,15 @@ class Engine:
     spec_proposed: int = 0
     spec_accepted: int = 0
     spec_steps: int = 0
+    # Disaggregation (None: off): this rank's end of the KV transport, how long a hand-over may take, and what went
+    # through it (prompt positions and bytes each way, and the seconds spent sending and receiving).
+    transport: KVTransport | None = None
+    transfer_timeout: float = 30.0
+    kv_sent_tokens: int = 0
+    kv_sent_bytes: int = 0
+    kv_received_tokens: int = 0
+    kv_received_bytes: int = 0
+    transfer_s: float = 0.0
     _waiting: deque[_Seq] = field(default_factory=deque)
     _running: list[_Seq] = field(default_factory=list)  # in admission order
     _cancelled: set[int] = field(default_factory=set)
@@ -455,10 +486,22 @@ class Engine:
         # build_request refuses it first (here, on the engine's thread, it would fail the whole step).
         assert not (scoring and job.images), "prompt_logprobs with pictures"
         by_step = scoring and not scores_in_prefill(self.runner.model)
-        self._waiting.append(
-            _Seq(job, Sampler(job.sampling, [job.index]), text, eos, list(job.prompt), order=0, logprobs=logprobs,
-                 prompt_logprobs=[None] if scoring else None, by_step=by_step)
-        )
+        seq = _Seq(job, Sampler(job.sampling, [job.index]), text, eos, list(job.prompt), order=0, logprobs=logprobs,
+                   prompt_logprobs=[None] if scoring else None, by_step=by_step)
+        handoff = job.handoff
+        if handoff is not None and handoff.send_to is None:
+            # Where the prefill instance left it: its tokens, their text, and its generator past their draws.
+            seq.awaiting = True
+            seq.ids += handoff.tokens
+            if seq.logprobs is not None and handoff.logprobs is not None:
+                seq.logprobs += handoff.logprobs
+            if not job.sampling.greedy:
+                for rng in seq.sampler.rngs:
+                    rng.random(len(handoff.tokens))
+            if text is not None:
+                for token in handoff.tokens:
+                    text.push(token)
+        self._waiting.append(seq)
 
     def cancel(self, key: int) -> None:
         """End a sequence at the next step (its completion's finish_reason is "cancelled"); an unknown key is
@@ -484,7 +527,9 @@ class Engine:
         return {"blocks_total": self.pool.usable, "blocks_used": self.pool.used, "block_size": self.block_size,
                 "prefix_cache_queried_tokens": stats.prefix_queried_tokens,
                 "prefix_cache_hit_tokens": stats.prefix_hit_tokens, "preemptions": self.preemptions,
-                "spec_proposed_tokens": self.spec_proposed, "spec_accepted_tokens": self.spec_accepted}
+                "spec_proposed_tokens": self.spec_proposed, "spec_accepted_tokens": self.spec_accepted,
+                "kv_sent_tokens": self.kv_sent_tokens, "kv_sent_bytes": self.kv_sent_bytes,
+                "kv_received_tokens": self.kv_received_tokens, "kv_received_bytes": self.kv_received_bytes}
 
     def speculation_stats(self) -> dict[str, Any] | None:
         """How speculation went (None: off): the proposer, the most tokens it proposes a step, the tokens proposed
@@ -503,6 +548,7 @@ class Engine:
             self.allocated = True
         try:
             self._retire(events)
+            self._arrive(events)
             prefills, decodes = self._schedule()
             riders = self._riders(prefills, decodes)
             if riders:
@@ -618,6 +664,18 @@ class Engine:
             if held.get(owner, 0) >= slots and any(w.job.owner != owner for w in self._waiting):
                 index += 1
                 continue
+            if seq.parts is not None:  # its prompt's keys and values arrived: into its blocks, then it decodes
+                need = self._blocks_for(seq, len(seq.ids))
+                if need > self.pool.available:
+                    break
+                seq.blocks += self.pool.allocate(need)
+                self._write_parts(seq)
+                del self._waiting[index]
+                seq.admitted, seq.order = True, next(self._order)
+                self._running.append(seq)
+                held[owner] = held.get(owner, 0) + 1
+                decodes.append(seq)
+                continue
             if seq.job.images and prefills:
                 break
             if (not seq.job.images and budget <= 0) or self._prompts_full(prefills):
@@ -651,6 +709,113 @@ class Engine:
                 spent[owner] = spent.get(owner, 0) + take
                 pictures = bool(seq.job.images)
         return prefills, decodes
+
+    # -- disaggregation ------------------------------------------------------------------------
+    def _arrive(self, events: list[Event]) -> None:
+        """Take the keys and values of each waiting sequence handed over from a prefill instance. The prefill instance
+        reports a hand-over only once its transport says the parts are here (DONE), so they are waited for only
+        briefly; a sequence whose parts do not come within transfer_timeout ends with an error."""
+        for seq in [s for s in self._waiting if s.awaiting]:
+            handoff = seq.job.handoff
+            assert handoff is not None
+            try:
+                if self.transport is None:
+                    raise ConfigError(f"a handed-over request needs a KV transport on this instance: pass "
+                                      f"{setting('kv_transport')}")
+                start = time.perf_counter()
+                parts = self.transport.receive(handoff.key)
+                while parts is None and time.perf_counter() - start < self.transfer_timeout:
+                    time.sleep(0.002)
+                    parts = self.transport.receive(handoff.key)
+                if parts is None:
+                    raise FdError(f"the keys and values of handed-over request {handoff.key!r} did not arrive within "
+                                  f"{self.transfer_timeout:g} s; the prefill instance reports a hand-over only once "
+                                  f"they are here: check that it sent them to this instance's transfer address")
+                self.transfer_s += time.perf_counter() - start
+                self._check_parts(seq, parts)
+            except Exception as exc:  # noqa: BLE001 - this sequence ends with it; the others go on
+                self._waiting.remove(seq)
+                seq.awaiting = False
+                self._fail(seq, exc, events)
+                continue
+            seq.awaiting, seq.parts = False, parts
+            self.kv_received_tokens += len(seq.job.prompt)
+            self.kv_received_bytes += sum(int(p.nbytes) for p in parts)
+
+    def _check_parts(self, seq: _Seq, parts: list[Any]) -> None:
+        """The parts are this model's at this rank: a meta row (the prompt's length), then a key and a value
+        [prompt, kv_h, d] per layer in the cache's dtype (bfloat16 as its bits, uint16)."""
+        prompt = len(seq.job.prompt)
+        expected = (self._handoff_shapes(prompt), {"bfloat16": "uint16"}.get(self.runner.config.dtype,
+                                                                              self.runner.config.dtype))
+        sent = [tuple(p.shape) for p in parts[1:]]
+        dtypes = {str(p.dtype) for p in parts[1:]}
+        meta = parts[0].tolist() if parts else None
+        if meta != [prompt] or sent != expected[0] or dtypes != {expected[1]}:
+            key = seq.job.handoff.key if seq.job.handoff is not None else "?"
+            raise ConfigError(
+                f"handed-over request {key!r}: the prefill instance sent {len(sent)} arrays of {sent[:1]} "
+                f"({', '.join(sorted(dtypes))}) for a prompt of {meta} positions, and this model at this rank takes "
+                f"{len(expected[0])} of {expected[0][:1]} ({expected[1]}) for {prompt}: run both instances with the "
+                f"same model, dtype and tp"
+            )
+
+    def _handoff_shapes(self, positions: int) -> list[tuple[int, ...]]:
+        """What read_kv gives for `positions` positions here: a key and a value [positions, kv_h, d] per layer."""
+        config = self.runner.config
+        heads = config.num_key_value_heads // self.runner.backend.parallel.tp_size
+        return [(positions, heads, config.resolved_head_dim)] * (2 * config.num_hidden_layers)
+
+    def _write_parts(self, seq: _Seq) -> None:
+        """Its handed-over prompt's keys and values into its blocks (the model's write_kv); its prompt is computed."""
+        import numpy as np
+
+        assert seq.parts is not None
+        prompt = len(seq.job.prompt)
+        slots = host_tensor(np.asarray([self._slot(seq, p) for p in range(prompt)], dtype=np.int64))
+        dtype = self.runner.config.dtype
+        parts = [host_tensor(p).astype(dtype) for p in seq.parts[1:]]
+        self.runner.model.write_kv(slots, parts)  # type: ignore[union-attr]
+        seq.parts, seq.computed = None, prompt
+        self._publish(seq)
+
+    def _hand_off(self, seq: _Seq) -> None:
+        """Send its prompt's keys and values to the decode instance (its first token chosen), and wait until they are
+        there: the caller then hands the request over, and the decode instance finds them at once."""
+        import numpy as np
+
+        handoff = seq.job.handoff
+        assert handoff is not None and handoff.send_to is not None
+        if self.transport is None:
+            raise ConfigError(f"handing a request over needs a KV transport on this instance: pass "
+                              f"{setting('kv_transport')}")
+        if seq.job.images:
+            raise ConfigError("a prompt with pictures is not handed over yet (its pictures' positions): run it on an "
+                              "instance that prefills and decodes")
+        model = self.runner.model
+        if not callable(getattr(model, "write_kv", None)) or not callable(getattr(model, "read_kv", None)):
+            raise ConfigError(f"{self.runner.arch.name}'s model has no read_kv and write_kv (contract 1.9): its "
+                              f"requests cannot be handed over; run prefill and decode on one instance")
+        start = time.perf_counter()
+        prompt = len(seq.job.prompt)
+        slots = host_tensor(np.asarray([self._slot(seq, p) for p in range(prompt)], dtype=np.int64))
+        parts = [np.asarray([prompt], dtype=np.int64)]
+        parts += [np.ascontiguousarray(t.numpy()) for t in model.read_kv(slots)]  # type: ignore[union-attr]
+        self.transport.send(handoff.key, handoff.send_to, parts, self.transfer_timeout)
+        state = self.transport.state(handoff.key)
+        while state is TransferState.PENDING:
+            if time.perf_counter() - start > self.transfer_timeout + 1.0:  # the transport's own timeout did not end it
+                self.transport.abort(handoff.key)
+                break
+            time.sleep(0.0005)
+            state = self.transport.state(handoff.key)
+        self.transfer_s += time.perf_counter() - start
+        if state is not TransferState.DONE:
+            raise FdError(f"sending the keys and values of request {handoff.key!r} to {handoff.send_to!r} ended "
+                          f"{state.value if state.final else 'unfinished'}: the decode instance is gone or does not "
+                          f"listen there; its blocks here are freed")
+        self.kv_sent_tokens += prompt
+        self.kv_sent_bytes += sum(int(p.nbytes) for p in parts)
 
     def _chunk(self, seq: _Seq, budget: int) -> int:
         """How many of a text prompt's pending tokens the step may prefill within `budget` (a scored prompt's at most
@@ -1262,6 +1427,9 @@ class Engine:
                 seq.reason = "stop"  # the output is complete: only an end-of-sequence id could follow
         if seq.reason is None and len(seq.tokens) >= seq.job.sampling.max_new_tokens:
             seq.reason = "length"
+        if seq.reason is None and seq.job.handoff is not None and seq.job.handoff.send_to is not None:
+            self._hand_off(seq)
+            seq.reason = "handoff"
         # The first token's event brings the prompt's logprobs, which are whole from then on.
         scored = None
         if seq.prompt_logprobs is not None and len(seq.tokens) == 1:

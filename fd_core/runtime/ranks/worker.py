@@ -102,7 +102,12 @@ class RankWorker:
             backend.rank_start(context)
             if on_started is not None:  # whoever ends this rank on a signal (serve_rank) learns what to end
                 on_started(backend, context)
-            return cls._load(plan, rank, tp, backend, arch, context, entered, entry_rss, before)
+            worker = cls._load(plan, rank, tp, backend, arch, context, entered, entry_rss, before)
+            if run.kv_transport is not None:
+                assert run.kv_listen is not None, "plan_run names the instance's transfer address"
+                factory, _ = plugins.transports[run.kv_transport]
+                worker.engine.transport = factory(run.kv_listen, rank)
+            return worker
         except BaseException as exc:
             backend.rank_end(context, end_reason(exc))
             raise
@@ -156,6 +161,8 @@ class RankWorker:
         """The rank ends: the platform's fd_rank_end (bounded in time), once."""
         if not self.ended:
             self.ended = True
+            if self.engine.transport is not None:
+                self.engine.transport.close()
             self.backend.rank_end(self.context, reason)
 
     def reload(self) -> None:

@@ -1,0 +1,64 @@
+"""The `local` KV transport: instances in one process hand parts over through a dictionary (the Python API's two
+LLMs at tp=1, and the engine's tests, which need no other process)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+from fd_core.errors import ConfigError
+from fd_core.transfer import TransferState
+
+_LOCK = threading.Lock()
+# (listen, rank) -> that rank's transport.
+_ENDPOINTS: dict[tuple[str, int], "LocalTransport"] = {}
+
+
+class LocalTransport:
+    """One rank's end: a send copies the parts into the peer's inbox at once (DONE) or finds no peer (FAILED)."""
+
+    def __init__(self, listen: str, rank: int) -> None:
+        self.listen, self.rank = listen, rank
+        self._inbox: dict[str, list[Any]] = {}
+        self._aborted: set[str] = set()
+        self._states: dict[str, TransferState] = {}
+        with _LOCK:
+            if (listen, rank) in _ENDPOINTS:
+                raise ConfigError(f"KV transport 'local': address {listen!r} is in use in this process by another "
+                                  f"instance; give each instance its own --kv-listen")
+            _ENDPOINTS[(listen, rank)] = self
+
+    def send(self, key: str, peer: str, parts: Sequence[Any], timeout: float) -> None:
+        with _LOCK:
+            target = _ENDPOINTS.get((peer, self.rank))
+        if target is None or not target._put(key, [p.copy() for p in parts]):
+            self._states[key] = TransferState.FAILED
+            return
+        self._states[key] = TransferState.DONE
+
+    def _put(self, key: str, parts: list[Any]) -> bool:
+        with _LOCK:
+            if key in self._aborted or _ENDPOINTS.get((self.listen, self.rank)) is not self:
+                return False
+            self._inbox[key] = parts
+            return True
+
+    def state(self, key: str) -> TransferState:
+        return self._states.get(key, TransferState.FAILED)
+
+    def receive(self, key: str) -> list[Any] | None:
+        with _LOCK:
+            return self._inbox.pop(key, None)
+
+    def abort(self, key: str) -> None:
+        with _LOCK:
+            self._inbox.pop(key, None)
+            self._aborted.add(key)
+            if self._states.get(key) is TransferState.PENDING:
+                self._states[key] = TransferState.ABORTED
+
+    def close(self) -> None:
+        with _LOCK:
+            if _ENDPOINTS.get((self.listen, self.rank)) is self:
+                del _ENDPOINTS[(self.listen, self.rank)]
+            self._inbox.clear()

@@ -1,0 +1,160 @@
+"""The `shm` KV transport: instances on one host hand parts over as files in shared memory (/dev/shm, a tmpfs: the
+bytes never touch a disk).
+
+Rank r of the instance listening at NAME owns the directory `fd-kv-NAME-rR` there, with its process id in `owner`.
+A send writes `.KEY.part` into the peer's directory from a thread of its own, then renames it to `KEY`: the rename is
+the hand-over (DONE), so a receiver never reads a part-written file. The receiver reads `KEY` once and unlinks it.
+A peer whose directory is missing or whose owner has exited is gone (FAILED); a directory left by an owner that
+died is taken over by the next instance that listens at its name. Closing removes the directory and what it holds.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+from fd_core.errors import ConfigError
+from fd_core.transfer import TransferState, header_size, pack, unpack
+
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+def root() -> str:
+    """Where the directories live: /dev/shm where it is writable, else the temporary directory."""
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def endpoint(listen: str, rank: int) -> str:
+    """The directory of rank `rank` of the instance listening at `listen`."""
+    return os.path.join(root(), f"fd-kv-{listen}-r{rank}")
+
+
+def _alive(directory: str) -> bool:
+    """Whether the process that owns `directory` is running."""
+    try:
+        with open(os.path.join(directory, "owner")) as f:
+            pid = int(f.read().strip() or 0)
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _word(what: str, value: str) -> str:
+    if not (isinstance(value, str) and _NAME.match(value)):
+        raise ConfigError(f"KV transport 'shm': {what} {value!r} is not a name of letters, digits, '_', '.' and '-'")
+    return value
+
+
+class ShmTransport:
+    """One rank's end of the `shm` transport."""
+
+    def __init__(self, listen: str, rank: int) -> None:
+        self.rank = rank
+        self.directory = endpoint(_word("address", listen), rank)
+        try:
+            os.mkdir(self.directory)
+        except FileExistsError:
+            if _alive(self.directory):
+                raise ConfigError(f"KV transport 'shm': address {listen!r} is in use by a running instance "
+                                  f"({self.directory}); give each instance its own --kv-listen") from None
+            shutil.rmtree(self.directory, ignore_errors=True)  # an instance that died left it
+            os.mkdir(self.directory)
+        with open(os.path.join(self.directory, "owner"), "w") as f:
+            f.write(str(os.getpid()))
+        self._states: dict[str, TransferState] = {}
+        self._stops: dict[str, threading.Event] = {}
+        self._aborted: set[str] = set()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="fd-kv-shm")
+        self._closed = False
+        atexit.register(self.close)
+
+    # -- sending -------------------------------------------------------------------------------
+    def send(self, key: str, peer: str, parts: Sequence[Any], timeout: float) -> None:
+        _word("key", key)
+        stop = threading.Event()
+        with self._lock:
+            self._states[key] = TransferState.PENDING
+            self._stops[key] = stop
+        self._pool.submit(self._write, key, endpoint(_word("address", peer), self.rank), list(parts), timeout, stop)
+
+    def _write(self, key: str, target: str, parts: list[Any], timeout: float, stop: threading.Event) -> None:
+        start = time.monotonic()
+        partial = os.path.join(target, f".{key}.part")
+        state = TransferState.FAILED
+        try:
+            if _alive(target):
+                header, buffers = pack(parts)
+                with open(partial, "wb") as f:
+                    f.write(header)
+                    for buffer in buffers:
+                        if stop.is_set() or time.monotonic() - start > timeout:
+                            break
+                        f.write(buffer)
+                    else:
+                        state = TransferState.DONE
+                if state is TransferState.DONE and not stop.is_set() and time.monotonic() - start <= timeout:
+                    os.rename(partial, os.path.join(target, key))
+                else:
+                    state = TransferState.ABORTED if stop.is_set() else TransferState.FAILED
+        except OSError:
+            state = TransferState.FAILED  # the peer's directory went away under us: it closed or died
+        finally:
+            if state is not TransferState.DONE:
+                with contextlib.suppress(OSError):
+                    os.unlink(partial)
+            with self._lock:
+                self._states[key] = state
+                self._stops.pop(key, None)
+
+    def state(self, key: str) -> TransferState:
+        with self._lock:
+            return self._states.get(key, TransferState.FAILED)
+
+    # -- receiving -----------------------------------------------------------------------------
+    def receive(self, key: str) -> list[Any] | None:
+        path = os.path.join(self.directory, _word("key", key))
+        try:
+            with open(path, "rb") as f:
+                prefix = f.read(8)
+                header = prefix + f.read(header_size(prefix) - 8)
+                payload = bytearray(os.fstat(f.fileno()).st_size - len(header))
+                f.readinto(payload)
+        except FileNotFoundError:
+            return None
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if key in self._aborted:
+            return None
+        return unpack(header, payload, copy=False)
+
+    def abort(self, key: str) -> None:
+        with self._lock:
+            self._aborted.add(key)
+            stop = self._stops.get(key)
+        if stop is not None:
+            stop.set()
+        for name in (key, f".{key}.part"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.directory, name))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for stop in list(self._stops.values()):
+            stop.set()
+        self._pool.shutdown(wait=True)
+        shutil.rmtree(self.directory, ignore_errors=True)
+        atexit.unregister(self.close)
+
