@@ -179,7 +179,12 @@ def read_kv_cache(
 
     def read(cache: paddle.Tensor) -> paddle.Tensor:
         flat = cache.reshape([kv_heads, blocks * block_size, dim])
-        return paddle.index_select(flat, slot_mapping.reshape([-1]), axis=1).transpose([1, 0, 2])
+        if cache.dtype == paddle.float16 and cache.place.is_cpu_place():
+            # Paddle's CPU build has no float16 index_select; float32 holds every float16 value exactly.
+            picked = paddle.index_select(flat.astype("float32"), slot_mapping.reshape([-1]), axis=1).astype(cache.dtype)
+        else:
+            picked = paddle.index_select(flat, slot_mapping.reshape([-1]), axis=1)
+        return picked.transpose([1, 0, 2])
 
     return read(k_cache), read(v_cache)
 

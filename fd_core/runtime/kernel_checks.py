@@ -440,7 +440,7 @@ def compare(op: str, got: Any, want: Any, dtype: str, args: tuple[Any, ...], nat
 # The ops that touch the paged KV cache: their layout is the platform's, so they are checked together (the platform's
 # allocate, write and attention against the native ones), never one against the other's layout.
 CACHE_OPS = ("allocate_kv_cache", "write_kv_cache", "paged_attention", "paged_prefill_attention",
-             "paged_packed_attention")
+             "paged_packed_attention", "read_kv_cache")
 
 
 @dataclass(frozen=True)
@@ -573,6 +573,46 @@ def run_cache_case(ops: Any, case: CacheCase, dtype: str, kv_heads: int, heads: 
             graphs.capture(("fd-check", case.name), step, inputs)
         out = graphs.replay(("fd-check", case.name), inputs)
     return as_numpy(out)
+
+
+def read_back_problem(
+    ops: Any, dtype: str, kv_heads: int, dim: int, blocks: int, block_size: int, seed: int
+) -> str | None:
+    """What is wrong with reading the cache back through `ops` (read_kv_cache after write_kv_cache, the platform's
+    layout), or None: random keys and values written at every slot of a pool in a random order (the pool's last block
+    and partial blocks included) must come back bit for bit when read in another order, and reading writes nothing."""
+    import numpy as np
+    import paddle
+
+    rng = np.random.default_rng(seed)
+    k_cache, v_cache = ops.allocate_kv_cache(blocks, block_size, kv_heads, dim, dtype)
+    # Every slot but the null block's, in a random order; the last few left unwritten (a partial block somewhere).
+    slots = rng.permutation(np.arange(block_size, blocks * block_size))[: max(1, (blocks - 1) * block_size - 3)]
+    keys = paddle.to_tensor(rng.standard_normal((len(slots), kv_heads, dim)).astype("float32")).astype(dtype)
+    values = paddle.to_tensor(rng.standard_normal((len(slots), kv_heads, dim)).astype("float32")).astype(dtype)
+    ops.write_kv_cache(keys, values, k_cache, v_cache, paddle.to_tensor(slots.astype(np.int64)))
+    before = (as_numpy(k_cache), as_numpy(v_cache))
+    order = rng.permutation(len(slots))
+    got = ops.read_kv_cache(k_cache, v_cache, paddle.to_tensor(slots[order].astype(np.int64)))
+    if not (isinstance(got, (tuple, list)) and len(got) == 2):
+        return f"returned {type(got).__name__}, not a (keys, values) pair"
+    for name, read, written in (("keys", got[0], keys), ("values", got[1], values)):
+        want = as_numpy(written)[order]
+        have = as_numpy(read)
+        if have.shape != want.shape:
+            return f"{name} came back {list(have.shape)}, written {list(want.shape)}"
+        if str(read.dtype).split(".")[-1] != dtype:
+            return f"{name} came back in {read.dtype}, the cache's dtype is {dtype}"
+        bad = np.argwhere(have != want)
+        if len(bad):
+            t = int(bad[0][0])
+            first = tuple(bad[0])
+            return (f"{name} differ from what was written at {len(np.unique(bad[:, 0]))} of {len(slots)} slots; "
+                    f"first at slot {int(slots[order][t])}: {have[first]:.6g}, written {want[first]:.6g}")
+    for name, cache, held in (("k_cache", k_cache, before[0]), ("v_cache", v_cache, before[1])):
+        if not np.array_equal(as_numpy(cache), held, equal_nan=True):
+            return f"reading changed {name}"
+    return None
 
 
 def first_line(exc: Exception) -> str:
@@ -719,6 +759,12 @@ def kernel_canary(
                 _canary_op(ops, op, sizes, config, platform, native_ops)
         if any(op in CACHE_OPS for op in checked):
             _canary_cache(ops, sizes[0], config.dtype, block_size, platform, native_ops)
+        if "read_kv_cache" in checked and config.dtype in OPS["read_kv_cache"].tolerances:
+            size = sizes[0]
+            problem = read_back_problem(ops, config.dtype, size["kv"], size["head_dim"], 5, block_size, seed=0)
+            if problem:
+                raise _mismatch("read_kv_cache", [ops.providers["read_kv_cache"]], f"{config.dtype}: {problem}",
+                                platform)
     finally:
         set_compute_threads(held)
     return checked

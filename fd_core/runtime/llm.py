@@ -52,6 +52,7 @@ class LLM:
         grammar_timeout: float = DEFAULT_GRAMMAR_TIMEOUT_S,
         kernel_canary: bool = True, speculative: str | None = None, num_speculative_tokens: int | None = None,
         draft_checkpoint: str | Path | None = None, kv_transport: str | None = None, kv_listen: str | None = None,
+        kv_timeout: float = 30.0,
     ) -> None:
         quiet_paddle_logs()  # before paddle is imported: its C++ logs stay off the caller's terminal
         if graph not in ("auto", "off", "on"):
@@ -66,7 +67,7 @@ class LLM:
                         grammar_timeout=grammar_timeout, kernel_canary=bool(kernel_canary), speculative=speculative,
                         num_speculative_tokens=num_speculative_tokens,
                         draft_checkpoint=None if draft_checkpoint is None else str(draft_checkpoint),
-                        kv_transport=kv_transport, kv_listen=kv_listen)
+                        kv_transport=kv_transport, kv_listen=kv_listen, kv_timeout=kv_timeout)
         self._plugins = load_plugins(plugin_env(platform))
         self._backend = Backend(self._plugins)
         # The plan's request is a placeholder: the plugins' fd_check_request is asked about each real one (_request).

@@ -121,6 +121,8 @@ class RunConfig:
     # instance's transfer address, which prefill instances send to (the transport's own form; None: a fresh name).
     kv_transport: str | None = None
     kv_listen: str | None = None
+    # Seconds a hand-over's keys and values may take to arrive before the request fails.
+    kv_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         # Checked here, where `fd run` and the Python API both pass, in the API's words (the CLI's own
@@ -134,9 +136,10 @@ class RunConfig:
         if self.max_batch is not None and self.max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1 (prompts decoded together), got {self.max_batch}")
         speculation_of(self.speculative, self.num_speculative_tokens, self.draft_checkpoint)
-        timeout = self.grammar_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < float("inf"):
-            raise ConfigError(f"grammar_timeout must be a number of seconds > 0, got {timeout!r:.40}")
+        for name in ("grammar_timeout", "kv_timeout"):
+            timeout = getattr(self, name)
+            if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < float("inf"):
+                raise ConfigError(f"{name} must be a number of seconds > 0, got {timeout!r:.40}")
 
     @property
     def speculation(self) -> Speculation | None:

@@ -1,4 +1,5 @@
-"""The conformance suites: subclass PlatformSuite in a platform plugin's tests, ModelSuite in a model package's."""
+"""The conformance suites: subclass PlatformSuite in a platform plugin's tests, ModelSuite in a model package's,
+TransportSuite in a KV transport's."""
 
 from fd_core.capabilities import Capabilities, capabilities_of
 from fd_core.testing.kernels import KernelTests
@@ -12,6 +13,7 @@ from fd_core.testing.suite import (
     ModelTests,
     PlatformSuite,
 )
+from fd_core.testing.transports import TransportSuite
 
 __all__ = [
     "AllReduceTests",
@@ -24,5 +26,6 @@ __all__ = [
     "ModelSuite",
     "ModelTests",
     "PlatformSuite",
+    "TransportSuite",
     "capabilities_of",
 ]

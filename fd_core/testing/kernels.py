@@ -25,6 +25,7 @@ from fd_core.runtime.kernel_checks import (
     copies,
     first_line,
     on_threads,
+    read_back_problem,
     run_cache_case,
 )
 
@@ -114,6 +115,33 @@ class KernelTests:
                 f"{suspect}: the paged KV cache ops {who} differ from the native ones: {failures[0]} "
                 f"({len(failures)} case(s) in all)\n" + "\n".join(failures[:20])
             )
+
+    def test_read_kv_cache_gives_back_what_write_kv_cache_wrote(self, plugins: PluginSet, hardware: Detection) -> None:
+        """The platform's read_kv_cache (contract 1.9), in its cache's layout: every slot of a pool written in a random
+        order (its last block and a partial block included) comes back bit for bit, read in another order, in every
+        dtype it computes in, and reading writes nothing. A layout of its own without read_kv_cache is skipped: its
+        requests cannot be handed to another instance (disaggregation), which nothing else needs."""
+        from fd_core.errors import PluginError
+        from fd_core.host.backend import Backend
+
+        backend = Backend(plugins)
+        ops = backend.ops
+        if ops.native("read_kv_cache") and ops.native("allocate_kv_cache") and ops.native("write_kv_cache"):
+            pytest.skip(f"{plugins.platform}: the KV cache is read and written by the native ops")
+        problems = []
+        for dtype in [d for d in hardware.dtypes if d in OPS["read_kv_cache"].tolerances]:
+            for index, (kv_heads, dim, blocks, block_size) in enumerate(((2, 16, 9, 4), (1, 8, 4, 16), (3, 64, 3, 64))):
+                try:
+                    problem = read_back_problem(ops, dtype, kv_heads, dim, blocks, block_size, seed=index)
+                except PluginError as exc:
+                    pytest.skip(str(exc))
+                except Exception as exc:  # noqa: BLE001 - the kernel's own error, reported with its case
+                    problem = f"raised {type(exc).__name__}: {first_line(exc)}"
+                if problem:
+                    problems.append(f"{dtype}, {kv_heads} kv heads of {dim}, {blocks} blocks of {block_size}: "
+                                    f"{problem}")
+        who = ops.providers["read_kv_cache"] if not ops.native("read_kv_cache") else ops.providers["allocate_kv_cache"]
+        assert not problems, f"read_kv_cache ({who}): {problems[0]} ({len(problems)} case(s) in all)"
 
     def test_every_kernel_in_use_matches_the_native_op(self, plugins: PluginSet, hardware: Detection) -> None:
         from fd_core import native_ops

@@ -4,6 +4,7 @@ LLMs at tp=1, and the engine's tests, which need no other process)."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Sequence
 
 from fd_core.errors import ConfigError
@@ -29,9 +30,12 @@ class LocalTransport:
             _ENDPOINTS[(listen, rank)] = self
 
     def send(self, key: str, peer: str, parts: Sequence[Any], timeout: float) -> None:
+        start = time.monotonic()
         with _LOCK:
             target = _ENDPOINTS.get((peer, self.rank))
-        if target is None or not target._put(key, [p.copy() for p in parts]):
+        copied = [p.copy() for p in parts]
+        # Past its timeout the copy is dropped: a send ends DONE or FAILED whole, as over any other transport.
+        if target is None or time.monotonic() - start > timeout or not target._put(key, copied):
             self._states[key] = TransferState.FAILED
             return
         self._states[key] = TransferState.DONE

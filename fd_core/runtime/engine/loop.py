@@ -743,22 +743,24 @@ class Engine:
             self.kv_received_bytes += sum(int(p.nbytes) for p in parts)
 
     def _check_parts(self, seq: _Seq, parts: list[Any]) -> None:
-        """The parts are this model's at this rank: a meta row (the prompt's length), then a key and a value
-        [prompt, kv_h, d] per layer in the cache's dtype (bfloat16 as its bits, uint16)."""
+        """The parts are this model's at this rank: the prompt's length, the sender's identity (ModelRunner.identity:
+        the same architecture, dtype, tp rank and weights), then a key and a value [prompt, kv_h, d] per layer in the
+        cache's dtype (bfloat16 as its bits, uint16)."""
         prompt = len(seq.job.prompt)
-        expected = (self._handoff_shapes(prompt), {"bfloat16": "uint16"}.get(self.runner.config.dtype,
-                                                                              self.runner.config.dtype))
-        sent = [tuple(p.shape) for p in parts[1:]]
-        dtypes = {str(p.dtype) for p in parts[1:]}
-        meta = parts[0].tolist() if parts else None
-        if meta != [prompt] or sent != expected[0] or dtypes != {expected[1]}:
-            key = seq.job.handoff.key if seq.job.handoff is not None else "?"
-            raise ConfigError(
-                f"handed-over request {key!r}: the prefill instance sent {len(sent)} arrays of {sent[:1]} "
-                f"({', '.join(sorted(dtypes))}) for a prompt of {meta} positions, and this model at this rank takes "
-                f"{len(expected[0])} of {expected[0][:1]} ({expected[1]}) for {prompt}: run both instances with the "
-                f"same model, dtype and tp"
-            )
+        key = seq.job.handoff.key if seq.job.handoff is not None else "?"
+        ours = self.runner.identity()
+        theirs = bytes(parts[1]).decode(errors="replace") if len(parts) > 1 else "none"
+        if theirs != ours:
+            raise ConfigError(f"handed-over request {key!r}: the prefill instance computes with other weights or "
+                              f"another model, dtype or tp ({theirs}; here {ours}): run both instances with the same "
+                              f"model, checkpoint, dtype and tp")
+        dtype = {"bfloat16": "uint16"}.get(self.runner.config.dtype, self.runner.config.dtype)
+        shapes = self._handoff_shapes(prompt)
+        if (parts[0].tolist() != [prompt] or [tuple(p.shape) for p in parts[2:]] != shapes
+                or any(str(p.dtype) != dtype for p in parts[2:])):
+            raise ConfigError(f"handed-over request {key!r}: the prefill instance sent keys and values that are not "
+                              f"{len(shapes)} arrays of {shapes[0]} ({dtype}) for its prompt of {prompt} positions: "
+                              f"its transport changed them; check it with fd's TransportSuite")
 
     def _handoff_shapes(self, positions: int) -> list[tuple[int, ...]]:
         """What read_kv gives for `positions` positions here: a key and a value [positions, kv_h, d] per layer."""
@@ -774,7 +776,7 @@ class Engine:
         prompt = len(seq.job.prompt)
         slots = host_tensor(np.asarray([self._slot(seq, p) for p in range(prompt)], dtype=np.int64))
         dtype = self.runner.config.dtype
-        parts = [host_tensor(p).astype(dtype) for p in seq.parts[1:]]
+        parts = [host_tensor(p).astype(dtype) for p in seq.parts[2:]]
         self.runner.model.write_kv(slots, parts)  # type: ignore[union-attr]
         seq.parts, seq.computed = None, prompt
         self._publish(seq)
@@ -799,7 +801,7 @@ class Engine:
         start = time.perf_counter()
         prompt = len(seq.job.prompt)
         slots = host_tensor(np.asarray([self._slot(seq, p) for p in range(prompt)], dtype=np.int64))
-        parts = [np.asarray([prompt], dtype=np.int64)]
+        parts = [np.asarray([prompt], dtype=np.int64), np.frombuffer(self.runner.identity().encode(), dtype=np.uint8)]
         parts += [np.ascontiguousarray(t.numpy()) for t in model.read_kv(slots)]  # type: ignore[union-attr]
         self.transport.send(handoff.key, handoff.send_to, parts, self.transfer_timeout)
         state = self.transport.state(handoff.key)

@@ -78,6 +78,7 @@ class ModelRunner:
     unused_tensors: list[str] = field(default_factory=list)
     # The graph keys' namespace when another model shares this rank's graph backend (speculative decoding's draft).
     graph_namespace: str | None = None
+    _identity: str | None = None
 
     def add_time(self, phase: str, seconds: float) -> None:
         """Add `seconds` to a phase's total."""
@@ -101,8 +102,26 @@ class ModelRunner:
             self.checkpoint, specs, p.tp_rank, p.tp_size, ignored, check_finite=not self.allow_non_finite
         )
 
+    def identity(self) -> str:
+        """What this rank computes with, as a hash: the architecture, dtype, tp rank and size, and a sample of every
+        weight (_sample). Two instances' ranks that agree hold the same shards of the same weights: a prompt's keys
+        and values from one are valid in the other's cache (disaggregation)."""
+        if self._identity is None:
+            import hashlib
+
+            assert self.model is not None, "load() comes before identity()"
+            p = self.backend.parallel
+            digest = hashlib.blake2b(f"{self.arch.name}|{self.config.dtype}|{p.tp_rank}/{p.tp_size}".encode(),
+                                     digest_size=12)
+            for name, values in sorted(_sample(self.model).items()):
+                digest.update(name.encode())
+                digest.update(b"" if values is None else values.tobytes())
+            self._identity = f"{self.arch.name}:{digest.hexdigest()}"
+        return self._identity
+
     def load(self) -> None:
         """Build the model if needed, load weights, then clean memory fragments with what loading left behind."""
+        self._identity = None
         if self.model is None:
             self.model = self._timed("build", lambda: self.arch.build_model(self.config, self.backend))
         model = self.model

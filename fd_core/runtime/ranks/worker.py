@@ -107,6 +107,7 @@ class RankWorker:
                 assert run.kv_listen is not None, "plan_run names the instance's transfer address"
                 factory, _ = plugins.transports[run.kv_transport]
                 worker.engine.transport = factory(run.kv_listen, rank)
+                worker.engine.transfer_timeout = run.kv_timeout
             return worker
         except BaseException as exc:
             backend.rank_end(context, end_reason(exc))

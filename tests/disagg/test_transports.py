@@ -1,0 +1,92 @@
+"""fd's own KV transports through the transport suite, and what only the shared-memory one can show: a peer killed
+outright, a directory taken over from a dead owner, nothing left in shared memory after close."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import uuid
+
+import pytest
+
+from fd_core.testing import TransportSuite
+from fd_core.testing.transports import parts_of, same, settle
+from fd_core.transfer import TransferState
+
+
+class TestShm(TransportSuite):
+    @pytest.fixture
+    def transport_name(self) -> str:
+        return "shm"
+
+
+class TestLocal(TransportSuite):
+    @pytest.fixture
+    def transport_name(self) -> str:
+        return "local"
+
+
+def _listen_then_wait(address: str, ready: "multiprocessing.synchronize.Event") -> None:
+    from fd_plugins.transfer.shm import ShmTransport
+
+    ShmTransport(address, 0)
+    ready.set()
+    signal.pause()
+
+
+def test_a_killed_peer_fails_the_send_and_its_address_is_taken_over() -> None:
+    """A receiver killed outright (no close) leaves its directory; a send to it ends FAILED (its owner is gone), and
+    the next instance listening at its address takes the directory over."""
+    from fd_plugins.transfer.shm import ShmTransport, endpoint
+
+    address = f"k{uuid.uuid4().hex[:10]}"
+    context = multiprocessing.get_context("spawn")
+    ready = context.Event()
+    peer = context.Process(target=_listen_then_wait, args=(address, ready))
+    peer.start()
+    try:
+        assert ready.wait(60)
+        sender = ShmTransport(f"s{uuid.uuid4().hex[:10]}", 0)
+        try:
+            sender.send("alive", address, parts_of(0), 5.0)
+            assert settle(sender, "alive") is TransferState.DONE
+            os.kill(peer.pid, signal.SIGKILL)
+            peer.join(10)
+            assert os.path.isdir(endpoint(address, 0)), "a killed owner cannot remove its directory"
+            sender.send("dead", address, parts_of(1), 5.0)
+            assert settle(sender, "dead") is TransferState.FAILED
+            successor = ShmTransport(address, 0)
+            assert successor.receive("alive") is None, "the dead instance's payload outlived it"
+            sender.send("again", address, parts_of(2), 5.0)
+            assert settle(sender, "again") is TransferState.DONE
+            assert same(successor.receive("again"), parts_of(2)) is None
+            successor.close()
+        finally:
+            sender.close()
+    finally:
+        if peer.is_alive():
+            peer.kill()
+        peer.join(10)
+
+
+def test_close_leaves_nothing_in_shared_memory() -> None:
+    """After both ends close (one with a payload never received, one mid-send), neither directory is left."""
+    from fd_plugins.transfer.shm import ShmTransport, endpoint
+
+    a, b = f"a{uuid.uuid4().hex[:10]}", f"b{uuid.uuid4().hex[:10]}"
+    sender, receiver = ShmTransport(a, 3), ShmTransport(b, 3)
+    sender.send("kept", b, parts_of(0), 5.0)
+    assert settle(sender, "kept") is TransferState.DONE
+    sender.send("big", b, parts_of(1, tokens=3000, layers=10), 5.0)
+    sender.close()
+    receiver.close()
+    assert not os.path.exists(endpoint(a, 3)) and not os.path.exists(endpoint(b, 3))
+
+
+def test_a_bad_name_is_refused_in_one_line() -> None:
+    from fd_core.errors import ConfigError
+    from fd_plugins.transfer.shm import ShmTransport
+
+    with pytest.raises(ConfigError, match="not a name"):
+        ShmTransport("../etc", 0)
