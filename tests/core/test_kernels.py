@@ -287,7 +287,7 @@ def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged
     assert ours.returncode == 0, ours.stderr
     plain_json, ours_json = json.loads(plain.stdout), json.loads(ours.stdout)
     assert plain_json["kernels"]["rms_norm"] == "cpu" and plain_json["kernels"]["silu_and_mul"] == "native"
-    cache_ops = ("allocate_kv_cache", "write_kv_cache", "paged_attention", "paged_prefill_attention",
+    cache_ops = ("allocate_kv_cache", "write_kv_cache", "read_kv_cache", "paged_attention", "paged_prefill_attention",
                  "paged_packed_attention")
     products = ("matmul", "quant_matmul")  # on weights it prepares at load
     assert ours_json["kernels"] == {**plain_json["kernels"], "rms_norm": "example-kernels",
@@ -299,7 +299,8 @@ def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged
     # prepared weights: the same tokens.
     assert ours_json["tokens"] == plain_json["tokens"]
     # One prompt in captured decode steps: no step mixes prompt chunks and decode rows (paged_packed_attention).
-    called = [op for op in cache_ops if op != "paged_packed_attention"]
+    # No prompt handed to another instance: read_kv_cache is not called either.
+    called = [op for op in cache_ops if op not in ("paged_packed_attention", "read_kv_cache")]
     for op in ("rms_norm", "add_rms_norm", "silu_and_mul", *called, "matmul", "apply_penalties"):
         assert len({p.name for p in trace.glob(f"{op}.*")}) == 2, f"{op} was not called by both ranks: {sorted(p.name for p in trace.iterdir())}"
     listed = json.loads(run_fd(["plugins", "--json"], example_kernels).stdout)
@@ -311,8 +312,10 @@ def test_a_pip_installed_extension_runs_its_kernels_on_every_rank_with_unchanged
 
 
 def test_the_suite_passes_the_example_kernels(example_kernels: Path) -> None:
-    done = run_fd(["check", "cpu", "-k", "kernel or native_path or paged or prepared"], example_kernels, timeout=300)
-    assert done.returncode == 0 and "5 passed, 0 failed" in done.stdout, done.stdout + done.stderr
+    done = run_fd(["check", "cpu", "-k", "kernel or native_path or paged or prepared or read_kv"], example_kernels,
+                  timeout=300)
+    assert done.returncode == 0 and "6 passed, 0 failed" in done.stdout, done.stdout + done.stderr
+    assert "passed   test_read_kv_cache_gives_back_what_write_kv_cache_wrote" in done.stdout
     assert "passed   test_the_platform_generates_what_the_native_path_does" in done.stdout
     assert "passed   test_the_paged_kv_cache_ops_match_the_native_ones" in done.stdout
     assert "passed   test_prepared_weights_give_the_native_results_and_follow_a_reload" in done.stdout
@@ -370,6 +373,17 @@ def test_the_suite_fails_a_moe_combine_that_forgets_the_weights_by_its_name(exam
     assert line.split()[0] == "failed" and "AssertionError: moe_experts (example-kernels) float32" in line, line
     line = next(x for x in done.stdout.splitlines() if "test_the_platform_generates_what_the_native_path_does" in x)
     assert line.split()[0] == "failed" and "ernie4_5_vl on cpu" in line, line
+
+
+def test_the_suite_fails_an_off_by_one_read_kv_cache_by_its_name(example_kernels: Path) -> None:
+    """The example's read_kv_cache made to read each slot's neighbour (FD_EXAMPLE_KERNELS_BREAK): the read-back check
+    fails naming it, and the attention cases (which never read through it) pass."""
+    done = run_fd(["check", "cpu", "-k", "read_kv or paged"], example_kernels,
+                  {"FD_EXAMPLE_KERNELS_BREAK": "read_kv_cache"}, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert ("failed   test_read_kv_cache_gives_back_what_write_kv_cache_wrote  AssertionError: read_kv_cache "
+            "(example-kernels): float32") in done.stdout, done.stdout
+    assert "passed   test_the_paged_kv_cache_ops_match_the_native_ones" in done.stdout
 
 
 def test_the_suite_fails_an_off_by_one_paged_attention_by_its_name(example_kernels: Path) -> None:

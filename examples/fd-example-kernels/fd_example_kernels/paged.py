@@ -1,10 +1,12 @@
 """A paged KV cache in a layout of its own: token-major blocks [num_blocks, block_size, kv_heads, head_dim], as many
 vendors' attention kernels read them (fd's native layout is head-major). The cache ops come together: fd never
 reads the cache itself, so a layout change is only these functions (paged_packed_attention, contract 1.8, could be
-left out: fd would run each row through this package's paged_prefill_attention).
+left out: fd would run each row through this package's paged_prefill_attention; without read_kv_cache, contract 1.9,
+its requests could not be handed to another instance).
 
-FD_EXAMPLE_KERNELS_BREAK=paged_attention makes its decode attention skip each row's newest position: a plausible
-off-by-one that `fd check` must catch (the package's tests use it)."""
+FD_EXAMPLE_KERNELS_BREAK=paged_attention makes its decode attention skip each row's newest position, and
+FD_EXAMPLE_KERNELS_BREAK=read_kv_cache makes its read take each slot's neighbour: plausible off-by-ones that `fd check`
+must catch (the package's tests use them)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,18 @@ def write_kv_cache(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mappin
     index = (slot_mapping // block_size, slot_mapping % block_size)
     paddle.index_put_(k_cache, index, key)
     paddle.index_put_(v_cache, index, value)
+
+
+def read_kv_cache(k_cache: Any, v_cache: Any, slot_mapping: Any) -> tuple[Any, Any]:
+    """The keys and values at their slots, [T, kv_h, d] each (contract 1.9): the rows write_kv_cache wrote."""
+    import paddle
+
+    blocks, block_size, kv_heads, dim = k_cache.shape
+    rows = slot_mapping.reshape([-1])
+    if os.environ.get("FD_EXAMPLE_KERNELS_BREAK") == "read_kv_cache":
+        rows = (rows + 1) % (blocks * block_size)  # the next slot's: off by one
+    return (paddle.index_select(k_cache.reshape([blocks * block_size, kv_heads, dim]), rows, axis=0),
+            paddle.index_select(v_cache.reshape([blocks * block_size, kv_heads, dim]), rows, axis=0))
 
 
 def _attend(q: Any, k_cache: Any, v_cache: Any, block_tables: Any, last: Any) -> Any:

@@ -13,7 +13,7 @@ from fd_core import hookimpl
 from fd_example_kernels import moe, paged, speculative, weights
 
 # The version of fd's plugin contract this plugin was written for (fd_core.contract).
-FD_CONTRACT = "1.8"
+FD_CONTRACT = "1.9"
 
 _seen: set[str] = set()
 
@@ -92,8 +92,8 @@ def fd_register_kernels(register: Callable[..., None]) -> None:
     register("rms_norm", rms_norm)
     register("add_rms_norm", add_rms_norm)
     register("silu_and_mul", silu_and_mul)
-    # The cache's layout is this package's: the four ops that make, write and read it come together.
-    for op in ("allocate_kv_cache", "write_kv_cache", "paged_attention", "paged_prefill_attention",
+    # The cache's layout is this package's: the ops that make, write and read it come together.
+    for op in ("allocate_kv_cache", "write_kv_cache", "read_kv_cache", "paged_attention", "paged_prefill_attention",
                "paged_packed_attention"):
         register(op, _traced(op, getattr(paged, op)))
     # Each weight prepared once when it loads (and again after a reload): the kernels read only the prepared form.
