@@ -179,9 +179,10 @@ def read_kv_cache(
 
     def read(cache: paddle.Tensor) -> paddle.Tensor:
         flat = cache.reshape([kv_heads, blocks * block_size, dim])
-        if cache.dtype == paddle.float16 and cache.place.is_cpu_place():
-            # Paddle's CPU build has no float16 index_select; float32 holds every float16 value exactly.
-            picked = paddle.index_select(flat.astype("float32"), slot_mapping.reshape([-1]), axis=1).astype(cache.dtype)
+        if cache.dtype == paddle.float16:
+            # Moved as bits, two values an int32 (head_dim is even): not every build has a float16 index_select.
+            bits = paddle.index_select(flat.view(paddle.int32), slot_mapping.reshape([-1]), axis=1)
+            picked = bits.view(paddle.float16)
         else:
             picked = paddle.index_select(flat, slot_mapping.reshape([-1]), axis=1)
         return picked.transpose([1, 0, 2])

@@ -588,8 +588,10 @@ def read_back_problem(
     k_cache, v_cache = ops.allocate_kv_cache(blocks, block_size, kv_heads, dim, dtype)
     # Every slot but the null block's, in a random order; the last few left unwritten (a partial block somewhere).
     slots = rng.permutation(np.arange(block_size, blocks * block_size))[: max(1, (blocks - 1) * block_size - 3)]
-    keys = paddle.to_tensor(rng.standard_normal((len(slots), kv_heads, dim)).astype("float32")).astype(dtype)
-    values = paddle.to_tensor(rng.standard_normal((len(slots), kv_heads, dim)).astype("float32")).astype(dtype)
+    keys = paddle.to_tensor(rng.standard_normal((len(slots), kv_heads, dim)).astype("float32")).astype(
+        dtype)  # type: ignore[arg-type]
+    values = paddle.to_tensor(rng.standard_normal((len(slots), kv_heads, dim)).astype("float32")).astype(
+        dtype)  # type: ignore[arg-type]
     ops.write_kv_cache(keys, values, k_cache, v_cache, paddle.to_tensor(slots.astype(np.int64)))
     before = (as_numpy(k_cache), as_numpy(v_cache))
     order = rng.permutation(len(slots))

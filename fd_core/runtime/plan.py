@@ -138,7 +138,8 @@ class RunConfig:
         speculation_of(self.speculative, self.num_speculative_tokens, self.draft_checkpoint)
         for name in ("grammar_timeout", "kv_timeout"):
             timeout = getattr(self, name)
-            if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < float("inf"):
+            number = isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
+            if not number or not 0 < float(timeout) < float("inf"):
                 raise ConfigError(f"{name} must be a number of seconds > 0, got {timeout!r:.40}")
 
     @property

@@ -14,7 +14,7 @@ DOC = (ROOT / "docs" / "hooks.md").read_text()
 
 
 def test_there_are_hooks() -> None:
-    assert len(HOOK_NAMES) == 13
+    assert len(HOOK_NAMES) == 14
 
 
 @pytest.mark.parametrize("hook", HOOK_NAMES)

@@ -40,8 +40,11 @@ def test_handed_over_tokens_equal_one_instances(pair: tuple[LLM, LLM], sampling:
         handoff = prefill.prefill(prompt, sampling, to=decode.kv_address)
         assert not handoff.finished and handoff.completion.finish_reason == "handoff"
         assert list(handoff.token_ids) == alone.token_ids[:1]
-        done = decode.resume(handoff, sampling).result()
+        resumed = decode.resume(handoff, sampling)
+        streamed = [t for piece in resumed.pieces(every_token=True) for t in piece.token_ids]
+        done = resumed.result()
         assert done.token_ids == alone.token_ids
+        assert streamed == alone.token_ids, "the stream begins with the handed-over token, as one instance's does"
         assert done.finish_reason == alone.finish_reason == "length"
         if sampling.logprobs is not None:
             assert done.logprobs is not None and alone.logprobs is not None
@@ -107,6 +110,18 @@ def test_keys_and_values_that_never_come_fail_the_request_after_kv_timeout(pair:
     decode.resume(handoff, GREEDY).result()  # its parts are taken; the same key again finds none
     with pytest.raises(FdError, match="did not arrive within 2 s"):
         decode.resume(dataclasses.replace(handoff), GREEDY).result()
+    assert _blocks(decode) == [0]
+
+
+def test_another_prompt_than_the_prefilled_one_is_refused(pair: tuple[LLM, LLM]) -> None:
+    """The decode instance's request must hold the prompt the prefill instance prefilled (a router sends each the
+    same body; instances that tokenized it differently would decode from the wrong keys and values)."""
+    import dataclasses
+
+    prefill, decode = pair
+    handoff = prefill.prefill(list(range(3, 30)), GREEDY, to=decode.kv_address)
+    with pytest.raises(FdError, match=r"prefilled another prompt \(27 positions\) than this request's \(27\)"):
+        decode.resume(dataclasses.replace(handoff, prompt_ids=tuple(range(4, 31))), GREEDY).result()
     assert _blocks(decode) == [0]
 
 

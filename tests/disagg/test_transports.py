@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import signal
 import uuid
+from typing import Any
 
 import pytest
 
@@ -90,3 +91,61 @@ def test_a_bad_name_is_refused_in_one_line() -> None:
 
     with pytest.raises(ConfigError, match="not a name"):
         ShmTransport("../etc", 0)
+
+
+COUNTING_TRANSPORT = '''
+from fd_core import hookimpl
+from fd_plugins.transfer.local import LocalTransport
+
+FD_CONTRACT = "1.9"
+SENT = []
+
+
+class Counting(LocalTransport):
+    def send(self, key, peer, parts, timeout):
+        SENT.append((key, self.rank, sum(p.nbytes for p in parts)))
+        super().send(key, peer, parts, timeout)
+
+
+@hookimpl
+def fd_kv_transports(register):
+    register("counting", Counting)
+'''
+
+CLASHING_TRANSPORT = '''
+from fd_core import hookimpl
+
+@hookimpl
+def fd_kv_transports(register):
+    register("shm", object)
+'''
+
+
+def test_a_third_party_transport_carries_a_hand_over(install_plugin: Any) -> None:
+    """A package's fd_kv_transports (an entry point in fd.plugins) is listed by `fd plugins` and carries a request from
+    a prefill instance to a decode instance, with the same tokens."""
+    from fd_core.host.loading import load_plugins
+    from fd_core.runtime import LLM, SamplingParams
+
+    install_plugin("fd-counting", {"counting_transport": COUNTING_TRANSPORT},
+                   {"fd.plugins": {"counting": "counting_transport"}})
+    assert load_plugins({}).transports["counting"][1] == "counting"
+    import counting_transport
+
+    sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    with LLM(model="ernie4_5", kv_transport="counting") as prefill, \
+            LLM(model="ernie4_5", kv_transport="counting") as decode:
+        alone = decode.generate(list(range(4, 30)), sampling)[0]
+        handoff = prefill.prefill(list(range(4, 30)), sampling, to=decode.kv_address)
+        assert decode.resume(handoff, sampling).result().token_ids == alone.token_ids
+    assert [(key, rank) for key, rank, _ in counting_transport.SENT] == [(handoff.key, 0)]
+
+
+def test_a_transport_name_taken_twice_blames_the_newcomer(install_plugin: Any) -> None:
+    from fd_core.errors import PluginError
+    from fd_core.host.loading import load_plugins
+
+    install_plugin("fd-clash", {"clash_transport": CLASHING_TRANSPORT}, {"fd.plugins": {"clash": "clash_transport"}})
+    with pytest.raises(PluginError, match="plugin 'clash' adds KV transport 'shm', which 'transfer' already provides; "
+                                          "rename it in 'clash'"):
+        load_plugins({})

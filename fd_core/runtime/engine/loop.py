@@ -267,6 +267,8 @@ class _Seq:
     # arrived and wait for its blocks (parts: [meta, layer 0's keys, its values, ...] as host arrays).
     awaiting: bool = False
     parts: list[Any] | None = None
+    # The tokens the prefill instance chose, as events to give out once their keys and values are here.
+    handed: list["Event"] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:
@@ -305,6 +307,11 @@ class _Chunk:
 
     seq: _Seq
     count: int
+
+
+def _digest(ids: Sequence[int]) -> int:
+    """A prompt's ids as one int64 (a hand-over's check that both instances hold the same prompt)."""
+    return int.from_bytes(block_hash(None, ids)[:8], "little", signed=True)
 
 
 def _bucket(value: int, limit: int) -> int:
@@ -498,9 +505,10 @@ class Engine:
             if not job.sampling.greedy:
                 for rng in seq.sampler.rngs:
                     rng.random(len(handoff.tokens))
-            if text is not None:
-                for token in handoff.tokens:
-                    text.push(token)
+            for i, token in enumerate(handoff.tokens):
+                shown = text.push(token) if text is not None else ""
+                logprob = handoff.logprobs[i] if seq.logprobs is not None and handoff.logprobs else None
+                seq.handed.append(Event(job.key, token, shown, logprob=logprob))
         self._waiting.append(seq)
 
     def cancel(self, key: int) -> None:
@@ -739,6 +747,9 @@ class Engine:
                 self._fail(seq, exc, events)
                 continue
             seq.awaiting, seq.parts = False, parts
+            # Its stream begins with what the prefill instance chose, as if chosen here.
+            events += seq.handed
+            seq.handed = []
             self.kv_received_tokens += len(seq.job.prompt)
             self.kv_received_bytes += sum(int(p.nbytes) for p in parts)
 
@@ -754,9 +765,14 @@ class Engine:
             raise ConfigError(f"handed-over request {key!r}: the prefill instance computes with other weights or "
                               f"another model, dtype or tp ({theirs}; here {ours}): run both instances with the same "
                               f"model, checkpoint, dtype and tp")
+        sent = parts[0].tolist()
+        if sent != [prompt, _digest(seq.job.prompt)]:
+            raise ConfigError(f"handed-over request {key!r}: the prefill instance prefilled another prompt "
+                              f"({sent[0]} positions) than this request's ({prompt}): both instances must make the "
+                              f"same ids of a request (the same checkpoint: tokenizer and chat template)")
         dtype = {"bfloat16": "uint16"}.get(self.runner.config.dtype, self.runner.config.dtype)
         shapes = self._handoff_shapes(prompt)
-        if (parts[0].tolist() != [prompt] or [tuple(p.shape) for p in parts[2:]] != shapes
+        if ([tuple(p.shape) for p in parts[2:]] != shapes
                 or any(str(p.dtype) != dtype for p in parts[2:])):
             raise ConfigError(f"handed-over request {key!r}: the prefill instance sent keys and values that are not "
                               f"{len(shapes)} arrays of {shapes[0]} ({dtype}) for its prompt of {prompt} positions: "
@@ -801,7 +817,8 @@ class Engine:
         start = time.perf_counter()
         prompt = len(seq.job.prompt)
         slots = host_tensor(np.asarray([self._slot(seq, p) for p in range(prompt)], dtype=np.int64))
-        parts = [np.asarray([prompt], dtype=np.int64), np.frombuffer(self.runner.identity().encode(), dtype=np.uint8)]
+        parts: list[Any] = [np.asarray([prompt, _digest(seq.job.prompt)], dtype=np.int64),
+                 np.frombuffer(self.runner.identity().encode(), dtype=np.uint8)]
         parts += [np.ascontiguousarray(t.numpy()) for t in model.read_kv(slots)]  # type: ignore[union-attr]
         self.transport.send(handoff.key, handoff.send_to, parts, self.transfer_timeout)
         state = self.transport.state(handoff.key)
