@@ -83,16 +83,42 @@ def add_parser(sub: Any, models: Mapping[str, Any]) -> None:
     canary_option(p)
     resource_options(p)
     cache_options(p)
+    d = p.add_argument_group("prefill and decode on separate instances (docs/disaggregation.md)")
+    d.add_argument("--role", choices=("both", "prefill", "decode", "router"), default="both",
+                   help="both: prefill and decode here; prefill or decode: one of them for a router (a KV transport "
+                        "needed); router: no model, a front over --prefill and --decode instances (default: both)")
+    d.add_argument("--kv-transport", default=None, metavar="NAME",
+                   help="the KV transport prompts' keys and values move through (`fd plugins` lists them; default: "
+                        "shm for --role prefill and decode, else none)")
+    d.add_argument("--kv-listen", default=None, metavar="ADDRESS",
+                   help="this instance's transfer address, in its transport's form (default: a fresh name)")
+    d.add_argument("--kv-timeout", type=seconds, default=30.0, metavar="SECONDS",
+                   help="how long a handed-over request's keys and values may take to arrive (default: 30)")
+    d.add_argument("--prefill", action="append", default=None, metavar="URL",
+                   help="a prefill instance's base URL, for --role router (repeatable)")
+    d.add_argument("--decode", action="append", default=None, metavar="URL",
+                   help="a decode instance's base URL, for --role router (repeatable)")
+    d.add_argument("--router-timeout", type=seconds, default=600.0, metavar="SECONDS",
+                   help="how long the router waits for an instance's answer, or between two pieces of a stream "
+                        "(default: 600)")
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import importlib.util
 
-    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
+    needed = ("fastapi", "uvicorn", "prometheus_client", "httpx")
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
         raise ConfigError(f"fd serve needs the serve extra ({' and '.join(missing)} not installed): "
                           f"{install_hint('serve')}")
+    if args.role == "router":
+        from fd_core.serve.router import serve_router
+
+        return serve_router(args.prefill or [], args.decode or [], args.host, args.port, args.router_timeout)
+    if args.prefill or args.decode:
+        raise ConfigError("--prefill and --decode name a router's instances: pass them with --role router")
+    transport = args.kv_transport or ("shm" if args.role in ("prefill", "decode") else None)
     require_paddle()
     from pathlib import Path
 
@@ -109,4 +135,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            max_connections=args.max_connections, max_pixels=args.max_pixels)
     return serve(options, checkpoint=args.checkpoint, model=args.model, name=args.name, tp=args.tp, dtype=args.dtype,
                  graph=args.graph, seed=args.seed, rank_timeout=args.rank_timeout, stall_timeout=args.stall_timeout,
-                 grammar_timeout=args.grammar_timeout, kernel_canary=args.kernel_canary, **shared_settings(args))
+                 grammar_timeout=args.grammar_timeout, kernel_canary=args.kernel_canary, kv_transport=transport,
+                 kv_listen=args.kv_listen, kv_timeout=args.kv_timeout, **shared_settings(args))

@@ -169,21 +169,25 @@ class LLM:
     def submit_choices(
         self, prompt: Prompt | Sequence[Mapping[str, Any]], sampling: SamplingParams | None = None, *,
         chat: bool = False, images: Sequence[Any] = (), tools: Sequence[Mapping[str, Any]] | None = None,
-        share: int | None = None,
+        share: int | None = None, handoff: KVHandoff | None = None,
     ) -> list[Submission]:
-        """As submit(), one Submission for each of the prompt's sampling.n choices (which share its cached blocks)."""
+        """As submit(), one Submission for each of the prompt's sampling.n choices (which share its cached blocks).
+        `handoff` (one choice only): prefill it here and send its keys and values (KVHandoff.send_to), or decode it
+        here from a prefill instance's (prefill() and resume() are the plain forms; docs/disaggregation.md)."""
+        if handoff is not None:
+            self._need_transport("a hand-over")
         if not isinstance(prompt, str) and prompt and isinstance(prompt[0], Mapping):
             pictures = self._pictures(images)
             messages: Sequence[Mapping[str, Any]] = prompt  # type: ignore[assignment]  # narrowed by the check above
             ids = self._chat_ids(messages, pictures, tools)
-            return self._submit(self._request(ids, sampling, False, pictures, stream=True), share)
+            return self._submit(self._request(ids, sampling, False, pictures, stream=True), share, handoff)
         if tools:
             raise ConfigError("tools are offered through the chat template: pass chat messages (a list of {\"role\", "
                               "\"content\"} mappings) with them")
         if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
             raise ConfigError("submit() takes one prompt; call it once per prompt")
         text_or_ids: Prompt = prompt  # type: ignore[assignment]  # not messages: checked above
-        return self._submit(self._request(text_or_ids, sampling, chat, images, stream=True), share)
+        return self._submit(self._request(text_or_ids, sampling, chat, images, stream=True), share, handoff)
 
     def _pictures(self, images: Sequence[Any]) -> tuple[Any, ...]:
         """Pictures as arrays [C, H, W]: paths read and checked, arrays as given."""
@@ -261,12 +265,9 @@ class LLM:
         tp). Returns once they are there: pass the Handoff to that instance's resume() with the same sampling. A
         request that ended at its first token sends nothing (Handoff.finished)."""
         self._need_transport("prefill(to=...)")
-        request = self._request(prompt, sampling, chat, (), stream=True)
-        if len(request.prompts) != 1 or request.sampling.n != 1:
-            raise ConfigError("prefill() hands over one prompt with n=1; call it once per prompt and choice")
         key = f"r{uuid.uuid4().hex}"
-        jobs = [dataclasses.replace(job, handoff=KVHandoff(key, send_to=to)) for job in jobs_of(request)]
-        completion = self._jobs(jobs)[0].result()
+        [submission] = self.submit_choices(prompt, sampling, chat=chat, handoff=KVHandoff(key, send_to=to))
+        completion = submission.result()
         logprobs = None if completion.logprobs is None else tuple(completion.logprobs)
         return Handoff(key, tuple(completion.prompt_ids), tuple(completion.token_ids), logprobs, completion)
 
@@ -279,17 +280,22 @@ class LLM:
             reason = handoff.completion.finish_reason
             raise ConfigError(f"request {handoff.key!r} ended on the prefill instance ({reason}): its completion is "
                               f"the whole answer, and nothing was sent to resume")
-        request = self._request(list(handoff.prompt_ids), sampling, False, (), stream=True)
-        if request.sampling.n != 1:
-            raise ConfigError("resume() takes a hand-over of one choice (n=1)")
-        jobs = [dataclasses.replace(job, handoff=KVHandoff(handoff.key, tokens=handoff.token_ids,
-                                                           logprobs=handoff.logprobs)) for job in jobs_of(request)]
-        return self._jobs(jobs)[0]
+        return self.submit_choices(list(handoff.prompt_ids), sampling, handoff=KVHandoff(
+            handoff.key, tokens=handoff.token_ids, logprobs=handoff.logprobs))[0]
 
     def _need_transport(self, what: str) -> None:
         if self._plan.run.kv_transport is None:
             raise ConfigError(f"{what} moves keys and values through a KV transport, and this LLM has none: pass "
                               f"LLM(kv_transport=...) (`fd plugins` lists them)")
+
+    def _submit(self, request: Request, share: int | None = None, handoff: KVHandoff | None = None) -> list[Submission]:
+        jobs = jobs_of(request)
+        if handoff is not None:
+            if len(jobs) != 1:
+                raise ConfigError(f"a hand-over is of one prompt with n=1, and this request makes {len(jobs)} "
+                                  f"sequences; hand each over alone")
+            jobs = [dataclasses.replace(jobs[0], handoff=handoff)]
+        return self._jobs(jobs, share)
 
     def _jobs(self, jobs: list[Any], share: int | None = None) -> list[Submission]:
         if self._closed:
@@ -297,9 +303,6 @@ class LLM:
         if self.error is not None:
             raise RankError(f"this LLM's ranks failed earlier ({self.error}); create a new one")
         return self._session.submit(jobs, share)
-
-    def _submit(self, request: Request, share: int | None = None) -> list[Submission]:
-        return self._jobs(jobs_of(request), share)
 
     def _request(
         self, prompts: Prompt | Sequence[Prompt], sampling: SamplingParams | None, chat: bool, images: Sequence[Any],

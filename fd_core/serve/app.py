@@ -19,6 +19,7 @@ from fd_core.runtime.text.grammar import GrammarError
 from fd_core.serve.answers import whole
 from fd_core.serve.connections import DEFAULT_BODY_TIMEOUT_S
 from fd_core.serve.errors import GRAMMAR_PREFIX, add_error_handlers, named_field
+from fd_core.serve.handoffs import HANDED, handed_answer, handoff_of
 from fd_core.serve.lifecycle import EXIT_INTERRUPTED, EXIT_TERMINATED, Http, bind
 from fd_core.serve.log import log
 from fd_core.serve.metrics import UNMATCHED, Metrics
@@ -32,6 +33,7 @@ from fd_core.serve.submissions import Generation, Loading, Submitter
 from fd_core.serve.tokenizer_routes import add_tokenizer_routes
 
 if TYPE_CHECKING:
+    from fd_core.runtime.engine.loop import KVHandoff
     from fd_core.runtime.engine.sampling import SamplingParams
     from fd_core.runtime.text.tools import Tools
 
@@ -155,7 +157,7 @@ class Server:
 
     async def submit(
         self, items: Sequence[tuple[Any, bool, tuple[Any, ...]]], sampling: "SamplingParams",
-        tools: "Tools | None" = None, grammar_field: str = "response_format",
+        tools: "Tools | None" = None, grammar_field: str = "response_format", handoff: "KVHandoff | None" = None,
     ) -> list[Generation]:
         """Every prompt submitted (checked at once by the engine); one refused withdraws the others. A grammar the
         model's tokens cannot follow is refused naming `grammar_field`, the request field it came from."""
@@ -165,9 +167,10 @@ class Server:
             for index, (prompt, chat, images) in enumerate(items):
                 # In a worker thread: the template, the tokenizer and the plugins' gates must not stall the other
                 # streams.
+                handing = {} if handoff is None else {"handoff": handoff}  # a router's request (handoffs.py)
                 choices = await asyncio.to_thread(self.engine.submit_choices, prompt, sampling, chat=chat,
                                                   images=images, tools=None if tools is None else tools.for_template(),
-                                                  share=share)
+                                                  share=share, **handing)
                 # OpenAI's choice index: prompt by prompt, n choices each.
                 generations += [Generation(index * sampling.n + j, s, index) for j, s in enumerate(choices)]
         except RequestRefused as exc:
@@ -233,12 +236,17 @@ class Server:
         chunk) carries its tokens' ids, as a checkpoint without a tokenizer's streamed chunks always do; `scoring`
         (echo with max_tokens 0): the prompts scored, the one token generated after each not shown."""
         count = len(items) * sampling.n  # every choice is a sequence of its own in the queue
+        handoff = handoff_of(request.headers, self.engine.kv_address)
         self.admit(count)
         try:
-            generations = await self.submit(items, sampling, tools, grammar_field)
+            generations = await self.submit(items, sampling, tools, grammar_field, handoff)
         except BaseException:
             self.admitted -= count
             raise
+        if handoff is not None and handoff.send_to is not None:
+            handed = await self.hand_over(generations, endpoint, count, handoff.key, grammar_field)
+            if handed is not None:
+                return handed
         ident, created = new_id("chatcmpl" if chat else "cmpl"), now()
         if stream:
             # Without a tokenizer every token's text is empty: its id is what the client reads, a chunk per token.
@@ -273,6 +281,23 @@ class Server:
             for shown, g in zip(answer["choices"], generations, strict=True):
                 shown["token_ids"] = list(g.completion.token_ids) if g.completion is not None and not scoring else []
         return JSONResponse(answer)
+
+    async def hand_over(self, generations: Sequence[Generation], endpoint: str, count: int, key: str,
+                        grammar_field: str) -> Response | None:
+        """A request a router hands over once its first token is chosen: the hand-over's answer, once its keys and
+        values are at the decode instance; None when it ended at its first token (its ordinary answer follows)."""
+        [generation] = generations
+        try:
+            completion = await asyncio.to_thread(generation.submission.result)
+        except BaseException as exc:
+            self.release(generations, endpoint, count)
+            raise self.engine_error(exc, grammar_field) from None
+        if completion.finish_reason != "handoff":
+            return None
+        generation.completion = completion
+        self.release(generations, endpoint, count)
+        self.metrics.request(endpoint, 200)
+        return JSONResponse(handed_answer(key, completion), headers={HANDED: key})
 
     # -- lifecycle --------------------------------------------------------------------------
     def fail(self, exc: BaseException) -> None:

@@ -28,6 +28,12 @@ KV_METRICS = (
      "Tokens speculative decoding proposed (--speculative)."),
     ("fd_spec_accepted_tokens_total", "counter", "spec_accepted_tokens",
      "Proposed tokens the model's verify step accepted."),
+    ("fd_kv_sent_tokens_total", "counter", "kv_sent_tokens",
+     "Prompt positions whose keys and values this instance sent to a decode instance (rank 0's)."),
+    ("fd_kv_sent_bytes_total", "counter", "kv_sent_bytes", "Bytes of keys and values rank 0 sent."),
+    ("fd_kv_received_tokens_total", "counter", "kv_received_tokens",
+     "Prompt positions whose keys and values this instance received from a prefill instance (rank 0's)."),
+    ("fd_kv_received_bytes_total", "counter", "kv_received_bytes", "Bytes of keys and values rank 0 received."),
 )
 # Seconds: from a few milliseconds (a tiny model at low load) to a minute (a long prompt behind a full batch).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

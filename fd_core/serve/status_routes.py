@@ -1,4 +1,5 @@
-"""The routes that say what is served and how it goes: GET /health (for probes, open without the key), GET /metrics
+"""The routes that say what is served and how it goes: GET /health (for probes and routers, open without the key;
+with the instance's KV transfer address when it has one), GET /metrics
 (for scrapers, likewise) and the OpenAI API's GET /v1/models."""
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ def add_status_routes(app: FastAPI, server: StatusHost) -> None:
                  "reason": "the model is loading; /health answers 200 once requests are served"},
                 status_code=503, headers={"Retry-After": str(RETRY_AFTER_LOADING_S)},
             )
-        return JSONResponse({"status": "ok", "model": server.name, "queued": server.engine.queued()})
+        answer = {"status": "ok", "model": server.name, "queued": server.engine.queued()}
+        if server.engine.kv_address is not None:  # where a router has prefill instances send this one's requests
+            answer["kv_address"] = server.engine.kv_address
+        return JSONResponse(answer)
 
     @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:

@@ -55,7 +55,7 @@ class Submitter(Protocol):
 
     def submit_choices(
         self, prompt: Any, sampling: "SamplingParams | None" = None, *, chat: bool = False, images: Sequence[Any] = (),
-        tools: Sequence[Mapping[str, Any]] | None = None, share: int | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None, share: int | None = None, handoff: Any = None,
     ) -> Sequence[Submission]: ...
 
     def new_share(self) -> int: ...
@@ -67,6 +67,10 @@ class Submitter(Protocol):
 
     @property
     def kv_cache(self) -> Mapping[str, int]: ...
+
+    @property
+    def kv_address(self) -> str | None:
+        """Where prefill instances send this one's handed-over requests (None: it has no KV transport)."""
 
 
 def still_loading() -> ApiError:
@@ -84,10 +88,11 @@ class Loading:
     kv_cache: Mapping[str, int] = {}
     multimodal = False
     chat_template: str | None = None
+    kv_address: str | None = None
 
     def submit_choices(
         self, prompt: Any, sampling: "SamplingParams | None" = None, *, chat: bool = False, images: Sequence[Any] = (),
-        tools: Sequence[Mapping[str, Any]] | None = None, share: int | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None, share: int | None = None, handoff: Any = None,
     ) -> Sequence[Submission]:
         raise still_loading()
 

@@ -36,6 +36,7 @@ class Engine:
     error = None
     kv_cache: dict[str, int] = {}
     chat_template = None
+    kv_address = None
 
     def __init__(self, multimodal: bool = True) -> None:
         self.multimodal = multimodal
