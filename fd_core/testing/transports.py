@@ -1,5 +1,6 @@
 """KV transport conformance (contract 1.9): subclass TransportSuite in a transport plugin's tests and provide the
-`transport_name` fixture (the name its fd_kv_transports registers). Each check makes a sender and a receiver at the
+`transport_name` fixture (the name its fd_kv_transports registers), and `new_address` where its addresses have a form
+of their own. Each check makes a sender and a receiver at the
 same rank of two fresh instance addresses, as two instances' ranks would be."""
 
 from __future__ import annotations
@@ -70,13 +71,19 @@ class TransportSuite:
         return transports[transport_name][0]
 
     @pytest.fixture
-    def pair(self, factory: Callable[[str, int], KVTransport]) -> Iterator[Pair]:
+    def new_address(self) -> Callable[[], str]:
+        """Makes a fresh instance address nobody listens at (override it for a transport whose addresses have a form
+        of their own: fd's `tcp` takes HOST:PORT)."""
+        return lambda: f"a{uuid.uuid4().hex[:10]}"
+
+    @pytest.fixture
+    def pair(self, factory: Callable[[str, int], KVTransport], new_address: Callable[[], str]) -> Iterator[Pair]:
         """(sender, receiver, the receiver's address) at rank 1, closed afterwards."""
         made: list[KVTransport] = []
         try:
-            sender = factory(f"s{uuid.uuid4().hex[:10]}", 1)
+            sender = factory(new_address(), 1)
             made.append(sender)
-            address = f"r{uuid.uuid4().hex[:10]}"
+            address = new_address()
             receiver = factory(address, 1)
             made.append(receiver)
             yield sender, receiver, address
@@ -130,15 +137,17 @@ class TransportSuite:
         else:
             assert got is None, f"a send that ended {state.value} left parts at the receiver"
 
-    def test_a_peer_that_closed_fails_the_send(self, factory: Callable[[str, int], KVTransport]) -> None:
+    def test_a_peer_that_closed_fails_the_send(
+        self, factory: Callable[[str, int], KVTransport], new_address: Callable[[], str]
+    ) -> None:
         """A send to an address whose receiver closed, or that nobody listens at, ends FAILED."""
-        sender = factory(f"s{uuid.uuid4().hex[:10]}", 0)
+        sender = factory(new_address(), 0)
         try:
-            address = f"r{uuid.uuid4().hex[:10]}"
+            address = new_address()
             factory(address, 0).close()
             sender.send("k", address, parts_of(4), 5.0)
             assert settle(sender, "k") is TransferState.FAILED
-            sender.send("k2", f"nobody{uuid.uuid4().hex[:8]}", parts_of(4), 5.0)
+            sender.send("k2", new_address(), parts_of(4), 5.0)
             assert settle(sender, "k2") is TransferState.FAILED
             assert sender.state("never-sent") is TransferState.FAILED
         finally:
@@ -157,12 +166,12 @@ class TransportSuite:
         assert same(receiver.receive("next"), parts_of(6)) is None
 
     def test_an_address_in_use_is_refused_and_free_after_close(
-        self, factory: Callable[[str, int], KVTransport]
+        self, factory: Callable[[str, int], KVTransport], new_address: Callable[[], str]
     ) -> None:
         """Two instances cannot listen at one address and rank (one line saying so); after close it is free."""
         from fd_core.errors import FdError
 
-        address = f"a{uuid.uuid4().hex[:10]}"
+        address = new_address()
         first = factory(address, 0)
         try:
             with pytest.raises(FdError, match="in use"):

@@ -11,9 +11,11 @@ FD_CONTRACT = "1.9"
 
 @hookimpl
 def fd_kv_transports(register: TransportRegistrar) -> None:
-    """`shm` (one host: files in shared memory) and `local` (one process: a dictionary)."""
+    """`shm` (one host: files in shared memory), `tcp` (any hosts: ZeroMQ) and `local` (one process: a dictionary)."""
     from fd_plugins.transfer.local import LocalTransport
     from fd_plugins.transfer.shm import ShmTransport
+    from fd_plugins.transfer.tcp import TcpTransport
 
     register("shm", ShmTransport)
+    register("tcp", TcpTransport)
     register("local", LocalTransport)

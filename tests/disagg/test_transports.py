@@ -22,6 +22,40 @@ class TestShm(TransportSuite):
         return "shm"
 
 
+class TestTcp(TransportSuite):
+    @pytest.fixture
+    def transport_name(self) -> str:
+        pytest.importorskip("zmq", reason="the tcp transport needs pyzmq (the transfer extra)")
+        return "tcp"
+
+    @pytest.fixture
+    def new_address(self) -> Any:
+        """127.0.0.1 and a port with the next few free (rank r listens at PORT + r)."""
+        return free_ports
+
+
+def free_ports() -> str:
+    import socket
+
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port < 65000 and all(_free(port + r) for r in range(1, 4)):
+            return f"127.0.0.1:{port}"
+
+
+def _free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 class TestLocal(TransportSuite):
     @pytest.fixture
     def transport_name(self) -> str:
