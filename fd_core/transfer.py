@@ -17,7 +17,9 @@ A send's states, on the sending side:
                       -> ABORTED   abort(key) here before DONE
 
 A state once DONE, FAILED or ABORTED stays so; a key never sent is FAILED. FAILED and ABORTED leave nothing behind
-on either side: a transport discards a part-sent payload itself.
+on either side: a transport discards a part-sent payload itself. A receiver keeps what arrived until it is received
+or aborted, and may drop it once it is older than UNCLAIMED_S (its request was never resumed: a router gone between
+the two halves, say).
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 if TYPE_CHECKING:
     import numpy as np
+
+
+# Seconds a receiver must keep an arrived payload nobody has received yet; after that it may drop it.
+UNCLAIMED_S = 600.0
 
 
 class TransferState(str, enum.Enum):

@@ -8,7 +8,7 @@ import time
 from typing import Any, Sequence
 
 from fd_core.errors import ConfigError
-from fd_core.transfer import TransferState
+from fd_core.transfer import UNCLAIMED_S, TransferState
 
 _LOCK = threading.Lock()
 # (listen, rank) -> that rank's transport.
@@ -20,7 +20,7 @@ class LocalTransport:
 
     def __init__(self, listen: str, rank: int) -> None:
         self.listen, self.rank = listen, rank
-        self._inbox: dict[str, list[Any]] = {}
+        self._inbox: dict[str, tuple[float, list[Any]]] = {}
         self._aborted: set[str] = set()
         self._states: dict[str, TransferState] = {}
         with _LOCK:
@@ -44,7 +44,7 @@ class LocalTransport:
         with _LOCK:
             if key in self._aborted or _ENDPOINTS.get((self.listen, self.rank)) is not self:
                 return False
-            self._inbox[key] = parts
+            self._inbox[key] = (time.monotonic(), parts)
             return True
 
     def state(self, key: str) -> TransferState:
@@ -52,7 +52,11 @@ class LocalTransport:
 
     def receive(self, key: str) -> list[Any] | None:
         with _LOCK:
-            return self._inbox.pop(key, None)
+            now = time.monotonic()
+            for old in [k for k, (at, _) in self._inbox.items() if now - at > UNCLAIMED_S]:
+                del self._inbox[old]  # never received: its request was not resumed
+            held = self._inbox.pop(key, None)
+        return None if held is None else held[1]
 
     def abort(self, key: str) -> None:
         with _LOCK:

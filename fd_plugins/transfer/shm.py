@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from fd_core.errors import ConfigError
-from fd_core.transfer import TransferState, header_size, pack, unpack
+from fd_core.transfer import UNCLAIMED_S, TransferState, header_size, pack, unpack
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
@@ -76,6 +76,7 @@ class ShmTransport:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="fd-kv-shm")
         self._closed = False
+        self._swept = 0.0
         atexit.register(self.close)
 
     # -- sending -------------------------------------------------------------------------------
@@ -122,6 +123,7 @@ class ShmTransport:
 
     # -- receiving -----------------------------------------------------------------------------
     def receive(self, key: str) -> list[Any] | None:
+        self._sweep()
         path = os.path.join(self.directory, _word("key", key))
         try:
             with open(path, "rb") as f:
@@ -137,6 +139,18 @@ class ShmTransport:
         if key in self._aborted:
             return None
         return unpack(header, payload, copy=False)
+
+    def _sweep(self) -> None:
+        """Drop payloads nobody received within UNCLAIMED_S (at most once a minute)."""
+        now = time.time()
+        if now - self._swept < 60:
+            return
+        self._swept = now
+        with contextlib.suppress(OSError), os.scandir(self.directory) as entries:
+            for entry in entries:
+                if entry.name != "owner" and now - entry.stat().st_mtime > UNCLAIMED_S:
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
 
     def abort(self, key: str) -> None:
         with self._lock:

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from fd_core.errors import ConfigError
-from fd_core.transfer import TransferState, pack, unpack
+from fd_core.transfer import UNCLAIMED_S, TransferState, pack, unpack
 
 # Seconds a send waits for the peer to accept its connection before it fails.
 CONNECT_S = 3.0
@@ -45,7 +45,7 @@ class TcpTransport:
         self.rank = rank
         self.address = endpoint(listen, rank)
         self.context = zmq.Context()
-        self.inbox: dict[str, list[Any]] = {}
+        self.inbox: dict[str, tuple[float, list[Any]]] = {}
         self.aborted: set[str] = set()
         self.states: dict[str, TransferState] = {}
         self.lock = threading.Lock()
@@ -87,12 +87,16 @@ class TcpTransport:
                 except ValueError:
                     continue  # a malformed payload: no acknowledgement, the sender fails it
                 with self.lock:
-                    self.inbox[key] = parts
+                    self.inbox[key] = (time.monotonic(), parts)
             self.server.send_multipart([identity, key.encode(), b"ok"])
 
     def receive(self, key: str) -> list[Any] | None:
         with self.lock:
-            return self.inbox.pop(key, None)
+            now = time.monotonic()
+            for old in [k for k, (at, _) in self.inbox.items() if now - at > UNCLAIMED_S]:
+                del self.inbox[old]  # never received: its request was not resumed
+            held = self.inbox.pop(key, None)
+        return None if held is None else held[1]
 
     # -- sending (the sending thread) ----------------------------------------------------------
     def send(self, key: str, peer: str, parts: Sequence[Any], timeout: float) -> None:

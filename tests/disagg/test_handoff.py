@@ -146,3 +146,28 @@ def test_no_transport_and_an_unknown_one_are_refused() -> None:
         assert plain.kv_address is None
         with pytest.raises(ConfigError, match=r"pass LLM\(kv_transport=...\)"):
             plain.prefill([1, 2, 3], GREEDY, to="x")
+
+
+def test_a_resume_that_fails_drops_what_arrives_later_under_its_key() -> None:
+    """A decode-side sequence whose keys and values never came ends with an error, and its key is aborted at the
+    transport: parts sent under it afterwards are not kept (they would sit in the inbox for nobody)."""
+    import numpy as np
+
+    from fd_core.runtime.engine.loop import Job, KVHandoff
+    from fd_plugins.transfer.local import LocalTransport
+    from tiny_engine import tiny_engine
+
+    engine = tiny_engine(transfer_timeout=0.2)
+    engine.transport = LocalTransport("late-receiver", 0)
+    sender = LocalTransport("late-sender", 0)
+    try:
+        engine.add(Job(1, tuple(range(3, 20)), GREEDY, handoff=KVHandoff("late", tokens=(5,))))
+        events = engine.step()
+        done = [e.done for e in events if e.done is not None]
+        assert done and done[0].finish_reason == "error" and "did not arrive within 0.2 s" in done[0].failure.message
+        sender.send("late", "late-receiver", [np.zeros(3)], 5.0)
+        assert engine.transport.receive("late") is None
+        assert engine.pool.used == 0
+    finally:
+        engine.transport.close()
+        sender.close()

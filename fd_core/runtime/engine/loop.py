@@ -520,6 +520,8 @@ class Engine:
         """Drop every sequence and its blocks (after a failed step: their state is unknown)."""
         for seq in self._running:
             self.pool.free(seq.blocks)
+        for seq in self._waiting:
+            self._discard(seq)
         self._waiting.clear()
         self._running.clear()
         self._cancelled.clear()
@@ -583,6 +585,7 @@ class Engine:
         for seq in [s for s in self._waiting if s.job.key in cancelled]:
             self._waiting.remove(seq)
             self.pool.free(seq.blocks)
+            self._discard(seq)
             seq.reason = "cancelled"
             events.append(self._finish(seq, final=False))
         for seq in [s for s in self._running if s.job.key in cancelled]:
@@ -743,7 +746,7 @@ class Engine:
                 self._check_parts(seq, parts)
             except Exception as exc:  # noqa: BLE001 - this sequence ends with it; the others go on
                 self._waiting.remove(seq)
-                seq.awaiting = False
+                self._discard(seq)
                 self._fail(seq, exc, events)
                 continue
             seq.awaiting, seq.parts = False, parts
@@ -752,6 +755,13 @@ class Engine:
             seq.handed = []
             self.kv_received_tokens += len(seq.job.prompt)
             self.kv_received_bytes += sum(int(p.nbytes) for p in parts)
+
+    def _discard(self, seq: _Seq) -> None:
+        """A handed-over sequence that ends before its keys and values were taken: the transport drops them, and
+        whatever still arrives under its key."""
+        if seq.awaiting and seq.job.handoff is not None and self.transport is not None:
+            self.transport.abort(seq.job.handoff.key)
+        seq.awaiting, seq.parts = False, None
 
     def _check_parts(self, seq: _Seq, parts: list[Any]) -> None:
         """The parts are this model's at this rank: the prompt's length, the sender's identity (ModelRunner.identity:
