@@ -52,6 +52,9 @@ ROWS: dict[str, str] = {
                     "its own draft"),
     "quant": ("ERNIE-4.5-0.3B batch 1 decode: --quantization wint8 (and wint4) vs float32 at fd's faster layout, vs "
               "transformers; peak RSS per rank vs float32's weights + cache"),
+    "disagg": ("prefill and decode on separate instances: a 0.3B-size prompt's keys and values through the shm and tcp "
+               "transports vs a memory copy; inter-token latency of 4 decoding streams while 1,024-id prompts arrive, "
+               "prefill and decode instances on a core each behind the router vs one fd serve on both"),
 }
 DEFAULT_JSON = Path("benchmarks/results/latest.json")
 # A smoke run (CI) must not overwrite the recorded full run.
@@ -154,6 +157,10 @@ def _runners(selected: list[str], smoke: bool) -> list[tuple[tuple[str, ...], Ca
         from fd_bench import serving_load
 
         jobs.append((("serving",), lambda: serving_load.serving_rows(smoke)))
+    if "disagg" in chosen:
+        from fd_bench import disagg
+
+        jobs.append((("disagg",), lambda: disagg.transfer_rows() + disagg.serving_rows(smoke)))
     paged_rows = {"prefix": "prefix_rows", "capacity": "capacity_rows", "chunked": "chunked_rows",
                   "decode_paged": "decode_rows"}
     for row, function in paged_rows.items():

@@ -95,9 +95,9 @@ def add_parser(sub: Any, models: Mapping[str, Any]) -> None:
     d.add_argument("--kv-timeout", type=seconds, default=30.0, metavar="SECONDS",
                    help="how long a handed-over request's keys and values may take to arrive (default: 30)")
     d.add_argument("--prefill", action="append", default=None, metavar="URL",
-                   help="a prefill instance's base URL, for --role router (repeatable)")
+                   help="a prefill instance's base URL, for --role router (repeatable; default: none)")
     d.add_argument("--decode", action="append", default=None, metavar="URL",
-                   help="a decode instance's base URL, for --role router (repeatable)")
+                   help="a decode instance's base URL, for --role router (repeatable; default: none)")
     d.add_argument("--router-timeout", type=seconds, default=600.0, metavar="SECONDS",
                    help="how long the router waits for an instance's answer, or between two pieces of a stream "
                         "(default: 600)")

@@ -11,7 +11,7 @@ from fd_plugins.cpu.memory import host_memory
 from fd_plugins.cpu.threads import apply_threads, limit_numpy_blas, phase_threads, users_threads_env
 
 # The version of fd's plugin contract this plugin was written for (fd_core.contract).
-FD_CONTRACT = "1.8"
+FD_CONTRACT = "1.9"
 
 # What the conformance suite checks; float16 is summed in float32 (see fd_all_reduce).
 FD_CAPABILITIES = Capabilities(

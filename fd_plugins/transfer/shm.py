@@ -3,7 +3,8 @@ bytes never touch a disk).
 
 Rank r of the instance listening at NAME owns the directory `fd-kv-NAME-rR` there, with its process id in `owner`.
 A send writes `.KEY.part` into the peer's directory from a thread of its own, then renames it to `KEY`: the rename is
-the hand-over (DONE), so a receiver never reads a part-written file. The receiver reads `KEY` once and unlinks it.
+the hand-over (DONE), so a receiver never reads a part-written file. The receiver maps `KEY` once (its parts are views
+of the file's pages, no copy) and unlinks it.
 A peer whose directory is missing or whose owner has exited is gone (FAILED); a directory left by an owner that
 died is taken over by the next instance that listens at its name. Closing removes the directory and what it holds.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import mmap
 import os
 import re
 import shutil
@@ -127,10 +129,9 @@ class ShmTransport:
         path = os.path.join(self.directory, _word("key", key))
         try:
             with open(path, "rb") as f:
-                prefix = f.read(8)
-                header = prefix + f.read(header_size(prefix) - 8)
-                payload = bytearray(os.fstat(f.fileno()).st_size - len(header))
-                f.readinto(payload)
+                # Mapped, not read: the parts are views of the file's pages (no copy here; the engine's write into its
+                # cache is the one copy), which live on, unlinked, while the arrays do.
+                mapped = mmap.mmap(f.fileno(), os.fstat(f.fileno()).st_size, access=mmap.ACCESS_READ)
         except FileNotFoundError:
             return None
         finally:
@@ -138,7 +139,9 @@ class ShmTransport:
                 os.unlink(path)
         if key in self._aborted:
             return None
-        return unpack(header, payload, copy=False)
+        view = memoryview(mapped)
+        size = header_size(bytes(view[:8]))
+        return unpack(bytes(view[:size]), view[size:], copy=False)
 
     def _sweep(self) -> None:
         """Drop payloads nobody received within UNCLAIMED_S (at most once a minute)."""

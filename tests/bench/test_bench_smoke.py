@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = ("dispatch", "dispatch_vs_hook", "dispatch_wrapper", "tp1", "decode", "startup", "allreduce", "graph", "reload",
         "realsize", "step", "kvwrite", "kernels", "serve", "serving", "prefix", "capacity", "chunked", "decode_paged",
-        "quant")
+        "quant", "disagg")
 # The rows the CI smoke run prints: all but the real-size comparison and its step breakdown, whose smoke
 # run alone (a dozen processes importing paddle and torch) took 40 of the suite's 20-minute budget;
 # `fd bench --rows realsize,step` runs them, as docs/benchmarks.md records.

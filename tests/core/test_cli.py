@@ -44,8 +44,8 @@ def test_plugins_json_has_every_field() -> None:
     assert {"cpu", "cuda", "iluvatar", "ernie4_5", "ernie4_5_vl", "qwen3_vl"} <= set(by_name)
     cuda = by_name["cuda"]
     assert set(cuda) == {"name", "kind", "module", "distribution", "version", "builtin", "allowed", "hooks",
-                         "detection", "error", "incompatible", "active", "status", "kernels", "contract",
-                         "contract_declared"}
+                         "detection", "error", "incompatible", "active", "status", "kernels", "kv_transports",
+                         "contract", "contract_declared"}
     assert data["contract_version"] == CONTRACT_VERSION and (cuda["contract"], cuda["contract_declared"]) == ("1.6", True)
     assert by_name["cpu"]["kernels"] == ["add_rms_norm", "matmul", "paged_attention", "paged_packed_attention",
                                          "paged_prefill_attention", "quant_matmul", "rms_norm", "rotary_embedding",

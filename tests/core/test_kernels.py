@@ -68,7 +68,7 @@ def test_an_unknown_op_is_refused_at_load_naming_the_plugin_and_the_nearest_op(i
     assert str(err.value) == (
         "plugin 'typo-kernels': fd_register_kernels registered an unknown op 'rms_nrom'; did you mean 'rms_norm'? "
         "(fd's ops: rms_norm, silu_and_mul, rotary_embedding, attention, sample, accept_draft, apply_penalties, allocate_kv_cache, "
-        "write_kv_cache, paged_attention, paged_prefill_attention, paged_packed_attention, matmul, quant_matmul, add_rms_norm, "
+        "write_kv_cache, read_kv_cache, paged_attention, paged_prefill_attention, paged_packed_attention, matmul, quant_matmul, add_rms_norm, "
         "gelu, moe_experts); fix the name "
         "in 'typo-kernels'"
     )
@@ -494,7 +494,7 @@ def test_fd_run_refuses_a_misspelled_op_in_one_line(tmp_path: Path) -> None:
     assert done.stderr.strip().splitlines() == [
         "fd: error: plugin 'typo-kernels': fd_register_kernels registered an unknown op 'rms_nrom'; did you mean 'rms_norm'? "
         "(fd's ops: rms_norm, silu_and_mul, rotary_embedding, attention, sample, accept_draft, apply_penalties, allocate_kv_cache, "
-        "write_kv_cache, paged_attention, paged_prefill_attention, paged_packed_attention, matmul, quant_matmul, add_rms_norm, "
+        "write_kv_cache, read_kv_cache, paged_attention, paged_prefill_attention, paged_packed_attention, matmul, quant_matmul, add_rms_norm, "
         "gelu, moe_experts); fix the name "
         "in 'typo-kernels'"
     ]
