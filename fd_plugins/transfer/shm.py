@@ -6,7 +6,8 @@ A send writes `.KEY.part` into the peer's directory from a thread of its own, th
 the hand-over (DONE), so a receiver never reads a part-written file. The receiver maps `KEY` once (its parts are views
 of the file's pages, no copy) and unlinks it.
 A peer whose directory is missing or whose owner has exited is gone (FAILED); a directory left by an owner that
-died is taken over by the next instance that listens at its name. Closing removes the directory and what it holds.
+died is taken over by the next instance that listens at its name, or removed by the next instance that starts a
+minute or more later. Closing removes the directory and what it holds.
 """
 
 from __future__ import annotations
@@ -56,11 +57,24 @@ def _word(what: str, value: str) -> str:
     return value
 
 
+def sweep_dead(older_than: float = 60.0) -> None:
+    """Remove the directories of instances whose owner has exited (killed: it could not remove its own), once they are
+    `older_than` seconds old (a directory just made may not name its owner yet)."""
+    now = time.time()
+    with contextlib.suppress(OSError), os.scandir(root()) as entries:
+        for entry in entries:
+            if entry.name.startswith("fd-kv-") and entry.is_dir(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    if now - entry.stat().st_mtime > older_than and not _alive(entry.path):
+                        shutil.rmtree(entry.path, ignore_errors=True)
+
+
 class ShmTransport:
     """One rank's end of the `shm` transport."""
 
     def __init__(self, listen: str, rank: int) -> None:
         self.rank = rank
+        sweep_dead()
         self.directory = endpoint(_word("address", listen), rank)
         try:
             os.mkdir(self.directory)

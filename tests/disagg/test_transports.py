@@ -183,3 +183,21 @@ def test_a_transport_name_taken_twice_blames_the_newcomer(install_plugin: Any) -
     with pytest.raises(PluginError, match="plugin 'clash' adds KV transport 'shm', which 'transfer' already provides; "
                                           "rename it in 'clash'"):
         load_plugins({})
+
+
+def test_a_dead_instances_directory_is_removed_by_the_next_one() -> None:
+    """A directory whose owner exited (killed, it could not remove it) is removed when another instance starts, once it
+    is a minute old; a live instance's, however old, stays."""
+    from fd_plugins.transfer.shm import ShmTransport, endpoint
+
+    dead, live = endpoint(f"d{uuid.uuid4().hex[:10]}", 0), ShmTransport(f"l{uuid.uuid4().hex[:10]}", 0)
+    try:
+        os.mkdir(dead)
+        with open(os.path.join(dead, "owner"), "w") as f:
+            f.write("999999999")  # no such process
+        for directory in (dead, live.directory):
+            os.utime(directory, (0, 0))
+        ShmTransport(f"n{uuid.uuid4().hex[:10]}", 0).close()
+        assert not os.path.exists(dead) and os.path.isdir(live.directory)
+    finally:
+        live.close()

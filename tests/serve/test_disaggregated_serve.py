@@ -32,9 +32,14 @@ def roles() -> Iterator[tuple[Served, Served, Served]]:
     try:
         yield prefill, decode, router
     finally:
-        for served in (router, prefill, decode):
+        failures = []
+        for served in (router, prefill, decode):  # every one stopped, whichever fails to stop cleanly
             if served.process.poll() is None:
-                finish(served)
+                try:
+                    finish(served)
+                except AssertionError as exc:
+                    failures.append(exc)
+        assert not failures, failures[0]
 
 
 def _post(url: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
