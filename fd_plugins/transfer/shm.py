@@ -21,13 +21,28 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from fd_core.errors import ConfigError
 from fd_core.transfer import UNCLAIMED_S, TransferState, header_size, pack, unpack
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+# Received files kept for reuse at most, per rank: a send into one writes into pages allocated and mapped already
+# (a fresh file's pages cost tmpfs an allocation and a zeroing each, half the transfer's time).
+MAX_SPARES = 4
+
+
+def _claim_spare(target: str, partial: str) -> bool:
+    """Take one of the receiver's spare files as `partial` (a rename: two senders never take the same one)."""
+    with contextlib.suppress(OSError):
+        for name in sorted(os.listdir(target)):
+            if name.startswith(".spare-"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(os.path.join(target, name), partial)
+                    return True
+    return False
 
 
 def root() -> str:
@@ -93,6 +108,8 @@ class ShmTransport:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="fd-kv-shm")
         self._closed = False
         self._swept = 0.0
+        self._maps: dict[int, mmap.mmap] = {}  # inode -> its mapping, kept while its file is held or spare
+        self._send_maps: dict[int, mmap.mmap] = {}  # a peer's spare file's inode -> this sender's mapping of it
         atexit.register(self.close)
 
     # -- sending -------------------------------------------------------------------------------
@@ -111,14 +128,18 @@ class ShmTransport:
         try:
             if _alive(target):
                 header, buffers = pack(parts)
-                with open(partial, "wb") as f:
-                    f.write(header)
-                    for buffer in buffers:
-                        if stop.is_set() or time.monotonic() - start > timeout:
-                            break
-                        f.write(buffer)
-                    else:
-                        state = TransferState.DONE
+                if _claim_spare(target, partial):
+                    state = self._fill(partial, header, buffers,
+                                       lambda: stop.is_set() or time.monotonic() - start > timeout)
+                else:
+                    with open(partial, "wb") as f:
+                        f.write(header)
+                        for buffer in buffers:
+                            if stop.is_set() or time.monotonic() - start > timeout:
+                                break
+                            f.write(buffer)
+                        else:
+                            state = TransferState.DONE
                 if state is TransferState.DONE and not stop.is_set() and time.monotonic() - start <= timeout:
                     os.rename(partial, os.path.join(target, key))
                 else:
@@ -133,6 +154,30 @@ class ShmTransport:
                 self._states[key] = state
                 self._stops.pop(key, None)
 
+    def _fill(self, path: str, header: bytes, buffers: list[memoryview], late: Callable[[], bool]) -> TransferState:
+        """The payload copied into a spare file through a mapping of it (kept by inode: its pages mapped already, the
+        copy is a memory copy); DONE, or FAILED when `late` says to stop."""
+        total = len(header) + sum(len(b) for b in buffers)
+        with open(path, "r+b") as f:
+            info = os.fstat(f.fileno())
+            if info.st_size < total:
+                os.ftruncate(f.fileno(), total)
+            # By inode: a mapping holds its file, so no other file can have that inode while it is kept.
+            mapped = self._send_maps.pop(info.st_ino, None)
+            if mapped is None or len(mapped) < total:
+                mapped = mmap.mmap(f.fileno(), max(total, info.st_size))
+            self._send_maps[info.st_ino] = mapped
+            while len(self._send_maps) > 2 * MAX_SPARES:  # the oldest: files the receiver has likely let go
+                self._send_maps.pop(next(iter(self._send_maps))).close()
+        mapped[:len(header)] = header
+        offset = len(header)
+        for buffer in buffers:
+            if late():
+                return TransferState.FAILED
+            mapped[offset:offset + len(buffer)] = buffer
+            offset += len(buffer)
+        return TransferState.DONE
+
     def state(self, key: str) -> TransferState:
         with self._lock:
             return self._states.get(key, TransferState.FAILED)
@@ -140,22 +185,52 @@ class ShmTransport:
     # -- receiving -----------------------------------------------------------------------------
     def receive(self, key: str) -> list[Any] | None:
         self._sweep()
+        import numpy as np
+
         path = os.path.join(self.directory, _word("key", key))
-        try:
-            with open(path, "rb") as f:
-                # Mapped, not read: the parts are views of the file's pages (no copy here; the engine's write into its
-                # cache is the one copy), which live on, unlinked, while the arrays do.
-                mapped = mmap.mmap(f.fileno(), os.fstat(f.fileno()).st_size, access=mmap.ACCESS_READ)
-        except FileNotFoundError:
-            return None
-        finally:
+        if key in self._aborted:
             with contextlib.suppress(OSError):
                 os.unlink(path)
-        if key in self._aborted:
             return None
-        view = memoryview(mapped)
-        size = header_size(bytes(view[:8]))
-        return unpack(bytes(view[:size]), view[size:], copy=False)
+        try:
+            # Mapped, not read: the parts are views of the file's pages (no copy here; the engine's write into its
+            # cache is the one copy). The file is held under another name while any view lives, then recycled.
+            mapped = self._map(path)
+            inode = os.stat(path).st_ino
+            held = os.path.join(self.directory, f".held-{inode}")
+            os.rename(path, held)
+        except FileNotFoundError:
+            return None
+        whole = np.frombuffer(mapped, dtype=np.uint8)
+        size = header_size(whole[:8].tobytes())
+        parts = unpack(whole[:size].tobytes(), whole[size:], copy=False)
+        weakref.finalize(whole, self._release, inode, held)
+        return parts
+
+    def _map(self, path: str) -> mmap.mmap:
+        """A mapping of the file at `path`: the one kept for its inode when the file is a recycled one (its pages mapped
+        already: no fault on reading), else a new one, kept while the file is."""
+        with open(path, "rb") as f:
+            info = os.fstat(f.fileno())
+            kept = self._maps.get(info.st_ino)
+            if kept is not None and len(kept) >= info.st_size:
+                return kept
+            mapped = mmap.mmap(f.fileno(), info.st_size, access=mmap.ACCESS_READ)
+        self._maps[info.st_ino] = mapped
+        return mapped
+
+    def _release(self, inode: int, held: str) -> None:
+        """The last view of a received payload is gone: its file becomes a spare a sender writes the next one into (its
+        pages allocated and mapped already), or goes when MAX_SPARES are kept."""
+        spares = [e for e in os.listdir(self.directory) if e.startswith(".spare-")] if not self._closed else []
+        try:
+            if len(spares) < MAX_SPARES and not self._closed:
+                os.rename(held, os.path.join(self.directory, f".spare-{inode}"))
+                return
+            os.unlink(held)
+        except OSError:
+            pass
+        self._maps.pop(inode, None)
 
     def _sweep(self) -> None:
         """Drop payloads nobody received within UNCLAIMED_S (at most once a minute)."""
