@@ -151,7 +151,7 @@ def _load(url: str, vocab: int, longs: int) -> dict[str, Any]:
     import httpx
 
     from fd_bench.paged import random_ids
-    from fd_bench.serving_load import _stream
+    from fd_bench.serving_load import stream
 
     done = threading.Event()
     gaps: list[float] = []
@@ -162,7 +162,7 @@ def _load(url: str, vocab: int, longs: int) -> dict[str, Any]:
         with httpx.Client(timeout=900) as client:
             n = 0
             while not done.is_set():
-                r = _stream(client, url, random_ids(SHORT_IDS, 7919 * c + n, vocab), SHORT_TOKENS)
+                r = stream(client, url, random_ids(SHORT_IDS, 7919 * c + n, vocab), SHORT_TOKENS)
                 arrivals = r["arrivals"]
                 gaps.extend(b - a for a, b in zip(arrivals, arrivals[1:], strict=False))
                 if r["ttft"] is not None:
@@ -173,7 +173,7 @@ def _load(url: str, vocab: int, longs: int) -> dict[str, Any]:
         with httpx.Client(timeout=900) as client:
             time.sleep(2.0)  # the short streams running first
             for i in range(longs):
-                r = _stream(client, url, random_ids(LONG_IDS, 104729 + i, vocab), LONG_TOKENS)
+                r = stream(client, url, random_ids(LONG_IDS, 104729 + i, vocab), LONG_TOKENS)
                 if r["ttft"] is not None:
                     long_ttft.append(r["ttft"])
         done.set()

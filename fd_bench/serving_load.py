@@ -32,7 +32,7 @@ def _vocab(checkpoint: Path) -> int:
     return int(json.loads((checkpoint / "config.json").read_text())["vocab_size"])
 
 
-def _stream(client: Any, url: str, ids: list[int], tokens: int) -> dict[str, Any]:
+def stream(client: Any, url: str, ids: list[int], tokens: int) -> dict[str, Any]:
     """One streamed completion: its first token's delay and every token's arrival (seconds from the request)."""
     body = {"prompt": ids, "max_tokens": tokens, "stream": True, "ignore_eos": True, "temperature": 0,
             "return_token_ids": True}
@@ -59,7 +59,7 @@ def _round(url: str, clients: int, seed: int, tokens: int, vocab: int) -> dict[s
         start = time.perf_counter()
         with ThreadPoolExecutor(clients) as pool:
             results = list(pool.map(
-                lambda c: _stream(http[c], url, random_ids(PROMPT_IDS, seed + c, vocab), tokens), range(clients)))
+                lambda c: stream(http[c], url, random_ids(PROMPT_IDS, seed + c, vocab), tokens), range(clients)))
         wall = time.perf_counter() - start
     finally:
         for client in http:

@@ -179,8 +179,8 @@ def read_kv_cache(
 
     def read(cache: paddle.Tensor) -> paddle.Tensor:
         flat = cache.reshape([kv_heads, blocks * block_size, dim])
-        if cache.dtype == paddle.float16:
-            # Moved as bits, two values an int32 (head_dim is even): not every build has a float16 index_select.
+        if cache.dtype == paddle.float16 and dim % 2 == 0:
+            # Moved as bits, two values an int32: not every build has a float16 index_select.
             bits = paddle.index_select(flat.view(paddle.int32), slot_mapping.reshape([-1]), axis=1)
             picked = bits.view(paddle.float16)
         else:

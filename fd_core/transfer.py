@@ -76,6 +76,20 @@ TransportFactory = Callable[[str, int], KVTransport]
 TransportRegistrar = Callable[[str, TransportFactory], None]
 
 
+# How many finished sends' states, and aborted keys, a transport keeps (the oldest are forgotten past it).
+REMEMBERED = 4096
+
+
+def forget_oldest(states: dict[str, TransferState], aborted: dict[str, None]) -> None:
+    """Keep a transport's records bounded: the oldest final states and aborted keys past REMEMBERED go (a state
+    forgotten reads FAILED, as a key never sent does)."""
+    if len(states) > REMEMBERED:
+        for key in [k for k, v in states.items() if v.final][: len(states) - REMEMBERED]:
+            del states[key]
+    while len(aborted) > REMEMBERED:
+        del aborted[next(iter(aborted))]
+
+
 def pack(parts: Sequence["np.ndarray"]) -> tuple[bytes, list[memoryview]]:
     """A header describing `parts` (dtype, shape, byte count each) and their bytes, for a transport that moves bytes:
     `unpack(header, payload)` gives the arrays back."""

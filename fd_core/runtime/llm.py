@@ -291,6 +291,9 @@ class LLM:
     def _submit(self, request: Request, share: int | None = None, handoff: KVHandoff | None = None) -> list[Submission]:
         jobs = jobs_of(request)
         if handoff is not None:
+            if request.sampling.prompt_logprobs is not None:
+                raise ConfigError("prompt_logprobs are not handed over yet: score the prompt on an instance that "
+                                  "prefills and decodes")
             if len(jobs) != 1:
                 raise ConfigError(f"a hand-over is of one prompt with n=1, and this request makes {len(jobs)} "
                                   f"sequences; hand each over alone")

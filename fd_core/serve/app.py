@@ -237,6 +237,9 @@ class Server:
         (echo with max_tokens 0): the prompts scored, the one token generated after each not shown."""
         count = len(items) * sampling.n  # every choice is a sequence of its own in the queue
         handoff = handoff_of(request.headers, self.engine.kv_address)
+        if handoff is not None and count != 1:
+            raise ApiError(400, f"a hand-over is of one prompt with n=1, and this request makes {count} sequences; "
+                                f"send each prompt and choice alone", param="n" if sampling.n > 1 else "prompt")
         self.admit(count)
         try:
             generations = await self.submit(items, sampling, tools, grammar_field, handoff)

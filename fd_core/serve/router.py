@@ -173,20 +173,23 @@ class Router:
         prefill, tried = self.choose(self.prefill), []
         started = time.monotonic()
         while True:
-            prefill.in_flight += 1
+            trying = prefill
+            trying.in_flight += 1
             try:
-                handed = await self.client.post(prefill.url + path, content=body,
+                handed = await self.client.post(trying.url + path, content=body,
                                                 headers={**headers, SEND_TO: address})
                 break
             except httpx.HTTPError as exc:
-                prefill.down(f"POST {path} failed ({type(exc).__name__}: {exc})")
-                tried.append(prefill)
+                trying.down(f"POST {path} failed ({type(exc).__name__}: {exc})")
+                tried.append(trying)
                 if not any(i.up and i not in tried for i in self.prefill):
                     self.count("prefill", "unreachable")
-                    raise _unreachable(prefill, exc) from None
+                    raise _unreachable(trying, exc) from None
                 prefill = self.choose(self.prefill, tried)
             finally:
-                prefill.in_flight -= 1
+                trying.in_flight -= 1
+        if handed.status_code >= 500:
+            decode.kv_address = None  # read again next time: the decode instance may have restarted elsewhere
         if HANDED not in handed.headers:
             # An error, or a request that ended at its first token: the prefill instance's answer is the answer.
             self.count("prefill", "answered" if handed.status_code == 200 else f"status_{handed.status_code}")

@@ -55,7 +55,7 @@ def same(got: Any, sent: list[Any]) -> str | None:
 
 class TransportSuite:
     """Every check of a KV transport: bit-exact parts, sends completed out of order, aborts on either side, a peer
-    that closed, a timeout that leaves all or nothing, addresses in use, and nothing left behind after close."""
+    that closed, a send past its timeout, and addresses in use (free again after close)."""
 
     @pytest.fixture
     def transport_name(self) -> str:

@@ -8,7 +8,7 @@ import time
 from typing import Any, Sequence
 
 from fd_core.errors import ConfigError
-from fd_core.transfer import UNCLAIMED_S, TransferState
+from fd_core.transfer import UNCLAIMED_S, TransferState, forget_oldest
 
 _LOCK = threading.Lock()
 # (listen, rank) -> that rank's transport.
@@ -21,7 +21,7 @@ class LocalTransport:
     def __init__(self, listen: str, rank: int) -> None:
         self.listen, self.rank = listen, rank
         self._inbox: dict[str, tuple[float, list[Any]]] = {}
-        self._aborted: set[str] = set()
+        self._aborted: dict[str, None] = {}  # an ordered set: forget_oldest drops the oldest
         self._states: dict[str, TransferState] = {}
         with _LOCK:
             if (listen, rank) in _ENDPOINTS:
@@ -37,8 +37,10 @@ class LocalTransport:
         # Past its timeout the copy is dropped: a send ends DONE or FAILED whole, as over any other transport.
         if target is None or time.monotonic() - start > timeout or not target._put(key, copied):
             self._states[key] = TransferState.FAILED
-            return
-        self._states[key] = TransferState.DONE
+        else:
+            self._states[key] = TransferState.DONE
+        with _LOCK:
+            forget_oldest(self._states, self._aborted)
 
     def _put(self, key: str, parts: list[Any]) -> bool:
         with _LOCK:
@@ -61,7 +63,8 @@ class LocalTransport:
     def abort(self, key: str) -> None:
         with _LOCK:
             self._inbox.pop(key, None)
-            self._aborted.add(key)
+            self._aborted[key] = None
+            forget_oldest(self._states, self._aborted)
             if self._states.get(key) is TransferState.PENDING:
                 self._states[key] = TransferState.ABORTED
 

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from fd_core.errors import ConfigError
-from fd_core.transfer import UNCLAIMED_S, TransferState, header_size, pack, unpack
+from fd_core.transfer import UNCLAIMED_S, TransferState, forget_oldest, header_size, pack, unpack
 
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 # Received files kept for reuse at most, per rank: a send into one writes into pages allocated and mapped already
@@ -103,7 +103,7 @@ class ShmTransport:
             f.write(str(os.getpid()))
         self._states: dict[str, TransferState] = {}
         self._stops: dict[str, threading.Event] = {}
-        self._aborted: set[str] = set()
+        self._aborted: dict[str, None] = {}  # an ordered set: forget_oldest drops the oldest
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="fd-kv-shm")
         self._closed = False
@@ -115,11 +115,13 @@ class ShmTransport:
     # -- sending -------------------------------------------------------------------------------
     def send(self, key: str, peer: str, parts: Sequence[Any], timeout: float) -> None:
         _word("key", key)
+        target = endpoint(_word("address", peer), self.rank)
         stop = threading.Event()
         with self._lock:
             self._states[key] = TransferState.PENDING
             self._stops[key] = stop
-        self._pool.submit(self._write, key, endpoint(_word("address", peer), self.rank), list(parts), timeout, stop)
+            forget_oldest(self._states, self._aborted)
+        self._pool.submit(self._write, key, target, list(parts), timeout, stop)
 
     def _write(self, key: str, target: str, parts: list[Any], timeout: float, stop: threading.Event) -> None:
         start = time.monotonic()
@@ -246,7 +248,8 @@ class ShmTransport:
 
     def abort(self, key: str) -> None:
         with self._lock:
-            self._aborted.add(key)
+            self._aborted[key] = None
+            forget_oldest(self._states, self._aborted)
             stop = self._stops.get(key)
         if stop is not None:
             stop.set()

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 from fd_core.errors import ConfigError
-from fd_core.transfer import UNCLAIMED_S, TransferState, pack, unpack
+from fd_core.transfer import UNCLAIMED_S, TransferState, forget_oldest, pack, unpack
 
 # Seconds a send waits for the peer to accept its connection before it fails.
 CONNECT_S = 3.0
@@ -46,7 +46,7 @@ class TcpTransport:
         self.address = endpoint(listen, rank)
         self.context = zmq.Context()
         self.inbox: dict[str, tuple[float, list[Any]]] = {}
-        self.aborted: set[str] = set()
+        self.aborted: dict[str, None] = {}  # an ordered set: forget_oldest drops the oldest
         self.states: dict[str, TransferState] = {}
         self.lock = threading.Lock()
         self.server = self.context.socket(zmq.ROUTER)
@@ -74,7 +74,12 @@ class TcpTransport:
             if not dict(poller.poll(100)):
                 continue
             frames = self.server.recv_multipart(copy=False)
-            identity, key = frames[0].bytes, frames[1].bytes.decode()
+            if len(frames) < 3:
+                continue  # not a sender of this transport: no acknowledgement
+            try:
+                identity, key = frames[0].bytes, frames[1].bytes.decode()
+            except UnicodeDecodeError:
+                continue
             if len(frames) == 3 and frames[2].bytes == b"abort":
                 with self.lock:
                     self.inbox.pop(key, None)
@@ -84,8 +89,8 @@ class TcpTransport:
             if keep:
                 try:
                     parts = unpack(frames[2].bytes, b"".join(f.buffer for f in frames[3:]), copy=False)
-                except ValueError:
-                    continue  # a malformed payload: no acknowledgement, the sender fails it
+                except Exception:  # noqa: BLE001 - a malformed payload: no acknowledgement, the sender fails it
+                    continue
                 with self.lock:
                     self.inbox[key] = (time.monotonic(), parts)
             self.server.send_multipart([identity, key.encode(), b"ok"])
@@ -105,6 +110,7 @@ class TcpTransport:
         with self.lock:
             self.states[key] = TransferState.PENDING
             self.stops[key] = stop
+            forget_oldest(self.states, self.aborted)
         self.pool.submit(self._send, key, target, list(parts), timeout, stop)
 
     def _socket(self, target: str) -> Any:
@@ -159,7 +165,8 @@ class TcpTransport:
 
     def abort(self, key: str) -> None:
         with self.lock:
-            self.aborted.add(key)
+            self.aborted[key] = None
+            forget_oldest(self.states, self.aborted)
             self.inbox.pop(key, None)
             stop = self.stops.get(key)
         if stop is not None:

@@ -95,7 +95,7 @@ def test_no_decode_instance_there_fails_the_request_in_one_line(pair: tuple[LLM,
     with pytest.raises(FdError) as caught:
         prefill.prefill(list(range(3, 30)), GREEDY, to="nobody-listens-here")
     message = str(caught.value)
-    assert "\n" not in message and "decode instance is gone or does not listen there" in message
+    assert "\n" not in message and "the decode instance is gone or does not listen there" in message
     assert _blocks(prefill) == [0]
     assert prefill.generate(list(range(3, 9)), SamplingParams(max_new_tokens=2))[0].token_ids
 
@@ -120,7 +120,7 @@ def test_another_prompt_than_the_prefilled_one_is_refused(pair: tuple[LLM, LLM])
 
     prefill, decode = pair
     handoff = prefill.prefill(list(range(3, 30)), GREEDY, to=decode.kv_address)
-    with pytest.raises(FdError, match=r"prefilled another prompt \(27 positions\) than this request's \(27\)"):
+    with pytest.raises(FdError, match=r"prefilled other prompt ids \(27 positions\) than this request's \(27\)"):
         decode.resume(dataclasses.replace(handoff, prompt_ids=tuple(range(4, 31))), GREEDY).result()
     assert _blocks(decode) == [0]
 
@@ -149,8 +149,9 @@ def test_no_transport_and_an_unknown_one_are_refused() -> None:
 
 
 def test_a_resume_that_fails_drops_what_arrives_later_under_its_key() -> None:
-    """A decode-side sequence whose keys and values never came ends with an error, and its key is aborted at the
-    transport: parts sent under it afterwards are not kept (they would sit in the inbox for nobody)."""
+    """A decode-side sequence whose keys and values never came ends with an error after transfer_timeout while another
+    sequence decodes on (the wait holds up no one), and its key is aborted at the transport: parts sent under it
+    afterwards are not kept (they would sit in the inbox for nobody)."""
     import numpy as np
 
     from fd_core.runtime.engine.loop import Job, KVHandoff
@@ -161,10 +162,23 @@ def test_a_resume_that_fails_drops_what_arrives_later_under_its_key() -> None:
     engine.transport = LocalTransport("late-receiver", 0)
     sender = LocalTransport("late-sender", 0)
     try:
+        import time
+
         engine.add(Job(1, tuple(range(3, 20)), GREEDY, handoff=KVHandoff("late", tokens=(5,))))
-        events = engine.step()
-        done = [e.done for e in events if e.done is not None]
-        assert done and done[0].finish_reason == "error" and "did not arrive within 0.2 s" in done[0].failure.message
+        engine.add(Job(2, tuple(range(4, 12)), SamplingParams(max_new_tokens=1000, ignore_eos=True)))
+        ended: dict[int, Any] = {}
+        others = 0
+        start = time.monotonic()
+        while 1 not in ended and time.monotonic() - start < 10:
+            for event in engine.step():
+                others += event.key == 2 and event.token is not None
+                if event.done is not None:
+                    ended[event.key] = event.done
+        done = ended[1]
+        assert done.finish_reason == "error" and "did not arrive within 0.2 s" in done.failure.message
+        assert others >= 2, "the other sequence waited for the hand-over"
+        engine.cancel(2)
+        engine.step()
         sender.send("late", "late-receiver", [np.zeros(3)], 5.0)
         assert engine.transport.receive("late") is None
         assert engine.pool.used == 0

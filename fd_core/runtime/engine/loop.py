@@ -267,6 +267,7 @@ class _Seq:
     # arrived and wait for its blocks (parts: [meta, layer 0's keys, its values, ...] as host arrays).
     awaiting: bool = False
     parts: list[Any] | None = None
+    arrive_by: float | None = None  # time.monotonic() past which they are late
     # The tokens the prefill instance chose, as events to give out once their keys and values are here.
     handed: list["Event"] = field(default_factory=list)
 
@@ -406,6 +407,7 @@ class Engine:
     _cancelled: set[int] = field(default_factory=set)
     _grammars: "Grammars | None" = None  # built at the first sequence with a grammar (SamplingParams.grammar)
     _order: Any = field(default_factory=count)
+    _ended: list[Event] = field(default_factory=list)  # sequences scheduling ended (a hand-over it could not write)
 
     def __post_init__(self) -> None:
         context = self.runner.config.max_position_embeddings
@@ -560,6 +562,8 @@ class Engine:
             self._retire(events)
             self._arrive(events)
             prefills, decodes = self._schedule()
+            events += self._ended
+            self._ended.clear()
             riders = self._riders(prefills, decodes)
             if riders:
                 decodes = [seq for seq in decodes if seq not in riders]
@@ -675,13 +679,23 @@ class Engine:
             if held.get(owner, 0) >= slots and any(w.job.owner != owner for w in self._waiting):
                 index += 1
                 continue
+            if seq.awaiting:  # its keys and values are not here yet: the others are not held up by it
+                index += 1
+                continue
             if seq.parts is not None:  # its prompt's keys and values arrived: into its blocks, then it decodes
                 need = self._blocks_for(seq, len(seq.ids))
                 if need > self.pool.available:
                     break
                 seq.blocks += self.pool.allocate(need)
-                self._write_parts(seq)
                 del self._waiting[index]
+                try:
+                    self._write_parts(seq)
+                except Exception as exc:  # noqa: BLE001 - this sequence ends with it; the others go on
+                    self.pool.free(seq.blocks)
+                    seq.blocks, seq.parts = [], None
+                    seq.reason, seq.failure = "error", SequenceFailure.of(exc)
+                    self._ended.append(self._finish(seq, final=False))
+                    continue
                 seq.admitted, seq.order = True, next(self._order)
                 self._running.append(seq)
                 held[owner] = held.get(owner, 0) + 1
@@ -723,38 +737,62 @@ class Engine:
 
     # -- disaggregation ------------------------------------------------------------------------
     def _arrive(self, events: list[Event]) -> None:
-        """Take the keys and values of each waiting sequence handed over from a prefill instance. The prefill instance
-        reports a hand-over only once its transport says the parts are here (DONE), so they are waited for only
-        briefly; a sequence whose parts do not come within transfer_timeout ends with an error."""
-        for seq in [s for s in self._waiting if s.awaiting]:
+        """Look, once a step, for the keys and values of each waiting sequence handed over from a prefill instance (the
+        other sequences go on meanwhile). One whose parts are here on every rank becomes admissible; one whose parts
+        did not come within transfer_timeout, or are not this model's, ends with an error on every rank."""
+        awaiting = [s for s in self._waiting if s.awaiting]
+        if not awaiting:
+            return
+        now = time.monotonic()
+        problems: list[BaseException | None] = []
+        for seq in awaiting:
             handoff = seq.job.handoff
             assert handoff is not None
+            problem: BaseException | None = None
             try:
                 if self.transport is None:
                     raise ConfigError(f"a handed-over request needs a KV transport on this instance: pass "
                                       f"{setting('kv_transport')}")
-                start = time.perf_counter()
-                parts = self.transport.receive(handoff.key)
-                while parts is None and time.perf_counter() - start < self.transfer_timeout:
-                    time.sleep(0.002)
+                seq.arrive_by = seq.arrive_by or now + self.transfer_timeout
+                if seq.parts is None:
                     parts = self.transport.receive(handoff.key)
-                if parts is None:
+                    if parts is not None:
+                        self._check_parts(seq, parts)
+                        seq.parts = parts
+                        self.kv_received_tokens += len(seq.job.prompt)
+                        self.kv_received_bytes += sum(int(p.nbytes) for p in parts)
+                if seq.parts is None and now > seq.arrive_by:
                     raise FdError(f"the keys and values of handed-over request {handoff.key!r} did not arrive within "
                                   f"{self.transfer_timeout:g} s; the prefill instance reports a hand-over only once "
                                   f"they are here: check that it sent them to this instance's transfer address")
-                self.transfer_s += time.perf_counter() - start
-                self._check_parts(seq, parts)
             except Exception as exc:  # noqa: BLE001 - this sequence ends with it; the others go on
+                problem = exc
+            problems.append(problem)
+        # Every rank decides alike: a sequence goes on once its parts are here on every rank, and ends on every rank
+        # when any rank found them late or wrong.
+        here = self._agree([int(seq.parts is not None) for seq in awaiting], every=True)
+        failed = self._agree([int(p is not None) for p in problems], every=False)
+        for seq, ready, fails, problem in zip(awaiting, here, failed, problems, strict=True):
+            if fails:
                 self._waiting.remove(seq)
                 self._discard(seq)
-                self._fail(seq, exc, events)
-                continue
-            seq.awaiting, seq.parts = False, parts
-            # Its stream begins with what the prefill instance chose, as if chosen here.
-            events += seq.handed
-            seq.handed = []
-            self.kv_received_tokens += len(seq.job.prompt)
-            self.kv_received_bytes += sum(int(p.nbytes) for p in parts)
+                self._fail(seq, problem or FdError("another rank could not take this handed-over request's keys and "
+                                                   "values (its error is in that rank's report)"), events)
+            elif ready:
+                seq.awaiting = False
+                # Its stream begins with what the prefill instance chose, as if chosen here.
+                events += seq.handed
+                seq.handed = []
+
+    def _agree(self, flags: list[int], every: bool) -> list[bool]:
+        """Each flag combined over the ranks (one all-reduce at tp > 1): true on every rank (`every`), or on any."""
+        if self.runner.backend.parallel.tp_size == 1 or not flags:
+            return [bool(f) for f in flags]
+        import numpy as np
+
+        ranks = self.runner.backend.parallel.tp_size
+        summed = self.runner.backend.all_reduce(host_tensor(np.asarray(flags, dtype=np.float32))).numpy()
+        return [bool(v >= ranks - 0.5) if every else bool(v > 0.5) for v in summed.tolist()]
 
     def _discard(self, seq: _Seq) -> None:
         """A handed-over sequence that ends before its keys and values were taken: the transport drops them, and
@@ -777,7 +815,7 @@ class Engine:
                               f"model, checkpoint, dtype and tp")
         sent = parts[0].tolist()
         if sent != [prompt, _digest(seq.job.prompt)]:
-            raise ConfigError(f"handed-over request {key!r}: the prefill instance prefilled another prompt "
+            raise ConfigError(f"handed-over request {key!r}: the prefill instance prefilled other prompt ids "
                               f"({sent[0]} positions) than this request's ({prompt}): both instances must make the "
                               f"same ids of a request (the same checkpoint: tokenizer and chat template)")
         dtype = {"bfloat16": "uint16"}.get(self.runner.config.dtype, self.runner.config.dtype)
@@ -809,11 +847,32 @@ class Engine:
 
     def _hand_off(self, seq: _Seq) -> None:
         """Send its prompt's keys and values to the decode instance (its first token chosen), and wait until they are
-        there: the caller then hands the request over, and the decode instance finds them at once."""
-        import numpy as np
-
+        there on every rank: the caller then hands the request over, and the decode instance finds them at once."""
         handoff = seq.job.handoff
         assert handoff is not None and handoff.send_to is not None
+        start = time.perf_counter()
+        state, problem, sent = TransferState.FAILED, None, 0
+        try:
+            state, sent = self._send(seq, handoff.key, handoff.send_to)
+        except Exception as exc:  # noqa: BLE001 - raised below, once every rank has said how its part went
+            problem = exc
+        self.transfer_s += time.perf_counter() - start
+        # Handed over only when every rank's part is there: one rank's failure fails the request on all of them.
+        agreed = self._agree([int(problem is None and state is TransferState.DONE)], every=True)[0]
+        if problem is not None:
+            raise problem
+        if not agreed:
+            why = ("this rank's part went, another rank's did not" if state is TransferState.DONE
+                   else f"it ended {state.value if state.final else 'unfinished'}")
+            raise FdError(f"sending the keys and values of request {handoff.key!r} to {handoff.send_to!r} failed "
+                          f"({why}): the decode instance is gone or does not listen there; its blocks here are freed")
+        self.kv_sent_tokens += len(seq.job.prompt)
+        self.kv_sent_bytes += sent
+
+    def _send(self, seq: _Seq, key: str, peer: str) -> tuple[TransferState, int]:
+        """Its prompt's keys and values read out (read_kv) and sent; the send's final state and its bytes."""
+        import numpy as np
+
         if self.transport is None:
             raise ConfigError(f"handing a request over needs a KV transport on this instance: pass "
                               f"{setting('kv_transport')}")
@@ -828,23 +887,17 @@ class Engine:
         prompt = len(seq.job.prompt)
         slots = host_tensor(np.asarray([self._slot(seq, p) for p in range(prompt)], dtype=np.int64))
         parts: list[Any] = [np.asarray([prompt, _digest(seq.job.prompt)], dtype=np.int64),
-                 np.frombuffer(self.runner.identity().encode(), dtype=np.uint8)]
+                            np.frombuffer(self.runner.identity().encode(), dtype=np.uint8)]
         parts += [np.ascontiguousarray(t.numpy()) for t in model.read_kv(slots)]  # type: ignore[union-attr]
-        self.transport.send(handoff.key, handoff.send_to, parts, self.transfer_timeout)
-        state = self.transport.state(handoff.key)
+        self.transport.send(key, peer, parts, self.transfer_timeout)
+        state = self.transport.state(key)
         while state is TransferState.PENDING:
             if time.perf_counter() - start > self.transfer_timeout + 1.0:  # the transport's own timeout did not end it
-                self.transport.abort(handoff.key)
+                self.transport.abort(key)
                 break
             time.sleep(0.0005)
-            state = self.transport.state(handoff.key)
-        self.transfer_s += time.perf_counter() - start
-        if state is not TransferState.DONE:
-            raise FdError(f"sending the keys and values of request {handoff.key!r} to {handoff.send_to!r} ended "
-                          f"{state.value if state.final else 'unfinished'}: the decode instance is gone or does not "
-                          f"listen there; its blocks here are freed")
-        self.kv_sent_tokens += prompt
-        self.kv_sent_bytes += sum(int(p.nbytes) for p in parts)
+            state = self.transport.state(key)
+        return state, sum(int(p.nbytes) for p in parts)
 
     def _chunk(self, seq: _Seq, budget: int) -> int:
         """How many of a text prompt's pending tokens the step may prefill within `budget` (a scored prompt's at most
@@ -1427,6 +1480,8 @@ class Engine:
             if self._grammars is None:
                 self._grammars = grammars_for(self.tokenizer, vocab, seq.job.eos_ids or None)
             seq.constraint = self._grammars.matcher(seq.job.sampling.grammar or "")
+            for token in seq.tokens:  # a handed-over sequence's tokens, chosen under the same grammar there
+                seq.constraint.advance(token)
         return seq.constraint
 
     def _push(self, seq: _Seq, token: int, events: list[Event]) -> None:
