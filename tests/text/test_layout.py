@@ -16,6 +16,6 @@ def test_importing_the_runtime_imports_no_paddle() -> None:
 def test_the_runtime_exports_what_users_need_and_nothing_private() -> None:
     import fd_core.runtime as runtime
 
-    assert sorted(runtime.__all__) == ["Completion", "LLM", "Piece", "SamplingParams", "Submission", "TokenLogprob",
-                                       "Tokenizer", "load_tokenizer"]
+    assert sorted(runtime.__all__) == ["Completion", "Handoff", "LLM", "Piece", "SamplingParams", "Submission",
+                                       "TokenLogprob", "Tokenizer", "load_tokenizer"]
     assert all(not name.startswith("_") for name in runtime.__all__)
