@@ -4,8 +4,8 @@ The instance listening at HOST:PORT has rank r bind a ROUTER socket at tcp://HOS
 thread of the sender's own through one DEALER socket per peer: the key, a header (fd_core.transfer.pack) and the
 parts as frames, sent without a copy; the receiver keeps them and acknowledges, and the acknowledgement is the
 hand-over (DONE). A peer that accepts no connection within CONNECT_S (or the send's timeout, if shorter) is gone
-(FAILED); a send that is not acknowledged within its timeout is FAILED too, and an abort follows it so that the
-receiver drops what may still arrive. ZeroMQ's own I/O thread does the socket work.
+(FAILED); a send that is not acknowledged within its timeout, or is aborted, is final only once the receiver has
+said it dropped what arrived (or CONNECT_S has passed: the peer is gone). ZeroMQ's own I/O thread does the socket work.
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ class TcpTransport:
             if len(frames) == 3 and frames[2].bytes == b"abort":
                 with self.lock:
                     self.inbox.pop(key, None)
+                self.server.send_multipart([identity, key.encode(), b"dropped"])
                 continue
             with self.lock:
                 keep = key not in self.aborted
@@ -139,7 +140,7 @@ class TcpTransport:
                 while not stop.is_set() and time.monotonic() - start < timeout:
                     if socket.poll(50, zmq.POLLIN):
                         reply = socket.recv_multipart()
-                        if reply[0].decode() == key:
+                        if reply[0].decode() == key and reply[-1] == b"ok":
                             state = TransferState.DONE
                             break
                 if stop.is_set() and state is not TransferState.DONE:
@@ -148,15 +149,25 @@ class TcpTransport:
             state = TransferState.FAILED
         finally:
             if sent and state is not TransferState.DONE:
-                self._tell_abort(target, key)  # what may still arrive there is dropped
+                self._tell_abort(target, key)  # what arrived there is dropped before the state is final
             with self.lock:
                 self.states[key] = state
                 self.stops.pop(key, None)
 
     def _tell_abort(self, target: str, key: str) -> None:
+        """Have the peer drop what it holds under `key`, and wait (at most CONNECT_S) until it says it did: a send that
+        ends FAILED or ABORTED leaves nothing there."""
+        zmq = self.zmq
         try:
-            self._socket(target).send_multipart([key.encode(), b"abort"], flags=self.zmq.NOBLOCK)
-        except self.zmq.ZMQError:
+            socket = self._socket(target)
+            socket.send_multipart([key.encode(), b"abort"], flags=zmq.NOBLOCK)
+            deadline = time.monotonic() + CONNECT_S
+            while time.monotonic() < deadline:
+                if socket.poll(50, zmq.POLLIN):
+                    reply = socket.recv_multipart()
+                    if reply[0].decode() == key and reply[-1] == b"dropped":
+                        return
+        except zmq.ZMQError:
             pass  # the peer is gone: nothing of it to drop
 
     def state(self, key: str) -> TransferState:
