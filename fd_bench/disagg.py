@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from fd_bench.report import Line
+from fd_bench.serving_load import percentile
 
 POSITIONS, LAYERS, KV_HEADS, HEAD_DIM = 1024, 18, 2, 128
 SHORT_CLIENTS, SHORT_IDS, SHORT_TOKENS = 4, 128, 64
@@ -185,13 +186,8 @@ def _load(url: str, vocab: int, longs: int) -> dict[str, Any]:
     return {"gaps": gaps, "short_ttft": short_ttft, "long_ttft": long_ttft}
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
 def _summary(m: dict[str, Any]) -> dict[str, float]:
-    return {"itl_p50_ms": _percentile(m["gaps"], 0.5) * 1e3, "itl_p99_ms": _percentile(m["gaps"], 0.99) * 1e3,
+    return {"itl_p50_ms": percentile(m["gaps"], 0.5) * 1e3, "itl_p99_ms": percentile(m["gaps"], 0.99) * 1e3,
             "long_ttft_p50_ms": statistics.median(m["long_ttft"]) * 1e3,
             "short_ttft_p50_ms": statistics.median(m["short_ttft"]) * 1e3, "gaps": len(m["gaps"])}
 

@@ -71,7 +71,7 @@ def _round(url: str, clients: int, seed: int, tokens: int, vocab: int) -> dict[s
             "chunks_per_token": all(len(r["arrivals"]) == tokens for r in results)}
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
@@ -93,8 +93,8 @@ def measure(checkpoint: Path, tp: int = 1, rounds: int = 1, clients: tuple[int, 
                 raise RuntimeError(f"fd serve streamed no tokens to {n * rounds - len(ttft)} of {n * rounds} "
                                    f"requests at {n} client(s): nothing to time")
             out[n] = {"tok_s": statistics.median(d["tok_s"] for d in done),
-                      "ttft_p50_ms": _percentile(ttft, 0.5) * 1e3, "ttft_max_ms": max(ttft) * 1e3,
-                      "itl_p50_ms": _percentile(gaps, 0.5) * 1e3, "itl_p99_ms": _percentile(gaps, 0.99) * 1e3,
+                      "ttft_p50_ms": percentile(ttft, 0.5) * 1e3, "ttft_max_ms": max(ttft) * 1e3,
+                      "itl_p50_ms": percentile(gaps, 0.5) * 1e3, "itl_p99_ms": percentile(gaps, 0.99) * 1e3,
                       "chunk_per_token": all(d["chunks_per_token"] for d in done), "rounds": rounds}
         return out
     finally:

@@ -834,11 +834,9 @@ class Engine:
 
     def _write_parts(self, seq: _Seq) -> None:
         """Its handed-over prompt's keys and values into its blocks (the model's write_kv); its prompt is computed."""
-        import numpy as np
-
         assert seq.parts is not None
         prompt = len(seq.job.prompt)
-        slots = host_tensor(np.asarray([self._slot(seq, p) for p in range(prompt)], dtype=np.int64))
+        slots = self._prompt_slots(seq)
         dtype = self.runner.config.dtype
         parts = [host_tensor(p).astype(dtype) for p in seq.parts[2:]]
         self.runner.model.write_kv(slots, parts)  # type: ignore[union-attr]
@@ -885,7 +883,7 @@ class Engine:
                               f"requests cannot be handed over; run prefill and decode on one instance")
         start = time.perf_counter()
         prompt = len(seq.job.prompt)
-        slots = host_tensor(np.asarray([self._slot(seq, p) for p in range(prompt)], dtype=np.int64))
+        slots = self._prompt_slots(seq)
         parts: list[Any] = [np.asarray([prompt, _digest(seq.job.prompt)], dtype=np.int64),
                             np.frombuffer(self.runner.identity().encode(), dtype=np.uint8)]
         parts += [np.ascontiguousarray(t.numpy()) for t in model.read_kv(slots)]  # type: ignore[union-attr]
@@ -966,6 +964,12 @@ class Engine:
 
     def _slot(self, seq: _Seq, position: int) -> int:
         return seq.blocks[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _prompt_slots(self, seq: _Seq) -> Any:
+        """The cache slots of its prompt's positions, as the model's read_kv and write_kv take them (a hand-over)."""
+        import numpy as np
+
+        return host_tensor(np.asarray([self._slot(seq, p) for p in range(len(seq.job.prompt))], dtype=np.int64))
 
     @contextlib.contextmanager
     def _fingerprinting(self) -> Iterator[None]:
