@@ -124,3 +124,20 @@ def test_a_group_mlas_has_no_kernel_for_is_served_by_paddle() -> None:
     x = _tensor(2, 960)
     np.testing.assert_allclose(quant_matmul(x, prepared, kept, 8).numpy(),
                                native_ops.quant_matmul(x, values, scales, 8).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_leading_dimensions_an_odd_k_and_a_strided_x_are_bound_as_rows() -> None:
+    """The product binds x's memory by address with its leading dimensions taken as rows: a [2, 3, K] x, a strided
+    view of a wider tensor (copied to contiguous first) and a 4-bit weight of odd K (x given a zero column) all give
+    the native op's result in x's leading shape. A binding that read the view's parent, or dropped the padding, would
+    not."""
+    values, scales = quantize(_tensor(1024, 1025), 4)
+    prepared, folded = prepare_quant(values.clone(), scales.clone(), 4)
+    assert isinstance(prepared, mlas.MlasQuantProduct) and prepared.k == 1026
+    wide = _tensor(2, 3, 2050)
+    x = wide[:, :, ::2]
+    assert not x.is_contiguous()
+    got = quant_matmul(x, prepared, folded, 4)
+    assert list(got.shape) == [2, 3, 1024]
+    want = native_ops.quant_matmul(x.contiguous(), values, scales, 4)
+    assert compare("quant_matmul", got, want, "float32", (x.contiguous(), values, scales, 4), native_ops) is None
