@@ -55,6 +55,9 @@ ROWS: dict[str, str] = {
     "disagg": ("prefill and decode on separate instances: a 0.3B-size prompt's keys and values through the shm and tcp "
                "transports vs a memory copy; inter-token latency of 4 decoding streams while 1,024-id prompts arrive, "
                "prefill and decode instances on a core each behind the router vs one fd serve on both"),
+    "llamacpp": ("llama.cpp beside fd on the same ERNIE-4.5-0.3B weights (its own converter): batch 1 decode in f32, "
+                 "q8_0 and q4_0 vs fd float32, wint8 and wint4; llama-server vs fd serve at 1, 4 and 8 clients; the "
+                 "same greedy tokens (needs FD_LLAMA_CPP, a llama.cpp build)"),
 }
 DEFAULT_JSON = Path("benchmarks/results/latest.json")
 # A smoke run (CI) must not overwrite the recorded full run.
@@ -161,6 +164,10 @@ def _runners(selected: list[str], smoke: bool) -> list[tuple[tuple[str, ...], Ca
         from fd_bench import disagg
 
         jobs.append((("disagg",), lambda: disagg.transfer_rows() + disagg.serving_rows(smoke)))
+    if "llamacpp" in chosen:
+        from fd_bench import llamacpp
+
+        jobs.append((("llamacpp",), lambda: llamacpp.llamacpp_rows(smoke)))
     paged_rows = {"prefix": "prefix_rows", "capacity": "capacity_rows", "chunked": "chunked_rows",
                   "decode_paged": "decode_rows"}
     for row, function in paged_rows.items():

@@ -5,8 +5,8 @@ first token, and the gaps between a stream's tokens (inter-token latency), p50 a
 
     python -m fd_bench.serving_load [CHECKPOINT [TP [ROUNDS]]]   # or: fd bench --rows serving
 
-Prompts differ in every request of every round (no prefix is cached across them). llama-server beside it (issue
-52's comparison) is not built here: its figures in docs/benchmarks.md are the issue's.
+Prompts differ in every request of every round (no prefix is cached across them). llama-server beside it, on the
+same weights and requests, is the `llamacpp` row (fd_bench/llamacpp.py), which needs a llama.cpp build.
 """
 
 from __future__ import annotations
@@ -32,25 +32,30 @@ def _vocab(checkpoint: Path) -> int:
     return int(json.loads((checkpoint / "config.json").read_text())["vocab_size"])
 
 
-def stream(client: Any, url: str, ids: list[int], tokens: int) -> dict[str, Any]:
-    """One streamed completion: its first token's delay and every token's arrival (seconds from the request)."""
-    body = {"prompt": ids, "max_tokens": tokens, "stream": True, "ignore_eos": True, "temperature": 0,
-            "return_token_ids": True}
+def stream(client: Any, url: str, ids: list[int], tokens: int, llama: bool = False) -> dict[str, Any]:
+    """One streamed completion: its first token's delay and every token's arrival (seconds from the request). With
+    `llama`, the same request in llama-server's own form (its /completion endpoint, ids as "tokens")."""
+    if llama:
+        path, body = "/completion", {"prompt": ids, "n_predict": tokens, "stream": True, "ignore_eos": True,
+                                     "temperature": 0, "return_tokens": True, "cache_prompt": False}
+    else:
+        path, body = "/v1/completions", {"prompt": ids, "max_tokens": tokens, "stream": True, "ignore_eos": True,
+                                         "temperature": 0, "return_token_ids": True}
     start = time.perf_counter()
     arrivals: list[float] = []
-    with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+    with client.stream("POST", f"{url}{path}", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: {"):
                 continue
             data = json.loads(line[6:])
-            for choice in data["choices"]:
-                # One arrival per token the chunk carries (a chunk per token is what the server promises for ids).
-                arrivals.extend([time.perf_counter() - start] * len(choice.get("token_ids") or []))
+            # One arrival per token the chunk carries (a chunk per token is what the server promises for ids).
+            for ids_of_chunk in ([data.get("tokens")] if llama else [c.get("token_ids") for c in data["choices"]]):
+                arrivals.extend([time.perf_counter() - start] * len(ids_of_chunk or []))
     return {"ttft": arrivals[0] if arrivals else None, "arrivals": arrivals}
 
 
-def _round(url: str, clients: int, seed: int, tokens: int, vocab: int) -> dict[str, Any]:
+def _round(url: str, clients: int, seed: int, tokens: int, vocab: int, llama: bool = False) -> dict[str, Any]:
     """`clients` streams at once, each of its own random prompt (no two requests share a cached block)."""
     import httpx
 
@@ -59,7 +64,8 @@ def _round(url: str, clients: int, seed: int, tokens: int, vocab: int) -> dict[s
         start = time.perf_counter()
         with ThreadPoolExecutor(clients) as pool:
             results = list(pool.map(
-                lambda c: stream(http[c], url, random_ids(PROMPT_IDS, seed + c, vocab), tokens), range(clients)))
+                lambda c: stream(http[c], url, random_ids(PROMPT_IDS, seed + c, vocab), tokens, llama),
+                range(clients)))
         wall = time.perf_counter() - start
     finally:
         for client in http:
@@ -78,28 +84,35 @@ def percentile(values: list[float], q: float) -> float:
 
 def measure(checkpoint: Path, tp: int = 1, rounds: int = 1, clients: tuple[int, ...] = CLIENTS,
             tokens: int = TOKENS, extra: tuple[str, ...] = ()) -> dict[int, dict[str, Any]]:
-    """Each client count's aggregate tok/s (median of the rounds), TTFT and inter-token latency over every round."""
+    """`fd serve` on the checkpoint: measure_url's figures."""
     # start_server runs tp=1; a later --tp wins.
     process, url = start_server(checkpoint, (*(("--tp", str(tp)) if tp != 1 else ()), *extra))
     try:
-        vocab = _vocab(checkpoint)
-        _round(url, 1, 10_000, 4, vocab)  # warm-up: first calls, allocations
-        out: dict[int, dict[str, Any]] = {}
-        for n in clients:
-            done = [_round(url, n, 1000 * r + 100 * n, tokens, vocab) for r in range(rounds)]
-            ttft = [t for d in done for t in d["ttft"]]
-            gaps = [g for d in done for g in d["gaps"]]
-            if len(ttft) < n * rounds or not gaps:
-                raise RuntimeError(f"fd serve streamed no tokens to {n * rounds - len(ttft)} of {n * rounds} "
-                                   f"requests at {n} client(s): nothing to time")
-            out[n] = {"tok_s": statistics.median(d["tok_s"] for d in done),
-                      "ttft_p50_ms": percentile(ttft, 0.5) * 1e3, "ttft_max_ms": max(ttft) * 1e3,
-                      "itl_p50_ms": percentile(gaps, 0.5) * 1e3, "itl_p99_ms": percentile(gaps, 0.99) * 1e3,
-                      "chunk_per_token": all(d["chunks_per_token"] for d in done), "rounds": rounds}
-        return out
+        return measure_url(url, checkpoint, clients, tokens, rounds=rounds)
     finally:
         process.terminate()
         process.wait(60)
+
+
+def measure_url(url: str, checkpoint: Path, clients: tuple[int, ...] = CLIENTS, tokens: int = TOKENS,
+                llama: bool = False, rounds: int = 1) -> dict[int, dict[str, Any]]:
+    """Each client count's aggregate tok/s (median of the rounds), TTFT and inter-token latency over every round,
+    from the server at `url` (llama-server's own endpoint with `llama`)."""
+    vocab = _vocab(checkpoint)
+    _round(url, 1, 10_000, 4, vocab, llama)  # warm-up: first calls, allocations
+    out: dict[int, dict[str, Any]] = {}
+    for n in clients:
+        done = [_round(url, n, 1000 * r + 100 * n, tokens, vocab, llama) for r in range(rounds)]
+        ttft = [t for d in done for t in d["ttft"]]
+        gaps = [g for d in done for g in d["gaps"]]
+        if len(ttft) < n * rounds or not gaps:
+            raise RuntimeError(f"the server at {url} streamed no tokens to {n * rounds - len(ttft)} of {n * rounds} "
+                               f"requests at {n} client(s): nothing to time")
+        out[n] = {"tok_s": statistics.median(d["tok_s"] for d in done),
+                  "ttft_p50_ms": percentile(ttft, 0.5) * 1e3, "ttft_max_ms": max(ttft) * 1e3,
+                  "itl_p50_ms": percentile(gaps, 0.5) * 1e3, "itl_p99_ms": percentile(gaps, 0.99) * 1e3,
+                  "chunk_per_token": all(d["chunks_per_token"] for d in done), "rounds": rounds}
+    return out
 
 
 def serving_rows(smoke: bool) -> list[Line]:
