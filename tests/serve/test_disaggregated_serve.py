@@ -2,7 +2,7 @@
 through the `shm` transport: the router's answers equal the decode instance's own (streamed and whole, completions and
 chat, greedy and seeded sampling with logprobs, 8 clients at once); a decode instance killed mid-stream gives the client
 an error event naming it within 30 s, leaves the router up (503 naming the stage while none is left) and no block in
-use on the prefill side."""
+use on the prefill side; a prefill instance that hangs or dies is left out and its requests prefilled elsewhere."""
 
 from __future__ import annotations
 
@@ -152,6 +152,46 @@ def test_a_decode_instance_killed_mid_stream(roles: tuple[Served, Served, Served
     wait_for(lambda: metric(httpx.get(prefill.url + "/metrics").text, "fd_kv_cache_blocks_used") == 0, 10,
              "the prefill instance's blocks freed")
     assert left_over(decode.marker) == []
+
+
+def test_a_prefill_instance_that_hangs_or_dies_is_left_out() -> None:
+    """Own instances (the module's are shared): two prefill instances behind a router whose timeout is 3 s. One frozen
+    mid-request (SIGSTOP) costs that request the timeout, then it is prefilled on the other and answered as the decode
+    instance answers it alone; the next request skips the frozen one at once. With both prefill instances gone, a
+    request gets a 503 naming the prefill stage within seconds, not a hang; the decode instance holds no block."""
+    decode = start_server(["--role", "decode"])
+    hung = start_server(["--role", "prefill"])
+    other = start_server(["--role", "prefill"])
+    router = start_server(["--role", "router", "--prefill", hung.url, "--prefill", other.url, "--decode", decode.url,
+                           "--router-timeout", "3"])
+    try:
+        status, want = _post(decode.url, "/v1/completions", COMPLETION)
+        assert status == 200, want
+        os.kill(hung.process.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        status, answer = _post(router.url, "/v1/completions", COMPLETION)  # the first choice is the frozen one
+        took = time.monotonic() - started
+        assert status == 200 and _shown(answer) == _shown(want), answer
+        assert 3 <= took < 20, took
+        started = time.monotonic()
+        status, answer = _post(router.url, "/v1/completions", COMPLETION)
+        assert status == 200 and _shown(answer) == _shown(want) and time.monotonic() - started < 3, answer
+        os.killpg(hung.process.pid, signal.SIGKILL)
+        hung.process.wait(10)
+        finish(other)
+        started = time.monotonic()
+        status, answer = _post(router.url, "/v1/completions", COMPLETION)
+        assert status == 503 and "prefill instance" in answer["error"]["message"], answer
+        assert time.monotonic() - started < 10
+        assert metric(httpx.get(decode.url + "/metrics").text, "fd_kv_cache_blocks_used") == 0
+    finally:
+        for served in (router, decode, other):
+            if served.process.poll() is None:
+                finish(served)
+        if hung.process.poll() is None:
+            os.killpg(hung.process.pid, signal.SIGKILL)
+            hung.process.wait(10)
+    assert left_over(hung.marker) == []
 
 
 def test_a_router_without_instances_or_options_out_of_place_are_refused() -> None:
