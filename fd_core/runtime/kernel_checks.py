@@ -580,7 +580,8 @@ def read_back_problem(
 ) -> str | None:
     """What is wrong with reading the cache back through `ops` (read_kv_cache after write_kv_cache, the platform's
     layout), or None: random keys and values written at every slot of a pool in a random order (the pool's last block
-    and partial blocks included) must come back bit for bit when read in another order, and reading writes nothing."""
+    and partial blocks included) must come back bit for bit when read in another order, reading writes nothing, and
+    writing a few slots again changes no other slot (stray_write_problem)."""
     import numpy as np
     import paddle
 
@@ -614,6 +615,45 @@ def read_back_problem(
     for name, cache, held in (("k_cache", k_cache, before[0]), ("v_cache", v_cache, before[1])):
         if not np.array_equal(as_numpy(cache), held, equal_nan=True):
             return f"reading changed {name}"
+    return stray_write_problem(ops, dtype, k_cache, v_cache, slots, keys, values, block_size, rng)
+
+
+def stray_write_problem(ops: Any, dtype: str, k_cache: Any, v_cache: Any, slots: Any, keys: Any, values: Any,
+                        block_size: int, rng: Any) -> str | None:
+    """What a decode step's write did outside its own slots, or None: a few slots of the full pool (the last slot of
+    a block and the pool's last written slot among them) are written again, in calls of one, two and more tokens, and
+    every other written slot must read back as it was. A kernel that writes past a token (a tile rounded up, the next
+    slot, the next block's first) would change another sequence's keys and values, which the attention checks cannot
+    see until that sequence reads them."""
+    import numpy as np
+    import paddle
+
+    ends = np.flatnonzero(slots % block_size == block_size - 1)
+    chosen = {int(np.argmax(slots))}
+    if len(ends):
+        chosen.add(int(ends[0]))
+    chosen.update(int(i) for i in rng.choice(len(slots), size=min(3, len(slots)), replace=False))
+    again = np.asarray(sorted(chosen))
+    shape = (len(again), *keys.shape[1:])
+    new_keys = paddle.to_tensor(rng.standard_normal(shape).astype("float32")).astype(dtype)  # type: ignore[arg-type]
+    new_values = paddle.to_tensor(rng.standard_normal(shape).astype("float32")).astype(dtype)  # type: ignore[arg-type]
+    # As decode steps write them: one token, then two, then the rest in one call (a kernel may special-case few).
+    for part in np.split(np.arange(len(again)), [1, 3]):
+        if len(part):
+            ops.write_kv_cache(new_keys[int(part[0]):int(part[-1]) + 1], new_values[int(part[0]):int(part[-1]) + 1],
+                               k_cache, v_cache, paddle.to_tensor(slots[again[part]].astype(np.int64)))
+    got = ops.read_kv_cache(k_cache, v_cache, paddle.to_tensor(slots.astype(np.int64)))
+    for name, read, old, written in (("keys", got[0], keys, new_keys), ("values", got[1], values, new_values)):
+        want = as_numpy(old).copy()
+        want[again] = as_numpy(written)
+        bad = np.flatnonzero((as_numpy(read) != want).reshape(len(slots), -1).any(axis=1))
+        stray = np.setdiff1d(bad, again)
+        if len(stray):
+            given = ", ".join(str(int(s)) for s in slots[again])
+            return (f"write_kv_cache given slots {given} changed the {name} of {len(stray)} other slot(s), first slot "
+                    f"{int(slots[stray[0]])}")
+        if len(bad):
+            return f"the {name} written again at slot {int(slots[bad[0]])} did not come back"
     return None
 
 
@@ -765,8 +805,8 @@ def kernel_canary(
             size = sizes[0]
             problem = read_back_problem(ops, config.dtype, size["kv"], size["head_dim"], 5, block_size, seed=0)
             if problem:
-                raise _mismatch("read_kv_cache", [ops.providers["read_kv_cache"]], f"{config.dtype}: {problem}",
-                                platform)
+                op = "write_kv_cache" if problem.startswith("write_kv_cache") else "read_kv_cache"
+                raise _mismatch(op, [ops.providers[op]], f"{config.dtype}: {problem}", platform)
     finally:
         set_compute_threads(held)
     return checked

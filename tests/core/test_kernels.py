@@ -386,6 +386,17 @@ def test_the_suite_fails_an_off_by_one_read_kv_cache_by_its_name(example_kernels
     assert "passed   test_the_paged_kv_cache_ops_match_the_native_ones" in done.stdout
 
 
+def test_the_suite_fails_a_write_kv_cache_that_spills_by_its_name(example_kernels: Path) -> None:
+    """The example's write made to round a step of few tokens up to a tile of 4 (FD_EXAMPLE_KERNELS_BREAK): its
+    extra slots belong to other sequences, which no attention case reads; the read-back check's rewrite in
+    decode-sized calls fails it, naming write_kv_cache."""
+    done = run_fd(["check", "cpu", "-k", "read_kv"], example_kernels, {"FD_EXAMPLE_KERNELS_BREAK": "write_kv_cache"},
+                  timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert ("failed   test_read_kv_cache_gives_back_what_write_kv_cache_wrote  AssertionError: write_kv_cache "
+            "(example-kernels): float32") in done.stdout and "changed the keys of" in done.stdout, done.stdout
+
+
 def test_the_suite_fails_an_off_by_one_paged_attention_by_its_name(example_kernels: Path) -> None:
     """The example's decode attention made to skip each row's newest position (FD_EXAMPLE_KERNELS_BREAK)."""
     done = run_fd(["check", "cpu", "-k", "paged"], example_kernels, {"FD_EXAMPLE_KERNELS_BREAK": "paged_attention"},

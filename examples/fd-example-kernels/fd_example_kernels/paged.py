@@ -5,8 +5,9 @@ left out: fd would run each row through this package's paged_prefill_attention; 
 its requests could not be handed to another instance).
 
 FD_EXAMPLE_KERNELS_BREAK=paged_attention makes its decode attention skip each row's newest position, and
-FD_EXAMPLE_KERNELS_BREAK=read_kv_cache makes its read take each slot's neighbour: plausible off-by-ones that `fd check`
-must catch (the package's tests use them)."""
+FD_EXAMPLE_KERNELS_BREAK=read_kv_cache makes its read take each slot's neighbour, and
+FD_EXAMPLE_KERNELS_BREAK=write_kv_cache makes a write of fewer than 4 tokens spill copies of its last token into the
+slots after it (a tile rounded up): plausible slips that `fd check` must catch (the package's tests use them)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,13 @@ def write_kv_cache(key: Any, value: Any, k_cache: Any, v_cache: Any, slot_mappin
     import paddle
 
     block_size = k_cache.shape[1]
+    if os.environ.get("FD_EXAMPLE_KERNELS_BREAK") == "write_kv_cache" and 0 < key.shape[0] < 4:
+        # A step of few tokens written as a tile of 4: copies of its last token spill into the slots after it.
+        spill = 4 - key.shape[0]
+        pool = k_cache.shape[0] * block_size
+        slot_mapping = paddle.concat([slot_mapping, (slot_mapping[-1:] + paddle.arange(1, spill + 1)) % pool])
+        key = paddle.concat([key, key[-1:].expand([spill, *key.shape[1:]])])
+        value = paddle.concat([value, value[-1:].expand([spill, *value.shape[1:]])])
     index = (slot_mapping // block_size, slot_mapping % block_size)
     paddle.index_put_(k_cache, index, key)
     paddle.index_put_(v_cache, index, value)
