@@ -60,10 +60,12 @@ OPS: dict[str, Op] = {op.name: op for op in (
        "dtype. Prefill passes the causal mask over the new positions; a decode step passes the positions of the KV "
        "cache in use"),
     Op("sample", ("logits", "temperature", "top_k", "top_p", "uniform"),
-       "one token id per row of logits [B, V]: the argmax when temperature is 0; else the inverse-CDF draw at "
-       "uniform[b] (in [0, 1)) from softmax(logits / temperature) restricted to the top_k highest (0: all) and then "
-       "to the smallest prefix of the sorted probabilities whose mass reaches top_p; the engine draws `uniform` from "
-       "each sequence's seeded generator, so every rank chooses the same token. Returns a list of B ints",
+       "one token id per row of logits [B, V]: the argmax when temperature is 0 (ties: the lowest id); else the "
+       "inverse-CDF draw at uniform[b] (in [0, 1)), over the tokens in id order, from softmax(logits / temperature) "
+       "restricted to the top_k highest (0: all; every token tied with the k-th highest is kept) and then to the "
+       "smallest prefix of the probabilities sorted high to low (ties in id order) whose mass reaches top_p; the "
+       "engine draws `uniform` from each sequence's seeded generator, so every rank chooses the same token. Returns "
+       "a list of B ints",
        dtypes=("float32",), traced=False, tolerances={"float32": (0.0, 0.0)}),
     Op("accept_draft", ("logits", "proposals", "temperature", "top_k", "top_p", "uniform", "draft_probs"),
        "speculative decoding's acceptance (contract 1.7): logits [B, S, V] float32, row b's position i scoring the "

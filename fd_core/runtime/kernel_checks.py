@@ -15,6 +15,8 @@ from fd_core.kernels import OPS, compute_threads, set_compute_threads
 from fd_core.quantization import DEFAULT_GROUPS, bits_of, head_bits, quantize
 
 ODD = 13  # a size no vector unit divides
+# Uniforms the sample op is checked at over one row: a token's share changed by 1 / SAMPLE_GRID changes a draw.
+SAMPLE_GRID = 64
 # A decode step's one-row product at a published model's size: large enough for a kernel to split it across threads.
 LARGE = 1024
 
@@ -128,11 +130,22 @@ def cases(
                 yield f"x[2, 96] @ wint{width}[{ODD}, 96]^T in groups of 24", (t(2, 96), values, scales, width)
         elif op == "sample":
             vocab = 50 + s["hidden"]
+            # A grid of SAMPLE_GRID uniforms over one row sees any change of 1 / SAMPLE_GRID in a token's share (a
+            # top-p boundary made exclusive); logits of few distinct values put ties at the argmax, at the k-th
+            # highest and in the sorted order, where a kernel may break them the other way.
+            grid = [(i + 0.5) / SAMPLE_GRID for i in range(SAMPLE_GRID)]
+            tied = paddle.to_tensor(rng.integers(0, 6, (1, vocab)).astype("float32")).tile([SAMPLE_GRID, 1])
             for temperature, top_k, top_p in (
                 (0.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.9, 20, 0.95)
             ):
                 yield (f"logits[4, {vocab}] temperature={temperature} top_k={top_k} top_p={top_p}",
                        (t(4, vocab, kind="float32") * 3, temperature, top_k, top_p, rng.random(4).tolist()))
+                if temperature:
+                    row = t(1, vocab, kind="float32").tile([SAMPLE_GRID, 1]) * 3
+                    yield (f"one row of logits[{vocab}] at {SAMPLE_GRID} uniforms, temperature={temperature} "
+                           f"top_k={top_k} top_p={top_p}", (row, temperature, top_k, top_p, grid))
+                yield (f"tied logits[{vocab}] (6 distinct values) at {SAMPLE_GRID} uniforms, temperature="
+                       f"{temperature} top_k={top_k} top_p={top_p}", (tied, temperature, top_k, top_p, grid))
         elif op == "accept_draft":
             yield from _draft_cases(50 + s["hidden"], rng)
         elif op == "apply_penalties":
