@@ -492,6 +492,12 @@ CACHE_CASES = (
               packed=(1, 5, 1, 3, 6)),
     CacheCase("packed step, hundreds of positions, rows sharing blocks", (300, 301, 1, 257), 0, 16, 80, shared=3,
               packed=(1, 1, 70, 9)),
+    # As large as real runs, past what a kernel may special-case: 128-position partitions with a partial last one,
+    # more rows than a capture size or a 4-row tile, a prefill chunk past a 64-query tile, and pools with no block to
+    # spare (the pool's last block is in use: a cache one block short fails).
+    CacheCase("decode, nine rows of 1 to 300 positions, the whole pool in use",
+              (300, 129, 1, 257, 64, 128, 17, 200, 5), 1, 16, 77),
+    CacheCase("prefill chunk of 100 after a prefix of 37, the whole pool in use", (37, 0), 100, 16, 17),
 )
 
 
