@@ -145,14 +145,17 @@ def cmd_check(args: argparse.Namespace) -> int:
             # A vendor certifying a platform must see that someone else's model package is what failed.
             verdict += (f": only the checks of third-party model packages failed ({', '.join(sorted(failed))}); "
                         f"the platform's own checks passed")
-    elif unverified and model is not None:
-        verdict = (
-            f"not verified: {len(unverified)} check(s) could not run here "
-            f"({unverified[0].detail.removeprefix('not verified: ')})"
-        )
-        status = 0 if args.allow_unverified else EXIT_NOT_VERIFIED
     elif unverified:
-        verdict = f"not verified: {len(unverified)} check(s) need {platform}'s hardware, which is not here"
+        # A check that could not run for another reason than absent hardware (no reference, no case of its kernels
+        # in the platform's dtypes) is named by its own reason.
+        reasons = [r.detail for r in unverified if "hardware not detected here" not in r.detail]
+        if reasons or model is not None:
+            verdict = (
+                f"not verified: {len(unverified)} check(s) could not run here "
+                f"({(reasons or [unverified[0].detail])[0].removeprefix('not verified: ')})"
+            )
+        else:
+            verdict = f"not verified: {len(unverified)} check(s) need {platform}'s hardware, which is not here"
         status = 0 if args.allow_unverified else EXIT_NOT_VERIFIED
     else:
         verdict, status = "passed", 0

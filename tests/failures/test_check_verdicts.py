@@ -146,3 +146,40 @@ def test_a_broken_model_package_fails_its_own_check_not_the_platforms(distributi
         "failed (1 check(s)): only the checks of third-party model packages failed "
         "(test_installed_model_packages_run_on_this_platform); the platform's own checks passed"
     )
+
+
+# A platform computing in bfloat16 only, with a kernel for `sample` (checked in float32 only): no case of it can run.
+BF16_ONLY = """
+from fd_core import Detection, hookimpl, native_ops
+from fd_plugins.cpu import platform as _cpu
+from fd_plugins.cpu.platform import fd_all_reduce, fd_clean_memory_fragments, fd_graph_backend, fd_graph_eligibility
+
+FD_CAPABILITIES = _cpu.FD_CAPABILITIES
+
+
+@hookimpl
+def fd_platform_detect():
+    return Detection(detected=True, priority=-5, reason="bfloat16 only", device="cpu", dist_backend="gloo",
+                     max_ranks=2, dtypes=("bfloat16",))
+
+
+def sample(logits, temperature, top_k, top_p, uniform):
+    return native_ops.sample(logits, temperature, top_k, top_p, uniform)
+
+
+@hookimpl
+def fd_register_kernels(register):
+    register("sample", sample)
+"""
+
+
+def test_a_kernel_check_that_ran_no_case_is_not_verified(distribution) -> None:
+    """A kernel registered for an op the platform's dtypes give no case of: the check ran nothing, and fd check says
+    so and exits 3, never 0 (ggml's test-backend-ops lesson: a run of only unsupported cases must not print OK)."""
+    site = distribution("fd-bf16-only", {"bf16_only": BF16_ONLY}, {"fd.platforms": {"bf16_only": "bf16_only"}})
+    done = run_fd(["check", "bf16_only", "-k", "every_kernel"], site, timeout=300)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "not verified: bf16_only: no kernel case ran: the ops define no tolerance for sample in bfloat16" in \
+        done.stdout, done.stdout
+    assert ("verdict: not verified: 1 check(s) could not run here (bf16_only: no kernel case ran: the ops define no "
+            "tolerance for sample in bfloat16)") in done.stdout, done.stdout
