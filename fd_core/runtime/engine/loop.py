@@ -1394,16 +1394,7 @@ class Engine:
             every = sample(logits, 0.0, 0, 1.0, [0.0] * int(logits.shape[0]))
             chosen = [None if n in failed else int(every[i]) for n, i in enumerate(at)]
         else:
-            chosen = []
-            for n, (seq, i) in enumerate(zip(seqs, at, strict=True)):
-                if n in failed:
-                    chosen.append(None)
-                    continue
-                try:
-                    chosen.append(seq.sampler.choose(processed[n] if n in processed else logits[i : i + 1], sample)[0])
-                except Exception as exc:  # noqa: BLE001 - the sequence ends with it; the others go on
-                    self._fail(seq, exc, events)
-                    chosen.append(None)
+            chosen = self._draw(logits, seqs, at, processed, failed, events)
         # Only rank 0 reports them (the others send their tokens alone); computing them fails no sequence, so every
         # rank ends the same sequences.
         reporting = self.rank is None or self.rank.rank == 0
@@ -1418,6 +1409,36 @@ class Engine:
                 kept.append(logprob)
         self.choose_s += time.perf_counter() - start
         self.choose_calls += 1
+        return chosen
+
+    def _draw(self, logits: Any, seqs: Sequence[_Seq], at: Sequence[int], processed: dict[int, Any], failed: set[int],
+              events: list[Event]) -> list[int | None]:
+        """Each sequence's token through one sample call for all the rows that share temperature, top-k and top-p
+        (the op takes a batch: a device kernel draws them together), each row at its own sequence's uniform. Those
+        are drawn once, before the call: a call that fails is retried row by row (_each) at the same numbers, so the
+        sequences it does not fail for get the tokens they would have got."""
+        import paddle
+
+        sample = self.runner.backend.ops.sample
+        chosen: list[int | None] = [None] * len(seqs)
+        # Rows processed on the host apart from the model's own (which may be on a device): one call never mixes them.
+        groups: dict[tuple[float, int, float, bool], list[int]] = {}
+        for n, seq in enumerate(seqs):
+            if n not in failed:
+                p = seq.job.sampling
+                params = (0.0, 0, 1.0) if p.greedy else (p.temperature, p.top_k, p.top_p)
+                groups.setdefault((*params, n in processed), []).append(n)
+        for (temperature, top_k, top_p, _), members in groups.items():
+            rows = [processed[n] if n in processed else logits[at[n] : at[n] + 1] for n in members]
+            uniforms = [seqs[n].sampler.uniforms()[0] for n in members]
+
+            def draw(picked: list[int], rows: list[Any] = rows, uniforms: list[float] = uniforms,
+                     params: tuple[float, int, float] = (temperature, top_k, top_p)) -> list[int]:
+                batch = rows[picked[0]] if len(picked) == 1 else paddle.concat([rows[k] for k in picked])
+                return [int(t) for t in sample(batch, *params, [uniforms[k] for k in picked])]
+
+            for n, token in zip(members, self._each([seqs[n] for n in members], events, draw), strict=True):
+                chosen[n] = token
         return chosen
 
     def _process(self, logits: Any, seqs: Sequence[_Seq], at: Sequence[int],

@@ -201,12 +201,15 @@ class Sampler:
         self.params = params
         self.rngs = [np.random.default_rng([params.seed, i]) for i in indexes]
 
+    def uniforms(self) -> list[float]:
+        """The next uniform number of each generator (zeros, drawing nothing, when greedy: a greedy request leaves the
+        generators where a sampled one would find them)."""
+        return [0.0] * len(self.rngs) if self.params.greedy else [float(rng.random()) for rng in self.rngs]
+
     def choose(self, logits: Any, sample: Callable[..., list[int]]) -> list[int]:
         """One token per row of logits [B, vocab], through `sample` (the Backend's sample op)."""
         p = self.params
-        # Greedy draws nothing: a greedy request leaves the generators where a sampled one would find them.
-        uniform = [0.0] * len(self.rngs) if p.greedy else [float(rng.random()) for rng in self.rngs]
-        return [int(t) for t in sample(logits, p.temperature, p.top_k, p.top_p, uniform)]
+        return [int(t) for t in sample(logits, p.temperature, p.top_k, p.top_p, self.uniforms())]
 
 
 @dataclass(frozen=True)
