@@ -6,7 +6,8 @@ saved by `fd save-random`, converted by llama.cpp's own converter (f32) and quan
   flipping every round, and each side's median is reported. fd's faster layout is compared with llama.cpp at 2
   threads (the same two cores).
 - agreement: the greedy tokens of the prompt, and the top-2 log-probabilities of the first steps, from `fd serve` and
-  `llama-server` (f32). This is an independent check that both sides run the same model.
+  `llama-server` (f32). The log-probabilities are the evidence that both run the same model: random weights give one
+  token at every step on both sides.
 - serving: N = 1, 4 and 8 streamed clients at once, each with its own random 128-id prompt and 64 greedy tokens, as
   the `serving` row sends them. fd serve (tp=1, float32 and wint8) faces llama-server (2 threads, 8 slots, f32 and
   q8_0), one fresh server at a time.
@@ -17,8 +18,9 @@ FD_LLAMA_CPP is a llama.cpp source tree whose `build/bin` holds llama-bench, lla
 tree that llama.cpp's Python package ships (`vendor/llama.cpp` in the llama-cpp-python sdist) builds offline;
 docs/benchmarks.md gives the commands. Nothing here is downloaded. The converter runs in this Python; it needs torch
 (the test extra's CPU build) and sentencepiece (one of fd's own dependencies). A stub tokenizer stands in for the random
-checkpoint's missing one: 64 pieces, which the converter pads to the config's vocabulary. Prompts are token ids, so
-no text is ever tokenized.
+checkpoint's missing one: 64 pieces, which the converter pads to the config's vocabulary; it is removed after
+converting, so fd runs without a tokenizer (as the serving row does). Prompts are token ids, so no text is ever
+tokenized.
 """
 
 from __future__ import annotations
@@ -97,8 +99,12 @@ def convert(checkpoint: Path, out: Path) -> dict[str, Path]:
     assert root is not None
     stub_tokenizer(checkpoint)
     files = {t: out / f"model-{t}.gguf" for t in TYPES.values()}
-    subprocess.run([sys.executable, str(root / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "f32",
-                    "--outfile", str(files["f32"])], check=True, capture_output=True, text=True, timeout=900)
+    try:
+        subprocess.run([sys.executable, str(root / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "f32",
+                        "--outfile", str(files["f32"])], check=True, capture_output=True, text=True, timeout=900)
+    finally:
+        for stub in ("tokenizer.model", "tokenizer.vocab"):  # fd's sides run without a tokenizer, as before
+            (checkpoint / stub).unlink(missing_ok=True)
     for kind in ("q8_0", "q4_0"):
         subprocess.run([_bin("llama-quantize"), str(files["f32"]), str(files[kind]), kind], check=True,
                        capture_output=True, text=True, timeout=900)
@@ -142,6 +148,7 @@ def fd_sides(checkpoint: Path, steps: int) -> dict[str, list[str]]:
 
 
 def measure_decode(checkpoint: Path, files: dict[str, Path], rounds: int, steps: int) -> dict[str, Any]:
+    """Every fd side's `fd run --json` results and llama-bench's speeds, per round, the sides' order flipping."""
     from fd_bench.realsize import run_side
 
     sides = fd_sides(checkpoint, steps)
@@ -165,6 +172,7 @@ def measure_decode(checkpoint: Path, files: dict[str, Path], rounds: int, steps:
 
 
 def decode_lines(m: dict[str, Any]) -> list[Line]:
+    """One line a scheme: fd's faster layout against llama.cpp's same-bits type at 2 threads."""
     fd = {n: statistics.median(r["tokens_per_s"] for r in runs) for n, runs in m["fd"].items()}
     llama = {k: statistics.median(v) for k, v in m["llama"].items()}
     loads = ", ".join(f"{x:.1f}" for x in m["load"])
@@ -246,6 +254,7 @@ def _token_id(key: str) -> int | None:
 
 
 def measure_serving(checkpoint: Path, files: dict[str, Path], clients: tuple[int, ...], tokens: int) -> dict[str, Any]:
+    """fd serve and llama-server, one fresh server at a time, at each client count; the agreement in f32."""
     from fd_bench import serving_load
     from fd_bench.serving import start_server
 
@@ -282,6 +291,7 @@ def _stop(process: subprocess.Popen[str]) -> None:
 
 
 def serving_lines(m: dict[str, Any], clients: tuple[int, ...], tokens: int) -> list[Line]:
+    """One line a client count and dtype (the largest count held to 1.0x), then the agreement."""
     lines = []
     for scheme, kind in SERVING_SIDES:
         ours, theirs = m[f"fd serve {scheme}"], m[f"llama-server {kind}"]
@@ -314,6 +324,7 @@ def serving_lines(m: dict[str, Any], clients: tuple[int, ...], tokens: int) -> l
 
 
 def llamacpp_rows(smoke: bool) -> list[Line]:
+    """The row's lines, or lines saying why nothing was measured (no build; smoke mode)."""
     from fd_bench.serving import not_measured
 
     why = missing()
@@ -325,6 +336,7 @@ def llamacpp_rows(smoke: bool) -> list[Line]:
 
 
 def run(which: str, rounds: int = 3) -> list[Line]:
+    """A random checkpoint, its conversions, then the decode and / or serving parts' lines."""
     from fd_bench.realsize import random_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="fd-bench-llamacpp-"))
@@ -344,6 +356,7 @@ def run(which: str, rounds: int = 3) -> list[Line]:
 
 
 def main(argv: list[str]) -> int:
+    """`python -m fd_bench.llamacpp [decode|serving|all]`: the lines as JSON, one a line."""
     which = argv[0] if argv else "all"
     if which not in ("decode", "serving", "all"):
         print(f"fd_bench.llamacpp: unknown part {which!r}; choose decode, serving or all", file=sys.stderr)

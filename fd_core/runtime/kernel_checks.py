@@ -634,24 +634,28 @@ def read_back_problem(
     for name, cache, held in (("k_cache", k_cache, before[0]), ("v_cache", v_cache, before[1])):
         if not np.array_equal(as_numpy(cache), held, equal_nan=True):
             return f"reading changed {name}"
-    return stray_write_problem(ops, dtype, k_cache, v_cache, slots, keys, values, block_size, rng)
+    return stray_write_problem(ops, dtype, k_cache, v_cache, slots, keys, values, blocks, block_size, rng)
 
 
 def stray_write_problem(ops: Any, dtype: str, k_cache: Any, v_cache: Any, slots: Any, keys: Any, values: Any,
-                        block_size: int, rng: Any) -> str | None:
-    """What a decode step's write did outside its own slots, or None: a few slots of the full pool (the last slot of
-    a block and the pool's last written slot among them) are written again, in calls of one, two and more tokens, and
-    every other written slot must read back as it was. A kernel that writes past a token (a tile rounded up, the next
-    slot, the next block's first) would change another sequence's keys and values, which the attention checks cannot
-    see until that sequence reads them."""
+                        blocks: int, block_size: int, rng: Any) -> str | None:
+    """What a decode step's write did outside its own slots, or None: at least six slots of the full pool (the last
+    slot of a block and the pool's last written slot among them) are written again, in calls of one, two and three or
+    more tokens, and every other slot past the null block, written or not, must read back as it read before. A
+    kernel that writes past a token (a tile rounded up, the next slot, the next block's first) would change another
+    sequence's keys and values, which the attention checks cannot see until that sequence reads them."""
     import numpy as np
     import paddle
 
+    positions = np.arange(block_size, blocks * block_size, dtype=np.int64)  # every slot but the null block's
+    every = paddle.to_tensor(positions)
+    before = [as_numpy(t) for t in ops.read_kv_cache(k_cache, v_cache, every)]
     ends = np.flatnonzero(slots % block_size == block_size - 1)
     chosen = {int(np.argmax(slots))}
     if len(ends):
         chosen.add(int(ends[0]))
-    chosen.update(int(i) for i in rng.choice(len(slots), size=min(3, len(slots)), replace=False))
+    extra = rng.permutation(len(slots))
+    chosen.update(int(i) for i in extra[: max(0, 6 - len(chosen))])
     again = np.asarray(sorted(chosen))
     shape = (len(again), *keys.shape[1:])
     new_keys = paddle.to_tensor(rng.standard_normal(shape).astype("float32")).astype(dtype)  # type: ignore[arg-type]
@@ -661,18 +665,20 @@ def stray_write_problem(ops: Any, dtype: str, k_cache: Any, v_cache: Any, slots:
         if len(part):
             ops.write_kv_cache(new_keys[int(part[0]):int(part[-1]) + 1], new_values[int(part[0]):int(part[-1]) + 1],
                                k_cache, v_cache, paddle.to_tensor(slots[again[part]].astype(np.int64)))
-    got = ops.read_kv_cache(k_cache, v_cache, paddle.to_tensor(slots.astype(np.int64)))
-    for name, read, old, written in (("keys", got[0], keys, new_keys), ("values", got[1], values, new_values)):
-        want = as_numpy(old).copy()
-        want[again] = as_numpy(written)
-        bad = np.flatnonzero((as_numpy(read) != want).reshape(len(slots), -1).any(axis=1))
-        stray = np.setdiff1d(bad, again)
-        if len(stray):
+    after = [as_numpy(t) for t in ops.read_kv_cache(k_cache, v_cache, every)]
+    rewritten = {int(s) for s in slots[again]}
+    for name, old, now, written in (("keys", before[0], after[0], new_keys), ("values", before[1], after[1],
+                                                                             new_values)):
+        moved = np.flatnonzero((old != now).reshape(len(positions), -1).any(axis=1))
+        stray = [int(positions[m]) for m in moved if int(positions[m]) not in rewritten]
+        if stray:
             given = ", ".join(str(int(s)) for s in slots[again])
             return (f"write_kv_cache given slots {given} changed the {name} of {len(stray)} other slot(s), first slot "
-                    f"{int(slots[stray[0]])}")
-        if len(bad):
-            return f"the {name} written again at slot {int(slots[bad[0]])} did not come back"
+                    f"{stray[0]}")
+        index = {int(p): m for m, p in enumerate(positions)}
+        got = now[[index[int(s)] for s in slots[again]]]
+        if not np.array_equal(got, as_numpy(written)):
+            return f"the {name} written again at slots {sorted(rewritten)} did not all come back"
     return None
 
 

@@ -148,12 +148,13 @@ class MlasProduct:
         return f"MlasProduct({list(shape)}, transpose_weight={self.transpose_weight})"
 
 
-def _bound_run(session: Any, x: Any, k: int, n: int, op: str) -> Any:
+def _bound_run(session: Any, x: Any, k: int, n: int, op: str, odd_k: bool = False) -> Any:
     """One product of x [..., k] into a new float32 tensor [..., n]: ONNX Runtime reads x and writes the result in
     Paddle's own memory (I/O binding by address, x's leading dimensions taken as rows: no reshape either way). Handing
     arrays across instead cost a copy each way, and paddle.to_tensor's result leaks about 100 bytes a call in Paddle
     3.3.1 (fd_core.models.host_tensor), at every product of every step. A decode step makes one such call a weight,
-    so what surrounds the run is kept to a few microseconds (23 us a call less than with reshapes, measured)."""
+    so what surrounds the run is kept small (about 10 us a call less than with reshapes, measured). With `odd_k`, x
+    may have k - 1 columns (a 4-bit weight of odd K: x gets a zero column)."""
     paddle, capturing, float32 = _eager_parts()
     if capturing() or not paddle.in_dynamic_mode():
         raise RuntimeError(
@@ -164,8 +165,12 @@ def _bound_run(session: Any, x: Any, k: int, n: int, op: str) -> Any:
     a = a if a.is_contiguous() else a.contiguous()
     lead = a.shape[:-1]
     rows = math.prod(lead)
-    if a.shape[-1] < k:  # an odd K of a 4-bit weight (MlasQuantProduct): x gets a zero column
-        a = paddle.concat([a.reshape([rows, -1]), paddle.zeros([rows, k - a.shape[-1]], dtype=a.dtype)], 1)
+    columns = a.shape[-1]
+    if columns != k and not (odd_k and columns == k - 1):
+        # Bound by address, a wrong width would read other elements and return garbage, not fail.
+        raise ValueError(f"plugin 'cpu': {op}: x has {columns} columns, the weight takes {k}")
+    if columns < k:  # an odd K of a 4-bit weight (MlasQuantProduct): x gets a zero column
+        a = paddle.concat([a.reshape([rows, -1]), paddle.zeros([rows, k - columns], dtype=a.dtype)], 1)
     out = paddle.empty([*lead, n], dtype="float32")
     binding = session.io_binding()
     binding.bind_input("A", "cpu", 0, float32, [rows, k], a.data_ptr())
@@ -241,7 +246,7 @@ class MlasQuantProduct:
         self._held = None
 
     def __call__(self, x: Any) -> Any:
-        out = _bound_run(self.session, x, self.k, self.n, "quant_matmul")
+        out = _bound_run(self.session, x, self.k, self.n, "quant_matmul", odd_k=self.bits == 4)
         return out if out.dtype == x.dtype else out.astype(x.dtype)
 
     def __repr__(self) -> str:

@@ -8,12 +8,19 @@ from typing import Any
 
 import numpy as np
 
+from fd_core.runtime.engine.loop import jobs_of
 from fd_core.runtime.engine.sampling import SamplingParams
 from fd_core.runtime.request import Request
 from tiny_engine import tiny_engine
 
-PROMPTS = [tuple(int(t) for t in np.random.default_rng(b).integers(3, 500, size=5 + 3 * b)) for b in range(4)]
+PROMPTS = [tuple(int(t) for t in np.random.default_rng(b).integers(3, 500, size=5 + 3 * b)) for b in range(7)]
 SAMPLING = SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.9, top_p=0.9, top_k=40, seed=5)
+# Beside SAMPLING's four rows: a greedy one, one at another temperature, and one whose logits the host processes
+# (logit_bias): three more groups, one of them the host's.
+OTHERS = (SamplingParams(max_new_tokens=10, ignore_eos=True),
+          SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.6, seed=2),
+          SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.9, top_p=0.9, top_k=40, seed=5,
+                         logit_bias=((7, 3.0), (11, -2.0))))
 
 
 def _run(max_batch: int, fail_batches: bool = False) -> tuple[list[tuple[int, ...]], list[int]]:
@@ -29,20 +36,29 @@ def _run(max_batch: int, fail_batches: bool = False) -> tuple[list[tuple[int, ..
         return native(logits, temperature, top_k, top_p, uniform)
 
     ops.sample = sample
-    done = engine.generate(Request(list(PROMPTS), SAMPLING))
-    assert all(c.finish_reason == "length" for c in done), [c.finish_reason for c in done]
-    return [tuple(c.token_ids) for c in done], rows
+    jobs = jobs_of(Request(list(PROMPTS[:4]), SAMPLING))
+    for n, params in enumerate(OTHERS):
+        jobs += jobs_of(Request([PROMPTS[4 + n]], params), first_key=100 * (n + 1))
+    for job in jobs:
+        engine.add(job)
+    done: dict[int, Any] = {}
+    while engine.pending:
+        for event in engine.step():
+            if event.done is not None:
+                done[event.key] = event.done
+    assert all(c.finish_reason == "length" for c in done.values()), [c.finish_reason for c in done.values()]
+    return [tuple(done[job.key].token_ids) for job in jobs], rows
 
 
 def test_rows_sharing_their_settings_are_drawn_together_with_the_tokens_of_one_at_a_time() -> None:
     alone, alone_rows = _run(1)
-    together, together_rows = _run(4)
+    together, together_rows = _run(8)
     assert set(alone_rows) == {1}
-    assert max(together_rows) == 4, together_rows
+    assert max(together_rows) == 4 and 1 in together_rows, together_rows  # SAMPLING's four; the others' apart
     assert together == alone
 
 
 def test_a_batched_call_that_fails_is_retried_row_by_row_at_the_same_numbers() -> None:
-    together, _ = _run(4)
-    retried, rows = _run(4, fail_batches=True)
+    together, _ = _run(8)
+    retried, rows = _run(8, fail_batches=True)
     assert 4 in rows and retried == together

@@ -13,7 +13,7 @@ from itertools import count
 from typing import TYPE_CHECKING, Any, Callable, Generator, Iterator, Sequence
 
 from fd_core.error_lines import error_line
-from fd_core.errors import CheckpointError, ConfigError, FdError, NumericsError, setting
+from fd_core.errors import CheckpointError, ConfigError, FdError, NumericsError, PluginError, setting
 from fd_core.kernels import set_compute_threads
 from fd_core.kvcache import KVBatch
 from fd_core.lifecycle import RankContext
@@ -1392,7 +1392,10 @@ class Engine:
         if not processed and all(seq.job.sampling.greedy for seq in seqs):
             # One call for the whole batch: greedy draws nothing, so the rows need no sampler of their own.
             every = sample(logits, 0.0, 0, 1.0, [0.0] * int(logits.shape[0]))
-            chosen = [None if n in failed else int(every[i]) for n, i in enumerate(at)]
+            if len(every) == int(logits.shape[0]):
+                chosen = [None if n in failed else int(every[i]) for n, i in enumerate(at)]
+            else:  # a kernel that answered for another number of rows: found row by row, its sequences failed alone
+                chosen = self._draw(logits, seqs, at, processed, failed, events)
         else:
             chosen = self._draw(logits, seqs, at, processed, failed, events)
         # Only rank 0 reports them (the others send their tokens alone); computing them fails no sequence, so every
@@ -1428,14 +1431,25 @@ class Engine:
                 p = seq.job.sampling
                 params = (0.0, 0, 1.0) if p.greedy else (p.temperature, p.top_k, p.top_p)
                 groups.setdefault((*params, n in processed), []).append(n)
+        whole = [at[n] for n in range(len(seqs))] == list(range(int(logits.shape[0])))
         for (temperature, top_k, top_p, _), members in groups.items():
             rows = [processed[n] if n in processed else logits[at[n] : at[n] + 1] for n in members]
             uniforms = [seqs[n].sampler.uniforms()[0] for n in members]
+            # Every row of the logits, in order, in one group: the logits as they are, no copy.
+            everyone = logits if whole and len(members) == len(seqs) and not processed else None
 
             def draw(picked: list[int], rows: list[Any] = rows, uniforms: list[float] = uniforms,
-                     params: tuple[float, int, float] = (temperature, top_k, top_p)) -> list[int]:
-                batch = rows[picked[0]] if len(picked) == 1 else paddle.concat([rows[k] for k in picked])
-                return [int(t) for t in sample(batch, *params, [uniforms[k] for k in picked])]
+                     params: tuple[float, int, float] = (temperature, top_k, top_p), everyone: Any = everyone,
+                     ) -> list[int]:
+                if everyone is not None and len(picked) == len(rows):
+                    batch = everyone
+                else:
+                    batch = rows[picked[0]] if len(picked) == 1 else paddle.concat([rows[k] for k in picked])
+                out = [int(t) for t in sample(batch, *params, [uniforms[k] for k in picked])]
+                if len(out) != len(picked):
+                    raise PluginError(f"sample returned {len(out)} token(s) for {len(picked)} row(s); a kernel must "
+                                      f"return one token a row (kernels.OPS)")
+                return out
 
             for n, token in zip(members, self._each([seqs[n] for n in members], events, draw), strict=True):
                 chosen[n] = token

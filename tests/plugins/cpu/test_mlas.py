@@ -141,3 +141,16 @@ def test_leading_dimensions_an_odd_k_and_a_strided_x_are_bound_as_rows() -> None
     assert list(got.shape) == [2, 3, 1024]
     want = native_ops.quant_matmul(x.contiguous(), values, scales, 4)
     assert compare("quant_matmul", got, want, "float32", (x.contiguous(), values, scales, 4), native_ops) is None
+
+
+def test_an_x_of_the_wrong_width_is_refused_not_read_past() -> None:
+    """Bound by address, an x of another width than the weight's K would be read as if it had K columns: refused in
+    one line instead (a float product, and a quantized one but for its odd-K column)."""
+    prepared = prepare_matmul(_tensor(1024, 1024), False)
+    values, scales = quantize(_tensor(1024, 1024), 8)
+    quantized, folded = prepare_quant(values, scales, 8)
+    for width in (1000, 1100):
+        with pytest.raises(ValueError, match=f"x has {width} columns, the weight takes 1024"):
+            matmul(_tensor(2, width), prepared, False)
+        with pytest.raises(ValueError, match=f"x has {width} columns, the weight takes 1024"):
+            quant_matmul(_tensor(2, width), quantized, folded, 8)
