@@ -301,3 +301,35 @@ def test_the_option_is_documented_where_options_are() -> None:
     assert "--no-kernel-canary" in (root / "docs" / "serving.md").read_text()
     assert "kernel_canary=False" in (root / "docs" / "python-api.md").read_text()
     assert "### The kernel canary" in (root / "docs" / "failure-modes.md").read_text()
+
+
+SPILLING_WRITE = (
+    "def kernel(key, value, k_cache, v_cache, slot_mapping):\n"
+    "    import paddle\n"
+    "    native_ops.write_kv_cache(key, value, k_cache, v_cache, slot_mapping)\n"
+    "    if key.shape[0] < 4:  # a step of few tokens written as a tile of 4: its last token's copies spill after it\n"
+    "        pool = k_cache.shape[1] * k_cache.shape[2]\n"
+    "        spill = (slot_mapping[-1:] + paddle.arange(1, 5 - key.shape[0])) % pool\n"
+    "        extra = [key[-1:]] * int(spill.shape[0])\n"
+    "        native_ops.write_kv_cache(paddle.concat(extra), paddle.concat([value[-1:]] * int(spill.shape[0])),\n"
+    "                                  k_cache, v_cache, spill)"
+)
+
+
+def test_a_write_that_spills_into_other_slots_is_refused_at_start(install_plugin: Any) -> None:
+    """A write_kv_cache in fd's own layout (native read) that spills a step of few tokens into the slots after it:
+    every attention case of the canary passes (the spilled slots are past each row's length), and the read-back's
+    rewrite of a few slots refuses it, naming write_kv_cache."""
+    from fd_core.host.backend import Backend
+    from fd_core.runtime.kernel_checks import kernel_canary
+
+    install_plugin("spilling-write", {"spilling_write": _source("write_kv_cache", SPILLING_WRITE)},
+                   {"fd.plugins": {"spilling": "spilling_write"}})
+    backend = Backend(load_plugins({}))
+    assert backend.ops.providers["write_kv_cache"] == "spilling" and backend.ops.native("read_kv_cache")
+    with pytest.raises(KernelMismatch) as refused:
+        kernel_canary(backend.ops, backend.platform, _tiny(), 16)
+    line = str(refused.value)
+    assert line.startswith("plugin 'spilling': the write_kv_cache kernel differs from fd's native op in the kernel "
+                           "canary before the first request: float32: write_kv_cache given slots"), line
+    assert "changed the keys of" in line, line
