@@ -637,6 +637,16 @@ def read_back_problem(
     return stray_write_problem(ops, dtype, k_cache, v_cache, slots, keys, values, blocks, block_size, rng)
 
 
+# How stray_write_problem's finding starts: read_back_blame reads it.
+STRAY_WRITE = "write_kv_cache given slots"
+
+
+def read_back_blame(problem: str) -> str:
+    """The op a read_back_problem names: write_kv_cache for a write that changed slots it was not given, else
+    read_kv_cache."""
+    return "write_kv_cache" if problem.startswith(STRAY_WRITE) else "read_kv_cache"
+
+
 def stray_write_problem(ops: Any, dtype: str, k_cache: Any, v_cache: Any, slots: Any, keys: Any, values: Any,
                         blocks: int, block_size: int, rng: Any) -> str | None:
     """What a decode step's write did outside its own slots, or None: at least six slots of the full pool (the last
@@ -654,8 +664,10 @@ def stray_write_problem(ops: Any, dtype: str, k_cache: Any, v_cache: Any, slots:
     chosen = {int(np.argmax(slots))}
     if len(ends):
         chosen.add(int(ends[0]))
-    extra = rng.permutation(len(slots))
-    chosen.update(int(i) for i in extra[: max(0, 6 - len(chosen))])
+    for i in rng.permutation(len(slots)):  # others at random, up to six in all (fewer only in a smaller pool)
+        if len(chosen) >= 6:
+            break
+        chosen.add(int(i))
     again = np.asarray(sorted(chosen))
     shape = (len(again), *keys.shape[1:])
     new_keys = paddle.to_tensor(rng.standard_normal(shape).astype("float32")).astype(dtype)  # type: ignore[arg-type]
@@ -673,11 +685,9 @@ def stray_write_problem(ops: Any, dtype: str, k_cache: Any, v_cache: Any, slots:
         stray = [int(positions[m]) for m in moved if int(positions[m]) not in rewritten]
         if stray:
             given = ", ".join(str(int(s)) for s in slots[again])
-            return (f"write_kv_cache given slots {given} changed the {name} of {len(stray)} other slot(s), first slot "
-                    f"{stray[0]}")
-        index = {int(p): m for m, p in enumerate(positions)}
-        got = now[[index[int(s)] for s in slots[again]]]
-        if not np.array_equal(got, as_numpy(written)):
+            return f"{STRAY_WRITE} {given} changed the {name} of {len(stray)} other slot(s), first slot {stray[0]}"
+        # positions start past the null block: slot s is row s - block_size of what was read.
+        if not np.array_equal(now[slots[again] - block_size], as_numpy(written)):
             return f"the {name} written again at slots {sorted(rewritten)} did not all come back"
     return None
 
@@ -836,7 +846,7 @@ def kernel_canary(
             except PluginError:
                 problem = None
             if problem:
-                op = "write_kv_cache" if problem.startswith("write_kv_cache") else "read_kv_cache"
+                op = read_back_blame(problem)
                 raise _mismatch(op, [ops.providers[op]], f"{config.dtype}: {problem}", platform)
     finally:
         set_compute_threads(held)

@@ -25,6 +25,7 @@ from fd_core.runtime.kernel_checks import (
     copies,
     first_line,
     on_threads,
+    read_back_blame,
     read_back_problem,
     run_cache_case,
 )
@@ -132,7 +133,8 @@ class KernelTests:
         ops = backend.ops
         if ops.native("read_kv_cache") and ops.native("allocate_kv_cache") and ops.native("write_kv_cache"):
             pytest.skip(f"{plugins.platform}: the KV cache is read and written by the native ops")
-        problems = []
+        problems: list[str] = []
+        blamed = "read_kv_cache"
         dtypes = [d for d in hardware.dtypes if d in OPS["read_kv_cache"].tolerances]
         if not dtypes:
             pytest.skip(_none_ran(plugins.platform, {"read_kv_cache": ops.providers["read_kv_cache"]}, hardware))
@@ -145,12 +147,11 @@ class KernelTests:
                 except Exception as exc:  # noqa: BLE001 - the kernel's own error, reported with its case
                     problem = f"raised {type(exc).__name__}: {first_line(exc)}"
                 if problem:
+                    blamed = blamed if problems else read_back_blame(problem)  # the first problem's op is named
                     problems.append(f"{dtype}, {kv_heads} kv heads of {dim}, {blocks} blocks of {block_size}: "
                                     f"{problem}")
-        op = "write_kv_cache" if problems and problems[0].split(": ", 1)[-1].startswith("write_kv_cache") else \
-            "read_kv_cache"
-        who = ops.providers[op] if not ops.native(op) else ops.providers["allocate_kv_cache"]
-        assert not problems, f"{op} ({who}): {problems[0]} ({len(problems)} case(s) in all)"
+        who = ops.providers[blamed] if not ops.native(blamed) else ops.providers["allocate_kv_cache"]
+        assert not problems, f"{blamed} ({who}): {problems[0]} ({len(problems)} case(s) in all)"
 
     def test_every_kernel_in_use_matches_the_native_op(self, plugins: PluginSet, hardware: Detection) -> None:
         from fd_core import native_ops

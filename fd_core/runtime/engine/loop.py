@@ -1431,7 +1431,7 @@ class Engine:
                 p = seq.job.sampling
                 params = (0.0, 0, 1.0) if p.greedy else (p.temperature, p.top_k, p.top_p)
                 groups.setdefault((*params, n in processed), []).append(n)
-        whole = [at[n] for n in range(len(seqs))] == list(range(int(logits.shape[0])))
+        whole = list(at) == list(range(int(logits.shape[0])))
         for (temperature, top_k, top_p, _), members in groups.items():
             rows = [processed[n] if n in processed else logits[at[n] : at[n] + 1] for n in members]
             uniforms = [seqs[n].sampler.uniforms()[0] for n in members]
