@@ -155,13 +155,9 @@ def measure_decode(checkpoint: Path, files: dict[str, Path], rounds: int, steps:
     fd: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
     llama: dict[tuple[str, int], list[float]] = {}
     load = [os.getloadavg()[0]]
+    order = ["llama.cpp", *sides]
     for r in range(rounds):
-        names = list(sides) if r % 2 == 0 else list(sides)[::-1]
-        if r % 2:
-            names.append("llama.cpp")
-        else:
-            names.insert(0, "llama.cpp")
-        for name in names:
+        for name in order if r % 2 == 0 else order[::-1]:
             if name == "llama.cpp":
                 for key, speed in llama_bench(files, steps).items():
                     llama.setdefault(key, []).append(speed)
