@@ -1,5 +1,5 @@
 """An Engine on the tiny ERNIE-4.5 with seeded weights, eager (graph off), on the cpu platform: what engine tests
-build when they drive steps themselves."""
+build when they drive steps themselves; and run_jobs, which steps any engine through a list of jobs."""
 
 from __future__ import annotations
 
@@ -20,3 +20,15 @@ def tiny_engine(**options: Any) -> Any:
     runner.load()
     runner.decide()
     return Engine(runner, **options)
+
+
+def run_jobs(engine: Any, jobs: list[Any]) -> dict[int, Any]:
+    """Each job's Completion by key: the jobs queued together, the engine stepped until none is pending."""
+    for job in jobs:
+        engine.add(job)
+    done: dict[int, Any] = {}
+    while engine.pending:
+        for event in engine.step():
+            if event.done is not None:
+                done[event.key] = event.done
+    return done

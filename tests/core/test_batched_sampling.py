@@ -14,7 +14,7 @@ import numpy as np
 from fd_core.runtime.engine.loop import jobs_of
 from fd_core.runtime.engine.sampling import SamplingParams
 from fd_core.runtime.request import Request
-from tiny_engine import tiny_engine
+from tiny_engine import run_jobs, tiny_engine
 
 PROMPTS = [tuple(int(t) for t in np.random.default_rng(b).integers(3, 500, size=5 + 3 * b)) for b in range(7)]
 SAMPLING = SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=0.9, top_p=0.9, top_k=40, seed=5)
@@ -45,13 +45,7 @@ def _run(max_batch: int, fail_batches: bool = False) -> tuple[list[tuple[int, ..
     jobs = jobs_of(Request(list(PROMPTS[:4]), SAMPLING))
     for n, params in enumerate(OTHERS):
         jobs += jobs_of(Request([PROMPTS[4 + n]], params), first_key=100 * (n + 1))
-    for job in jobs:
-        engine.add(job)
-    done: dict[int, Any] = {}
-    while engine.pending:
-        for event in engine.step():
-            if event.done is not None:
-                done[event.key] = event.done
+    done = run_jobs(engine, jobs)
     assert all(c.finish_reason == "length" for c in done.values()), [c.finish_reason for c in done.values()]
     return [tuple(done[job.key].token_ids) for job in jobs], rows, given
 

@@ -15,6 +15,7 @@ from fd_core.host.loading import PluginSet, load_plugins
 from fd_core.runtime import LLM, SamplingParams
 from fd_core.runtime.engine.loop import Completion, Engine, Job
 from fd_core.runtime.memory import MemoryPlan
+from tiny_engine import run_jobs
 
 pytest.importorskip("llguidance", reason="structured output needs llguidance: pip install -e '.[test]'")
 
@@ -56,17 +57,6 @@ def _engine(plugins: PluginSet, checkpoint: Path) -> Engine:
     return Engine(runner, tokenizer=load_tokenizer(checkpoint), max_batch=8, memory=memory)
 
 
-def _run(engine: Engine, jobs: list[Job]) -> dict[int, Completion]:
-    for job in jobs:
-        engine.add(job)
-    done: dict[int, Completion] = {}
-    while engine.pending:
-        for event in engine.step():
-            if event.done is not None:
-                done[event.key] = event.done
-    return done
-
-
 def _bystanders() -> list[Job]:
     """Greedy and sampled sequences that must not notice a neighbour's failure."""
     sampled = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=20, seed=4, ignore_eos=True)
@@ -76,10 +66,10 @@ def _bystanders() -> list[Job]:
 
 def test_a_grammar_that_fails_in_the_step_ends_its_sequence_alone(plugins: PluginSet, checkpoint: Path) -> None:
     engine = _engine(plugins, checkpoint)
-    alone = {job.key: _run(engine, [job])[job.key].token_ids for job in _bystanders()}
+    alone = {job.key: run_jobs(engine, [job])[job.key].token_ids for job in _bystanders()}
     # Past the request checks (which would refuse it), as a grammar failing mid-run reaches the engine.
     broken = Job(10, (4, 5, 6), SamplingParams(max_new_tokens=10, grammar=constraint_spec(LOOPING)))
-    done = _run(engine, [*_bystanders()[:2], broken, _bystanders()[2]])
+    done = run_jobs(engine, [*_bystanders()[:2], broken, _bystanders()[2]])
     assert {key: done[key].token_ids for key in alone} == alone
     assert all(done[key].finish_reason == "length" for key in alone)
     failed = done[10]
@@ -96,7 +86,7 @@ def test_a_kernel_error_confined_to_one_row_ends_that_sequence_alone(plugins: Pl
     engine = _engine(plugins, checkpoint)
     penalized = SamplingParams(max_new_tokens=6, ignore_eos=True, presence_penalty=0.5)
     jobs = [Job(0, PROMPTS[0], penalized), Job(1, PROMPTS[1], penalized)]
-    alone = {job.key: _run(engine, [job])[job.key].token_ids for job in jobs}
+    alone = {job.key: run_jobs(engine, [job])[job.key].token_ids for job in jobs}
     ops = engine.runner.backend.ops
     native = ops.apply_penalties
 
@@ -108,7 +98,7 @@ def test_a_kernel_error_confined_to_one_row_ends_that_sequence_alone(plugins: Pl
     ops.apply_penalties = broken
     try:
         bad = Job(5, PROMPTS[2], SamplingParams(max_new_tokens=6, ignore_eos=True, presence_penalty=MAGIC_PENALTY))
-        done = _run(engine, [jobs[0], bad, jobs[1]])
+        done = run_jobs(engine, [jobs[0], bad, jobs[1]])
     finally:
         ops.apply_penalties = native
     assert {key: done[key].token_ids for key in alone} == alone
@@ -195,7 +185,7 @@ def test_a_request_of_many_sequences_leaves_room_for_the_next(plugins: PluginSet
     many = [Job(i, (3, 4, 5), SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=1.0, seed=1, n=4),
                 index=i, group=0, owner=0) for i in range(4)]
     short = Job(9, (7, 8), SamplingParams(max_new_tokens=3, ignore_eos=True), owner=9)
-    alone = _run(engine, list(many)) | _run(engine, [short])
+    alone = run_jobs(engine, list(many)) | run_jobs(engine, [short])
     first, done = _first_token_step(engine, many, [short], after=2)
     assert first[9] <= 4, f"the short request's first token came at step {first[9]}"
     assert {k: c.token_ids for k, c in done.items()} == {k: c.token_ids for k, c in alone.items()}
@@ -228,7 +218,7 @@ def test_a_picture_the_vision_tower_fails_on_ends_its_sequence_alone(plugins: Pl
     texts = [Job(0, (1, 2, 3, 4), params), Job(2, (9, 8, 7), params)]
     alone = {j.key: engine.generate(Request((j.prompt,), j.sampling))[0].token_ids for j in texts}
     bad = np.random.default_rng(0).random((4, 64, 64), dtype=np.float32)  # RGBA: not what the processor takes
-    done = _run(engine, [texts[0], Job(1, with_picture, params, (), (bad,)), texts[1]])
+    done = run_jobs(engine, [texts[0], Job(1, with_picture, params, (), (bad,)), texts[1]])
     assert {k: done[k].token_ids for k in alone} == alone
     assert done[1].finish_reason == "error" and done[1].failure is not None and "\n" not in done[1].failure.message
     assert engine.pending == 0 and engine.pool.used == 0
